@@ -1,0 +1,70 @@
+"""``cobench run``: one benchmark (or a Hydra ``-m`` sweep of them) from the command line.
+
+Hydra composes ``conf/config.yaml`` with the user's overrides against the structured schema in
+``harness.config``; unknown keys and wrong types fail there, bad values in ``to_run_config``,
+and the workload's own checks before any MLflow run exists. Exit codes: 0 all runs finished,
+1 a run failed, 2 bad input (nothing ran), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
+    print(f"cobench: error: {message}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def sigterm_as_interrupt() -> None:
+    """A scheduler's SIGTERM ends a run like Ctrl-C does: KILLED in MLflow, nothing lost."""
+
+    def handler(signum, frame):  # noqa: ARG001
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def run_main(argv: list[str]) -> int:
+    """Entry of ``cobench run [hydra overrides] [-m]``."""
+    import hydra
+
+    from harness.config import register_configs, to_run_config
+    from harness.distributed import env_dist_info
+    from harness.runner import STATUS_FINISHED, BenchmarkResult, run_benchmark
+    from harness.summary import print_summary
+    from harness.tracking import TrackingError
+
+    results: list[BenchmarkResult] = []
+
+    def task(cfg: DictConfig) -> None:
+        try:
+            run_cfg = to_run_config(cfg)
+            results.append(run_benchmark(run_cfg))
+        except (ValueError, TrackingError) as err:
+            fail(str(err))
+
+    register_configs()
+    sigterm_as_interrupt()
+    app = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(task)
+    saved_argv = sys.argv
+    sys.argv = ["cobench run", *argv]
+    try:
+        app()
+    except KeyboardInterrupt:
+        print("cobench: interrupted; the MLflow run was closed as KILLED", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        sys.argv = saved_argv
+    if not results:  # --help, --cfg job, ... : Hydra answered and ran nothing
+        return EXIT_OK
+    if env_dist_info().is_main:
+        print_summary(results)
+    return EXIT_OK if all(r.status == STATUS_FINISHED for r in results) else EXIT_FAILED

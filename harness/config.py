@@ -1,0 +1,184 @@
+"""Structured configuration: the schema Hydra composes against, and value validation.
+
+Types and unknown keys are checked by OmegaConf while composing (every node is a dataclass).
+Values are checked in ``__post_init__``, which runs when :func:`to_run_config` turns the composed
+config into objects: one place, before anything starts, naming the key and what is allowed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from workloads import discover
+
+DEVICE_CHOICES = ("auto", "cpu", "cuda", "xpu", "mps", "hpu", "mtia")
+DIST_BACKENDS = ("auto", "gloo", "nccl", "xccl")
+DIVISIONS = ("open", "closed")
+STATUSES = ("onprem", "cloud", "research", "preview", "available")
+
+
+def _require(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise ValueError(f"invalid config '{key}': {message}")
+
+
+def _require_choice(value: Any, key: str, choices: tuple[str, ...]) -> None:
+    _require(value in choices, key, f"got {value!r}, allowed values: {', '.join(choices)}")
+
+
+@dataclass
+class PlatformConfig:
+    """Where a benchmark runs and what its peak is."""
+
+    name: str = "auto"  # label in tags and reports; "auto" derives it from the device
+    device: str = "auto"  # auto: the current torch.accelerator, else CPU
+    num_threads: int = 0  # intra-op CPU threads; 0 keeps torch's default
+    dist_backend: str = "auto"  # auto: nccl on CUDA, xccl on XPU, gloo otherwise
+    # Declared peak FLOP/s per dtype for this platform (e.g. {bfloat16: 989e12}); wins over the
+    # built-in table. Empty: the table for known parts, else a measured GEMM calibration.
+    peak_flops: dict[str, float] = field(default_factory=dict)
+    calibrate: bool = True  # measure an unknown part's peak (else MFU is reported unknown)
+    calibration_cache: str = "~/.cache/cobench/calibration.json"
+
+    def __post_init__(self) -> None:
+        _require_choice(self.device.split(":")[0], "platform.device", DEVICE_CHOICES)
+        _require_choice(self.dist_backend, "platform.dist_backend", DIST_BACKENDS)
+        _require(self.num_threads >= 0, "platform.num_threads", f"got {self.num_threads}, must be >= 0")
+        for dtype, peak in self.peak_flops.items():
+            _require(
+                math.isfinite(peak) and peak > 0,
+                f"platform.peak_flops.{dtype}",
+                f"got {peak}, must be a positive FLOP/s figure",
+            )
+
+
+@dataclass
+class RunnerConfig:
+    """How the harness drives a workload."""
+
+    warmup_steps: int = 3  # run, not timed: the first training steps of each repetition
+    steps: int = 20  # timed training steps per repetition (the most, with stop_at_target)
+    repetitions: int = 1  # independent runs; the result is their olympic mean
+    eval_interval: int = 0  # evaluate every N timed steps; 0: once, at the end
+    stop_at_target: bool = False  # stop a repetition once the quality target is reached
+    progress: bool = True  # a progress bar on a terminal (always quiet otherwise)
+
+    def __post_init__(self) -> None:
+        _require(self.warmup_steps >= 0, "runner.warmup_steps", f"got {self.warmup_steps}, must be >= 0")
+        _require(self.steps >= 1, "runner.steps", f"got {self.steps}, must be >= 1")
+        _require(self.repetitions >= 1, "runner.repetitions", f"got {self.repetitions}, must be >= 1")
+        _require(self.eval_interval >= 0, "runner.eval_interval", f"got {self.eval_interval}, must be >= 0")
+
+
+@dataclass
+class TrackingConfig:
+    """MLflow tracking. The embedded default is an sqlite store under results_dir."""
+
+    enabled: bool = True
+    uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///<results_dir>/mlflow.db
+    experiment: str = "cobench"
+    connect_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        _require(bool(self.experiment), "tracking.experiment", "must not be empty")
+        _require(self.connect_timeout_s > 0, "tracking.connect_timeout_s", "must be > 0")
+
+
+@dataclass
+class MLLogConfig:
+    """Fields of the MLPerf log that describe the submitter, not the run."""
+
+    org: str = "cobench"
+    division: str = "open"
+    status: str = "research"
+
+    def __post_init__(self) -> None:
+        _require_choice(self.division, "mllog.division", DIVISIONS)
+        _require_choice(self.status, "mllog.status", STATUSES)
+        _require(bool(self.org), "mllog.org", "must not be empty")
+
+
+@dataclass
+class SuiteBenchmark:
+    """One entry of a suite: a named benchmark = a workload plus overrides."""
+
+    name: str = MISSING
+    workload: str = MISSING
+    overrides: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SuiteConfig:
+    name: str = MISSING
+    version: int = 1
+    description: str = ""
+    benchmarks: list[SuiteBenchmark] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _require(bool(self.benchmarks), "suite.benchmarks", "a suite needs at least one benchmark")
+        names = [b.name for b in self.benchmarks]
+        _require(len(set(names)) == len(names), "suite.benchmarks", f"duplicate names in {names}")
+
+
+@dataclass
+class CobenchConfig:
+    """The whole composed configuration of one run."""
+
+    results_dir: str = "results"
+    seed: int = 1234
+    deterministic: bool = False  # torch.use_deterministic_algorithms; slower, bit-repeatable
+    run_name: str | None = None
+    platform: PlatformConfig = field(default_factory=PlatformConfig)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    mllog: MLLogConfig = field(default_factory=MLLogConfig)
+    workload: Any = MISSING
+    suite: SuiteConfig | None = None
+
+    def __post_init__(self) -> None:
+        _require(bool(self.results_dir), "results_dir", "must not be empty")
+        _require(self.seed >= 0, "seed", f"got {self.seed}, must be >= 0")
+
+
+def register_configs() -> None:
+    """Put the schemas in Hydra's ConfigStore; workload schemas come from the registry."""
+    store = ConfigStore.instance()
+    store.store(name="cobench_schema", node=CobenchConfig)
+    store.store(group="suite", name="suite_schema", node=SuiteConfig)
+    for name, spec in discover().items():
+        store.store(group="workload", name=f"{name}_schema", node=spec.config_class)
+
+
+def to_run_config(cfg: DictConfig) -> CobenchConfig:
+    """Validate values and return typed objects; raises ValueError naming the bad key."""
+    if OmegaConf.is_missing(cfg, "workload"):
+        raise ValueError(f"no workload selected: pass workload=<name>, one of {sorted(discover())}")
+    run_cfg: CobenchConfig = OmegaConf.to_object(cfg)  # runs every __post_init__
+    if not hasattr(run_cfg.workload, "name"):
+        raise ValueError("invalid config 'workload': it has no schema; pick one with workload=<name>")
+    return run_cfg
+
+
+def benchmark_config_dict(cfg: CobenchConfig | DictConfig) -> dict[str, Any]:
+    """The part of the config that defines *what* is measured (not where results go)."""
+    container = OmegaConf.to_container(OmegaConf.structured(cfg) if not isinstance(cfg, DictConfig) else cfg, resolve=True)
+    assert isinstance(container, dict)
+    return {key: container[key] for key in ("seed", "deterministic", "platform", "runner", "workload")}
+
+
+def config_hash(cfg: CobenchConfig | DictConfig) -> str:
+    """A short, stable hash of what is measured: equal hashes mean comparable runs."""
+    payload = json.dumps(benchmark_config_dict(cfg), sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def results_root(cfg: CobenchConfig) -> Path:
+    return Path(cfg.results_dir).expanduser().resolve()

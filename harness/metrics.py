@@ -1,0 +1,109 @@
+"""From what each rank measured to the metric names shared by every workload (DESIGN.md).
+
+Per repetition, the global throughput is all ranks' work over the slowest rank's time (a
+synchronous step is as slow as its slowest rank). Across repetitions, the headline figure is
+the olympic mean, with the coefficient of variation beside it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from harness.loop import RepetitionState
+from harness.timing import coefficient_of_variation, olympic_mean, step_stats
+
+
+@dataclass(frozen=True)
+class RepetitionSummary:
+    throughput: float  # global units per second
+    samples_per_s: float
+    step_time_ms_p50: float
+    step_time_ms_p90: float
+    step_time_ms_p99: float
+    step_time_ms_mean: float
+    step_time_cv: float
+    achieved_flops: float | None  # global FLOP/s
+    peak_memory_mb: float
+    rank_step_time_ms_p50: list[float]
+
+
+def summarise_repetition(per_rank: list[RepetitionState], throughput_unit: str) -> RepetitionSummary | None:
+    """Combine one repetition's ranks; None if no timed step finished."""
+    if any(not state.step_times_s for state in per_rank):
+        return None
+    stats = [step_stats(state.step_times_s) for state in per_rank]
+    slowest_s = max(s.total_s for s in stats)
+    samples = sum(state.timed_samples for state in per_rank)
+    tokens = sum(state.timed_tokens for state in per_rank)
+    units = tokens if throughput_unit == "tokens/s" else samples
+    # Percentiles of the step as the job sees it: the slowest rank at each step.
+    job_steps = [max(times) for times in zip(*(state.step_times_s for state in per_rank), strict=False)]
+    job = step_stats(job_steps)
+    flops = None
+    if all(state.flops_per_step is not None for state in per_rank):
+        total_flops = sum(state.flops_per_step * len(state.step_times_s) for state in per_rank)
+        flops = total_flops / slowest_s
+    return RepetitionSummary(
+        throughput=units / slowest_s,
+        samples_per_s=samples / slowest_s,
+        step_time_ms_p50=job.p50_ms,
+        step_time_ms_p90=job.p90_ms,
+        step_time_ms_p99=job.p99_ms,
+        step_time_ms_mean=job.mean_ms,
+        step_time_cv=job.cv,
+        achieved_flops=flops,
+        peak_memory_mb=max(state.peak_memory_bytes for state in per_rank) / 2**20,
+        rank_step_time_ms_p50=[s.p50_ms for s in stats],
+    )
+
+
+def benchmark_metrics(
+    repetitions: list[list[RepetitionState]],
+    throughput_unit: str,
+    peak_flops_per_device: float | None,
+) -> dict[str, float]:
+    """The run's metrics: headline figures over repetitions plus quality of the last one."""
+    summaries = [s for s in (summarise_repetition(r, throughput_unit) for r in repetitions) if s]
+    metrics: dict[str, float] = {"repetitions_completed": float(len(summaries))}
+    if summaries:
+        throughputs = [s.throughput for s in summaries]
+        world = len(repetitions[0])
+        metrics.update(
+            throughput=olympic_mean(throughputs),
+            throughput_cv=coefficient_of_variation(throughputs),
+            throughput_min=min(throughputs),
+            throughput_max=max(throughputs),
+            samples_per_s=olympic_mean([s.samples_per_s for s in summaries]),
+            step_time_ms_p50=olympic_mean([s.step_time_ms_p50 for s in summaries]),
+            step_time_ms_p90=olympic_mean([s.step_time_ms_p90 for s in summaries]),
+            step_time_ms_p99=olympic_mean([s.step_time_ms_p99 for s in summaries]),
+            step_time_ms_mean=olympic_mean([s.step_time_ms_mean for s in summaries]),
+            step_time_cv=olympic_mean([s.step_time_cv for s in summaries]),
+            peak_memory_mb=max(s.peak_memory_mb for s in summaries),
+        )
+        flops = [s.achieved_flops for s in summaries]
+        if all(f is not None for f in flops):
+            achieved = olympic_mean(flops)  # type: ignore[arg-type]
+            metrics["achieved_tflops"] = achieved / 1e12
+            if peak_flops_per_device:
+                metrics["mfu"] = achieved / (peak_flops_per_device * world)
+        last = summaries[-1]
+        for rank, p50 in enumerate(last.rank_step_time_ms_p50):
+            metrics[f"step_time_ms_p50_rank{rank}"] = p50
+        if world > 1:
+            slowest, fastest = max(last.rank_step_time_ms_p50), min(last.rank_step_time_ms_p50)
+            metrics["rank_imbalance"] = (slowest - fastest) / slowest if slowest > 0 else 0.0
+    final = repetitions[-1][0]
+    finite_losses = [x for x in final.losses if math.isfinite(x)]
+    if finite_losses:
+        metrics["loss"] = finite_losses[-1]
+    metrics.update(final.extras)
+    metrics.update(final.quality)
+    times = [reps[0].time_to_train_s for reps in repetitions if reps[0].time_to_train_s is not None]
+    if times:
+        metrics["time_to_train_s"] = olympic_mean(times)
+    reached = [reps[0].target_reached for reps in repetitions]
+    if all(r is not None for r in reached):
+        metrics["quality_target_reached"] = float(all(reached))
+    return metrics

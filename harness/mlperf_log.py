@@ -1,0 +1,91 @@
+"""MLPerf-format log files, written with ``mlperf_logging.mllog``.
+
+One file per repetition (MLPerf's ``result_<i>.txt``). Each writer has its own ``logging.Logger``
+so sweeps and suites in one process never write into each other's files. Keys and their order
+follow the MLPerf training rules (see BACKGROUND.md): submission_* → cache_clear → init_start →
+hyper-parameters → init_stop → run_start → block/eval events → run_stop (status).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from pathlib import Path
+from typing import Any
+
+from mlperf_logging.mllog.mllog import MLLogger
+from mlperf_logging.mllog import constants as C
+
+from harness.config import MLLogConfig
+from workloads.base import MLPerfInfo
+
+
+class MLPerfLogWriter:
+    """Writes one MLPerf log file; every method maps to one MLPerf event."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._logger = logging.getLogger(f"cobench.mllog.{uuid.uuid4().hex}")
+        self._logger.propagate = False
+        self._logger.setLevel(logging.INFO)
+        self._handler = logging.FileHandler(path, mode="w", encoding="utf-8")
+        self._logger.addHandler(self._handler)
+        # stack offset 2: the call site recorded in metadata is our caller, not this wrapper
+        self._mllog = MLLogger(logger=self._logger, default_stack_offset=2)
+        self.run_stopped = False
+
+    def event(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
+        self._mllog.event(key=key, value=value, metadata=metadata)
+
+    def start(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
+        self._mllog.start(key=key, value=value, metadata=metadata)
+
+    def end(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
+        self._mllog.end(key=key, value=value, metadata=metadata)
+
+    def submission(self, cfg: MLLogConfig, platform_name: str, benchmark: str) -> None:
+        self.event(C.SUBMISSION_ORG, cfg.org)
+        self.event(C.SUBMISSION_PLATFORM, platform_name)
+        self.event(C.SUBMISSION_DIVISION, cfg.division)
+        self.event(C.SUBMISSION_STATUS, cfg.status)
+        self.event(C.SUBMISSION_BENCHMARK, benchmark)
+
+    def hyperparameters(self, info: MLPerfInfo, seed: int) -> None:
+        self.event(C.GLOBAL_BATCH_SIZE, info.global_batch_size)
+        self.event(C.GRADIENT_ACCUMULATION_STEPS, info.gradient_accumulation_steps)
+        self.event(C.SEED, seed)
+        self.event(C.TRAIN_SAMPLES, info.train_samples)
+        self.event(C.EVAL_SAMPLES, info.eval_samples)
+        for key, value in info.hyperparameters.items():
+            self.event(key, value)
+
+    def run_stop(self, status: str, samples_count: int) -> None:
+        """Exactly one run_stop per log, whatever path ended the run."""
+        if self.run_stopped:
+            return
+        self.run_stopped = True
+        self.end(C.RUN_STOP, metadata={C.STATUS: status, C.SAMPLES_COUNT: samples_count})
+
+    def close(self) -> None:
+        self._handler.flush()
+        self._logger.removeHandler(self._handler)
+        self._handler.close()
+
+
+def read_mllog(path: Path) -> list[dict[str, Any]]:
+    """Parse a log back with mlperf-logging's own parser (what MLPerf's checkers read)."""
+    from mlperf_logging.compliance_checker.mlp_parser import parse_file
+
+    loglines, errors = parse_file(str(path), ruleset="6.0.0")
+    if errors:
+        raise ValueError(f"{path}: {len(errors)} unparsable MLPerf log lines, first: {errors[0]}")
+    return [
+        {
+            "key": line.key,
+            "value": line.value["value"],
+            "metadata": line.value["metadata"] or {},
+            "time_ms": line.timestamp,
+        }
+        for line in loglines
+    ]

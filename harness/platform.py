@@ -1,0 +1,195 @@
+"""Platform discovery and peak FLOP/s.
+
+The device comes from ``torch.accelerator`` (CUDA, ROCm, XPU, MPS, ...) with a CPU fallback.
+Peak FLOP/s comes from, in order: the platform config's declared ``peak_flops``, the built-in
+table of known parts below, or a measured GEMM calibration cached per platform fingerprint. An
+unknown part never borrows another part's peak: if calibration is off, the peak is unknown and
+so is MFU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform as pyplatform
+import re
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from harness.config import PlatformConfig
+
+# Dense (no sparsity) peak FLOP/s per GPU, from the vendors' data sheets. "float32" is the
+# non-tensor-core rate, since torch's default matmul precision for float32 is "highest".
+# Order matters: the first pattern that matches the device name wins.
+KNOWN_PEAKS: list[tuple[str, dict[str, float]]] = [
+    (r"H100.*PCIe", {"bfloat16": 756e12, "float16": 756e12, "float8": 1513e12, "float32": 51.2e12}),
+    (r"H100|GH200", {"bfloat16": 989.4e12, "float16": 989.4e12, "float8": 1978.9e12, "float32": 66.9e12}),
+    (r"H200", {"bfloat16": 989.4e12, "float16": 989.4e12, "float8": 1978.9e12, "float32": 66.9e12}),
+    (r"B200", {"bfloat16": 2250e12, "float16": 2250e12, "float8": 4500e12}),
+    (r"A100", {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12}),
+    (r"MI300X", {"bfloat16": 1307.4e12, "float16": 1307.4e12, "float8": 2614.9e12, "float32": 163.4e12}),
+    (r"MI250X", {"bfloat16": 383e12, "float16": 383e12, "float32": 95.7e12}),
+    (r"L40S", {"bfloat16": 362e12, "float16": 362e12, "float8": 733e12, "float32": 91.6e12}),
+]
+
+
+@dataclass(frozen=True)
+class PeakFlops:
+    """A peak FLOP/s figure and where it came from (declared, table, measured, unknown)."""
+
+    value: float | None
+    source: str
+
+
+@dataclass
+class Platform:
+    """The resolved platform of this process."""
+
+    device: torch.device
+    device_name: str  # what the hardware calls itself, e.g. "NVIDIA H100 80GB HBM3"
+    name: str  # the label runs are tagged with, e.g. "cpu" or "cuda-h100"
+    config: PlatformConfig
+    _peaks: dict[str, PeakFlops] = field(default_factory=dict)
+
+    @property
+    def is_accelerator(self) -> bool:
+        return self.device.type != "cpu"
+
+    def fingerprint(self) -> str:
+        """Identifies a platform for calibration caching: hardware, threads and software."""
+        parts = [self.device.type, self.device_name, str(os.cpu_count()), str(torch.get_num_threads()), torch.__version__]
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+    def peak_flops(self, dtype: torch.dtype) -> PeakFlops:
+        """Peak FLOP/s of one device for ``dtype``, with its source; cached per process."""
+        key = str(dtype).removeprefix("torch.")
+        if key not in self._peaks:
+            self._peaks[key] = self._resolve_peak(key, dtype)
+        return self._peaks[key]
+
+    def _resolve_peak(self, key: str, dtype: torch.dtype) -> PeakFlops:
+        if key in self.config.peak_flops:
+            return PeakFlops(float(self.config.peak_flops[key]), "declared")
+        for pattern, peaks in KNOWN_PEAKS:
+            if self.is_accelerator and re.search(pattern, self.device_name) and key in peaks:
+                return PeakFlops(peaks[key], "table")
+        if not self.config.calibrate:
+            return PeakFlops(None, "unknown")
+        return PeakFlops(calibrated_gemm_flops(self, dtype), "measured_gemm")
+
+
+def resolve_device(requested: str) -> torch.device:
+    """``auto`` → the current accelerator, else CPU; anything else must exist here."""
+    if requested == "auto":
+        accelerator = torch.accelerator.current_accelerator(check_available=True)
+        if accelerator is None:
+            return torch.device("cpu")
+        return torch.device(accelerator.type, torch.accelerator.current_device_index())
+    device = torch.device(requested)
+    if device.type != "cpu":
+        accelerator = torch.accelerator.current_accelerator(check_available=True)
+        if accelerator is None or accelerator.type != device.type:
+            found = accelerator.type if accelerator is not None else "none (CPU only)"
+            raise ValueError(
+                f"invalid config 'platform.device': {requested!r} is not available on this machine "
+                f"(accelerator found: {found}); use platform.device=auto or cpu"
+            )
+    return device
+
+
+def cpu_model_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return pyplatform.processor() or pyplatform.machine() or "unknown CPU"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "xpu":
+        return torch.xpu.get_device_name(device)
+    if device.type == "cpu":
+        return cpu_model_name()
+    return device.type
+
+
+def _label(device: torch.device, name: str) -> str:
+    if device.type == "cpu":
+        return "cpu"
+    for pattern, _ in KNOWN_PEAKS:
+        match = re.search(pattern, name)
+        if match:
+            return f"{device.type}-{pattern.split('.')[0].split('|')[0].lower()}"
+    return device.type
+
+
+def discover_platform(config: PlatformConfig, local_rank: int = 0) -> Platform:
+    """Resolve the device (one per local rank on accelerators) and name the platform."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device = resolve_device(config.device)
+    if device.type != "cpu" and config.device == "auto":
+        device = torch.device(device.type, local_rank % torch.accelerator.device_count())
+    if device.type != "cpu":
+        torch.accelerator.set_device_index(device.index or 0)
+    name = device_name(device)
+    label = config.name if config.name != "auto" else _label(device, name)
+    return Platform(device=device, device_name=name, name=label, config=config)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def measure_gemm_flops(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+    """Best achieved FLOP/s of a square ``size`` GEMM: the practical peak of a part we don't know."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
+    for _ in range(2):  # warm-up: thread pools, kernel selection, clocks
+        torch.mm(a, b)
+    synchronize(device)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size**3 / best
+
+
+def calibrated_gemm_flops(platform: Platform, dtype: torch.dtype) -> float:
+    """Measured GEMM peak, cached in ``platform.calibration_cache`` by platform fingerprint."""
+    key = f"{platform.fingerprint()}:{dtype}"
+    cache_path = Path(platform.config.calibration_cache).expanduser()
+    cache: dict[str, dict] = {}
+    if cache_path.exists():
+        try:
+            cache = json.loads(cache_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            cache = {}  # a damaged cache is only a cache: measure again and rewrite it
+    if key in cache and isinstance(cache[key].get("flops"), float):
+        return cache[key]["flops"]
+    flops = measure_gemm_flops(platform.device, dtype)
+    cache[key] = {
+        "flops": flops,
+        "device_name": platform.device_name,
+        "dtype": str(dtype),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    cache_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=cache_path.parent, delete=False, suffix=".tmp") as tmp:
+        json.dump(cache, tmp, indent=1)
+    os.replace(tmp.name, cache_path)  # atomic: concurrent runs never read half a file
+    return flops

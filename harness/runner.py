@@ -1,0 +1,204 @@
+"""Run one benchmark end to end: platform, process group, workload, repetitions, results.
+
+Order matters for "bad input costs nothing": the config is validated, the workload is built
+(its own checks against world size etc.) and the tracking store is reached *before* an MLflow
+run exists. From then on the MLflow run always ends FINISHED, FAILED or KILLED with the reason,
+and the local run folder (resolved config, fingerprint, MLPerf logs, metrics.json) survives
+whatever happens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from harness.config import CobenchConfig, config_hash, results_root
+from harness.distributed import (
+    broadcast_from_main,
+    env_dist_info,
+    gather_to_all,
+    init_distributed,
+)
+from harness.fingerprint import environment_fingerprint
+from harness.loop import RepetitionState, run_repetition
+from harness.metrics import benchmark_metrics
+from harness.mlperf_log import MLPerfLogWriter
+from harness.platform import PeakFlops, discover_platform
+from harness.progress import step_progress
+from harness.tracking import Tracker, TrackingError
+from workloads import discover
+from workloads.base import RunContext
+
+STATUS_FINISHED, STATUS_FAILED, STATUS_KILLED = "FINISHED", "FAILED", "KILLED"
+
+
+@dataclass
+class BenchmarkResult:
+    """What a run produced, for the summary table and for callers (suites, tests)."""
+
+    benchmark: str
+    workload: str
+    platform: str
+    status: str
+    throughput_unit: str
+    run_dir: Path
+    run_id: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
+def _make_run_dir(root: Path, name: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir = root / "runs" / f"{stamp}-{name}-{uuid.uuid4().hex[:6]}"
+    run_dir.mkdir(parents=True, exist_ok=False)
+    return run_dir
+
+
+def connect_tracker(cfg: CobenchConfig) -> Tracker | None:
+    """Rank 0 opens the tracking store; every rank learns whether that worked."""
+    error, tracker = None, None
+    if env_dist_info().is_main and cfg.tracking.enabled:
+        try:
+            tracker = Tracker.connect(cfg.tracking, results_root(cfg))
+        except TrackingError as err:
+            error = str(err)
+    error = broadcast_from_main(error)
+    if error:
+        raise TrackingError(error)
+    return tracker
+
+
+def run_benchmark(
+    cfg: CobenchConfig,
+    *,
+    benchmark: str | None = None,
+    suite: str = "",
+    parent_run_id: str | None = None,
+    tracker: Tracker | None = None,
+) -> BenchmarkResult:
+    """Run ``cfg`` (already validated) and return its result; raises ValueError on bad input.
+
+    KeyboardInterrupt propagates after the MLflow run is closed as KILLED.
+    """
+    root = results_root(cfg)
+    dist_env = env_dist_info()
+    platform = discover_platform(cfg.platform, dist_env.local_rank)
+    dist_info = init_distributed(platform.device, cfg.platform.dist_backend)
+    name = benchmark or cfg.workload.name
+    spec = discover()[cfg.workload.name]
+
+    run_dir = broadcast_from_main(str(_make_run_dir(root, name)) if dist_info.is_main else None)
+    ctx = RunContext(
+        device=platform.device,
+        seed=cfg.seed,
+        rank=dist_info.rank,
+        world_size=dist_info.world_size,
+        process_group=torch.distributed.group.WORLD if dist_info.enabled else None,
+        deterministic=cfg.deterministic,
+        work_dir=Path(run_dir),
+    )
+    workload = spec.factory(cfg.workload, ctx)  # validates against ctx before any run exists
+    if tracker is None:
+        tracker = connect_tracker(cfg)
+    main = dist_info.is_main
+    run_dir_path = Path(run_dir)
+    c_hash = config_hash(cfg)
+    result = BenchmarkResult(name, spec.name, platform.name, STATUS_FINISHED, workload.throughput_unit, run_dir_path)
+
+    peak = platform.peak_flops(workload.compute_dtype) if main else None
+    fingerprint = environment_fingerprint(platform, c_hash, dist_info.world_size) if main else {}
+    if main:
+        (run_dir_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        (run_dir_path / "fingerprint.json").write_text(json.dumps(fingerprint, indent=2))
+    if main and tracker is not None:
+        tags = {
+            "benchmark": name,
+            "workload": spec.name,
+            "suite": suite,
+            "platform": platform.name,
+            "device_name": platform.device_name,
+            "git_sha": fingerprint["git_sha"],
+            "git_dirty": fingerprint["git_dirty"],
+            "torch_version": torch.__version__,
+            "config_hash": c_hash,
+            "throughput_unit": workload.throughput_unit,
+            "world_size": dist_info.world_size,
+            "peak_flops_source": peak.source if peak else "unknown",
+        }
+        result.run_id = tracker.start_run(cfg.run_name or name, tags, parent_run_id)
+        tracker.log_params(result.run_id, OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+        if peak is not None and peak.value:
+            tracker.log_metrics(result.run_id, {"peak_flops": peak.value})
+
+    repetitions: list[list[RepetitionState]] = []
+    states: list[RepetitionState] = []
+    total_steps = cfg.runner.repetitions * (cfg.runner.warmup_steps + cfg.runner.steps)
+    try:
+        with step_progress(f"{name} on {platform.name}", total_steps, enabled=main and cfg.runner.progress) as advance:
+            for rep in range(cfg.runner.repetitions):
+                rep_ctx = dataclasses.replace(ctx, seed=cfg.seed + rep)
+                if rep > 0:
+                    workload = spec.factory(cfg.workload, rep_ctx)
+                writer = MLPerfLogWriter(run_dir_path / f"mllog_rep{rep}.txt") if main else None
+                state = RepetitionState(repetition=rep)
+                states = [state]
+                try:
+                    run_repetition(workload, cfg, rep_ctx, writer, state, platform.name, advance)
+                finally:
+                    workload.teardown()
+                    if writer is not None:
+                        writer.close()
+                repetitions.append(gather_to_all(state))
+                states = []
+    except KeyboardInterrupt:
+        _finish(result, tracker, repetitions, states, peak, STATUS_KILLED, "KeyboardInterrupt: interrupted by the user")
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure must end the run FAILED, with its reason
+        reason = f"{type(err).__name__}: {err}"
+        if main:
+            (run_dir_path / "error.txt").write_text(traceback.format_exc())
+        _finish(result, tracker, repetitions, states, peak, STATUS_FAILED, reason)
+        return result
+    _finish(result, tracker, repetitions, [], peak, STATUS_FINISHED, None)
+    return result
+
+
+def _finish(
+    result: BenchmarkResult,
+    tracker: Tracker | None,
+    repetitions: list[list[RepetitionState]],
+    unfinished: list[RepetitionState],
+    peak: PeakFlops | None,
+    status: str,
+    reason: str | None,
+) -> None:
+    """Compute metrics from whatever was measured, write them locally, close the MLflow run."""
+    result.status, result.error = status, reason
+    measured = repetitions + ([unfinished] if unfinished and unfinished[0].step_times_s else [])
+    if measured:
+        result.metrics = benchmark_metrics(measured, result.throughput_unit, peak.value if peak else None)
+    if not env_dist_info().is_main:
+        return
+    (result.run_dir / "metrics.json").write_text(
+        json.dumps({"status": status, "error": reason, "metrics": result.metrics}, indent=2)
+    )
+    if tracker is None or result.run_id is None:
+        return
+    run_id = result.run_id
+    tracker.log_metrics(run_id, result.metrics)
+    if measured:
+        first = measured[0][0]  # repetition 0 on rank 0: the trajectory users compare
+        tracker.log_series(run_id, "train_loss", first.losses)
+        for samples_count, quality in first.quality_history:
+            tracker.log_metrics(run_id, {f"{k}_curve": v for k, v in quality.items()}, step=samples_count)
+    for path in sorted(result.run_dir.iterdir()):
+        tracker.log_artifact(run_id, path)
+    tracker.end_run(run_id, status, reason)

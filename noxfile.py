@@ -1,0 +1,57 @@
+"""The sessions users run. Install nox once: `python3.11 -m pip install nox`.
+
+    nox -s bench              the main job: the smoke suite on this machine (results/ by default)
+    nox -s bench -- results_dir=/tmp/res runner.repetitions=5    (overrides go after --)
+    nox -s tests              the test suite (what CI runs)
+    nox -s perf               the performance benchmarks (pytest-benchmark), not part of tests
+    nox -s lint               ruff
+
+Each session gets its own virtualenv under .nox/, reused between calls. torch is pinned to the
+build this project is verified with (the CPU wheel on this machine); set COBENCH_TORCH to
+install another, e.g. COBENCH_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128".
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.sessions = ["tests"]
+nox.options.reuse_existing_virtualenvs = True
+PYTHON = "3.11"
+TORCH = os.environ.get("COBENCH_TORCH", "torch==2.13.0")
+
+
+def install(session: nox.Session, extras: str = "") -> None:
+    """torch first (pinned, so nothing pulls a multi-GB CUDA build), then the project."""
+    session.install(*TORCH.split())
+    session.install("-e", f".[{extras}]" if extras else ".")
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """The main job: the smoke suite on this platform; Hydra overrides after `--`."""
+    install(session)
+    session.run("cobench", "suite", "smoke", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """The test suite; pytest arguments after `--`."""
+    install(session, "test")
+    session.run("pytest", *(session.posargs or ["-q"]))
+
+
+@nox.session(python=PYTHON)
+def perf(session: nox.Session) -> None:
+    """Performance benchmarks (pytest-benchmark): figures to report, never pass/fail gates."""
+    install(session, "test")
+    session.run("pytest", "benchmarks", "--benchmark-only", "-p", "no:cacheprovider",
+                "--benchmark-columns=min,median,max,stddev,rounds", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", "harness", "workloads", "suite", "tests", "benchmarks", "noxfile.py")

@@ -1,0 +1,106 @@
+"""Config composition and validation: bad input fails before anything runs, naming the key."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra.errors import ConfigCompositionException
+
+from harness.config import config_hash, to_run_config
+from suite.runner import compose_config, plan_suite
+from workloads import discover
+from workloads.base import RunContext
+
+from harness.config import register_configs
+
+register_configs()
+
+
+def test_default_config_composes_to_llama_tiny():
+    cfg = to_run_config(compose_config([]))
+    assert cfg.workload.name == "llama"
+    assert cfg.workload.preset == "tiny"
+    assert cfg.results_dir == "results"
+    assert cfg.tracking.enabled and cfg.tracking.uri is None
+
+
+def test_overrides_reach_the_workload():
+    cfg = to_run_config(compose_config(["workload.batch_size=4", "runner.steps=7", "seed=3"]))
+    assert (cfg.workload.batch_size, cfg.runner.steps, cfg.seed) == (4, 7, 3)
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("workload.bogus=1", "bogus"),
+        ("runner.stepz=3", "stepz"),
+        ("workload.batch_size=many", "batch_size"),
+        ("runner.steps=1.5", "steps"),
+    ],
+)
+def test_unknown_keys_and_wrong_types_fail_at_composition(override, fragment):
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_config([override])
+    assert fragment in str(err.value) + str(err.value.__cause__)
+
+
+def test_unknown_workload_names_the_available_ones():
+    with pytest.raises(ConfigCompositionException) as err:
+        compose_config(["workload=nope"])
+    assert "llama" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "override, key, allowed",
+    [
+        ("runner.steps=0", "runner.steps", ">= 1"),
+        ("runner.repetitions=0", "runner.repetitions", ">= 1"),
+        ("workload.n_heads=4", "n_kv_heads", None),  # tiny has 2 KV heads: fine
+        ("workload.n_kv_heads=3", "n_kv_heads", None),
+        ("workload.dtype=fp64", "workload.dtype", "float32, bfloat16"),
+        ("workload.preset=llama9", "workload.preset", "tiny"),
+        ("workload.lr=-1", "workload.lr", "positive"),
+        ("platform.device=tpu", "platform.device", "cpu"),
+        ("mllog.division=secret", "mllog.division", "open, closed"),
+    ],
+)
+def test_bad_values_name_the_key_and_what_is_allowed(override, key, allowed):
+    cfg = compose_config([override])
+    if override == "workload.n_heads=4":
+        to_run_config(cfg)  # control: a valid value passes
+        return
+    with pytest.raises(ValueError) as err:
+        to_run_config(cfg)
+    message = str(err.value)
+    assert key in message
+    if allowed:
+        assert allowed in message
+
+
+def test_heads_not_divisible_by_kv_heads_is_explained():
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        to_run_config(compose_config(["workload.n_heads=4", "workload.n_kv_heads=3"]))
+
+
+def test_batch_must_divide_by_world_size():
+    cfg = to_run_config(compose_config(["workload.batch_size=6"]))
+    ctx = RunContext(device=torch.device("cpu"), seed=0, rank=0, world_size=4)
+    with pytest.raises(ValueError, match="batch_size.*world size 4"):
+        discover()["llama"].factory(cfg.workload, ctx)
+
+
+def test_config_hash_tracks_what_is_measured_not_where_results_go():
+    base = to_run_config(compose_config([]))
+    moved = to_run_config(compose_config(["results_dir=/elsewhere", "tracking=off"]))
+    bigger = to_run_config(compose_config(["workload.batch_size=16"]))
+    assert config_hash(base) == config_hash(moved)
+    assert config_hash(base) != config_hash(bigger)
+
+
+def test_suite_plan_validates_every_benchmark_up_front():
+    base, plans = plan_suite("smoke", ["runner.steps=2"])
+    assert base.suite is not None and base.suite.name == "smoke"
+    assert [name for name, _ in plans] == [b.name for b in base.suite.benchmarks]
+    assert all(cfg.runner.steps == 2 for _, cfg in plans)  # user overrides win over the suite's
+    with pytest.raises(ValueError, match="runner.steps"):
+        plan_suite("smoke", ["runner.steps=0"])

@@ -1,0 +1,104 @@
+"""The user's commands, for real: `cobench run` / `cobench suite` into a real sqlite MLflow store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from conftest import TINY, mlflow_runs
+
+from harness.mlperf_log import read_mllog
+
+METRICS = ("throughput", "step_time_ms_p50", "step_time_ms_p90", "step_time_ms_p99", "mfu",
+           "peak_memory_mb", "loss", "eval_loss", "time_to_train_s", "quality_target_reached")
+TAGS = ("platform", "device_name", "workload", "suite", "git_sha", "git_dirty", "torch_version",
+        "config_hash", "throughput_unit")
+
+
+def _artifacts(run) -> set[str]:
+    root = Path(run.info.artifact_uri.removeprefix("file://"))
+    return {p.name for p in root.iterdir()}
+
+
+def test_run_logs_a_finished_run_with_the_agreed_names(cobench, tmp_path):
+    proc = cobench("run", "workload=llama", *TINY)
+    assert proc.returncode == 0, proc.stderr
+    results = tmp_path / "results"
+    (run,) = mlflow_runs(results)
+    assert run.info.status == "FINISHED"
+    assert set(METRICS) <= set(run.data.metrics), sorted(run.data.metrics)
+    assert set(TAGS) <= set(run.data.tags)
+    assert run.data.tags["workload"] == "llama"
+    assert run.data.tags["throughput_unit"] == "tokens/s"
+    assert run.data.tags["platform"] == "cpu"
+    assert run.data.metrics["throughput"] > 0
+    assert 0 < run.data.metrics["mfu"] < 1  # against this CPU's measured GEMM peak
+    assert run.data.params["workload.batch_size"] == "8"
+    assert {"config.yaml", "fingerprint.json", "mllog_rep0.txt", "metrics.json"} <= _artifacts(run)
+    assert run.info.artifact_uri.startswith((results / "mlartifacts").as_uri())
+    # the one-screen summary
+    assert "llama" in proc.stdout and "tokens/s" in proc.stdout and "FINISHED" in proc.stdout
+    # the local copy survives independently of MLflow
+    (run_dir,) = (results / "runs").iterdir()
+    assert json.loads((run_dir / "metrics.json").read_text())["status"] == "FINISHED"
+    keys = [line["key"] for line in read_mllog(run_dir / "mllog_rep0.txt")]
+    assert keys.count("run_start") == 1 and keys.count("run_stop") == 1
+
+
+def test_multirun_sweep_makes_one_run_per_value(cobench, tmp_path):
+    proc = cobench("run", "-m", "workload.batch_size=2,4", *TINY)
+    assert proc.returncode == 0, proc.stderr
+    runs = mlflow_runs(tmp_path / "results")
+    assert sorted(r.data.params["workload.batch_size"] for r in runs) == ["2", "4"]
+    assert all(r.info.status == "FINISHED" for r in runs)
+    assert len({r.data.tags["config_hash"] for r in runs}) == 2
+    # throughput is in tokens: twice the batch, about twice the tokens per step
+    assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
+
+
+def test_results_dir_moves_every_output(cobench, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    proc = cobench("run", *TINY, results_dir=elsewhere)
+    assert proc.returncode == 0, proc.stderr
+    assert (elsewhere / "mlflow.db").exists() and (elsewhere / "mlartifacts").is_dir()
+    assert not (tmp_path / "results").exists()
+
+
+def test_bad_value_fails_before_anything_runs(cobench, tmp_path):
+    proc = cobench("run", "runner.steps=0")
+    assert proc.returncode == 2
+    assert "runner.steps" in proc.stderr and ">= 1" in proc.stderr
+    assert mlflow_runs(tmp_path / "results") == []
+
+
+def test_unknown_key_fails_naming_it(cobench, tmp_path):
+    proc = cobench("run", "workload.batch_sise=4")
+    assert proc.returncode != 0
+    assert "batch_sise" in proc.stderr
+    assert mlflow_runs(tmp_path / "results") == []
+
+
+def test_unknown_workload_lists_the_known_ones(cobench):
+    proc = cobench("run", "workload=resnet")
+    assert proc.returncode != 0
+    assert "resnet" in proc.stderr and "llama" in proc.stderr
+
+
+def test_unreachable_tracking_server_is_reported_before_the_workload(cobench, tmp_path):
+    proc = cobench("run", *TINY, "tracking.uri=http://127.0.0.1:9", "tracking.connect_timeout_s=2")
+    assert proc.returncode == 2
+    assert "unreachable" in proc.stderr and "127.0.0.1:9" in proc.stderr
+    assert not (tmp_path / "results" / "runs").exists() or not any((tmp_path / "results" / "runs").glob("*/mllog*"))
+
+
+def test_suite_makes_a_parent_run_with_a_child_per_benchmark(cobench, tmp_path):
+    proc = cobench("suite", "smoke", *TINY, "runner.repetitions=1", "runner.eval_interval=0")
+    assert proc.returncode == 0, proc.stderr
+    runs = mlflow_runs(tmp_path / "results")
+    parents = [r for r in runs if r.data.tags.get("kind") == "suite"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId")]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert children and {c.data.tags["mlflow.parentRunId"] for c in children} == {parents[0].info.run_id}
+    assert all(c.data.tags["suite"] == "smoke" for c in children)
+    assert "suite_wall_s" in parents[0].data.metrics
+    assert "suite smoke" in proc.stdout

@@ -1,0 +1,82 @@
+"""Platform discovery and peak FLOP/s: declared, table, measured — never another part's peak."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from harness.config import PlatformConfig
+from harness.platform import Platform, discover_platform, resolve_device
+
+
+def test_cpu_fallback_when_no_accelerator():
+    if torch.accelerator.is_available():
+        pytest.skip("this machine has an accelerator")
+    platform = discover_platform(PlatformConfig())
+    assert platform.device.type == "cpu"
+    assert platform.name == "cpu"
+    assert platform.device_name  # the CPU model, e.g. from /proc/cpuinfo
+
+
+def test_asking_for_a_missing_accelerator_is_a_clear_error():
+    if torch.accelerator.is_available():
+        pytest.skip("this machine has an accelerator")
+    with pytest.raises(ValueError, match="platform.device.*not available"):
+        resolve_device("cuda")
+
+
+def _fake(name: str, device: str = "cuda", **cfg) -> Platform:
+    # A Platform describing a part this machine lacks; peak lookup never touches the device.
+    return Platform(device=torch.device(device), device_name=name, name="x", config=PlatformConfig(**cfg))
+
+
+@pytest.mark.parametrize(
+    "name, dtype, expected",
+    [
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.4e12),
+        ("NVIDIA H100 PCIe", torch.bfloat16, 756e12),
+        ("NVIDIA H200", torch.float32, 66.9e12),
+        ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312e12),
+        ("AMD Instinct MI300X", torch.bfloat16, 1307.4e12),
+    ],
+)
+def test_known_parts_use_the_declared_table(name, dtype, expected):
+    peak = _fake(name).peak_flops(dtype)
+    assert (peak.value, peak.source) == (expected, "table")
+
+
+def test_unknown_part_never_borrows_a_peak():
+    peak = _fake("Mystery Accelerator 9000", calibrate=False).peak_flops(torch.bfloat16)
+    assert peak.value is None and peak.source == "unknown"
+    # B200 has no float32 entry: unknown too, not the bf16 figure
+    assert _fake("NVIDIA B200", calibrate=False).peak_flops(torch.float32).value is None
+
+
+def test_declared_peak_wins():
+    peak = _fake("NVIDIA H100 80GB HBM3", peak_flops={"bfloat16": 1e15}).peak_flops(torch.bfloat16)
+    assert (peak.value, peak.source) == (1e15, "declared")
+
+
+def test_cpu_peak_is_measured_once_and_cached_per_fingerprint(tmp_path):
+    cache = tmp_path / "calibration.json"
+    platform = discover_platform(PlatformConfig(device="cpu", calibration_cache=str(cache)))
+    peak = platform.peak_flops(torch.float32)
+    assert peak.source == "measured_gemm" and peak.value > 1e8  # any real CPU beats 0.1 GFLOP/s
+    entries = json.loads(cache.read_text())
+    (key, entry), = entries.items()
+    assert key.startswith(platform.fingerprint())
+    # A second process on the same platform reads the cache instead of measuring again.
+    entry["flops"] = 123.0e9
+    cache.write_text(json.dumps({key: entry}))
+    again = discover_platform(PlatformConfig(device="cpu", calibration_cache=str(cache)))
+    assert again.peak_flops(torch.float32).value == 123.0e9
+
+
+def test_damaged_calibration_cache_is_remeasured(tmp_path):
+    cache = tmp_path / "calibration.json"
+    cache.write_text("{not json")
+    platform = discover_platform(PlatformConfig(device="cpu", calibration_cache=str(cache)))
+    assert platform.peak_flops(torch.float32).value > 1e8
+    assert json.loads(cache.read_text())  # rewritten whole

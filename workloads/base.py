@@ -1,0 +1,154 @@
+"""The workload protocol: the one contract between the harness and a benchmark.
+
+A workload knows its model and data and nothing else. Everything it needs from the outside world
+(device, dtype policy, process group, seed, paths) arrives in a :class:`RunContext`, built by the
+harness. A workload never imports from ``harness`` or ``suite``.
+
+Life cycle, driven by the harness runner::
+
+    workload = REGISTRY[name].factory(config, ctx)   # cheap; validates config against ctx
+    workload.setup()                                  # build model, optimiser, data
+    for each step: workload.step() -> StepResult      # one training/inference iteration
+    workload.evaluate() -> {"eval_loss": ...}         # optional, quality metrics
+    workload.teardown()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What the harness hands a workload."""
+
+    device: torch.device
+    seed: int
+    rank: int = 0
+    world_size: int = 1
+    process_group: Any = None  # torch.distributed ProcessGroup, or None when not distributed
+    deterministic: bool = False
+    work_dir: Path = Path(".")  # per-run scratch/output folder, already created
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_accelerator(self) -> bool:
+        return self.device.type != "cpu"
+
+
+@dataclass
+class StepResult:
+    """What one call of :meth:`Workload.step` processed.
+
+    ``samples`` and ``tokens`` count this rank's local work. ``loss`` may stay a tensor so the
+    harness decides when to synchronise with the device.
+    """
+
+    samples: int
+    tokens: int = 0
+    loss: torch.Tensor | float | None = None
+
+
+@dataclass(frozen=True)
+class QualityTarget:
+    """A quality goal, MLPerf style: ``metric`` must reach ``value`` (``mode`` says which way)."""
+
+    metric: str
+    value: float
+    mode: str = "min"  # "min": metric <= value is good; "max": metric >= value
+
+    def reached(self, measured: float) -> bool:
+        return measured <= self.value if self.mode == "min" else measured >= self.value
+
+
+@dataclass(frozen=True)
+class MLPerfInfo:
+    """Hyper-parameters a workload declares for the MLPerf log (keys of ``mllog.constants``)."""
+
+    benchmark: str  # e.g. "llama31_8b" when the workload mirrors an MLPerf one
+    global_batch_size: int
+    train_samples: int
+    eval_samples: int
+    gradient_accumulation_steps: int = 1
+    hyperparameters: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Workload(Protocol):
+    """One benchmark. See the module docstring for the life cycle."""
+
+    throughput_unit: str  # "tokens/s" or "samples/s"
+    compute_dtype: torch.dtype  # what the matmuls run in: MFU is measured against its peak
+
+    def setup(self) -> None: ...
+
+    def step(self) -> StepResult: ...
+
+    def evaluate(self) -> dict[str, float]: ...
+
+    def flops_per_step(self) -> float | None: ...
+
+    def quality_target(self) -> QualityTarget | None: ...
+
+    def mlperf_info(self) -> MLPerfInfo: ...
+
+    def extra_metrics(self) -> dict[str, float]: ...
+
+    def teardown(self) -> None: ...
+
+
+class WorkloadBase:
+    """Defaults for the optional parts of the protocol."""
+
+    throughput_unit = "samples/s"
+    compute_dtype = torch.float32
+
+    def evaluate(self) -> dict[str, float]:
+        return {}
+
+    def flops_per_step(self) -> float | None:
+        return None
+
+    def quality_target(self) -> QualityTarget | None:
+        return None
+
+    def extra_metrics(self) -> dict[str, float]:
+        return {}
+
+    def teardown(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """A registry entry: the workload's name, its config schema and how to build it."""
+
+    name: str
+    config_class: type
+    factory: Callable[[Any, RunContext], Workload]
+    description: str = ""
+
+
+REGISTRY: dict[str, WorkloadSpec] = {}
+
+
+def register(name: str, config_class: type, description: str = "") -> Callable[[type], type]:
+    """Class decorator: ``@register("llama", LlamaConfig)`` adds a workload to the registry."""
+    if not dataclasses.is_dataclass(config_class):
+        raise TypeError(f"workload {name!r}: config_class must be a dataclass")
+
+    def decorate(cls: type) -> type:
+        if name in REGISTRY and REGISTRY[name].factory is not cls:
+            raise ValueError(f"workload {name!r} is registered twice")
+        REGISTRY[name] = WorkloadSpec(name, config_class, cls, description or (cls.__doc__ or "").strip())
+        return cls
+
+    return decorate
