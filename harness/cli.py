@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import signal
 import sys
-from pathlib import Path
 
 from omegaconf import DictConfig
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
@@ -32,11 +30,38 @@ def sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def validate_overrides(overrides: list[str]) -> None:
+    """Compose and validate every value of every sweep before the first run starts.
+
+    Hydra composes each job only when it starts, so without this a bad value in the last job of
+    a sweep would fail after the others ran. Raises ValueError naming the key.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from harness.config import compose_config, to_run_config
+
+    user = [o for o in overrides if not o.startswith(("hydra.", "+hydra.", "~hydra."))]
+    try:
+        parsed = OverridesParser.create().parse_overrides(user)
+    except Exception as err:  # noqa: BLE001 - Hydra's grammar errors have several types
+        raise ValueError(f"cannot parse overrides {user}: {err}") from err
+    choices = [
+        [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override() else [o.input_line]
+        for o in parsed
+    ]
+    first = [values[0] for values in choices]
+    for i, values in enumerate(choices):
+        for value in values[1:] if i else values:
+            to_run_config(compose_config([*first[:i], value, *first[i + 1 :]]))
+    if not choices:
+        to_run_config(compose_config([]))
+
+
 def run_main(argv: list[str]) -> int:
     """Entry of ``cobench run [hydra overrides] [-m]``."""
     import hydra
 
-    from harness.config import register_configs, to_run_config
+    from harness.config import CONF_DIR, register_configs, to_run_config
     from harness.distributed import env_dist_info
     from harness.runner import STATUS_FINISHED, BenchmarkResult, run_benchmark
     from harness.summary import print_summary
@@ -51,6 +76,13 @@ def run_main(argv: list[str]) -> int:
         except (ValueError, TrackingError) as err:
             fail(str(err))
 
+    hydra_flags = [a for a in argv if a.startswith("-") and a not in ("-m", "--multirun")]
+    if not hydra_flags:  # --help, --cfg, --info ... only show things: let Hydra answer
+        try:
+            validate_overrides([a for a in argv if not a.startswith("-")])
+        except (ValueError, TrackingError) as err:
+            print(f"cobench: error: {err}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     register_configs()
     sigterm_as_interrupt()
     app = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(task)

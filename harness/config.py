@@ -7,6 +7,7 @@ config into objects: one place, before anything starts, naming the key and what 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -14,11 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.errors import HydraException, MissingConfigException
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from workloads import discover
 
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "xpu", "mps", "hpu", "mtia")
 DIST_BACKENDS = ("auto", "gloo", "nccl", "xccl")
 DIVISIONS = ("open", "closed")
@@ -149,12 +154,45 @@ class CobenchConfig:
 
 
 def register_configs() -> None:
-    """Put the schemas in Hydra's ConfigStore; workload schemas come from the registry."""
+    """Put the schemas in Hydra's ConfigStore; workload schemas come from the registry.
+
+    Workload schemas live in group ``schema/workload`` (not ``workload``) so that the user's
+    choices for ``workload=`` are exactly the files in ``conf/workload/``.
+    """
     store = ConfigStore.instance()
     store.store(name="cobench_schema", node=CobenchConfig)
-    store.store(group="suite", name="suite_schema", node=SuiteConfig)
     for name, spec in discover().items():
-        store.store(group="workload", name=f"{name}_schema", node=spec.config_class)
+        store.store(group="schema/workload", name=name, node=spec.config_class)
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """Compose ``conf/config.yaml`` with ``overrides``; errors are explained (ValueError)."""
+    register_configs()
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            return compose(config_name="config", overrides=overrides)
+    except HydraException as err:
+        raise ValueError(explain_composition_error(err)) from err
+
+
+def explain_composition_error(err: HydraException) -> str:
+    """Hydra's message, plus what the user can write instead (valid keys or group options)."""
+    if isinstance(err, MissingConfigException):
+        # "In 'config': Could not find 'workload/x'\n\nAvailable options in 'workload':\n\tllama..."
+        head, _, rest = str(err).split("Config search path:")[0].partition("Available options")
+        options = [line.strip() for line in rest.splitlines()[1:] if line.strip()]
+        missing = head.strip().removeprefix("In 'config': ")
+        return f"{missing}; available: {', '.join(options)}" if options else missing
+    cause = err.__cause__
+    full_key = getattr(cause, "full_key", None)
+    if not full_key:
+        return str(err).splitlines()[0]
+    if isinstance(cause, ConfigAttributeError | ConfigKeyError):
+        object_type = getattr(cause, "object_type", None)
+        fields = dataclasses.fields(object_type) if dataclasses.is_dataclass(object_type) else ()
+        allowed = ", ".join(f.name for f in fields)
+        return f"invalid config '{full_key}': unknown key. Keys allowed here: {allowed}"
+    return f"invalid config '{full_key}': {str(cause).splitlines()[0]}"
 
 
 def to_run_config(cfg: DictConfig) -> CobenchConfig:
@@ -169,7 +207,8 @@ def to_run_config(cfg: DictConfig) -> CobenchConfig:
 
 def benchmark_config_dict(cfg: CobenchConfig | DictConfig) -> dict[str, Any]:
     """The part of the config that defines *what* is measured (not where results go)."""
-    container = OmegaConf.to_container(OmegaConf.structured(cfg) if not isinstance(cfg, DictConfig) else cfg, resolve=True)
+    node = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
+    container = OmegaConf.to_container(node, resolve=True)
     assert isinstance(container, dict)
     return {key: container[key] for key in ("seed", "deterministic", "platform", "runner", "workload")}
 

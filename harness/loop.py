@@ -174,7 +174,7 @@ def _evaluate(workload: Workload, log, state: RepetitionState, target, samples_c
     state.quality_history.append((samples_count, quality))
     if target is not None:
         if target.metric not in quality:
-            raise ValueError(f"workload declared target metric {target.metric!r} but evaluate() returned {sorted(quality)}")
+            raise ValueError(f"target metric {target.metric!r} not among evaluate()'s {sorted(quality)}")
         state.target_reached = bool(state.target_reached) or target.reached(quality[target.metric])
 
 

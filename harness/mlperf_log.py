@@ -13,8 +13,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from mlperf_logging.mllog.mllog import MLLogger
 from mlperf_logging.mllog import constants as C
+from mlperf_logging.mllog.mllog import MLLogger
 
 from harness.config import MLLogConfig
 from workloads.base import MLPerfInfo
@@ -31,7 +31,7 @@ class MLPerfLogWriter:
         self._logger.setLevel(logging.INFO)
         self._handler = logging.FileHandler(path, mode="w", encoding="utf-8")
         self._logger.addHandler(self._handler)
-        # stack offset 2: the call site recorded in metadata is our caller, not this wrapper
+        # stack offset 2: a frame that always exists (deeper offsets walk off the stack at top level)
         self._mllog = MLLogger(logger=self._logger, default_stack_offset=2)
         self.run_stopped = False
 

@@ -62,7 +62,8 @@ class Platform:
 
     def fingerprint(self) -> str:
         """Identifies a platform for calibration caching: hardware, threads and software."""
-        parts = [self.device.type, self.device_name, str(os.cpu_count()), str(torch.get_num_threads()), torch.__version__]
+        threads = torch.get_num_threads()
+        parts = [self.device.type, self.device_name, str(os.cpu_count()), str(threads), torch.__version__]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
     def peak_flops(self, dtype: torch.dtype) -> PeakFlops:

@@ -19,7 +19,7 @@ commands:
 
 
 def _list() -> int:
-    from harness.cli import CONF_DIR
+    from harness.config import CONF_DIR
     from workloads import discover
 
     print("workloads:")
@@ -42,12 +42,10 @@ def _suite(args: list[str]) -> int:
     if not args or args[0].startswith("-") or "=" in args[0]:
         print("cobench: error: `cobench suite` needs a suite name, e.g. `cobench suite smoke`", file=sys.stderr)
         return EXIT_BAD_INPUT
-    from hydra.errors import HydraException
-
     sigterm_as_interrupt()
     try:
         results, wall_s = run_suite(args[0], args[1:])
-    except (ValueError, TrackingError, HydraException) as err:
+    except (ValueError, TrackingError) as err:
         print(f"cobench: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:

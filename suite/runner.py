@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import time
 
-from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
-
-from harness.cli import CONF_DIR
-from harness.config import CobenchConfig, register_configs, to_run_config
+from harness.config import CobenchConfig, compose_config, to_run_config
 from harness.distributed import env_dist_info
 from harness.runner import (
     STATUS_FAILED,
@@ -24,16 +20,11 @@ from harness.runner import (
 )
 
 
-def compose_config(overrides: list[str]) -> DictConfig:
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
-
-
 def plan_suite(name: str, overrides: list[str]) -> tuple[CobenchConfig, list[tuple[str, CobenchConfig]]]:
     """The suite's config and each benchmark's validated config; raises ValueError on bad input."""
-    register_configs()
     base = to_run_config(compose_config([f"suite={name}", *overrides]))
-    assert base.suite is not None
+    if base.suite is None:
+        raise ValueError(f"suite {name!r} is empty: conf/suite/{name}.yaml needs name and benchmarks")
     plans = []
     for bench in base.suite.benchmarks:
         bench_overrides = [f"workload={bench.workload}", *bench.overrides, *overrides]

@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hydra.errors import ConfigCompositionException
 
-from harness.config import config_hash, to_run_config
-from suite.runner import compose_config, plan_suite
+from harness.config import compose_config, config_hash, to_run_config
+from suite.runner import plan_suite
 from workloads import discover
 from workloads.base import RunContext
-
-from harness.config import register_configs
-
-register_configs()
 
 
 def test_default_config_composes_to_llama_tiny():
@@ -39,15 +34,21 @@ def test_overrides_reach_the_workload():
     ],
 )
 def test_unknown_keys_and_wrong_types_fail_at_composition(override, fragment):
-    with pytest.raises(ConfigCompositionException) as err:
+    with pytest.raises(ValueError) as err:
         compose_config([override])
-    assert fragment in str(err.value) + str(err.value.__cause__)
+    assert f"invalid config '{override.split('.')[0]}.{fragment}'" in str(err.value)
+
+
+def test_unknown_key_lists_the_keys_allowed_there():
+    with pytest.raises(ValueError, match="Keys allowed here: .*batch_size.*seq_len"):
+        compose_config(["workload.batch_sise=4"])
 
 
 def test_unknown_workload_names_the_available_ones():
-    with pytest.raises(ConfigCompositionException) as err:
+    with pytest.raises(ValueError) as err:
         compose_config(["workload=nope"])
-    assert "llama" in str(err.value)
+    assert "workload/nope" in str(err.value) and "llama" in str(err.value)
+    assert "schema" not in str(err.value)  # only real choices are offered
 
 
 @pytest.mark.parametrize(
@@ -55,8 +56,7 @@ def test_unknown_workload_names_the_available_ones():
     [
         ("runner.steps=0", "runner.steps", ">= 1"),
         ("runner.repetitions=0", "runner.repetitions", ">= 1"),
-        ("workload.n_heads=4", "n_kv_heads", None),  # tiny has 2 KV heads: fine
-        ("workload.n_kv_heads=3", "n_kv_heads", None),
+        ("workload.n_kv_heads=3", "n_kv_heads", "allowed n_kv_heads: [1, 2, 4]"),
         ("workload.dtype=fp64", "workload.dtype", "float32, bfloat16"),
         ("workload.preset=llama9", "workload.preset", "tiny"),
         ("workload.lr=-1", "workload.lr", "positive"),
@@ -66,20 +66,12 @@ def test_unknown_workload_names_the_available_ones():
 )
 def test_bad_values_name_the_key_and_what_is_allowed(override, key, allowed):
     cfg = compose_config([override])
-    if override == "workload.n_heads=4":
-        to_run_config(cfg)  # control: a valid value passes
-        return
     with pytest.raises(ValueError) as err:
         to_run_config(cfg)
     message = str(err.value)
     assert key in message
     if allowed:
         assert allowed in message
-
-
-def test_heads_not_divisible_by_kv_heads_is_explained():
-    with pytest.raises(ValueError, match="n_kv_heads"):
-        to_run_config(compose_config(["workload.n_heads=4", "workload.n_kv_heads=3"]))
 
 
 def test_batch_must_divide_by_world_size():

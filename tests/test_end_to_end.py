@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
-from conftest import TINY, mlflow_runs
+from conftest import TINY, clean_env, mlflow_runs
 
 from harness.mlperf_log import read_mllog
 
@@ -73,15 +75,28 @@ def test_bad_value_fails_before_anything_runs(cobench, tmp_path):
 
 def test_unknown_key_fails_naming_it(cobench, tmp_path):
     proc = cobench("run", "workload.batch_sise=4")
-    assert proc.returncode != 0
-    assert "batch_sise" in proc.stderr
+    assert proc.returncode == 2
+    assert "workload.batch_sise" in proc.stderr and "batch_size" in proc.stderr
     assert mlflow_runs(tmp_path / "results") == []
 
 
 def test_unknown_workload_lists_the_known_ones(cobench):
     proc = cobench("run", "workload=resnet")
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     assert "resnet" in proc.stderr and "llama" in proc.stderr
+
+
+def test_bad_value_late_in_a_sweep_stops_the_sweep_before_it_starts(cobench, tmp_path):
+    proc = cobench("run", "-m", "workload.batch_size=2,0", *TINY)
+    assert proc.returncode == 2
+    assert "workload.batch_size" in proc.stderr
+    assert mlflow_runs(tmp_path / "results") == []
+
+
+def test_unknown_suite_is_a_clear_error(cobench):
+    proc = cobench("suite", "nosuch")
+    assert proc.returncode == 2
+    assert "suite/nosuch" in proc.stderr and "smoke" in proc.stderr
 
 
 def test_unreachable_tracking_server_is_reported_before_the_workload(cobench, tmp_path):
@@ -102,3 +117,20 @@ def test_suite_makes_a_parent_run_with_a_child_per_benchmark(cobench, tmp_path):
     assert all(c.data.tags["suite"] == "smoke" for c in children)
     assert "suite_wall_s" in parents[0].data.metrics
     assert "suite smoke" in proc.stdout
+
+
+def test_concurrent_runs_on_a_fresh_store_both_land(tmp_path, calibration_cache):
+    """Two runs racing to create the sqlite schema and the experiment must both succeed."""
+    results = tmp_path / "results"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "suite.cli", "run", f"results_dir={results}", f"seed={seed}",
+             f"platform.calibration_cache={calibration_cache}", *TINY],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=tmp_path,
+        )
+        for seed in (1, 2)
+    ]
+    outputs = [proc.communicate(timeout=300) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], [err[-2000:] for _, err in outputs]
+    runs = mlflow_runs(results)
+    assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs)

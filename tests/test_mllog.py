@@ -5,10 +5,9 @@ from __future__ import annotations
 import pytest
 from conftest import TINY
 
-from harness.config import register_configs, to_run_config
+from harness.config import compose_config, to_run_config
 from harness.mlperf_log import read_mllog
 from harness.runner import run_benchmark
-from suite.runner import compose_config
 
 REQUIRED_ONCE = ("submission_org", "submission_platform", "submission_division", "submission_benchmark",
                  "init_stop", "run_start", "run_stop", "global_batch_size", "seed", "train_samples",
@@ -18,7 +17,6 @@ REQUIRED_ONCE = ("submission_org", "submission_platform", "submission_division",
 
 @pytest.fixture(scope="module")
 def mllog_lines(tmp_path_factory, calibration_cache):
-    register_configs()
     results = tmp_path_factory.mktemp("mllog")
     cfg = to_run_config(compose_config([
         *TINY, "runner.eval_interval=2", "runner.repetitions=2", "tracking=off", "seed=7",

@@ -1,0 +1,1 @@
+"""Performance figures (pytest-benchmark): `nox -s perf`. Reported, never asserted as gates."""

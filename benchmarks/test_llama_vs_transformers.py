@@ -1,0 +1,80 @@
+"""Our Llama training step against transformers' LlamaForCausalLM: same shapes, batch, optimiser.
+
+Both models get identical weights (transformers' model is built, and its state dict loaded into
+ours with ``load_hf_state_dict``), the same AdamW, and the same token batch; one round is one full training step (forward, loss,
+backward, clip, optimiser step). pytest-benchmark prints them side by side; the ratio of the
+medians is our speed relative to transformers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workloads.llama import PRESETS, Transformer, from_hf_config, load_hf_state_dict
+from workloads.llama.model import ModelArgs
+
+transformers = pytest.importorskip("transformers")
+
+SHAPES = {
+    # the smoke suite's model and batch (preset tiny, batch 8 x 64 tokens)
+    "tiny": (PRESETS["tiny"], 8, 64),
+    # a step where the GEMMs, not the framework, dominate
+    "small": (ModelArgs(dim=512, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192, multiple_of=256,
+                        max_seq_len=512), 8, 256),
+}
+
+
+def _hf_config(args: ModelArgs) -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(
+        hidden_size=args.dim, intermediate_size=args.hidden_dim, num_hidden_layers=args.n_layers,
+        num_attention_heads=args.n_heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab_size,
+        rms_norm_eps=args.norm_eps, max_position_embeddings=max(args.max_seq_len, args.rope_original_max_seq_len),
+        rope_scaling={"rope_type": "llama3", "factor": args.rope_scale_factor,
+                      "low_freq_factor": args.rope_low_freq_factor, "high_freq_factor": args.rope_high_freq_factor,
+                      "original_max_position_embeddings": args.rope_original_max_seq_len},
+        rope_theta=args.rope_theta, tie_word_embeddings=False, attn_implementation="sdpa",
+    )
+
+
+def _models(shape: str):
+    args, batch, seq = SHAPES[shape]
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(_hf_config(args)).train()
+    ours = Transformer(from_hf_config(hf.config)).train()
+    load_hf_state_dict(ours, hf.state_dict())
+    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
+    return ours, hf, tokens[:, :-1], tokens[:, 1:]
+
+
+def _train_step(model, optimizer, forward, inputs, targets):
+    logits = forward(model, inputs)
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def _ours(model, inputs):
+    return model(inputs)
+
+
+def _transformers(model, inputs):
+    return model(input_ids=inputs, use_cache=False).logits
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("impl", ["cobench", "transformers"])
+def test_training_step(benchmark, shape, impl):
+    ours, hf, inputs, targets = _models(shape)
+    model, forward = (ours, _ours) if impl == "cobench" else (hf, _transformers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    benchmark.group = f"llama train step, {shape}"
+    tokens = inputs.numel()
+    benchmark.extra_info["tokens_per_step"] = tokens
+    benchmark.pedantic(_train_step, args=(model, optimizer, forward, inputs, targets),
+                       rounds=30 if shape == "tiny" else 8, warmup_rounds=5 if shape == "tiny" else 2)
+    benchmark.extra_info["tokens_per_s_median"] = tokens / benchmark.stats.stats.median
