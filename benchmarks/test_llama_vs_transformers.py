@@ -1,9 +1,9 @@
 """Our Llama training step against transformers' LlamaForCausalLM: same shapes, batch, optimiser.
 
 Both models get identical weights (transformers' model is built, and its state dict loaded into
-ours with ``load_hf_state_dict``), the same AdamW, and the same token batch; one round is one full training step (forward, loss,
-backward, clip, optimiser step). pytest-benchmark prints them side by side; the ratio of the
-medians is our speed relative to transformers.
+ours with ``load_hf_state_dict``), the same AdamW, and the same token batch; one round is one
+full training step (forward, loss, backward, clip, optimiser step). pytest-benchmark prints them
+side by side; the ratio of the medians is our speed relative to transformers.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ interrupted halfway still reports what it measured.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,11 +17,11 @@ import psutil
 import torch
 from mlperf_logging.mllog import constants as C
 
-from harness.config import CobenchConfig
+from harness.config import CobenchConfig, RunnerConfig
 from harness.mlperf_log import MLPerfLogWriter
 from harness.platform import synchronize
 from harness.timing import StepTimer
-from workloads.base import RunContext, Workload
+from workloads.base import QualityTarget, RunContext, Workload
 
 
 @dataclass
@@ -52,7 +53,9 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     if deterministic:
-        torch.use_deterministic_algorithms(True)
+        # cuBLAS needs a fixed workspace to be deterministic; harmless elsewhere
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(deterministic)  # set both ways: sweeps share a process
 
 
 class MemoryMeter:
@@ -134,7 +137,19 @@ def run_repetition(
     return state
 
 
-def _train(workload, runner, ctx, log, state, target, timer, memory, pending_losses, advance) -> None:
+def _train(
+    workload: Workload,
+    runner: RunnerConfig,
+    ctx: RunContext,
+    log: MLPerfLogWriter | _NullWriter,
+    state: RepetitionState,
+    target: QualityTarget | None,
+    timer: StepTimer,
+    memory: MemoryMeter,
+    pending_losses: list[torch.Tensor | float | None],
+    advance: Callable[[], None],
+) -> None:
+    """Warm-up steps, then timed steps in blocks, each block followed by an evaluation."""
     for _ in range(runner.warmup_steps):
         result = workload.step()
         pending_losses.append(result.loss)
@@ -163,7 +178,13 @@ def _train(workload, runner, ctx, log, state, target, timer, memory, pending_los
             break
 
 
-def _evaluate(workload: Workload, log, state: RepetitionState, target, samples_count: int) -> None:
+def _evaluate(
+    workload: Workload,
+    log: MLPerfLogWriter | _NullWriter,
+    state: RepetitionState,
+    target: QualityTarget | None,
+    samples_count: int,
+) -> None:
     log.start(C.EVAL_START, metadata={C.SAMPLES_COUNT: samples_count})
     quality = workload.evaluate()
     if quality:

@@ -16,6 +16,7 @@ import platform as pyplatform
 import re
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -189,8 +190,11 @@ def calibrated_gemm_flops(platform: Platform, dtype: torch.dtype) -> float:
         "torch": torch.__version__,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    cache_path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=cache_path.parent, delete=False, suffix=".tmp") as tmp:
-        json.dump(cache, tmp, indent=1)
-    os.replace(tmp.name, cache_path)  # atomic: concurrent runs never read half a file
+    try:
+        cache_path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=cache_path.parent, delete=False, suffix=".tmp") as tmp:
+            json.dump(cache, tmp, indent=1)
+        os.replace(tmp.name, cache_path)  # atomic: concurrent runs never read half a file
+    except OSError as err:  # the measurement stands; only the cache is lost
+        warnings.warn(f"cannot write calibration cache {cache_path}: {err}", stacklevel=2)
     return flops
