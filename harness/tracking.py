@@ -9,6 +9,7 @@ Embedded default: ``sqlite:///<abs results_dir>/mlflow.db`` with artifacts in
 from __future__ import annotations
 
 import fcntl
+import getpass
 import os
 import time
 import urllib.error
@@ -115,7 +116,7 @@ class Tracker:
         return cls(uri, experiment_id, results_dir)
 
     def start_run(self, name: str, tags: Mapping[str, Any], parent_run_id: str | None = None) -> str:
-        all_tags = {k: str(v) for k, v in tags.items()}
+        all_tags = {"mlflow.user": getpass.getuser(), **{k: str(v) for k, v in tags.items()}}
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
         run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
