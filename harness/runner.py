@@ -55,11 +55,9 @@ class BenchmarkResult:
     error: str | None = None
 
 
-def _make_run_dir(root: Path, name: str) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    run_dir = root / "runs" / f"{stamp}-{name}-{uuid.uuid4().hex[:6]}"
-    run_dir.mkdir(parents=True, exist_ok=False)
-    return run_dir
+def _new_run_dir(root: Path, name: str) -> str:
+    """A fresh folder name for this run's files (created only once the run really starts)."""
+    return str(root / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}-{uuid.uuid4().hex[:6]}")
 
 
 def connect_tracker(cfg: CobenchConfig) -> Tracker | None:
@@ -95,7 +93,7 @@ def run_benchmark(
     name = benchmark or cfg.workload.name
     spec = discover()[cfg.workload.name]
 
-    run_dir = broadcast_from_main(str(_make_run_dir(root, name)) if dist_info.is_main else None)
+    run_dir = Path(broadcast_from_main(_new_run_dir(root, name) if dist_info.is_main else None))
     ctx = RunContext(
         device=platform.device,
         seed=cfg.seed,
@@ -103,21 +101,24 @@ def run_benchmark(
         world_size=dist_info.world_size,
         process_group=torch.distributed.group.WORLD if dist_info.enabled else None,
         deterministic=cfg.deterministic,
-        work_dir=Path(run_dir),
+        work_dir=run_dir,
     )
     workload = spec.factory(cfg.workload, ctx)  # validates against ctx before any run exists
     if tracker is None:
         tracker = connect_tracker(cfg)
     main = dist_info.is_main
-    run_dir_path = Path(run_dir)
+    if main:
+        run_dir.mkdir(parents=True)
+    if dist_info.enabled:
+        torch.distributed.barrier()  # ctx.work_dir exists before any rank uses it
     c_hash = config_hash(cfg)
-    result = BenchmarkResult(name, spec.name, platform.name, STATUS_FINISHED, workload.throughput_unit, run_dir_path)
+    result = BenchmarkResult(name, spec.name, platform.name, STATUS_FINISHED, workload.throughput_unit, run_dir)
 
     peak = platform.peak_flops(workload.compute_dtype) if main else None
     fingerprint = environment_fingerprint(platform, c_hash, dist_info.world_size) if main else {}
     if main:
-        (run_dir_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        (run_dir_path / "fingerprint.json").write_text(json.dumps(fingerprint, indent=2))
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        (run_dir / "fingerprint.json").write_text(json.dumps(fingerprint, indent=2))
     if main and tracker is not None:
         tags = {
             "benchmark": name,
@@ -147,7 +148,7 @@ def run_benchmark(
                 rep_ctx = dataclasses.replace(ctx, seed=cfg.seed + rep)
                 if rep > 0:
                     workload = spec.factory(cfg.workload, rep_ctx)
-                writer = MLPerfLogWriter(run_dir_path / f"mllog_rep{rep}.txt") if main else None
+                writer = MLPerfLogWriter(run_dir / f"mllog_rep{rep}.txt") if main else None
                 state = RepetitionState(repetition=rep)
                 states = [state]
                 try:
@@ -164,7 +165,7 @@ def run_benchmark(
     except Exception as err:  # noqa: BLE001 - any failure must end the run FAILED, with its reason
         reason = f"{type(err).__name__}: {err}"
         if main:
-            (run_dir_path / "error.txt").write_text(traceback.format_exc())
+            (run_dir / "error.txt").write_text(traceback.format_exc())
         _finish(result, tracker, repetitions, states, peak, STATUS_FAILED, reason)
         return result
     _finish(result, tracker, repetitions, [], peak, STATUS_FINISHED, None)
