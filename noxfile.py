@@ -21,11 +21,20 @@ nox.options.sessions = ["tests"]
 nox.options.reuse_existing_virtualenvs = True
 PYTHON = "3.11"
 TORCH = os.environ.get("COBENCH_TORCH", "torch==2.13.0")
+# TorchRec's metadata asks for the CUDA fbgemm-gpu, which cannot load on a CPU-only torch: install
+# the CPU build (or COBENCH_FBGEMM="fbgemm-gpu==1.8.0" on CUDA), then torchrec without its deps,
+# then torchrec's other requirements (torchmetrics pinned exactly by torchrec 1.8.0).
+FBGEMM = os.environ.get("COBENCH_FBGEMM", "fbgemm-gpu-cpu==1.8.0")
+TORCHREC = ["torchrec==1.8.0"]
+TORCHREC_DEPS = ["tensordict", "torchmetrics==1.0.3", "pyre-extensions", "tqdm"]
 
 
 def install(session: nox.Session, extras: str = "") -> None:
-    """torch first (pinned, so nothing pulls a multi-GB CUDA build), then the project."""
+    """torch first (pinned, so nothing pulls a multi-GB CUDA build), TorchRec, then the project."""
     session.install(*TORCH.split())
+    session.install(*FBGEMM.split())
+    session.install("--no-deps", *TORCHREC)
+    session.install(*TORCHREC_DEPS)
     session.install("-e", f".[{extras}]" if extras else ".")
 
 
