@@ -206,15 +206,21 @@ def to_run_config(cfg: DictConfig) -> CobenchConfig:
 
 
 def benchmark_config_dict(cfg: CobenchConfig | DictConfig) -> dict[str, Any]:
-    """The part of the config that defines *what* is measured (not where results go)."""
+    """The part of the config that defines *what* is measured.
+
+    Not where it runs (the platform is a tag of its own, so the same benchmark on two platforms
+    has the same hash and lines up in comparisons), nor where results go, nor display options.
+    """
     node = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
     container = OmegaConf.to_container(node, resolve=True)
     assert isinstance(container, dict)
-    return {key: container[key] for key in ("seed", "deterministic", "platform", "runner", "workload")}
+    runner = {k: v for k, v in container["runner"].items() if k != "progress"}
+    return {"seed": container["seed"], "deterministic": container["deterministic"], "runner": runner,
+            "workload": container["workload"]}
 
 
 def config_hash(cfg: CobenchConfig | DictConfig) -> str:
-    """A short, stable hash of what is measured: equal hashes mean comparable runs."""
+    """A short, stable hash of what is measured: equal hashes mean comparable runs, on any platform."""
     payload = json.dumps(benchmark_config_dict(cfg), sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 

@@ -83,7 +83,8 @@ def test_batch_must_divide_by_world_size():
 
 def test_config_hash_tracks_what_is_measured_not_where_results_go():
     base = to_run_config(compose_config([]))
-    moved = to_run_config(compose_config(["results_dir=/elsewhere", "tracking=off"]))
+    moved = to_run_config(compose_config(["results_dir=/elsewhere", "tracking=off", "platform=cpu",
+                                          "runner.progress=false", "platform.calibration_cache=/tmp/c.json"]))
     bigger = to_run_config(compose_config(["workload.batch_size=16"]))
     assert config_hash(base) == config_hash(moved)
     assert config_hash(base) != config_hash(bigger)
