@@ -126,11 +126,19 @@ class SuiteConfig:
     version: int = 1
     description: str = ""
     benchmarks: list[SuiteBenchmark] = field(default_factory=list)
+    # Optional: a benchmark the others are compared with; each metric in delta_metrics gets a
+    # "<metric>_delta" (other − baseline) on every other benchmark's run.
+    baseline: str | None = None
+    delta_metrics: list[str] = field(default_factory=list)
+    summary_metrics: list[str] = field(default_factory=list)  # extra columns in the summary table
 
     def __post_init__(self) -> None:
         _require(bool(self.benchmarks), "suite.benchmarks", "a suite needs at least one benchmark")
         names = [b.name for b in self.benchmarks]
         _require(len(set(names)) == len(names), "suite.benchmarks", f"duplicate names in {names}")
+        if self.baseline is not None:
+            _require_choice(self.baseline, "suite.baseline", tuple(names))
+        _require(not self.delta_metrics or self.baseline is not None, "suite.delta_metrics", "needs suite.baseline")
 
 
 @dataclass

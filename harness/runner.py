@@ -38,6 +38,7 @@ from workloads import discover
 from workloads.base import RunContext
 
 STATUS_FINISHED, STATUS_FAILED, STATUS_KILLED = "FINISHED", "FAILED", "KILLED"
+STATUS_SKIPPED = "SKIPPED"  # a suite's benchmark this platform cannot run; no MLflow run is made
 
 
 @dataclass
@@ -49,7 +50,7 @@ class BenchmarkResult:
     platform: str
     status: str
     throughput_unit: str
-    run_dir: Path
+    run_dir: Path | None  # None: the benchmark never started (SKIPPED)
     run_id: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None

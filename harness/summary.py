@@ -7,7 +7,7 @@ import math
 from rich.console import Console
 from rich.table import Table
 
-from harness.runner import STATUS_FINISHED, BenchmarkResult
+from harness.runner import STATUS_FINISHED, STATUS_SKIPPED, BenchmarkResult
 
 QUALITY_KEYS = ("eval_loss", "auc", "hr_at_10", "ndcg_at_10", "time_error_pct")
 
@@ -18,17 +18,20 @@ def _fmt(value: float | None, spec: str = ".1f") -> str:
     return format(value, spec)
 
 
-def summary_table(results: list[BenchmarkResult], title: str = "cobench results") -> Table:
+def summary_table(
+    results: list[BenchmarkResult], title: str = "cobench results", extra_metrics: list[str] = ()
+) -> Table:
+    """One row per benchmark; ``extra_metrics`` adds a column per metric name (e.g. a suite's)."""
     table = Table(title=title, title_justify="left")
     for header in ("benchmark", "platform", "status", "throughput", "p50 ms", "p90 ms", "p99 ms",
-                   "step cv %", "rep cv %", "MFU %", "peak MB", "quality", "run id"):
+                   "step cv %", "rep cv %", "MFU %", "peak MB", "quality", *extra_metrics, "run id"):
         table.add_column(header, justify="left" if header in ("benchmark", "platform", "status") else "right")
     for r in results:
         m = r.metrics
         quality = ", ".join(f"{k}={m[k]:.4g}" for k in QUALITY_KEYS if k in m)
         if "quality_target_reached" in m:
             quality += " ✓" if m["quality_target_reached"] else " ✗"
-        status = r.status if r.status == STATUS_FINISHED else f"[red]{r.status}[/red]"
+        status = r.status if r.status in (STATUS_FINISHED, STATUS_SKIPPED) else f"[red]{r.status}[/red]"
         table.add_row(
             r.benchmark,
             r.platform,
@@ -42,16 +45,20 @@ def summary_table(results: list[BenchmarkResult], title: str = "cobench results"
             _fmt(100 * m["mfu"] if "mfu" in m else None, ".2f"),
             _fmt(m.get("peak_memory_mb"), ",.0f"),
             quality or "-",
+            *(_fmt(m.get(name), ".4g") for name in extra_metrics),
             (r.run_id or "-")[:8],
         )
     return table
 
 
-def print_summary(results: list[BenchmarkResult], title: str = "cobench results") -> None:
+def print_summary(
+    results: list[BenchmarkResult], title: str = "cobench results", extra_metrics: list[str] = ()
+) -> None:
     console = Console()
     if not console.is_terminal:  # logs and pipes: don't squeeze the table into 80 columns
-        console = Console(width=160)
-    console.print(summary_table(results, title))
+        console = Console(width=200)
+    console.print(summary_table(results, title, list(extra_metrics)))
     for r in results:
         if r.error:
-            console.print(f"[red]{r.benchmark}: {r.status}: {r.error}[/red] (details: {r.run_dir})")
+            where = f" (details: {r.run_dir})" if r.run_dir else ""
+            console.print(f"[red]{r.benchmark}: {r.status}: {r.error}[/red]{where}")

@@ -34,7 +34,7 @@ def _list() -> int:
 def _suite(args: list[str]) -> int:
     from harness.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, sigterm_as_interrupt
     from harness.distributed import env_dist_info
-    from harness.runner import STATUS_FINISHED
+    from harness.runner import STATUS_FINISHED, STATUS_SKIPPED
     from harness.summary import print_summary
     from harness.tracking import TrackingError
     from suite.runner import run_suite
@@ -44,7 +44,7 @@ def _suite(args: list[str]) -> int:
         return EXIT_BAD_INPUT
     sigterm_as_interrupt()
     try:
-        results, wall_s = run_suite(args[0], args[1:])
+        results, wall_s, suite = run_suite(args[0], args[1:])
     except (ValueError, TrackingError) as err:
         print(f"cobench: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -52,8 +52,9 @@ def _suite(args: list[str]) -> int:
         print("cobench: interrupted; open MLflow runs were closed as KILLED", file=sys.stderr)
         return EXIT_INTERRUPTED
     if env_dist_info().is_main:
-        print_summary(results, title=f"suite {args[0]}: {wall_s:.1f} s wall")
-    return EXIT_OK if all(r.status == STATUS_FINISHED for r in results) else EXIT_FAILED
+        print_summary(results, title=f"suite {args[0]}: {wall_s:.1f} s wall", extra_metrics=suite.summary_metrics)
+    ok = all(r.status in (STATUS_FINISHED, STATUS_SKIPPED) for r in results)
+    return EXIT_OK if ok else EXIT_FAILED
 
 
 def main(argv: list[str] | None = None) -> int:

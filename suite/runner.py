@@ -1,23 +1,27 @@
 """``cobench suite NAME``: run every benchmark of a suite under one MLflow parent run.
 
 All benchmark configs are composed and validated before the first one runs, so a typo in the
-tenth benchmark costs nothing. Each benchmark becomes a child run of the suite's parent run.
+tenth benchmark costs nothing. Each benchmark becomes a child run of the suite's parent run. A
+benchmark this platform cannot run (e.g. a CUDA-only codec on a CPU) is SKIPPED with its reason;
+the others still run.
 """
 
 from __future__ import annotations
 
 import time
 
-from harness.config import CobenchConfig, compose_config, to_run_config
+from harness.config import CobenchConfig, SuiteConfig, compose_config, to_run_config
 from harness.distributed import env_dist_info
 from harness.runner import (
     STATUS_FAILED,
     STATUS_FINISHED,
     STATUS_KILLED,
+    STATUS_SKIPPED,
     BenchmarkResult,
     connect_tracker,
     run_benchmark,
 )
+from harness.tracking import Tracker
 
 
 def plan_suite(name: str, overrides: list[str]) -> tuple[CobenchConfig, list[tuple[str, CobenchConfig]]]:
@@ -32,37 +36,73 @@ def plan_suite(name: str, overrides: list[str]) -> tuple[CobenchConfig, list[tup
     return base, plans
 
 
-def run_suite(name: str, overrides: list[str]) -> tuple[list[BenchmarkResult], float]:
-    """Run suite ``name``; returns the results and the suite's wall time in seconds."""
+def _run_one(bench_name: str, cfg: CobenchConfig, suite: str, parent_id: str | None, tracker: Tracker | None):
+    try:
+        return run_benchmark(cfg, benchmark=bench_name, suite=suite, parent_run_id=parent_id, tracker=tracker)
+    except ValueError as err:  # raised before the benchmark's run exists: this platform can't run it
+        return BenchmarkResult(bench_name, cfg.workload.name, cfg.platform.name, STATUS_SKIPPED, "-", None,
+                               error=str(err))
+
+
+def baseline_deltas(suite: SuiteConfig, results: list[BenchmarkResult]) -> dict[str, dict[str, float]]:
+    """``{benchmark: {"<metric>_delta": value − baseline's}}`` for every finished benchmark."""
+    by_name = {r.benchmark: r for r in results if r.status == STATUS_FINISHED}
+    baseline = by_name.get(suite.baseline or "")
+    if baseline is None:
+        return {}
+    deltas: dict[str, dict[str, float]] = {}
+    for result in by_name.values():
+        if result is baseline:
+            continue
+        deltas[result.benchmark] = {
+            f"{m}_delta": result.metrics[m] - baseline.metrics[m]
+            for m in suite.delta_metrics
+            if m in result.metrics and m in baseline.metrics
+        }
+    return deltas
+
+
+def run_suite(name: str, overrides: list[str]) -> tuple[list[BenchmarkResult], float, SuiteConfig]:
+    """Run suite ``name``; returns the results, the suite's wall time in seconds and its config."""
     base, plans = plan_suite(name, overrides)
-    assert base.suite is not None
+    suite = base.suite
+    assert suite is not None
     tracker = connect_tracker(base)
     main = env_dist_info().is_main
     parent_id = None
     if tracker is not None and main:
-        tags = {"suite": name, "suite_version": base.suite.version, "kind": "suite"}
+        tags = {"suite": name, "suite_version": suite.version, "kind": "suite"}
         parent_id = tracker.start_run(f"suite-{name}", tags)
     started = time.perf_counter()
     results: list[BenchmarkResult] = []
     try:
         for bench_name, cfg in plans:
-            results.append(
-                run_benchmark(cfg, benchmark=bench_name, suite=name, parent_run_id=parent_id, tracker=tracker)
-            )
+            results.append(_run_one(bench_name, cfg, name, parent_id, tracker))
     except KeyboardInterrupt:
-        if parent_id:
+        if parent_id and tracker is not None:
             tracker.end_run(parent_id, STATUS_KILLED, "KeyboardInterrupt: interrupted by the user")
         raise
     wall_s = time.perf_counter() - started
-    if parent_id:
-        failed = [r.benchmark for r in results if r.status != STATUS_FINISHED]
-        metrics = {"suite_wall_s": wall_s, "benchmarks_failed": float(len(failed))}
-        for r in results:
-            if "throughput" in r.metrics:
-                metrics[f"{r.benchmark}.throughput"] = r.metrics["throughput"]
-        tracker.log_metrics(parent_id, metrics)
-        if results:
-            tracker.set_tags(parent_id, {"platform": results[0].platform})
-        reason = f"failed benchmarks: {', '.join(failed)}" if failed else None
-        tracker.end_run(parent_id, STATUS_FAILED if failed else STATUS_FINISHED, reason)
-    return results, wall_s
+    deltas = baseline_deltas(suite, results)
+    for result in results:
+        result.metrics.update(deltas.get(result.benchmark, {}))
+    if parent_id and tracker is not None:
+        _close_parent(tracker, parent_id, results, deltas, wall_s)
+    return results, wall_s, suite
+
+
+def _close_parent(tracker: Tracker, parent_id: str, results: list[BenchmarkResult],
+                  deltas: dict[str, dict[str, float]], wall_s: float) -> None:
+    failed = [r.benchmark for r in results if r.status not in (STATUS_FINISHED, STATUS_SKIPPED)]
+    metrics = {"suite_wall_s": wall_s, "benchmarks_failed": float(len(failed)),
+               "benchmarks_skipped": float(sum(r.status == STATUS_SKIPPED for r in results))}
+    for r in results:
+        if "throughput" in r.metrics:
+            metrics[f"{r.benchmark}.throughput"] = r.metrics["throughput"]
+        if r.run_id and deltas.get(r.benchmark):
+            tracker.log_metrics(r.run_id, deltas[r.benchmark])
+    tracker.log_metrics(parent_id, metrics)
+    if results:
+        tracker.set_tags(parent_id, {"platform": results[0].platform})
+    reason = f"failed benchmarks: {', '.join(failed)}" if failed else None
+    tracker.end_run(parent_id, STATUS_FAILED if failed else STATUS_FINISHED, reason)

@@ -1,0 +1,40 @@
+"""Suite mechanics that do not need a model: comparison with a baseline benchmark."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.config import SuiteBenchmark, SuiteConfig
+from harness.runner import STATUS_FAILED, STATUS_FINISHED, STATUS_SKIPPED, BenchmarkResult
+from suite.runner import baseline_deltas
+
+
+def _result(name: str, status: str = STATUS_FINISHED, **metrics: float) -> BenchmarkResult:
+    return BenchmarkResult(name, "w", "cpu", status, "samples/s", None, metrics=metrics)
+
+
+def _suite(**kw) -> SuiteConfig:
+    benches = [SuiteBenchmark(name=n, workload="w") for n in ("none", "int8", "eb", "fp8")]
+    return SuiteConfig(name="s", benchmarks=benches, **kw)
+
+
+def test_deltas_are_against_the_baseline_benchmark():
+    suite = _suite(baseline="none", delta_metrics=["auc", "throughput"])
+    results = [_result("none", auc=0.80, throughput=100.0), _result("int8", auc=0.79, throughput=120.0),
+               _result("eb", auc=0.805), _result("fp8", STATUS_SKIPPED)]
+    deltas = baseline_deltas(suite, results)
+    assert deltas["int8"] == {"auc_delta": pytest.approx(-0.01), "throughput_delta": pytest.approx(20.0)}
+    assert deltas["eb"] == {"auc_delta": pytest.approx(0.005)}  # only metrics both runs have
+    assert "fp8" not in deltas and "none" not in deltas
+
+
+def test_no_deltas_when_the_baseline_did_not_finish():
+    suite = _suite(baseline="none", delta_metrics=["auc"])
+    assert baseline_deltas(suite, [_result("none", STATUS_FAILED, auc=0.5), _result("int8", auc=0.7)]) == {}
+
+
+def test_suite_config_rejects_an_unknown_baseline_and_deltas_without_one():
+    with pytest.raises(ValueError, match="suite.baseline"):
+        _suite(baseline="nope")
+    with pytest.raises(ValueError, match="suite.delta_metrics"):
+        _suite(delta_metrics=["auc"])
