@@ -82,8 +82,12 @@ def run_benchmark(
     suite: str = "",
     parent_run_id: str | None = None,
     tracker: Tracker | None = None,
+    connect: bool = True,
 ) -> BenchmarkResult:
     """Run ``cfg`` (already validated) and return its result; raises ValueError on bad input.
+
+    ``tracker``: an open store (a suite's); else, with ``connect``, one is opened here (on rank 0;
+    every rank must pass the same ``connect``, since connecting is collective).
 
     KeyboardInterrupt propagates after the MLflow run is closed as KILLED.
     """
@@ -105,7 +109,7 @@ def run_benchmark(
         work_dir=run_dir,
     )
     workload = spec.factory(cfg.workload, ctx)  # validates against ctx before any run exists
-    if tracker is None:
+    if tracker is None and connect:
         tracker = connect_tracker(cfg)
     main = dist_info.is_main
     if main:

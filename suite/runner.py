@@ -11,7 +11,8 @@ from __future__ import annotations
 import time
 
 from harness.config import CobenchConfig, SuiteConfig, compose_config, to_run_config
-from harness.distributed import env_dist_info
+from harness.distributed import env_dist_info, init_distributed
+from harness.platform import discover_platform
 from harness.runner import (
     STATUS_FAILED,
     STATUS_FINISHED,
@@ -38,7 +39,8 @@ def plan_suite(name: str, overrides: list[str]) -> tuple[CobenchConfig, list[tup
 
 def _run_one(bench_name: str, cfg: CobenchConfig, suite: str, parent_id: str | None, tracker: Tracker | None):
     try:
-        return run_benchmark(cfg, benchmark=bench_name, suite=suite, parent_run_id=parent_id, tracker=tracker)
+        return run_benchmark(cfg, benchmark=bench_name, suite=suite, parent_run_id=parent_id, tracker=tracker,
+                             connect=False)
     except ValueError as err:  # raised before the benchmark's run exists: this platform can't run it
         return BenchmarkResult(bench_name, cfg.workload.name, cfg.platform.name, STATUS_SKIPPED, "-", None,
                                error=str(err))
@@ -67,6 +69,9 @@ def run_suite(name: str, overrides: list[str]) -> tuple[list[BenchmarkResult], f
     base, plans = plan_suite(name, overrides)
     suite = base.suite
     assert suite is not None
+    # Join the process group first: connecting to the store is collective (rank 0 tells the others).
+    init_distributed(discover_platform(base.platform, env_dist_info().local_rank).device,
+                     base.platform.dist_backend)
     tracker = connect_tracker(base)
     main = env_dist_info().is_main
     parent_id = None

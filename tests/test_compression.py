@@ -1,0 +1,371 @@
+"""The error-bounded all-to-all codec: every decoded element within its bound, checked exactly.
+
+Bounds are recomputed here from the definition (float64), independently of the codec, and every
+comparison is ``error <= bound`` with no tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import sys
+
+import pytest
+import torch
+
+from workloads.dlrm.compression import (
+    RAW_BITS,
+    BoundSchedule,
+    ErrorBoundConfig,
+    ErrorBoundedCodec,
+    bytes_per_block,
+    column_block_scales,
+    make_error_bounded_codecs,
+)
+
+BS = 64
+
+
+def codec(**kwargs) -> ErrorBoundedCodec:
+    return ErrorBoundedCodec(ErrorBoundConfig(**kwargs))
+
+
+def round_trip(c: ErrorBoundedCodec, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Encode and decode as TorchRec does; the message length must be what calc_quantized_size says."""
+    ctx = c.create_context()
+    message = c.encode(x, ctx)
+    assert message.dtype == torch.uint8
+    assert message.numel() == c.calc_quantized_size(x.numel(), ctx)
+    decoded = c.decode(message, ctx)
+    assert decoded.dtype == torch.float32 and decoded.numel() == x.numel()
+    return decoded.view_as(x), ctx.bits
+
+
+def block_bounds(x: torch.Tensor, mode: str, eb: float, block: int = BS) -> torch.Tensor:
+    """The bound in force per block, from the definition (constant schedule, unit table scales)."""
+    blocks = x.reshape(-1, block).double()
+    if mode == "abs":
+        return torch.full((blocks.shape[0],), eb, dtype=torch.float64)
+    return eb * (blocks.amax(1) - blocks.amin(1))
+
+
+def assert_within_bound(x: torch.Tensor, decoded: torch.Tensor, bounds: torch.Tensor, block: int = BS) -> None:
+    error = (decoded.double() - x.double()).abs().reshape(-1, block)
+    worst = error.amax(1)
+    assert bool((worst <= bounds).all()), f"max error/bound {float((worst / bounds).max())}"
+
+
+CASES = [("rel", "fixed", 1e-2), ("rel", "agreed", 1e-2), ("rel", "fixed", 1e-3), ("rel", "agreed", 1e-3),
+         ("abs", "agreed", 1e-2), ("abs", "agreed", 1e-3)]
+
+
+@pytest.mark.parametrize(("mode", "packing", "eb"), CASES)
+def test_random_normal_round_trip_meets_the_bound_and_compresses(mode, packing, eb):
+    x = torch.randn(256, 256, generator=torch.Generator().manual_seed(0)) * 0.1
+    c = codec(mode=mode, eb=eb, packing=packing)
+    decoded, bits = round_trip(c, x)
+    assert_within_bound(x, decoded, block_bounds(x, mode, eb))
+    assert bits <= 10 and c.stats.compression_ratio > 2.9
+    assert c.stats.bound_violations == 0 and 0 < c.stats.max_error_over_bound <= 1
+
+
+def test_rel_widths_follow_the_bound():
+    """Agreed packing hits the ideal log2(1/(2 rel) + 1); fixed pays one guard bit for float32 rounding."""
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(1))
+    for rel in (0.1, 1e-2, 1e-3, 1e-4):
+        assert round_trip(codec(eb=rel, packing="agreed"), x)[1] == math.ceil(math.log2(1 / (2 * rel) + 1))
+        assert round_trip(codec(eb=rel, packing="fixed"), x)[1] == math.ceil(math.log2(1 / rel + 2))
+
+
+@pytest.mark.parametrize("packing", ["fixed", "agreed"])
+def test_constant_blocks_are_exact(packing):
+    x = torch.cat([torch.full((BS,), 3.25), torch.zeros(BS), torch.full((BS,), -1e-40)])
+    c = codec(eb=1e-3, packing=packing)
+    decoded, bits = round_trip(c, x)
+    assert torch.equal(decoded, x)
+    if packing == "agreed":  # nothing to code: the 8-byte headers are the whole message
+        assert bits == 0 and c.stats.bytes_out == 3 * bytes_per_block(0, BS) == 24
+
+
+def test_huge_range_meets_rel_bound_and_abs_falls_back_to_raw():
+    g = torch.Generator().manual_seed(2)
+    x = (torch.rand(16 * BS, generator=g) * 2 - 1) * 1e30
+    for packing in ("fixed", "agreed"):
+        decoded, _ = round_trip(codec(eb=1e-3, packing=packing), x)
+        assert_within_bound(x, decoded, block_bounds(x, "rel", 1e-3))
+    c = codec(mode="abs", eb=1e-2, packing="agreed")  # 1e-2 absolute at 1e30 is below float32 resolution
+    decoded, bits = round_trip(c, x)
+    assert bits == RAW_BITS and torch.equal(decoded, x) and c.stats.raw_messages == 1
+
+
+def test_subnormals_and_mixed_signs():
+    g = torch.Generator().manual_seed(3)
+    subnormal = torch.randn(8 * BS, generator=g) * 1e-40
+    assert subnormal.abs().max() < torch.finfo(torch.float32).tiny
+    mixed = torch.randn(8 * BS, generator=g) * torch.logspace(-20, 20, 8 * BS)
+    for x in (subnormal, mixed):
+        for mode, packing, eb in (("rel", "fixed", 1e-2), ("rel", "agreed", 1e-3), ("abs", "agreed", 1e-42)):
+            decoded, _ = round_trip(codec(mode=mode, eb=eb, packing=packing), x)
+            assert_within_bound(x, decoded, block_bounds(x, mode, eb))
+
+
+def adversarial_blocks(n: int, block: int, seed: int) -> torch.Tensor:
+    """Blocks where float32 rounding, not quantisation, decides: a few ulps around powers of two
+    (straddling the binade edge), the subnormal range, wild magnitudes, values near FLT_MAX."""
+    g = torch.Generator().manual_seed(seed)
+
+    def floats(bits: torch.Tensor) -> torch.Tensor:
+        return bits.to(torch.int32).view(torch.float32)
+
+    def signs(*shape: int) -> torch.Tensor:
+        return torch.where(torch.rand(*shape, generator=g) < 0.5, -1.0, 1.0)
+
+    power_of_two = (torch.randint(-140, 126, (n, 1), generator=g).clamp(-126, 126) + 127) << 23
+    spread = torch.randint(1, 3000, (n, 1), generator=g)
+    ulps = (torch.rand(n, block, generator=g) * spread).long() - spread // 2
+    magnitudes = torch.exp2((torch.rand(n, 1, generator=g) * 250 - 125
+                             + torch.rand(n, block, generator=g) * torch.rand(n, 1, generator=g) * 40).clamp(max=127.9))
+    return torch.cat([
+        floats(power_of_two + ulps) * signs(n, 1),
+        floats(torch.randint(0, 2**24, (n, block), generator=g)) * signs(n, block),
+        magnitudes.float() * torch.where(torch.rand(n, block, generator=g) < torch.rand(n, 1, generator=g), -1.0, 1.0),
+        floats(torch.randint(0x7F000000, 0x7F7FFFFF, (n, block), generator=g)) * signs(n, block),
+    ]).view(-1)
+
+
+@pytest.mark.parametrize("packing", ["fixed", "agreed"])
+def test_adversarial_blocks_never_exceed_the_rel_bound(packing):
+    x = adversarial_blocks(500, 16, seed=4)
+    assert bool(torch.isfinite(x).all())
+    lattice_blocks = 0
+    for rel in (0.5, 0.1, 1e-2, 1e-3, 1e-4, 2e-5):
+        c = codec(eb=rel, packing=packing, block_size=16)
+        decoded, bits = round_trip(c, x)
+        assert bits <= 16
+        assert_within_bound(x, decoded, block_bounds(x, "rel", rel, 16), 16)
+        assert c.stats.bound_violations == 0 and c.stats.max_error_over_bound <= 1
+        lattice_blocks += c.stats.lattice_blocks
+    assert lattice_blocks > 0  # the float32-lattice fallback was needed, and held
+
+
+@pytest.mark.parametrize("eb", [1e30, 1.0, 1e-3, 1e-39, 1e-45])
+def test_adversarial_blocks_never_exceed_the_abs_bound(eb):
+    x = adversarial_blocks(200, 16, seed=5)
+    for part in x.view(4, -1):
+        decoded, _ = round_trip(codec(mode="abs", eb=eb, packing="agreed", block_size=16), part)
+        assert_within_bound(part, decoded, block_bounds(part, "abs", eb, 16), 16)
+
+
+def test_bound_below_float32_resolution_is_bit_exact():
+    x = torch.randn(32, BS, generator=torch.Generator().manual_seed(6))
+    for c in (codec(eb=1e-7, packing="fixed"), codec(eb=1e-7, packing="agreed"),
+              codec(mode="abs", eb=1e-12, packing="agreed")):
+        decoded, bits = round_trip(c, x)
+        assert bits == RAW_BITS and torch.equal(decoded, x)
+        assert c.stats.compression_ratio == 1.0
+
+
+@pytest.mark.parametrize("packing", ["fixed", "agreed"])
+def test_nan_and_inf_blocks_decode_as_nan_and_are_counted(packing):
+    x = torch.randn(4 * BS, generator=torch.Generator().manual_seed(7))
+    x[BS + 3], x[BS + 9] = math.nan, math.inf
+    c = codec(eb=1e-2, packing=packing)
+    decoded, _ = round_trip(c, x)
+    assert bool(decoded[BS:2 * BS].isnan().all())  # the whole affected block: never silently finite
+    intact = torch.cat([x[:BS], x[2 * BS:]])
+    assert_within_bound(intact, torch.cat([decoded[:BS], decoded[2 * BS:]]), block_bounds(intact, "rel", 1e-2))
+    assert c.nonfinite_count == 2 and c.stats.nonfinite_elements == 2 and c.stats.nonfinite_blocks == 1
+    assert c.stats.bound_violations == 0
+    c.reset_stats()
+    assert c.stats.nonfinite_elements == 0 and c.nonfinite_count == 2  # the lifetime counter stays
+
+
+def test_raw_messages_carry_nan_and_inf_exactly():
+    x = torch.randn(2 * BS, generator=torch.Generator().manual_seed(8))
+    x[5], x[70] = math.nan, -math.inf
+    c = codec(eb=1e-7, packing="fixed")
+    decoded, _ = round_trip(c, x)
+    assert torch.equal(decoded.isnan(), x.isnan()) and decoded[70] == -math.inf and c.nonfinite_count == 2
+
+
+@pytest.mark.parametrize(("block", "rows", "packing", "eb"),
+                         [(64, 1, "fixed", 1e-2), (64, 37, "agreed", 1e-3), (5, 11, "fixed", 0.3),
+                          (13, 4, "agreed", 1e-4), (128, 3, "fixed", 2e-5), (8, 9, "agreed", 0.5)])
+def test_calc_quantized_size_matches_encode(block, rows, packing, eb):
+    x = torch.randn(rows, 2 * block, generator=torch.Generator().manual_seed(9))
+    c = codec(eb=eb, packing=packing, block_size=block)
+    ctx = c.create_context()
+    message = c.encode(x, ctx)
+    assert message.numel() == c.calc_quantized_size(x.numel(), ctx) == 2 * rows * bytes_per_block(ctx.bits, block)
+    # TorchRec sizes each destination's chunk separately; the chunks must add up
+    assert sum(c.calc_quantized_size(block * k, ctx) for k in (rows, rows)) == message.numel()
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"eb": 0.0}, "eb must be"), ({"eb": -1.0}, "eb must be"), ({"eb": math.nan}, "eb must be"),
+    ({"eb": math.inf}, "eb must be"), ({"eb": 0.7}, "meaningless"), ({"mode": "l2"}, "unknown mode"),
+    ({"packing": "zip"}, "unknown packing"), ({"block_size": 0}, "block_size"),
+    ({"packing": "agreed", "bits": 8}, "set by the exchange"), ({"packing": "fixed", "bits": 17}, "bits must be"),
+    ({"table_scales": (1.0, 0.0)}, "table_scales"),
+])
+def test_invalid_config_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        codec(**kwargs)
+
+
+def test_invalid_factory_options_are_refused():
+    with pytest.raises(ValueError, match="unknown compression options"):
+        make_error_bounded_codecs({"ebb": 1e-2}, None)
+    with pytest.raises(ValueError, match="unknown schedule"):
+        make_error_bounded_codecs({"schedule": "cosine"}, None)
+    with pytest.raises(ValueError, match="eb must be"):
+        make_error_bounded_codecs({"backward_eb": 0}, None)
+
+
+def test_fixed_width_refuses_what_it_cannot_guarantee():
+    with pytest.raises(ValueError, match="needs 7"):
+        codec(eb=1e-2, packing="fixed", bits=6)  # 6 bits suffice only without float32 rounding
+    with pytest.raises(ValueError, match="value_range"):
+        codec(mode="abs", eb=1e-2, packing="fixed")
+    c = codec(mode="abs", eb=1e-2, packing="fixed", value_range=(-1.0, 1.0))
+    x = torch.rand(4 * BS, generator=torch.Generator().manual_seed(10)) * 2 - 1
+    decoded, bits = round_trip(c, x)
+    assert bits == 7 and c.stats.bound_violations == 0
+    assert_within_bound(x, decoded, block_bounds(x, "abs", 1e-2))
+    with pytest.raises(ValueError, match="outside the declared value_range"):
+        c.encode(x * 2, c.create_context())
+
+
+def test_length_must_be_whole_blocks_and_float32():
+    c = codec()
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        c.encode(torch.randn(BS + 1), c.create_context())
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        c.calc_quantized_size(100, c.create_context())
+    with pytest.raises(ValueError, match="must divide every rank"):
+        c.padded_size(torch.randn(4, 96), [96, 64], 0, c.create_context())
+    with pytest.raises(ValueError, match="float32"):
+        c.encode(torch.randn(BS, dtype=torch.float64), c.create_context())
+    agreed = codec(packing="agreed")
+    with pytest.raises(ValueError, match="create_context"):
+        agreed.encode(torch.randn(BS))
+
+
+def test_linear_decay_tightens_the_bound_and_the_errors():
+    x = torch.randn(64, BS, generator=torch.Generator().manual_seed(11))
+    schedule = BoundSchedule(kind="linear_decay", decay_steps=100, min_factor=0.1)
+    c = codec(mode="abs", eb=1e-2, packing="agreed", schedule=schedule)
+    first, first_bits = round_trip(c, x)
+    c.set_iteration(100)
+    assert c.bound_in_force() == pytest.approx(1e-3)
+    later, later_bits = round_trip(c, x)
+    assert_within_bound(x, later, block_bounds(x, "abs", c.bound_in_force()))
+    assert later_bits > first_bits and (later - x).abs().max() < (first - x).abs().max()
+    c.set_iteration(50)
+    assert c.bound_in_force() == pytest.approx(1e-2 * 0.55)
+
+
+def test_feedback_schedule_tightens_when_the_loss_stalls():
+    c = codec(eb=1e-2, schedule=BoundSchedule(kind="feedback", patience=3, tighten=0.5, min_factor=0.25))
+    for step, loss in enumerate([1.0, 0.9, 0.8]):
+        c.set_iteration(step, loss)
+    assert c.bound_in_force() == 1e-2  # improving: unchanged
+    for step in range(3, 6):
+        c.set_iteration(step, 0.8)
+    assert c.bound_in_force() == 5e-3
+    for step in range(6, 20):
+        c.set_iteration(step, 0.8)
+    assert c.bound_in_force() == 2.5e-3  # floored at min_factor
+    x = torch.randn(16, BS, generator=torch.Generator().manual_seed(12))
+    assert_within_bound(x, round_trip(c, x)[0], block_bounds(x, "rel", 2.5e-3))
+
+
+def test_table_scales_give_each_table_its_own_bound():
+    scales = column_block_scales([2 * BS, BS], {1: 0.1}, BS)
+    assert scales == [1.0, 1.0, 0.1]
+    c = codec(mode="abs", eb=1e-2, packing="agreed", table_scales=scales)
+    assert [c.bound_in_force(i) for i in range(3)] == [1e-2, 1e-2, pytest.approx(1e-3)]
+    x = torch.randn(32, 3 * BS, generator=torch.Generator().manual_seed(13))
+    decoded, _ = round_trip(c, x)
+    error = (decoded - x).abs().double()
+    # one width per message: the tight table sets it, and the loose ones get the spare precision
+    assert error[:, :2 * BS].max() <= 1e-2 and error[:, 2 * BS:].max() <= 1e-2 * 0.1
+    assert c.stats.last_bits == round_trip(codec(mode="abs", eb=1e-3, packing="agreed"), x)[1]
+    with pytest.raises(ValueError, match="do not match rows"):
+        c.encode(torch.randn(4, 2 * BS), c.create_context())
+    fixed = codec(eb=1e-2, table_scales=[1.0, 0.5])
+    with pytest.raises(ValueError, match="cannot change mid-run"):
+        fixed.set_table_scales([1.0, 0.01])
+
+
+def test_stats_report_ratio_error_and_throughput():
+    x = torch.randn(128, BS, generator=torch.Generator().manual_seed(14)) * 0.1
+    c = codec(eb=1e-2, packing="agreed")
+    round_trip(c, x)
+    s = c.stats
+    assert s.compression_ratio == pytest.approx(4 * BS / bytes_per_block(6, BS))
+    assert s.bytes_in == 4 * x.numel() and s.measured_elements == x.numel()
+    assert 0 < s.mean_abs_error < s.max_abs_error and s.encode_gbps > 0 and s.decode_gbps > 0
+    assert set(s.as_dict()) >= {"compression_ratio", "max_error_over_bound", "bound_violations", "encode_gbps"}
+    quiet = codec(eb=1e-2, packing="agreed", measure_error=False)
+    round_trip(quiet, x)
+    assert quiet.stats.measured_elements == 0 and quiet.stats.measure_seconds == 0
+
+
+def _two_rank_worker(rank: int, store: str, results) -> None:
+    import torch.distributed as dist
+    from torchrec.distributed.dist_data import PooledEmbeddingsAllToAll
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        group = dist.group.WORLD
+        options = {"mode": "abs", "eb": 1e-3, "packing": "agreed", "block_size": 8, "backward_eb": 1e-2}
+        dims = [16, 8]  # this rank's embedding dim sum, per rank
+        g = torch.Generator().manual_seed(rank)
+        # rank 0's values are small (few bits for 1e-3), rank 1's large (many bits)
+        local = torch.randn(4, dims[rank], generator=g) * (0.01 if rank == 0 else 10.0)
+        upstream = torch.randn(2, sum(dims), generator=torch.Generator().manual_seed(99))
+
+        def exchange(codecs):
+            embeddings = local.clone().requires_grad_()
+            out = PooledEmbeddingsAllToAll(group, dims, codecs=codecs)(embeddings).wait()
+            (out * upstream).sum().backward()  # gradient of the output = upstream, whatever out is
+            return out.detach(), embeddings.grad
+
+        codecs = make_error_bounded_codecs(options, group)
+        local_bits = codecs.forward.required_bits(local)
+        out, grad = exchange(codecs)
+        ref_out, ref_grad = exchange(None)
+        bounds = 1e-2 * (ref_grad.view(-1, 8).amax(1) - ref_grad.view(-1, 8).amin(1)).double()
+        results.put({
+            "rank": rank, "local_bits": local_bits, "agreed_bits": codecs.forward.stats.last_bits,
+            "forward_error": float((out - ref_out).abs().max()),
+            "grad_ok": bool(((grad - ref_grad).abs().view(-1, 8).amax(1).double() <= bounds).all()),
+            "violations": codecs.forward.stats.bound_violations + codecs.backward.stats.bound_violations,
+            "backward_calls": codecs.backward.stats.encode_calls,
+        })
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_agree_on_the_widest_width_through_torchrec(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_two_rank_worker, args=(r, str(tmp_path / "store"), results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted((results.get(timeout=120) for _ in procs), key=lambda r: r["rank"])
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+    assert [p.exitcode for p in procs] == [0, 0]
+    assert got[0]["local_bits"] < got[1]["local_bits"]  # the ranks' data need different widths
+    assert got[0]["agreed_bits"] == got[1]["agreed_bits"] == got[1]["local_bits"]
+    for r in got:
+        assert r["forward_error"] <= 1e-3 and r["grad_ok"] and r["violations"] == 0 and r["backward_calls"] == 1
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

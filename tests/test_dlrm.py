@@ -1,0 +1,258 @@
+"""workload=dlrm: config checks, planted data, the model's learning signal, and real runs (1 and 2 ranks)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import TINY, clean_env, mlflow_runs
+from torchrec.distributed.types import QuantizedCommCodecs
+
+from workloads.base import RunContext
+from workloads.dlrm import comm
+from workloads.dlrm.data import SyntheticCriteo, zipf_ranks
+from workloads.dlrm.model import PRESETS, count_params, dense_training_flops
+from workloads.dlrm.workload import DLRMConfig, DLRMWorkload, roc_auc
+
+CPU = torch.device("cpu")
+
+
+def context(world_size: int = 1, device: torch.device = CPU) -> RunContext:
+    return RunContext(device=device, seed=7, world_size=world_size)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny ops gain nothing from 2 threads, and spinning ones crawl when other jobs share the CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"preset": "huge"}, "'workload.preset'.*allowed values: tiny, mlperf_dcnv2"),
+        ({"lr": -1.0}, "'workload.lr'"),
+        ({"sharding": "diagonal"}, "'workload.sharding'.*allowed values: table_wise, column_wise, row_wise"),
+        ({"comm_codec": "zstd"}, "'workload.comm_codec'.*allowed values: none, fp16, bf16, fp8, int8"),
+        ({"zipf_exponent": -0.5}, "'workload.zipf_exponent'"),
+        ({"auc_target": 0.4}, "'workload.auc_target'"),
+        ({"num_tables": 3, "table_rows": [10, 20]}, "'workload.table_rows'.*num_tables is 3"),
+        ({"embedding_dim": 6}, "multiple of 4"),
+        ({"bottom_mlp": [64, 32]}, "bottom_mlp must end in embedding_dim=16"),
+        ({"top_mlp": [64, 2]}, "top_mlp"),
+        ({"train_batches": 0}, "'workload.train_batches'"),
+    ],
+)
+def test_config_rejects_bad_values(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        DLRMConfig(**overrides)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world_size", "message"),
+    [
+        ({"sharding": "row_wise"}, 2, "'workload.sharding': row_wise needs CUDA"),
+        ({"sharding": "row_wise"}, 1, "'workload.sharding': row_wise needs CUDA"),
+        ({"comm_codec": "fp8"}, 2, "'workload.comm_codec': comm_codec=fp8 does not run on CPU"),
+        ({"comm_codec": "int8"}, 1, "'workload.comm_codec': comm_codec=int8 needs >1 rank"),
+        ({"comm_codec": "fp16", "codec_options": {"x": 1}}, 2, "codec_options are for codecs registered"),
+        ({"sharding": "column_wise"}, 8, "'workload.sharding': column_wise .* multiple of 32"),
+        ({"sharding": "table_wise", "num_tables": 1}, 2, "'workload.sharding': table_wise .* 1 tables"),
+        ({"batch_size": 513}, 2, "'workload.batch_size': 513 is not divisible by the world size 2"),
+    ],
+)
+def test_workload_rejects_what_cannot_run_here(overrides, world_size, message):
+    with pytest.raises(ValueError, match=message):
+        DLRMWorkload(DLRMConfig(**overrides), context(world_size))
+
+
+def test_mlperf_preset_has_the_reference_shape_and_builds_on_meta():
+    shape = DLRMConfig(preset="mlperf_dcnv2").shape()
+    assert shape.num_tables == 26 and shape.embedding_dim == 128 and shape.batch_size == 65_536
+    assert shape.bottom_mlp == (512, 256, 128) and shape.top_mlp == (1024, 1024, 512, 256, 1)
+    assert max(shape.table_rows) == 40_000_000
+    embedding_params, _ = count_params(shape)  # on meta: no 100 GB allocation
+    assert embedding_params == sum(shape.table_rows) * 128
+    capped = DLRMConfig(preset="mlperf_dcnv2", max_table_rows=1_000_000).shape()
+    assert max(capped.table_rows) == 1_000_000 and min(capped.table_rows) == 3
+
+
+def test_flops_are_counted_forward_and_backward_and_scale_with_batch():
+    shape = PRESETS["mlperf_dcnv2"]
+    per_sample = dense_training_flops(shape, 1)
+    assert dense_training_flops(shape, 8) == pytest.approx(8 * per_sample)
+    # forward matmul FLOPs of one sample: bottom MLP, 3 low-rank DCN layers, top MLP
+    width = shape.interaction_dim
+    forward_macs = (13 * 512 + 512 * 256 + 256 * 128 + 3 * 2 * width * 512
+                    + width * 1024 + 1024 * 1024 + 1024 * 512 + 512 * 256 + 256)
+    # backward = input grads (all but the first layer) + weight grads: a bit under 2x forward
+    assert 2.8 * 2 * forward_macs < per_sample <= 3 * 2 * forward_macs
+
+
+@pytest.mark.parametrize(
+    ("codec", "forward", "backward"),
+    [
+        ("fp16", torch.float16, torch.float16),
+        ("bf16", torch.bfloat16, torch.bfloat16),
+        ("int8", torch.uint8, torch.uint8),
+    ],
+)
+def test_builtin_codecs_send_the_dtype_they_are_named_after_on_cpu(codec, forward, backward):
+    (codecs,) = comm.build_qcomm_registry(codec, CPU).values()  # CPU: the all-to-all only
+    assert (codecs.forward.quantized_dtype, codecs.backward.quantized_dtype) == (forward, backward)
+    assert comm.build_qcomm_registry("none", CPU) is None
+
+
+def test_custom_codecs_register_by_name_and_receive_their_options(monkeypatch):
+    received = {}
+
+    def factory(options, process_group):
+        received.update(options=options, process_group=process_group)
+        return QuantizedCommCodecs()
+
+    monkeypatch.setitem(comm.CUSTOM_CODECS, "eb", factory)
+    config = DLRMConfig(comm_codec="eb", codec_options={"error_bound": 0.01})
+    DLRMWorkload(config, context(world_size=2))  # options allowed for a custom codec
+    registry = comm.build_qcomm_registry("eb", CPU, {"error_bound": 0.01}, process_group="pg")
+    assert list(registry) == ["POOLED_EMBEDDINGS_ALL_TO_ALL"]
+    assert received == {"options": {"error_bound": 0.01}, "process_group": "pg"}
+
+
+def test_codec_hooks_advance_the_schedule_and_report_stats():
+    class Stats:
+        def as_dict(self):
+            return {"compression_ratio": 5.0, "last_bits": float("nan")}
+
+    class ScheduledCodec:
+        def __init__(self):
+            self.calls, self.stats = [], Stats()
+
+        def set_iteration(self, step, loss):
+            self.calls.append((step, loss))
+
+    codecs = QuantizedCommCodecs()
+    codecs.forward, codecs.backward = ScheduledCodec(), ScheduledCodec()
+    registry = {"POOLED_EMBEDDINGS_ALL_TO_ALL": codecs}
+    comm.advance_codecs(registry, 0, None)
+    comm.advance_codecs(registry, 1, torch.tensor(0.5))
+    assert codecs.forward.calls == codecs.backward.calls == [(0, None), (1, 0.5)]
+    assert comm.codec_metrics(registry) == {"codec_forward_compression_ratio": 5.0,
+                                            "codec_backward_compression_ratio": 5.0}
+    assert comm.codec_metrics(comm.build_qcomm_registry("int8", CPU)) == {}  # FBGEMM's codecs keep no stats
+
+
+# -- data and quality ---------------------------------------------------------------------------
+
+
+def test_zipf_ids_are_skewed_and_exponent_zero_is_uniform():
+    g = torch.Generator().manual_seed(0)
+    rows = 10_000
+    skewed = torch.bincount(zipf_ranks(rows, 1.1, 200_000, g), minlength=rows)
+    uniform = torch.bincount(zipf_ranks(rows, 0.0, 200_000, g), minlength=rows)
+    top_1pct = rows // 100
+    assert skewed.sort(descending=True).values[:top_1pct].sum() > 0.4 * 200_000
+    assert uniform.sort(descending=True).values[:top_1pct].sum() < 0.02 * 200_000
+    assert skewed[0] > skewed[10] > skewed[1000]  # rank 0 is the most popular
+
+
+def test_batches_are_deterministic_per_seed_and_differ_across_streams():
+    shape = PRESETS["tiny"]
+    data = SyntheticCriteo(shape.table_rows, shape.multi_hot_sizes, shape.num_dense, 1.1, seed=0)
+
+    def batch(seed):
+        return data.batch(64, torch.Generator().manual_seed(seed))
+
+    a, b, c = batch(1), batch(1), batch(2)
+    assert torch.equal(a.sparse.values(), b.sparse.values()) and torch.equal(a.labels, b.labels)
+    assert not torch.equal(a.sparse.values(), c.sparse.values())
+    assert a.sparse.keys() == [f"cat_{i}" for i in range(8)]
+    assert a.sparse.lengths().tolist() == list(itertools.chain.from_iterable([h] * 64 for h in shape.multi_hot_sizes))
+    for t, rows in enumerate(shape.table_rows):
+        assert 0 <= int(a.sparse[f"cat_{t}"].values().min()) and int(a.sparse[f"cat_{t}"].values().max()) < rows
+
+
+def test_roc_auc_is_exact_with_ties():
+    scores = torch.tensor([0.1, 0.4, 0.4, 0.8, 0.3, 0.4])
+    labels = torch.tensor([0.0, 1.0, 0.0, 1.0, 0.0, 1.0])
+    pairs = [(s_p > s_n) + 0.5 * (s_p == s_n) for s_p, y_p in zip(scores, labels, strict=True) if y_p == 1
+             for s_n, y_n in zip(scores, labels, strict=True) if y_n == 0]
+    assert roc_auc(scores, labels) == pytest.approx(float(sum(pairs)) / len(pairs))
+    assert math.isnan(roc_auc(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 1.0])))  # one class only
+
+
+def test_planted_labels_are_learnable_and_the_model_reaches_the_target(one_thread):
+    workload = DLRMWorkload(DLRMConfig(), context())
+    workload.setup()
+    assert workload.oracle_auc > 0.8  # the planted model itself separates clicks well
+    assert workload.evaluate()["auc"] < 0.6  # before training: chance
+    for _ in range(100):
+        workload.step()
+    quality = workload.evaluate()
+    assert quality["auc"] > 0.75 and quality["log_loss"] < 0.6
+    assert workload.quality_target().reached(quality["auc"])
+    assert workload.flops_per_step() > 0
+
+
+# -- end-to-end runs through the CLI ------------------------------------------------------------
+
+
+def test_single_process_run_logs_auc_and_throughput(cobench, tmp_path):
+    proc = cobench("run", "workload=dlrm", "platform.num_threads=1", *TINY)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (run,) = mlflow_runs(tmp_path / "results")
+    assert run.info.status == "FINISHED"
+    metrics = run.data.metrics
+    assert 0.0 < metrics["auc"] <= 1.0 and metrics["throughput"] > 0 and metrics["log_loss"] > 0
+    assert metrics["achieved_tflops"] > 0  # flops_per_step was counted
+    assert run.data.tags["throughput_unit"] == "samples/s"
+    assert not any(name.startswith("a2a_") for name in metrics)  # one process: no all-to-all
+
+
+def test_bad_codec_setup_fails_before_any_mlflow_run(cobench, tmp_path):
+    proc = cobench("run", "workload=dlrm", "workload.comm_codec=int8", *TINY)
+    assert proc.returncode != 0
+    assert "comm_codec=int8 needs >1 rank" in proc.stderr + proc.stdout
+    assert mlflow_runs(tmp_path / "results") == []
+
+
+def two_rank_run(tmp_path, calibration_cache, *overrides: str):
+    tmp_path.mkdir()
+    results = tmp_path / "results"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+        "-m", "suite.cli", "run", "workload=dlrm", f"results_dir={results}",
+        f"platform.calibration_cache={calibration_cache}", *TINY, *overrides,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=clean_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (run,) = mlflow_runs(results)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["world_size"] == "2"
+    return run.data.metrics
+
+
+@pytest.mark.slow
+def test_two_rank_sharded_runs_measure_and_compress_the_all_to_all(tmp_path, calibration_cache):
+    plain = two_rank_run(tmp_path / "none", calibration_cache, "workload.sharding=table_wise")
+    int8 = two_rank_run(tmp_path / "int8", calibration_cache, "workload.comm_codec=int8")
+    fp16_cw = two_rank_run(tmp_path / "fp16", calibration_cache, "workload.sharding=column_wise",
+                           "workload.comm_codec=fp16")
+    for metrics in (plain, int8, fp16_cw):
+        assert metrics["a2a_calls_per_step"] == 2  # one forward, one backward all-to-all per step
+        assert metrics["a2a_time_ms"] > 0 and metrics["auc"] > 0
+    # uncompressed, the measured bytes are exactly what the sharding plan predicts
+    assert plain["a2a_bytes_per_step"] == plain["a2a_fp32_bytes_per_step"] > 0
+    assert plain["a2a_compression_ratio"] == 1.0
+    assert int8["a2a_bytes_per_step"] < plain["a2a_bytes_per_step"] / 2.5  # 1 byte + a row scale and bias
+    assert fp16_cw["a2a_bytes_per_step"] == fp16_cw["a2a_fp32_bytes_per_step"] / 2
+    assert fp16_cw["a2a_bytes_per_step"] < plain["a2a_bytes_per_step"]

@@ -1,0 +1,389 @@
+"""The DLRM-DCNv2 training benchmark: config, sharding, optimiser, train/eval steps, a2a metrics.
+
+One process trains the plain TorchRec model (``nn.EmbeddingBag`` tables); under ``torchrun``
+the tables are sharded by ``DistributedModelParallel`` following an ``EmbeddingShardingPlanner``
+plan restricted to the configured sharding type, the dense part is data-parallel (DDP, inside
+DMP), and the pooled embeddings cross ranks in TorchRec's own all-to-all, optionally compressed
+by a codec from :mod:`workloads.dlrm.comm`. (A world-size-1 DMP is not an option: TorchRec's
+fused optimiser needs a default process group, which a single process does not have.)
+
+Optimiser, as MLPerf's closed DLRM-DCNv2 rules fix it: Adagrad with a constant learning rate,
+no warm-up, no decay, no weight decay, zero initial accumulator, eps 1e-8, for the dense part
+(``torch.optim.Adagrad``) and the tables (``apply_optimizer_in_backward``: FBGEMM's fused exact
+Adagrad when sharded, ``torch.optim.Adagrad`` applied during backward when not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
+
+from workloads.base import MLPerfInfo, QualityTarget, RunContext, StepResult, WorkloadBase, register
+from workloads.dlrm import comm
+from workloads.dlrm.data import ClickBatch, SyntheticCriteo
+from workloads.dlrm.model import PRESETS, DLRMShape, build_dlrm, count_params, dense_training_flops
+
+SHARDINGS = ("table_wise", "column_wise", "row_wise")
+# auc_target null: this fraction of the way from chance (0.5) to the planted model's own AUC.
+AUC_TARGET_FRACTION = 0.85
+
+
+def _invalid(key: str, message: str) -> ValueError:
+    return ValueError(f"invalid config 'workload.{key}': {message}")
+
+
+@dataclass
+class DLRMConfig:
+    """``workload=dlrm``. Model fields left ``None`` take the preset's value."""
+
+    name: str = "dlrm"
+    preset: str = "tiny"
+    num_tables: int | None = None  # None: the preset's; else its table lists are cycled to this length
+    table_rows: list[int] | None = None  # rows per table
+    max_table_rows: int = 40_000_000  # cap on every table (MLPerf's is 40M)
+    multi_hot_sizes: list[int] | None = None  # ids per sample, per table
+    embedding_dim: int | None = None
+    bottom_mlp: list[int] | None = None
+    top_mlp: list[int] | None = None
+    dcn_num_layers: int | None = None
+    dcn_low_rank_dim: int | None = None
+    num_dense: int = 13
+    batch_size: int | None = None  # global, across all ranks; None: the preset's
+    lr: float = 0.005  # Adagrad, dense and sparse
+    adagrad_eps: float = 1e-8
+    sharding: str = "table_wise"  # with >1 rank: table_wise | column_wise | row_wise (CUDA only)
+    comm_codec: str = "none"  # compression of the pooled-embedding all-to-all (see comm.py)
+    codec_options: dict[str, Any] = field(default_factory=dict)  # passed to a CUSTOM_CODECS factory
+    zipf_exponent: float = 1.1  # id popularity ∝ rank ** -zipf_exponent; 0 is uniform
+    data_seed: int = 0  # the planted click model; fixed so every run learns the same task
+    train_batches: int = 128  # size of the training set, in global batches (cycled)
+    eval_batches: int = 4
+    auc_target: float | None = None  # None: 85% of the way from 0.5 to the planted model's AUC
+    # link bandwidths (GB/s per rank) at which to project the all-to-all and step time from the bytes
+    projection_bandwidths_gbps: list[float] = field(default_factory=lambda: [12.5, 25.0, 50.0])
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise _invalid("preset", f"got {self.preset!r}, allowed values: {', '.join(PRESETS)}")
+        for key in ("num_tables", "embedding_dim", "dcn_num_layers", "dcn_low_rank_dim", "batch_size"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise _invalid(key, f"got {value}, must be >= 1")
+        if any(not (math.isfinite(b) and b > 0) for b in self.projection_bandwidths_gbps):
+            raise _invalid("projection_bandwidths_gbps", f"got {self.projection_bandwidths_gbps}, must be positive")
+        for key in ("max_table_rows", "num_dense", "train_batches", "eval_batches"):
+            if getattr(self, key) < 1:
+                raise _invalid(key, f"got {getattr(self, key)}, must be >= 1")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise _invalid("lr", f"got {self.lr}, must be a positive number")
+        if not (math.isfinite(self.adagrad_eps) and self.adagrad_eps > 0):
+            raise _invalid("adagrad_eps", f"got {self.adagrad_eps}, must be a positive number")
+        if not (math.isfinite(self.zipf_exponent) and self.zipf_exponent >= 0):
+            raise _invalid("zipf_exponent", f"got {self.zipf_exponent}, must be >= 0")
+        if self.sharding not in SHARDINGS:
+            raise _invalid("sharding", f"got {self.sharding!r}, allowed values: {', '.join(SHARDINGS)}")
+        if self.comm_codec not in comm.codec_names():
+            raise _invalid("comm_codec", f"got {self.comm_codec!r}, allowed values: {', '.join(comm.codec_names())}")
+        if self.auc_target is not None and not 0.5 < self.auc_target <= 1:
+            raise _invalid("auc_target", f"got {self.auc_target}, must be in (0.5, 1]")
+        for key in ("table_rows", "multi_hot_sizes"):
+            values = getattr(self, key)
+            if values is not None and self.num_tables is not None and len(values) != self.num_tables:
+                raise _invalid(key, f"has {len(values)} entries but num_tables is {self.num_tables}")
+        try:
+            self.shape().validate()
+        except ValueError as err:
+            raise ValueError(f"invalid config 'workload' (model from preset {self.preset!r}): {err}") from err
+
+    def shape(self) -> DLRMShape:
+        """The preset with this config's overrides applied."""
+        base = PRESETS[self.preset]
+        rows = tuple(self.table_rows) if self.table_rows is not None else base.table_rows
+        hot = tuple(self.multi_hot_sizes) if self.multi_hot_sizes is not None else base.multi_hot_sizes
+        count = self.num_tables or (len(self.table_rows or self.multi_hot_sizes or ()) or base.num_tables)
+        overrides = {
+            "table_rows": tuple(min(rows[i % len(rows)], self.max_table_rows) for i in range(count)),
+            "multi_hot_sizes": tuple(hot[i % len(hot)] for i in range(count)),
+            "num_dense": self.num_dense,
+            "embedding_dim": self.embedding_dim,
+            "bottom_mlp": tuple(self.bottom_mlp) if self.bottom_mlp is not None else None,
+            "top_mlp": tuple(self.top_mlp) if self.top_mlp is not None else None,
+            "dcn_num_layers": self.dcn_num_layers,
+            "dcn_low_rank_dim": self.dcn_low_rank_dim,
+            "batch_size": self.batch_size,
+        }
+        shape = replace(base, **{k: v for k, v in overrides.items() if v is not None})
+        if self.embedding_dim is not None and self.bottom_mlp is None:  # keep the bottom MLP's output = dim
+            shape = replace(shape, bottom_mlp=(*shape.bottom_mlp[:-1], self.embedding_dim))
+        return shape
+
+
+def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Exact ROC AUC (Mann-Whitney U, ties counted half); NaN when one class is missing."""
+    scores, labels = scores.double().flatten(), labels.double().flatten()
+    positives = float(labels.sum())
+    negatives = labels.numel() - positives
+    if positives == 0 or negatives == 0:
+        return float("nan")
+    sorted_scores, order = torch.sort(scores)
+    _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
+    ends = torch.cumsum(counts, 0).double()
+    average_rank = ends - (counts.double() - 1) / 2  # 1-based mean rank of each group of equal scores
+    ranks = torch.empty_like(scores)
+    ranks[order] = average_rank[inverse]
+    rank_sum = float(ranks[labels == 1].sum())
+    return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives)
+
+
+@register("dlrm", DLRMConfig, "DLRM-DCNv2 (MLPerf) from TorchRec, on planted Criteo-like click data")
+class DLRMWorkload(WorkloadBase):
+    """DLRM-DCNv2 training; tables sharded by TorchRec DMP on more than one rank."""
+
+    throughput_unit = "samples/s"
+
+    def __init__(self, config: DLRMConfig, ctx: RunContext):
+        self.config, self.ctx = config, ctx
+        self.shape = config.shape()
+        if self.shape.batch_size % ctx.world_size:
+            raise _invalid(
+                "batch_size",
+                f"{self.shape.batch_size} is not divisible by the world size {ctx.world_size}; "
+                f"use a multiple of {ctx.world_size}",
+            )
+        self.local_batch = self.shape.batch_size // ctx.world_size
+        problem = comm.codec_problem(config.comm_codec, ctx.device, ctx.world_size, config.codec_options)
+        if problem:
+            raise _invalid("comm_codec", problem)
+        self._check_sharding()
+        self.a2a_meter = comm.PooledA2AMeter(ctx.device) if ctx.distributed else None
+        self.qcomm_registry: dict[str, Any] | None = None  # the codecs the sharder got
+        self._cursor = 0
+        self._previous_loss: torch.Tensor | None = None
+        self._step_seconds: list[float] = []  # host time per step (CPU: the whole step), for projections
+
+    def _check_sharding(self) -> None:
+        cfg, ctx, shape = self.config, self.ctx, self.shape
+        if cfg.sharding == "row_wise" and ctx.device.type != "cuda":
+            raise _invalid(
+                "sharding",
+                f"row_wise needs CUDA: TorchRec shards EmbeddingBagCollections row-wise only on cuda "
+                f"(its output is a reduce-scatter); on {ctx.device.type} use table_wise or column_wise",
+            )
+        if not ctx.distributed:
+            return  # one process trains the unsharded model; sharding has no effect
+        world = ctx.world_size
+        if cfg.sharding == "table_wise" and shape.num_tables < world:
+            raise _invalid(
+                "sharding",
+                f"table_wise places whole tables, and {shape.num_tables} tables leave ranks of the "
+                f"{world} without one; use column_wise, or workload.num_tables >= {world}",
+            )
+        if cfg.sharding == "column_wise":
+            shard_dim, remainder = divmod(shape.embedding_dim, world)
+            if remainder or shard_dim % 4:
+                raise _invalid(
+                    "sharding",
+                    f"column_wise splits each table into {world} column shards, whose width must be a "
+                    f"multiple of 4 (FBGEMM); embedding_dim {shape.embedding_dim} gives "
+                    f"{shape.embedding_dim / world:g}. Use an embedding_dim that is a multiple of {4 * world}",
+                )
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+        cfg, shape = self.config, self.shape
+        self.data = SyntheticCriteo(shape.table_rows, shape.multi_hot_sizes, shape.num_dense,
+                                    cfg.zipf_exponent, seed=cfg.data_seed)
+        self.train_set = self._make_batches(cfg.train_batches, stream=0)
+        self.eval_set = self._make_batches(cfg.eval_batches, stream=1)
+        self.model, self.plan = self._build_model()
+        if self.plan is not None:
+            self.codec_block_size = comm.fit_block_size(self.qcomm_registry, self._dim_per_rank())
+        dense_params = [p for _, p in in_backward_optimizer_filter(self.model.named_parameters())]
+        self.optimizer = torch.optim.Adagrad(dense_params, lr=cfg.lr, eps=cfg.adagrad_eps)
+        oracle_scores = torch.cat([batch.planted_logits for batch in self.eval_set])
+        labels = torch.cat([batch.labels for batch in self.eval_set])
+        self.oracle_auc = roc_auc(*self._gather(oracle_scores, labels))
+        self._flops = dense_training_flops(shape, self.local_batch)
+
+    def _make_batches(self, count: int, stream: int) -> list[ClickBatch]:
+        """Per-rank batches; ``stream`` 1 is held out (never seen in training)."""
+        generator = torch.Generator().manual_seed(
+            ((self.ctx.seed * 1_000_003 + stream) * 1009 + self.ctx.rank) % 2**63
+        )
+        return [self.data.batch(self.local_batch, generator).to(self.ctx.device) for _ in range(count)]
+
+    def _build_model(self) -> tuple[nn.Module, Any]:
+        ctx = self.ctx
+        # Sharded, the tables stay on meta until DMP allocates each rank's own shards.
+        model = build_dlrm(self.shape, ctx.device, torch.device("meta") if ctx.distributed else ctx.device)
+        # Sharded, DMP's sharder reads this and fuses FBGEMM's exact Adagrad into the lookup kernel's
+        # backward; unsharded, torch's Adagrad runs on each table as its gradient is ready.
+        apply_optimizer_in_backward(torch.optim.Adagrad, model.sparse_arch.parameters(),
+                                    {"lr": self.config.lr, "eps": self.config.adagrad_eps})
+        return self._shard(model) if ctx.distributed else (model, None)
+
+    def _shard(self, model: nn.Module) -> tuple[nn.Module, Any]:
+        from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+        from torchrec.distributed.model_parallel import DistributedModelParallel
+        from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
+        from torchrec.distributed.planner.types import HardwareConfig, KernelConfig, TopologyFactory, TrainerConfig
+        from torchrec.distributed.types import ShardingEnv
+
+        cfg, ctx, shape = self.config, self.ctx, self.shape
+        self.qcomm_registry = comm.build_qcomm_registry(
+            cfg.comm_codec, ctx.device, cfg.codec_options, ctx.process_group
+        )
+        sharder = EmbeddingBagCollectionSharder(qcomm_codecs_registry=self.qcomm_registry)
+        # Without min_partition the planner keeps column shards >= 128 wide: one shard, i.e. table-wise.
+        min_partition = shape.embedding_dim // ctx.world_size if cfg.sharding == "column_wise" else None
+        constraints = {
+            config.name: ParameterConstraints(
+                sharding_types=[cfg.sharding], min_partition=min_partition, pooling_factors=[float(hot)],
+            )
+            for config, hot in zip(model.sparse_arch.embedding_bag_collection.embedding_bag_configs(),
+                                   shape.multi_hot_sizes, strict=True)
+        }
+        hardware = None
+        if ctx.device.type == "cuda":  # the planner's default HBM size is not this GPU's
+            hardware = HardwareConfig(hbm_cap_bytes=torch.cuda.get_device_properties(ctx.device).total_memory)
+        topology = TopologyFactory.create_topology(
+            TrainerConfig(world_size=ctx.world_size), hardware_config=hardware,
+            kernel_config=KernelConfig(compute_device=ctx.device.type),
+        )
+        planner = EmbeddingShardingPlanner(
+            topology=topology, batch_size=self.local_batch, constraints=constraints, debug=False
+        )
+        plan = planner.collective_plan(model, [sharder], ctx.process_group)
+        dmp = DistributedModelParallel(
+            model, env=ShardingEnv.from_process_group(ctx.process_group), device=ctx.device, plan=plan,
+            sharders=[sharder],
+        )
+        return dmp, plan
+
+    # -- steps ----------------------------------------------------------------------------------
+
+    def _logits(self, batch: ClickBatch) -> torch.Tensor:
+        return self.model(batch.dense, batch.sparse).squeeze(-1)
+
+    def step(self) -> StepResult:
+        self.model.train()
+        batch = self.train_set[self._cursor % len(self.train_set)]
+        comm.advance_codecs(self.qcomm_registry, self._cursor, self._previous_loss)
+        self._cursor += 1
+        metered = self.a2a_meter.step() if self.a2a_meter is not None else contextlib.nullcontext()
+        started = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        with metered:  # forward and backward: both pooled-embedding all-to-alls
+            loss = F.binary_cross_entropy_with_logits(self._logits(batch), batch.labels)
+            loss.backward()  # the tables are updated here, by the fused in-backward Adagrad
+        self.optimizer.step()
+        self._step_seconds.append(time.perf_counter() - started)
+        self._previous_loss = loss.detach()
+        return StepResult(samples=self.local_batch, loss=self._previous_loss)
+
+    def _gather(self, *local: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's tensors, concatenated in rank order (equal sizes on every rank)."""
+        if not self.ctx.distributed:
+            return list(local)
+        gathered = []
+        for tensor in local:
+            parts = [torch.empty_like(tensor) for _ in range(self.ctx.world_size)]
+            dist.all_gather(parts, tensor.contiguous(), group=self.ctx.process_group)
+            gathered.append(torch.cat(parts))
+        return gathered
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """AUC and log loss over every rank's held-out batches (gathered, then exact)."""
+        self.model.eval()
+        logits = torch.cat([self._logits(batch) for batch in self.eval_set]).float()
+        labels = torch.cat([batch.labels for batch in self.eval_set])
+        logits, labels = self._gather(logits, labels)
+        log_loss = F.binary_cross_entropy_with_logits(logits, labels)
+        return {"auc": roc_auc(logits.cpu(), labels.cpu()), "log_loss": float(log_loss)}
+
+    # -- what the harness reports ---------------------------------------------------------------
+
+    def flops_per_step(self) -> float:
+        return self._flops
+
+    def target_auc(self) -> float:
+        if self.config.auc_target is not None:
+            return self.config.auc_target
+        return 0.5 + AUC_TARGET_FRACTION * (self.oracle_auc - 0.5)
+
+    def quality_target(self) -> QualityTarget:
+        return QualityTarget("auc", self.target_auc(), "max")
+
+    def mlperf_info(self) -> MLPerfInfo:
+        cfg = self.config
+        return MLPerfInfo(
+            benchmark="dlrm_dcnv2",
+            global_batch_size=self.shape.batch_size,
+            train_samples=cfg.train_batches * self.shape.batch_size,
+            eval_samples=cfg.eval_batches * self.shape.batch_size,
+            hyperparameters={
+                "opt_name": "adagrad",
+                "opt_base_learning_rate": cfg.lr,
+                "opt_adagrad_learning_rate_decay": 0.0,
+                "opt_adagrad_initial_accumulator_value": 0.0,
+                "opt_adagrad_epsilon": cfg.adagrad_eps,
+                "opt_weight_decay": 0.0,
+                "opt_learning_rate_warmup_steps": 0,
+                "opt_learning_rate_decay_start_step": 0,
+                "opt_learning_rate_decay_steps": 0,
+            },
+        )
+
+    def _dim_per_rank(self) -> list[int]:
+        """Pooled-embedding columns each rank computes, from the sharding plan."""
+        dims = [0] * self.ctx.world_size
+        for module_plan in self.plan.plan.values():
+            for sharding in module_plan.values():
+                for shard in sharding.sharding_spec.shards:
+                    dims[shard.placement.rank()] += shard.shard_sizes[1]
+        return dims
+
+    def extra_metrics(self) -> dict[str, float]:
+        embedding_params, dense_params = count_params(self.shape)
+        metrics = {
+            "embedding_params": float(embedding_params),
+            "dense_params": float(dense_params),
+            "auc_oracle": self.oracle_auc,
+            "auc_target": self.target_auc(),
+        }
+        if self.a2a_meter is None:
+            return metrics
+        metrics.update(comm.codec_metrics(self.qcomm_registry))
+        if getattr(self, "codec_block_size", None):
+            metrics["codec_block_size"] = float(self.codec_block_size)
+        measured = self.a2a_meter.summary()
+        metrics.update(measured)
+        if measured and self.config.sharding != "row_wise":
+            fp32 = comm.fp32_a2a_bytes_per_step(
+                self._dim_per_rank(), self.ctx.rank, [self.local_batch] * self.ctx.world_size
+            )
+            metrics["a2a_fp32_bytes_per_step"] = float(fp32)
+            metrics["a2a_compression_ratio"] = fp32 / measured["a2a_bytes_per_step"]
+        timed = self._step_seconds[1:] or self._step_seconds  # the first step pays one-off costs
+        if measured and "a2a_wait_ms" in measured and timed:
+            step_ms = 1e3 * sum(timed) / len(timed)
+            metrics.update(comm.projected_a2a(measured["a2a_bytes_per_step"], measured["a2a_wait_ms"], step_ms,
+                                              self.config.projection_bandwidths_gbps))
+        return metrics
+
+    def teardown(self) -> None:
+        for name in ("model", "optimizer", "train_set", "eval_set", "data", "plan"):
+            self.__dict__.pop(name, None)
