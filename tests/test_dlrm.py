@@ -256,3 +256,13 @@ def test_two_rank_sharded_runs_measure_and_compress_the_all_to_all(tmp_path, cal
     assert int8["a2a_bytes_per_step"] < plain["a2a_bytes_per_step"] / 2.5  # 1 byte + a row scale and bias
     assert fp16_cw["a2a_bytes_per_step"] == fp16_cw["a2a_fp32_bytes_per_step"] / 2
     assert fp16_cw["a2a_bytes_per_step"] < plain["a2a_bytes_per_step"]
+
+
+def test_bad_error_bound_options_are_refused_before_the_run():
+    from workloads.dlrm.comm import codec_problem
+
+    for options, fragment in (({"eb": -1}, "eb must be"), ({"eb": float("nan")}, "eb must be"),
+                              ({"mode": "fuzzy"}, "mode"), ({"bogus": 1}, "unknown compression options")):
+        problem = codec_problem("eb", torch.device("cpu"), 2, options)
+        assert problem is not None and fragment in problem, (options, problem)
+    assert codec_problem("eb", torch.device("cpu"), 2, {"eb": 0.01, "packing": "agreed"}) is None

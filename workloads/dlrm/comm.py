@@ -67,6 +67,11 @@ def codec_problem(name: str, device: torch.device, world_size: int, codec_option
                 "buffer (\"Tensor 'input' must have 2 dimension(s)\"); use fp16, bf16 or int8 on CPU")
     if name in BUILTIN_CODECS and codec_options:
         return f"codec_options are for codecs registered in CUSTOM_CODECS; the built-in {name!r} takes none"
+    if name in CUSTOM_CODECS:
+        try:  # building a codec only validates its options; nothing is communicated yet
+            CUSTOM_CODECS[name](dict(codec_options), None)
+        except ValueError as err:
+            return f"bad codec_options for {name!r}: {err}"
     return None
 
 
