@@ -34,6 +34,8 @@ class RepetitionState:
     timed_samples: int = 0
     timed_tokens: int = 0
     trained_samples: int = 0  # this rank's, warm-up included
+    steps_done: int = 0  # warm-up included; every step trains one global batch on all ranks
+    global_batch_size: int = 0
     peak_memory_bytes: int = 0
     quality: dict[str, float] = field(default_factory=dict)  # last evaluation
     quality_history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
@@ -42,6 +44,11 @@ class RepetitionState:
     flops_per_step: float | None = None
     extras: dict[str, float] = field(default_factory=dict)  # the workload's own metrics
     status: str = "running"  # running | success | aborted
+
+    @property
+    def global_samples(self) -> int:
+        """Samples trained by all ranks (exact even when ranks hold different shares, e.g. balanced)."""
+        return self.steps_done * self.global_batch_size
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
@@ -106,6 +113,7 @@ def run_repetition(
     log.event(C.CACHE_CLEAR, True)
     log.start(C.INIT_START)
     log.hyperparameters(info, ctx.seed)
+    state.global_batch_size = info.global_batch_size
     seed_everything(ctx.seed, ctx.deterministic)
     workload.setup()
     state.flops_per_step = workload.flops_per_step()
@@ -124,7 +132,7 @@ def run_repetition(
         state.step_times_s = timer.durations_s()
         state.losses = [_to_float(loss) for loss in pending_losses]
         state.status = "aborted"
-        log.run_stop("aborted", state.trained_samples * ctx.world_size)
+        log.run_stop("aborted", state.global_samples)
         raise
     state.step_times_s = timer.durations_s()
     state.peak_memory_bytes = memory.read()
@@ -133,7 +141,7 @@ def run_repetition(
     synchronize(ctx.device)
     state.time_to_train_s = time.perf_counter() - run_start
     state.status = "success" if state.target_reached in (None, True) else "aborted"
-    log.run_stop(state.status, state.trained_samples * ctx.world_size)
+    log.run_stop(state.status, state.global_samples)
     return state
 
 
@@ -154,12 +162,13 @@ def _train(
         result = workload.step()
         pending_losses.append(result.loss)
         state.trained_samples += result.samples
+        state.steps_done += 1
         advance()
 
     block = runner.eval_interval or runner.steps
     step = 0
     while step < runner.steps:
-        log.start(C.BLOCK_START, metadata={C.SAMPLES_COUNT: state.trained_samples * ctx.world_size})
+        log.start(C.BLOCK_START, metadata={C.SAMPLES_COUNT: state.global_samples})
         for _ in range(min(block, runner.steps - step)):
             timer.start()
             result = workload.step()
@@ -169,9 +178,10 @@ def _train(
             state.timed_samples += result.samples
             state.timed_tokens += result.tokens
             state.trained_samples += result.samples
+            state.steps_done += 1
             step += 1
             advance()
-        global_samples = state.trained_samples * ctx.world_size
+        global_samples = state.global_samples
         log.end(C.BLOCK_STOP, metadata={C.SAMPLES_COUNT: global_samples})
         _evaluate(workload, log, state, target, global_samples)
         if runner.stop_at_target and state.target_reached:
