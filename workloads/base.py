@@ -24,6 +24,11 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 
+def invalid_config(key: str, message: str) -> ValueError:
+    """The error for a bad workload config value; ``key`` is relative to ``workload.``."""
+    return ValueError(f"invalid config 'workload.{key}': {message}")
+
+
 @dataclass(frozen=True)
 class RunContext:
     """What the harness hands a workload."""

@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
 
 from workloads.base import MLPerfInfo, QualityTarget, RunContext, StepResult, WorkloadBase, register
+from workloads.base import invalid_config as _invalid
 from workloads.dlrm import comm
 from workloads.dlrm.data import ClickBatch, SyntheticCriteo
 from workloads.dlrm.model import PRESETS, DLRMShape, build_dlrm, count_params, dense_training_flops
@@ -35,10 +36,6 @@ from workloads.dlrm.model import PRESETS, DLRMShape, build_dlrm, count_params, d
 SHARDINGS = ("table_wise", "column_wise", "row_wise")
 # auc_target null: this fraction of the way from chance (0.5) to the planted model's own AUC.
 AUC_TARGET_FRACTION = 0.85
-
-
-def _invalid(key: str, message: str) -> ValueError:
-    return ValueError(f"invalid config 'workload.{key}': {message}")
 
 
 @dataclass

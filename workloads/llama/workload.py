@@ -17,15 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from workloads.base import MLPerfInfo, QualityTarget, RunContext, StepResult, WorkloadBase, register
+from workloads.base import invalid_config as _invalid
 from workloads.llama.data import MarkovTokenSource
 from workloads.llama.model import PRESETS, ModelArgs, build_model, count_params, training_flops_per_token
 
 DTYPES = ("auto", "float32", "bfloat16")
 PARALLELISMS = ("auto", "ddp", "fsdp2")
-
-
-def _invalid(key: str, message: str) -> ValueError:
-    return ValueError(f"invalid config 'workload.{key}': {message}")
 
 
 @dataclass

@@ -45,6 +45,7 @@ from torch import nn
 from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
 
 from workloads.base import MLPerfInfo, QualityTarget, RunContext, StepResult, WorkloadBase, register
+from workloads.base import invalid_config as _invalid
 from workloads.seqrec.balance import (
     BALANCERS,
     CostModel,
@@ -88,10 +89,6 @@ COST_MODELS = ("fit", "tokens")
 TOP_K = 10
 # hr_at_10_target None: this fraction of the way from chance (k / items) to the planted model's HR@10.
 HR_TARGET_FRACTION = 0.5
-
-
-def _invalid(key: str, message: str) -> ValueError:
-    return ValueError(f"invalid config 'workload.{key}': {message}")
 
 
 @dataclass
