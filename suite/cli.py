@@ -13,6 +13,12 @@ commands:
   suite NAME [OVERRIDES]   run a suite (conf/suite/NAME.yaml) under one MLflow parent run,
                            e.g. `cobench suite smoke results_dir=/tmp/res`
   list                     the workloads, suites and platforms this checkout knows
+  trace capture|generate|export ...
+                           generated trace benchmarks: `cobench trace --help`
+  qualify [OVERRIDES]      run the qualification suite and check the platform's gates:
+                           `cobench qualify --help`
+  compare [OPTIONS]        platform × benchmark table from MLflow: `cobench compare --help`
+  report [OPTIONS]         MLPerf-style submission folder + HTML report: `cobench report --help`
 
 `cobench run --help` shows the composed config and every override group.
 """
@@ -71,6 +77,23 @@ def main(argv: list[str] | None = None) -> int:
         return _suite(rest)
     if command == "list":
         return _list()
+    # Each further command lives in its own module, which parses its own arguments.
+    if command == "trace":
+        from suite.trace_cli import main as trace_main
+
+        return trace_main(rest)
+    if command == "qualify":
+        from suite.qualify import main as qualify_main
+
+        return qualify_main(rest)
+    if command == "compare":
+        from suite.compare import main as compare_main
+
+        return compare_main(rest)
+    if command == "report":
+        from suite.report import main as report_main
+
+        return report_main(rest)
     print(f"cobench: error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 
