@@ -107,6 +107,7 @@ def run_benchmark(
         process_group=torch.distributed.group.WORLD if dist_info.enabled else None,
         deterministic=cfg.deterministic,
         work_dir=run_dir,
+        device_name=platform.device_name,
     )
     workload = spec.factory(cfg.workload, ctx)  # validates against ctx before any run exists
     if tracker is None and connect:
@@ -139,6 +140,7 @@ def run_benchmark(
             "world_size": dist_info.world_size,
             "peak_flops_source": peak.source if peak else "unknown",
         }
+        tags.update(getattr(workload, "run_tags", dict)())  # optional: e.g. a replay's source and portability
         result.run_id = tracker.start_run(cfg.run_name or name, tags, parent_run_id)
         tracker.log_params(result.run_id, OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
         if peak is not None and peak.value:

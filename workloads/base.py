@@ -10,6 +10,8 @@ Life cycle, driven by the harness runner::
     workload.setup()                                  # build model, optimiser, data
     for each step: workload.step() -> StepResult      # one training/inference iteration
     workload.evaluate() -> {"eval_loss": ...}         # optional, quality metrics
+    workload.observe_step_times(times)                # optional, the timed steps' durations
+    workload.extra_metrics() -> {...}                 # the workload's own metrics
     workload.teardown()
 """
 
@@ -40,6 +42,7 @@ class RunContext:
     process_group: Any = None  # torch.distributed ProcessGroup, or None when not distributed
     deterministic: bool = False
     work_dir: Path = Path(".")  # per-run scratch/output folder, already created
+    device_name: str = ""  # what the hardware calls itself, e.g. "NVIDIA H100 80GB HBM3"
 
     @property
     def distributed(self) -> bool:
@@ -131,6 +134,14 @@ class WorkloadBase:
 
     def teardown(self) -> None:
         pass
+
+    # Optional hooks (the harness looks them up; a protocol-only workload may lack them).
+    def observe_step_times(self, step_times_s: list[float]) -> None:
+        """Called with this rank's timed step durations just before :meth:`extra_metrics`."""
+
+    def run_tags(self) -> dict[str, str]:
+        """Extra MLflow tags for the run (e.g. where a replayed trace came from)."""
+        return {}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,235 @@
+"""Capture a trace bundle from any PyTorch loop, or from a registered workload.
+
+Wrap your own loop and mark its steps::
+
+    from harness.capture import capture
+
+    with capture("traces/mine", steps=3) as cap:
+        while not cap.done:
+            with cap.step():
+                train_step()
+
+The first ``warmup`` steps run plain (not timed), the next ``baseline_steps`` run plain and are
+timed — the reference the replay is judged against, since the profiler itself distorts time — and
+the last ``steps`` run under the PyTorch execution-trace observer and the Kineto profiler. The
+bundle (``et.json``, ``kineto.json``, ``meta.json``, see :mod:`workloads.generated.bundle`) is
+written when the ``with`` block ends. Under ``torchrun`` every rank writes ``<out>/rank<i>/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform as pyplatform
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile, record_function
+
+from harness.config import CobenchConfig, results_root
+from harness.distributed import broadcast_from_main, env_dist_info, init_distributed
+from harness.loop import MemoryMeter, seed_everything
+from harness.platform import device_name, discover_platform, synchronize
+from workloads import discover
+from workloads.base import RunContext
+from workloads.generated.bundle import ET_FILE, KINETO_FILE, META_FILE, STEP_ANNOTATION, BundleMeta, TraceError
+
+# Ask the ET observer to record the value range of integer tensors (index validity on replay).
+_INT_RANGE_ENV = "ENABLE_PYTORCH_EXECUTION_TRACE_SAVE_INTEGRAL_TENSOR_RANGE"
+
+
+def platform_record(device: torch.device, world_size: int) -> dict[str, Any]:
+    """What a replay compares against to decide whether it runs on the capture's platform."""
+    return {
+        "device_type": device.type,
+        "device_name": device_name(device),
+        "num_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "world_size": world_size,
+        "host": pyplatform.node(),
+        "torch_version": torch.__version__,
+    }
+
+
+def _profiler_activities(device: torch.device) -> list[ProfilerActivity]:
+    activities = [ProfilerActivity.CPU]
+    if device.type != "cpu":
+        accelerator = {"cuda": ProfilerActivity.CUDA, "xpu": ProfilerActivity.XPU}.get(device.type)
+        if accelerator is not None and accelerator in torch.profiler.supported_activities():
+            activities.append(accelerator)
+    return activities
+
+
+class Capture:
+    """Drives the phases of a capture; use :meth:`step` around each step of the loop."""
+
+    def __init__(self, out_dir: Path, steps: int, warmup: int, baseline_steps: int, device: torch.device):
+        if steps < 1 or baseline_steps < 1 or warmup < 0:
+            raise ValueError(
+                f"capture needs steps >= 1 and baseline_steps >= 1 and warmup >= 0; got steps={steps}, "
+                f"baseline_steps={baseline_steps}, warmup={warmup}"
+            )
+        self.out_dir, self.device = out_dir, device
+        self.warmup, self.baseline_steps, self.steps = warmup, baseline_steps, steps
+        self.step_index = 0
+        self.plain_times_s: list[float] = []
+        self.memory = MemoryMeter(device)
+        self.traced_times_s: list[float] = []
+        self._profiler: profile | None = None
+        self._observer: ExecutionTraceObserver | None = None
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + self.baseline_steps + self.steps
+
+    @property
+    def done(self) -> bool:
+        """True once every phase has run: the loop may stop."""
+        return self.step_index >= self.total_steps
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """One step of the user's loop; steps past the last traced one run plain."""
+        index = self.step_index - self.warmup - self.baseline_steps
+        traced = 0 <= index < self.steps
+        timed = self.warmup <= self.step_index < self.total_steps
+        if traced and self._profiler is None:
+            self._start_profiler()
+        synchronize(self.device)
+        started = time.perf_counter()
+        if traced:
+            with record_function(f"{STEP_ANNOTATION}{index}"):
+                yield
+        else:
+            yield
+        synchronize(self.device)
+        elapsed = time.perf_counter() - started
+        if timed:
+            (self.traced_times_s if traced else self.plain_times_s).append(elapsed)
+        if timed and not traced:
+            self.memory.sample()
+        self.step_index += 1
+        if traced and index == self.steps - 1:
+            self._stop_profiler()
+
+    def _start_profiler(self) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        previous = os.environ.get(_INT_RANGE_ENV)
+        os.environ[_INT_RANGE_ENV] = "1"
+        try:
+            self._observer = ExecutionTraceObserver().register_callback(str(self.out_dir / ET_FILE))
+            self._profiler = profile(activities=_profiler_activities(self.device), record_shapes=True,
+                                     execution_trace_observer=self._observer)
+            self._profiler.start()
+        finally:
+            if previous is None:
+                os.environ.pop(_INT_RANGE_ENV, None)
+            else:
+                os.environ[_INT_RANGE_ENV] = previous
+
+    def _stop_profiler(self) -> None:
+        if self._profiler is None or self._observer is None:
+            return
+        self._profiler.stop()
+        self._profiler.export_chrome_trace(str(self.out_dir / KINETO_FILE))
+        self._observer.unregister_callback()
+        self._profiler = None
+
+    def abandon(self) -> None:
+        """Stop an unfinished profiler (the loop failed); leaves no meta.json, so no bundle."""
+        if self._profiler is not None:
+            self._profiler.stop()
+            self._profiler = None
+        if self._observer is not None:
+            self._observer.unregister_callback()
+
+
+def bundle_dir(out_dir: Path, rank: int, world_size: int) -> Path:
+    return out_dir / f"rank{rank}" if world_size > 1 else out_dir
+
+
+@contextmanager
+def capture(
+    out_dir: str | Path,
+    *,
+    steps: int = 3,
+    warmup: int = 2,
+    baseline_steps: int = 5,
+    device: torch.device | str | None = None,
+    config: dict[str, Any] | None = None,
+    source: str = "program",
+    source_run_id: str = "",
+) -> Iterator[Capture]:
+    """Capture a trace bundle of the steps marked with ``cap.step()``; see the module docstring.
+
+    Raises :class:`TraceError` when the loop ends before a traced step completed.
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    target = bundle_dir(Path(out_dir), rank, world_size)
+    cap = Capture(target, steps, warmup, baseline_steps, device)
+    started = time.perf_counter()
+    try:
+        yield cap
+    except BaseException:
+        cap.abandon()
+        raise
+    cap._stop_profiler()
+    if not cap.traced_times_s or not cap.plain_times_s:
+        raise TraceError(
+            f"capture into {target}: the loop ran {cap.step_index} step(s), but a bundle needs "
+            f"{cap.total_steps} (warm-up {warmup}, timed baseline {baseline_steps}, traced {steps}); "
+            f"loop until `cap.done`"
+        )
+    meta = BundleMeta(
+        step_times_s=cap.plain_times_s,
+        traced_step_times_s=cap.traced_times_s,
+        platform=platform_record(device, world_size),
+        config=config or {},
+        rank=rank,
+        world_size=world_size,
+        source=source,
+        source_run_id=source_run_id,
+        capture_wall_s=time.perf_counter() - started,
+        peak_memory_bytes=cap.memory.read(),
+    )
+    (target / META_FILE).write_text(json.dumps(meta.to_json(), indent=2))
+
+
+def capture_benchmark(cfg: CobenchConfig, out_dir: Path | None, *, steps: int, warmup: int,
+                      baseline_steps: int) -> Path:
+    """``cobench trace capture``: capture the registered workload ``cfg`` describes.
+
+    Returns this rank's bundle folder (``<results_dir>/traces/<workload>-<time>`` by default).
+    """
+    dist_env = env_dist_info()
+    platform = discover_platform(cfg.platform, dist_env.local_rank)
+    info = init_distributed(platform.device, cfg.platform.dist_backend)
+    if out_dir is None:
+        name = f"{cfg.workload.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        out_dir = Path(broadcast_from_main(str(results_root(cfg) / "traces" / name) if info.is_main else None))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx = RunContext(device=platform.device, seed=cfg.seed, rank=info.rank, world_size=info.world_size,
+                     process_group=torch.distributed.group.WORLD if info.enabled else None,
+                     deterministic=cfg.deterministic, work_dir=out_dir, device_name=platform.device_name)
+    spec = discover()[cfg.workload.name]
+    workload = spec.factory(cfg.workload, ctx)  # validates before anything is written
+    seed_everything(cfg.seed, cfg.deterministic)
+    workload.setup()
+    config = OmegaConf.to_container(OmegaConf.structured(cfg.workload), resolve=True)
+    try:
+        with capture(out_dir, steps=steps, warmup=warmup, baseline_steps=baseline_steps, device=platform.device,
+                     config={"workload": config, "platform": platform.name}, source=cfg.workload.name) as cap:
+            while not cap.done:
+                with cap.step():
+                    workload.step()
+    finally:
+        workload.teardown()
+    return bundle_dir(out_dir, info.rank, info.world_size)

@@ -1,0 +1,129 @@
+"""``cobench trace``: capture a trace bundle, generate a benchmark spec from it, export it to Chakra.
+
+    cobench trace capture [--out DIR] [--steps K] [--warmup W] [--baseline-steps N] [OVERRIDES]
+    cobench trace generate BUNDLE [--out SPEC] [--scope RE] [--op RE] [--exclude-op RE]
+                           [--steps I,J] [--window-ms A:B] [--repeat N] [--obfuscate]
+    cobench trace export --format chakra BUNDLE [--out DIR]
+
+Replay is a workload like any other: ``cobench run workload=generated workload.spec=SPEC``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from harness.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cobench trace", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    cap = commands.add_parser("capture", help="run a registered workload under the execution-trace observer")
+    cap.add_argument("--out", type=Path, default=None,
+                     help="bundle folder (default <results_dir>/traces/<workload>-<time>)")
+    cap.add_argument("--steps", type=int, default=3, help="steps traced (default 3)")
+    cap.add_argument("--warmup", type=int, default=3, help="plain steps first, not timed (default 3)")
+    cap.add_argument("--baseline-steps", type=int, default=20,
+                     help="plain timed steps: the reference the replay is judged against (default 20)")
+    cap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. workload=llama workload.preset=tiny")
+
+    gen = commands.add_parser("generate", help="bundle → portable benchmark spec (one JSON file)")
+    gen.add_argument("bundle", type=Path)
+    gen.add_argument("--out", type=Path, default=None, help="spec file (default <bundle>/spec.json)")
+    gen.add_argument("--scope", help="regex: keep ops under a matching scope (module name, annotation)")
+    gen.add_argument("--op", help="regex: keep ops whose name matches, e.g. 'aten::(mm|addmm)'")
+    gen.add_argument("--exclude-op", help="regex: drop ops whose name matches")
+    gen.add_argument("--steps", help="captured steps to keep, e.g. 0,2")
+    gen.add_argument("--window-ms", help="keep ops starting A..B ms into their step, e.g. 0:5")
+    gen.add_argument("--repeat", type=int, default=1, help="replay the selection N times per step")
+    gen.add_argument("--obfuscate", action="store_true", help="hash scope names, drop host and config")
+
+    exp = commands.add_parser("export", help="write the execution trace as Chakra protobuf (mlc-chakra)")
+    exp.add_argument("bundle", type=Path)
+    exp.add_argument("--format", choices=["chakra"], required=True)
+    exp.add_argument("--out", type=Path, default=None, help="output folder (default <bundle>/chakra)")
+    return parser
+
+
+def _capture(args: argparse.Namespace) -> int:
+    from harness.capture import capture_benchmark
+    from harness.cli import sigterm_as_interrupt
+    from harness.config import compose_config, to_run_config
+    from harness.distributed import env_dist_info, shutdown_distributed
+
+    cfg = to_run_config(compose_config(args.overrides))
+    if cfg.workload.name == "generated":
+        raise ValueError("capture a reference workload or your own program, not a replay (workload=generated)")
+    sigterm_as_interrupt()
+    try:
+        bundle = capture_benchmark(cfg, args.out, steps=args.steps, warmup=args.warmup,
+                                   baseline_steps=args.baseline_steps)
+    finally:
+        shutdown_distributed()
+    if env_dist_info().is_main:
+        from workloads.generated.bundle import read_meta
+
+        meta = read_meta(bundle)
+        where = bundle.parent if meta.world_size > 1 else bundle
+        plain_ms = meta.to_json()["step_time_ms_median"]
+        print(f"captured {cfg.workload.name}: {where}\n  step {plain_ms:.2f} ms plain, capture overhead "
+              f"{meta.capture_overhead_pct:+.0f} %\n"
+              f"next: cobench trace generate {where}")
+    return EXIT_OK
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from workloads.generated.spec import GenerateOptions, generate_spec, write_spec
+
+    steps = [int(s) for s in args.steps.split(",")] if args.steps else None
+    window = None
+    if args.window_ms:
+        start, _, end = args.window_ms.partition(":")
+        window = (float(start), float(end))
+    options = GenerateOptions(scope=args.scope, op=args.op, exclude_op=args.exclude_op, steps=steps,
+                              window_ms=window, repeat=args.repeat, obfuscate=args.obfuscate)
+    spec = generate_spec(args.bundle, options)
+    out = args.out or (args.bundle / "spec.json")
+    write_spec(spec, out)
+    kept = sum(r["selected_ops"] for r in spec["ranks"])
+    captured = sum(r["captured_ops"] for r in spec["ranks"])
+    print(f"spec {out}: {kept} of {captured} captured ops, {len(spec['ranks'])} rank(s)\n"
+          f"replay: cobench run workload=generated workload.spec={out}")
+    return EXIT_OK
+
+
+def _export(args: argparse.Namespace) -> int:
+    from workloads.generated.chakra import export_chakra
+
+    for path in export_chakra(args.bundle, args.out):
+        print(f"chakra: {path}")
+    return EXIT_OK
+
+
+def main(argv: list[str]) -> int:
+    from workloads.generated.bundle import TraceError
+
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exit_:
+        return EXIT_OK if exit_.code == 0 else EXIT_BAD_INPUT
+    handlers = {"capture": _capture, "generate": _generate, "export": _export}
+    try:
+        return handlers[args.command](args)
+    except (TraceError, ValueError) as err:
+        print(f"cobench trace {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print(f"cobench trace {args.command}: interrupted; no bundle was written", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except RuntimeError as err:
+        print(f"cobench trace {args.command}: failed: {err}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,155 @@
+"""The trace bundle: what a capture writes and what ``generate`` reads.
+
+A bundle is a folder per rank::
+
+    <bundle>/et.json       PyTorch execution trace (ExecutionTraceObserver), schema 1.1.1-chakra.*
+    <bundle>/kineto.json   the Kineto (chrome) trace of the same steps: per-op durations
+    <bundle>/meta.json     cobench's own record: platform, config, step times with and without
+                           instrumentation, capture overhead, rank/world size
+
+A distributed capture writes ``<out>/rank<i>/`` for each rank; :func:`rank_dirs` finds them.
+Everything here is JSON read with ``json`` (never pickle); every problem is raised as a
+:class:`TraceError` naming the file and what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ET_FILE, KINETO_FILE, META_FILE = "et.json", "kineto.json", "meta.json"
+META_SCHEMA = "cobench-trace-bundle/1"
+# Execution-trace schemas this code understands: the Chakra-flavoured 1.x family of torch 2.x.
+SUPPORTED_ET_SCHEMAS = (r"1\.0\.[1-9].*", r"1\.1\.\d+-chakra\.0\.0\.\d+")
+STEP_ANNOTATION = "cobench_step#"  # record_function name marking one captured step
+
+
+class TraceError(ValueError):
+    """A bundle, trace or spec file that cannot be used; the message names the file and the problem."""
+
+
+@dataclass
+class BundleMeta:
+    """``meta.json``: how the bundle was captured, and the step times to judge fidelity against."""
+
+    step_times_s: list[float]  # measured without any instrumentation: the reference times
+    traced_step_times_s: list[float]  # the same program under ET + Kineto
+    platform: dict[str, Any]  # device type/name, threads, world size, host, torch version
+    config: dict[str, Any] = field(default_factory=dict)  # the workload config, or the user's
+    rank: int = 0
+    world_size: int = 1
+    source: str = ""  # workload name or a label the user gave
+    source_run_id: str = ""
+    capture_wall_s: float = 0.0
+    # Peak memory over the plain timed steps: the allocator's peak on accelerators, else process RSS.
+    peak_memory_bytes: int = 0
+    schema: str = META_SCHEMA
+
+    @property
+    def capture_overhead_pct(self) -> float:
+        """How much ET + Kineto slowed a step: median traced ÷ median plain − 1, in percent."""
+        return 100.0 * (_median(self.traced_step_times_s) / _median(self.step_times_s) - 1.0)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": self.schema,
+            "source": self.source,
+            "source_run_id": self.source_run_id,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "platform": self.platform,
+            "config": self.config,
+            "step_times_s": self.step_times_s,
+            "traced_step_times_s": self.traced_step_times_s,
+            "step_time_ms_median": 1e3 * _median(self.step_times_s),
+            "traced_step_time_ms_median": 1e3 * _median(self.traced_step_times_s),
+            "capture_overhead_pct": self.capture_overhead_pct,
+            "capture_wall_s": self.capture_wall_s,
+            "peak_memory_bytes": self.peak_memory_bytes,
+        }
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+def read_json(path: Path, what: str) -> Any:
+    """Parse ``path`` as JSON; a missing, truncated or corrupt file is a TraceError naming it."""
+    if not path.is_file():
+        raise TraceError(f"{what} {path} does not exist")
+    try:
+        with path.open(encoding="utf-8") as f:
+            return json.load(f)
+    except UnicodeDecodeError as err:
+        raise TraceError(f"{what} {path} is not a UTF-8 JSON file (binary or foreign format?): {err}") from None
+    except json.JSONDecodeError as err:
+        raise TraceError(
+            f"{what} {path} is not valid JSON (truncated or corrupt?): {err.msg} at line {err.lineno} "
+            f"column {err.colno}"
+        ) from None
+
+
+def check_et_schema(et: Any, path: Path) -> str:
+    """The ET's schema string, after checking it is one this code reads."""
+    if not isinstance(et, dict) or "nodes" not in et or "schema" not in et:
+        raise TraceError(f"{path} is not a PyTorch execution trace: expected an object with 'schema' and 'nodes'")
+    schema = str(et["schema"])
+    if not any(re.fullmatch(pattern, schema) for pattern in SUPPORTED_ET_SCHEMAS):
+        raise TraceError(
+            f"{path}: execution-trace schema {schema!r} is not supported; supported: 1.0.x and "
+            f"1.1.x-chakra.0.0.x (torch 2.x ExecutionTraceObserver)"
+        )
+    if not isinstance(et["nodes"], list) or not et["nodes"]:
+        raise TraceError(f"{path}: the execution trace has no nodes (was the profiler stopped before any step?)")
+    return schema
+
+
+def read_meta(bundle: Path) -> BundleMeta:
+    path = bundle / META_FILE
+    raw = read_json(path, "bundle metadata")
+    if not isinstance(raw, dict) or raw.get("schema") != META_SCHEMA:
+        found = raw.get("schema") if isinstance(raw, dict) else type(raw).__name__
+        raise TraceError(f"{path}: metadata schema {found!r} is not supported; supported: {META_SCHEMA!r}")
+    try:
+        meta = BundleMeta(
+            step_times_s=[float(t) for t in raw["step_times_s"]],
+            traced_step_times_s=[float(t) for t in raw["traced_step_times_s"]],
+            platform=dict(raw["platform"]),
+            config=dict(raw.get("config") or {}),
+            rank=int(raw.get("rank", 0)),
+            world_size=int(raw.get("world_size", 1)),
+            source=str(raw.get("source", "")),
+            source_run_id=str(raw.get("source_run_id", "")),
+            capture_wall_s=float(raw.get("capture_wall_s", 0.0)),
+            peak_memory_bytes=int(raw.get("peak_memory_bytes", 0)),
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise TraceError(f"{path}: malformed metadata ({type(err).__name__}: {err})") from None
+    if not meta.step_times_s or not meta.traced_step_times_s:
+        raise TraceError(f"{path}: the bundle records no steps (the captured loop ran no complete step)")
+    return meta
+
+
+def rank_dirs(bundle: Path) -> list[Path]:
+    """The per-rank bundle folders of a capture: ``[bundle]`` or ``bundle/rank0 … rank<n-1>``."""
+    bundle = Path(bundle)
+    if not bundle.exists():
+        raise TraceError(f"trace bundle {bundle} does not exist (make one with `cobench trace capture`)")
+    if (bundle / META_FILE).exists():
+        return [bundle]
+    ranks = sorted((p for p in bundle.glob("rank*") if p.is_dir() and p.name[4:].isdigit()),
+                   key=lambda p: int(p.name[4:]))
+    if not ranks:
+        raise TraceError(f"{bundle} is not a trace bundle: no {META_FILE} and no rank<i>/ folders")
+    expected = [f"rank{i}" for i in range(len(ranks))]
+    if [p.name for p in ranks] != expected:
+        raise TraceError(f"{bundle}: rank folders {[p.name for p in ranks]} are not rank0..rank{len(ranks) - 1}")
+    return ranks

@@ -1,0 +1,139 @@
+"""How faithfully a replay reproduces its source, measured on every replay.
+
+The reference iteration time is the source's step time measured *without* instrumentation (the
+profiler inflates it, see :mod:`harness.capture`); for a partial spec (a selected subgraph) it is
+that time × the selected ops' share of the captured op time, × ``repeat``. Per-op and per-category
+comparisons use shares and ranks, which the profiler's inflation of the source durations leaves
+roughly intact, rather than absolute times.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from typing import Any
+
+FIDELITY_FILE = "fidelity.json"
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2.0
+        i = j + 1
+    return ranks
+
+
+def pearson(x: list[float], y: list[float]) -> float:
+    if len(x) < 3:
+        return math.nan
+    mx, my = statistics.fmean(x), statistics.fmean(y)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y, strict=False))
+    sxx = sum((a - mx) ** 2 for a in x)
+    syy = sum((b - my) ** 2 for b in y)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else math.nan
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    return pearson(_ranks(x), _ranks(y))
+
+
+def reference_step_ms(spec: dict[str, Any], rank: int, reference_times_ms: list[float] | None = None) -> float:
+    """What one replayed step should take: the source's plain step time, scaled to the selection."""
+    source = spec["source"]
+    times = reference_times_ms or source["step_times_ms"][min(rank, len(source["step_times_ms"]) - 1)]
+    full = _median(times)
+    rank_spec = spec["ranks"][min(rank, len(spec["ranks"]) - 1)]
+    if spec.get("full_step", False):
+        return full
+    captured = statistics.fmean(s.get("ops_dur_us", 0.0) for s in rank_spec["steps"]) or math.nan
+    per_step: dict[int, float] = defaultdict(float)
+    for op in rank_spec["ops"]:
+        per_step[op["step"]] += op.get("dur_us") or 0.0
+    selected = statistics.fmean(per_step.values()) if per_step else 0.0
+    return full * selected / captured * int(spec["options"].get("repeat", 1))
+
+
+def compute_fidelity(
+    spec: dict[str, Any],
+    rank: int,
+    replay_step_times_s: list[float],
+    op_times_s: dict[int, list[float]],
+    errors: dict[int, str],
+    *,
+    reference_times_ms: list[float] | None = None,
+    replay_peak_memory_bytes: int = 0,
+    portability: bool = False,
+) -> dict[str, Any]:
+    """The fidelity record (``fidelity.json``) and its headline metrics."""
+    rank_spec = spec["ranks"][min(rank, len(spec["ranks"]) - 1)]
+    ops = rank_spec["ops"]
+    reference_ms = reference_step_ms(spec, rank, reference_times_ms)
+    replay_ms = 1e3 * _median(replay_step_times_s)
+    signed = 100.0 * (replay_ms - reference_ms) / reference_ms if reference_ms > 0 else math.nan
+
+    total_dur = sum(op.get("dur_us") or 0.0 for op in ops)
+    ran = [i for i in range(len(ops)) if i not in errors]
+    ran_dur = sum(ops[i].get("dur_us") or 0.0 for i in ran)
+
+    # Per category: share of the captured op time vs share of the replayed op time.
+    orig_cat: dict[str, float] = defaultdict(float)
+    replay_cat: dict[str, float] = defaultdict(float)
+    pairs = []
+    for i, op in enumerate(ops):
+        orig_cat[op["category"]] += op.get("dur_us") or 0.0
+        if i in op_times_s:
+            replay_us = 1e6 * min(op_times_s[i])
+            replay_cat[op["category"]] += replay_us
+            if op.get("dur_us"):
+                pairs.append((op["dur_us"], replay_us))
+    orig_total, replay_total = sum(orig_cat.values()) or 1.0, sum(replay_cat.values()) or 1.0
+    categories = {
+        c: {"source_share": orig_cat[c] / orig_total, "replay_share": replay_cat.get(c, 0.0) / replay_total,
+            "source_us": orig_cat[c], "replay_us": replay_cat.get(c, 0.0)}
+        for c in sorted(set(orig_cat) | set(replay_cat))
+    }
+    distance = 0.5 * sum(abs(v["source_share"] - v["replay_share"]) for v in categories.values())
+    logs = [(math.log(a), math.log(max(b, 1e-3))) for a, b in pairs if a > 0]
+
+    source_peak = spec["source"].get("peak_memory_bytes", [0])
+    source_peak = source_peak[min(rank, len(source_peak) - 1)] if source_peak else 0
+    metrics = {
+        "time_error_pct": abs(signed),
+        "time_error_signed_pct": signed,
+        "replay_step_ms": replay_ms,
+        "reference_step_ms": reference_ms,
+        "op_coverage_pct": 100.0 * len(ran) / len(ops),
+        "time_coverage_pct": 100.0 * ran_dur / total_dur if total_dur > 0 else math.nan,
+        "ops_per_step": len(ops) / max(len(rank_spec["steps"]), 1),
+        "ops_failed": float(len(errors)),
+        "category_distance": distance,
+        "op_time_spearman": spearman([a for a, _ in logs], [b for _, b in logs]),
+        "op_time_pearson_log": pearson([a for a, _ in logs], [b for _, b in logs]),
+        "replay_peak_memory_mb": replay_peak_memory_bytes / 2**20,
+        "source_peak_memory_mb": source_peak / 2**20,
+        "portability": float(portability),
+    }
+    if source_peak and replay_peak_memory_bytes:
+        metrics["memory_error_pct"] = 100.0 * (replay_peak_memory_bytes - source_peak) / source_peak
+    record = {
+        "metrics": metrics,
+        "reference": "reference bundle" if reference_times_ms else "source bundle (plain, uninstrumented steps)",
+        "categories": categories,
+        "failed_ops": [{"index": i, "name": ops[i]["name"], "schema": ops[i]["schema"], "error": err}
+                       for i, err in sorted(errors.items())],
+        "source": {k: spec["source"].get(k) for k in ("workload", "run_id", "platform", "world_size")},
+        "options": spec.get("options", {}),
+    }
+    return record

@@ -1,0 +1,516 @@
+"""Replay a spec's operators on any device, with synthetic tensors of the captured layout.
+
+How each op runs: its schema (from the trace) names the dispatcher op — ``torch.ops.<ns>.<op>.
+<overload>`` — and the parsed schema says which arguments are keyword-only and which integers are
+really dtypes, layouts or memory formats. Collectives (``c10d::``) run through
+``torch.distributed`` on the replay's process group (rank i replays captured rank i).
+
+Tensors: an op's outputs feed later ops (dataflow is real, so views share storage and in-place ops
+mutate what later ops read). Tensors the captured steps read but never produced (parameters,
+optimiser state, inputs made outside the step) are synthesised once, before timing: one buffer per
+captured storage, sized from the true extent of every view of it (offset + Σ (size−1)·stride + 1
+elements, in bytes), each view laid over it with its captured offset and strides. Integer tensors
+get values inside the range the trace recorded (so indices stay valid); ``offsets`` arguments are
+sorted. Tensors are released after their last use, as the original program would.
+
+An op that cannot run here is recorded with its error and replaced by stand-in outputs of the
+captured shapes, so everything after it still runs; coverage says what was lost.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from workloads.generated.spec import _is_tensor_ref
+
+# c10::ScalarType codes, as the execution trace writes dtype arguments.
+SCALAR_TYPES = {
+    0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
+    6: torch.float32, 7: torch.float64, 8: torch.complex32, 9: torch.complex64, 10: torch.complex128,
+    11: torch.bool, 15: torch.bfloat16, 23: torch.float8_e5m2, 24: torch.float8_e4m3fn,
+    25: torch.float8_e5m2fnuz, 26: torch.float8_e4m3fnuz, 27: torch.uint16, 28: torch.uint32, 29: torch.uint64,
+}
+LAYOUTS = {0: torch.strided, 1: torch.sparse_coo, 2: torch.sparse_csr, 3: torch.sparse_csc}
+MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.preserve_format, 2: torch.channels_last,
+                  3: torch.channels_last_3d}
+# The C++ type names the execution trace writes inside "Tensor(...)".
+ET_DTYPES = {
+    "float": torch.float32, "double": torch.float64, "c10::Half": torch.float16, "c10::BFloat16": torch.bfloat16,
+    "long int": torch.int64, "long": torch.int64, "int": torch.int32, "short int": torch.int16,
+    "short": torch.int16, "signed char": torch.int8, "unsigned char": torch.uint8, "bool": torch.bool,
+    "c10::complex<float>": torch.complex64, "c10::complex<double>": torch.complex128,
+    "c10::Float8_e4m3fn": torch.float8_e4m3fn, "c10::Float8_e5m2": torch.float8_e5m2,
+    "unsigned short": torch.uint16, "unsigned int": torch.uint32, "unsigned long": torch.uint64,
+}
+_LIBRARIES = {"fbgemm": ("fbgemm_gpu",), "torchrec": ("torchrec",)}
+
+
+class OpUnavailable(RuntimeError):
+    """This torch build has no such operator (or it cannot be called here)."""
+
+
+def tensor_dtype(et_type: str) -> torch.dtype:
+    match = re.fullmatch(r"Tensor\((.*)\)", et_type)
+    if not match or match.group(1) not in ET_DTYPES:
+        raise OpUnavailable(f"unknown tensor type {et_type!r} in the trace")
+    return ET_DTYPES[match.group(1)]
+
+
+def resolve_op(schema: str) -> Callable[..., Any]:
+    """``aten::add.Tensor(...)`` → ``torch.ops.aten.add.Tensor``; loads fbgemm/torchrec on demand."""
+    qualified = schema.split("(", 1)[0]
+    if "::" not in qualified:
+        raise OpUnavailable(f"schema {schema[:80]!r} has no namespace")
+    namespace, rest = qualified.split("::", 1)
+    name, _, overload = rest.partition(".")
+    for module in _LIBRARIES.get(namespace, ()):
+        try:
+            __import__(module)
+        except Exception as err:  # noqa: BLE001 - any import failure means the op is unavailable
+            raise OpUnavailable(f"{namespace}:: ops need {module}, which failed to import: {err}") from None
+    try:
+        packet = getattr(getattr(torch.ops, namespace), name)
+        return getattr(packet, overload or "default")
+    except (AttributeError, RuntimeError) as err:
+        raise OpUnavailable(f"torch {torch.__version__} has no operator {qualified}: {err}") from None
+
+
+@dataclass
+class TensorInfo:
+    """A captured tensor value: identity, storage placement and layout."""
+
+    tensor_id: int
+    storage_id: int
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    itemsize: int
+
+    @property
+    def key(self) -> tuple:
+        """Slot identity: a captured tensor id with its layout (ids are reused after frees)."""
+        return (self.tensor_id, self.shape, self.stride, self.dtype)
+
+    @property
+    def extent(self) -> int:
+        """Elements of storage this view spans from its offset (0 when it is empty)."""
+        if any(s == 0 for s in self.shape):
+            return 0
+        return 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride, strict=False))
+
+
+def _tensor_info(ref: list, shape: Any, stride: Any, et_type: str) -> TensorInfo:
+    shape = tuple(int(s) for s in shape) if isinstance(shape, list) else ()
+    stride = tuple(int(s) for s in stride) if isinstance(stride, list) and len(stride) == len(shape) else ()
+    if not stride:  # contiguous strides when the trace has none
+        acc, rev = 1, []
+        for s in reversed(shape):
+            rev.append(acc)
+            acc *= max(s, 1)
+        stride = tuple(reversed(rev))
+    return TensorInfo(int(ref[0]), int(ref[1]), int(ref[2]), shape, stride, tensor_dtype(et_type), int(ref[4]))
+
+
+def _list_types(et_type: str) -> list[str]:
+    inner = et_type[len("GenericList["):-1]
+    return re.findall(r"Tensor\([^)]*\)|[^,]+", inner) if inner else []
+
+
+@dataclass
+class CompiledOp:
+    """One op ready to run: a call template plus the slots its tensors come from and go to."""
+
+    index: int
+    name: str
+    category: str
+    step: int
+    fn: Callable[..., Any] | None
+    args: list[Any]
+    kwargs: dict[str, Any]
+    arg_slots: list[tuple[int, int, int]]  # (position, list index or −1, slot)
+    kwarg_slots: list[tuple[str, int, int]]
+    out_slots: list[int | None]  # flattened outputs → slots
+    out_infos: list[TensorInfo | None]
+    dur_us: float | None
+    error: str | None = None
+    # Integer outputs an uninitialised-memory op (aten::empty…) makes, filled later by a copy the
+    # trace does not show (e.g. torch.tensor(list)): slot → the value range its consumer recorded.
+    fills: list[tuple[int, tuple[int, int]]] = field(default_factory=list)
+
+    def call(self, vals: list[Any]) -> Any:
+        args = [list(a) if isinstance(a, list) else a for a in self.args]
+        for pos, sub, slot in self.arg_slots:
+            if sub < 0:
+                args[pos] = vals[slot]
+            else:
+                args[pos][sub] = vals[slot]
+        kwargs = self.kwargs
+        if self.kwarg_slots:
+            kwargs = {k: list(v) if isinstance(v, list) else v for k, v in kwargs.items()}
+            for key, sub, slot in self.kwarg_slots:
+                if sub < 0:
+                    kwargs[key] = vals[slot]
+                else:
+                    kwargs[key][sub] = vals[slot]
+        return self.fn(*args, **kwargs)
+
+    def store(self, result: Any, vals: list[Any], generator: torch.Generator) -> None:
+        if not self.out_slots:
+            return
+        flat = _flatten_tensors(result)
+        for slot, value in zip(self.out_slots, flat, strict=False):
+            if slot is not None:
+                vals[slot] = value
+        for slot, (low, high) in self.fills:
+            target = vals[slot]
+            target.copy_(torch.randint(low, high + 1, target.shape, generator=generator))
+
+
+def _flatten_tensors(result: Any) -> list[Any]:
+    if isinstance(result, (tuple, list)):
+        out = []
+        for item in result:
+            out.extend(_flatten_tensors(item) if isinstance(item, (tuple, list)) else [item])
+        return out
+    return [result]
+
+
+@dataclass
+class ReplayStats:
+    """What the dry run found: ops that could not run, by index, with their errors."""
+
+    errors: dict[int, str] = field(default_factory=dict)
+
+
+class Replayer:
+    """Replays one rank's ops; :meth:`run_step` replays the next captured step."""
+
+    def __init__(self, rank_spec: dict[str, Any], device: torch.device, *, repeat: int = 1,
+                 process_group: Any = None, seed: int = 0):
+        self.device, self.repeat, self.group = device, repeat, process_group
+        self.generator = torch.Generator().manual_seed(seed)
+        self.ops_spec = rank_spec["ops"]
+        self.step_indices = sorted({op["step"] for op in self.ops_spec})
+        self._slots: dict[tuple, int] = {}
+        self.ops: list[CompiledOp] = [self._compile(i, op) for i, op in enumerate(self.ops_spec)]
+        # The replay sequence: each step's ops, repeated; positions index into self.ops.
+        self.sequence: list[list[int]] = []
+        for step in self.step_indices:
+            members = [op.index for op in self.ops if op.step == step]
+            self.sequence.append(members * repeat)
+        self.vals: list[Any] = [None] * len(self._slots)
+        self._externals = self._find_externals()
+        self._find_uninitialised_fills()
+        self._clears = self._liveness()
+        self._next = 0
+
+    # -- compilation -------------------------------------------------------------------------------------
+    def _slot(self, info: TensorInfo) -> int:
+        return self._slots.setdefault(info.key, len(self._slots))
+
+    def _compile(self, index: int, op: dict[str, Any]) -> CompiledOp:
+        compiled = CompiledOp(index, op["name"], op["category"], op["step"], None, [], {}, [], [], [], [],
+                              op.get("dur_us"))
+        try:
+            self._compile_outputs(op, compiled)
+            if op["name"].startswith("c10d::"):
+                compiled.fn = self._collective(op["name"])
+                self._compile_args(op, compiled, schema_args=None)
+            else:
+                compiled.fn = resolve_op(op["schema"])
+                self._compile_args(op, compiled, torch._C.parse_schema(op["schema"]).arguments)
+        except Exception as err:  # noqa: BLE001 - an op this build cannot express is recorded, not fatal
+            compiled.error = f"{type(err).__name__}: {err}"
+            compiled.fn = None
+        return compiled
+
+    def _compile_outputs(self, op: dict[str, Any], compiled: CompiledOp) -> None:
+        outputs = op["outputs"]
+        for value, shape, stride, et_type in zip(outputs.get("values", []), outputs.get("shapes", []),
+                                                 outputs.get("strides", []), outputs.get("types", []), strict=False):
+            if _is_tensor_ref(value) and et_type.startswith("Tensor("):
+                info = self._info_or_none(value, shape, stride, et_type)
+                compiled.out_slots.append(self._slot(info) if info else None)
+                compiled.out_infos.append(info)
+            elif isinstance(value, list) and et_type.startswith("GenericList["):
+                types = _list_types(et_type)
+                for j, item in enumerate(value):
+                    info = None
+                    if _is_tensor_ref(item) and j < len(types):
+                        info = self._info_or_none(item, _at(shape, j), _at(stride, j), types[j])
+                    compiled.out_slots.append(self._slot(info) if info else None)
+                    compiled.out_infos.append(info)
+            else:
+                compiled.out_slots.append(None)
+                compiled.out_infos.append(None)
+
+    @staticmethod
+    def _info_or_none(ref: list, shape: Any, stride: Any, et_type: str) -> TensorInfo | None:
+        try:
+            return _tensor_info(ref, shape, stride, et_type)
+        except OpUnavailable:
+            return None
+
+    def _compile_args(self, op: dict[str, Any], compiled: CompiledOp, schema_args: list | None) -> None:
+        inputs = op["inputs"]
+        values, types = inputs.get("values", []), inputs.get("types", [])
+        shapes, strides = inputs.get("shapes", []), inputs.get("strides", [])
+        if schema_args is not None and len(values) != len(schema_args):
+            raise OpUnavailable(f"the trace passes {len(values)} inputs, the schema takes {len(schema_args)}")
+        for i, (value, et_type) in enumerate(zip(values, types, strict=False)):
+            arg = schema_args[i] if schema_args is not None else None
+            arg_type = str(arg.type) if arg is not None else ""
+            converted, slots = self._convert(value, et_type, _at(shapes, i), _at(strides, i), arg_type)
+            if arg is not None and arg.kwarg_only:
+                compiled.kwargs[arg.name] = converted
+                compiled.kwarg_slots.extend((arg.name, sub, slot) for sub, slot in slots)
+            else:
+                compiled.arg_slots.extend((len(compiled.args), sub, slot) for sub, slot in slots)
+                compiled.args.append(converted)
+
+    def _convert(self, value: Any, et_type: str, shape: Any, stride: Any, arg_type: str) -> tuple[Any, list]:
+        """A trace value → (call-template value, [(list index or −1, slot)])."""
+        if et_type.startswith("Tensor("):
+            if not _is_tensor_ref(value) or "nullptr" in et_type:
+                return None, []
+            return None, [(-1, self._slot(_tensor_info(value, shape, stride, et_type)))]
+        if et_type.startswith("GenericList["):
+            types = _list_types(et_type)
+            if any(t.startswith("Tensor(") for t in types):
+                slots, template = [], []
+                for j, item in enumerate(value):
+                    template.append(None)
+                    if _is_tensor_ref(item):
+                        slots.append((j, self._slot(_tensor_info(item, _at(shape, j), _at(stride, j), types[j]))))
+                return template, slots
+            return list(value), []
+        if et_type == "None" or value == "<None>":
+            return None, []
+        if et_type == "Device":
+            return self.device, []
+        if et_type == "Int" and "ScalarType" in arg_type:
+            return SCALAR_TYPES[int(value)], []
+        if et_type == "Int" and "Layout" in arg_type:
+            return LAYOUTS[int(value)], []
+        if et_type == "Int" and "MemoryFormat" in arg_type:
+            return MEMORY_FORMATS[int(value)], []
+        if et_type == "Double" and isinstance(value, str):
+            return float(value), []
+        if et_type in ("Object", "Generator"):
+            return None, []
+        return value, []
+
+    def _collective(self, name: str) -> Callable[..., Any]:
+        """The ``torch.distributed`` call for a captured ``c10d::`` op (its process-group arguments dropped)."""
+        if not dist.is_initialized():
+            raise OpUnavailable(f"{name} needs a process group: replay under torchrun with the captured world size")
+        group = self.group
+        table: dict[str, Callable[..., Any]] = {
+            "c10d::allreduce_": lambda tensors, *_: [dist.all_reduce(t, group=group) for t in tensors],
+            "c10d::_allgather_base_": lambda out, inp, *_: dist.all_gather_into_tensor(out, inp, group=group),
+            "c10d::allgather_into_tensor_coalesced_": lambda outs, ins, *_: [
+                dist.all_gather_into_tensor(o, i, group=group) for o, i in zip(outs, ins, strict=False)],
+            "c10d::_reduce_scatter_base_": lambda out, inp, *_: dist.reduce_scatter_tensor(out, inp, group=group),
+            "c10d::reduce_scatter_tensor_coalesced_": lambda outs, ins, *_: [
+                dist.reduce_scatter_tensor(o, i, group=group) for o, i in zip(outs, ins, strict=False)],
+            "c10d::alltoall_base_": lambda out, inp, _pg, out_splits, in_splits, *_: dist.all_to_all_single(
+                out, inp, list(out_splits) or None, list(in_splits) or None, group=group),
+            "c10d::alltoall_": lambda outs, ins, *_: dist.all_to_all(list(outs), list(ins), group=group),
+            "c10d::broadcast_": lambda tensors, _pg, root, *_: [
+                dist.broadcast(t, src=int(root), group=group) for t in tensors],
+            "c10d::barrier": lambda *_: dist.barrier(group=group),
+        }
+        if name not in table:
+            raise OpUnavailable(f"collective {name} is not replayed yet (known: {', '.join(sorted(table))})")
+        return table[name]
+
+    # -- tensors -----------------------------------------------------------------------------------------
+    def _find_externals(self) -> dict[int, tuple[TensorInfo, tuple[int, int] | None, bool]]:
+        """Slots read before any op of the sequence writes them: (layout, int range, is offsets)."""
+        produced: set[int] = set()
+        externals: dict[int, tuple[TensorInfo, tuple[int, int] | None, bool]] = {}
+        for step in self.sequence:
+            for position in step:
+                op, spec = self.ops[position], self.ops_spec[position]
+                for slot, info, arg_index, arg_name in self._inputs_of(position):
+                    if slot in produced or slot in externals:
+                        continue
+                    rng = spec.get("tensor_range", {}).get(str(arg_index))
+                    externals[slot] = (info, tuple(rng) if isinstance(rng, list) and len(rng) == 2 else None,
+                                       arg_name == "offsets")
+                produced.update(s for s in op.out_slots if s is not None)
+        return externals
+
+    def _find_uninitialised_fills(self) -> None:
+        """Integer ``aten::empty*`` outputs whose first reader recorded a value range get values in it."""
+        pending: dict[int, CompiledOp] = {}
+        for op in self.ops:
+            for slot, _info, arg_index, _ in self._inputs_of(op.index):
+                maker = pending.pop(slot, None)
+                rng = self.ops_spec[op.index].get("tensor_range", {}).get(str(arg_index))
+                if maker is not None and isinstance(rng, list) and len(rng) == 2:
+                    maker.fills.append((slot, (int(rng[0]), int(rng[1]))))
+            if re.fullmatch(r"aten::(empty|empty_strided|empty_like|new_empty|new_empty_strided)", op.name):
+                for slot, info in zip(op.out_slots, op.out_infos, strict=False):
+                    if slot is not None and info is not None and not info.dtype.is_floating_point \
+                            and info.dtype != torch.bool:
+                        pending[slot] = op
+
+    def _inputs_of(self, position: int) -> list[tuple[int, TensorInfo, int, str]]:
+        """(slot, layout, input index, schema argument name) of every tensor an op reads."""
+        spec = self.ops_spec[position]
+        inputs = spec["inputs"]
+        names: list[str] = []
+        if not spec["name"].startswith("c10d::"):
+            try:
+                names = [a.name for a in torch._C.parse_schema(spec["schema"]).arguments]
+            except RuntimeError:
+                names = []
+        found = []
+        for i, (value, et_type) in enumerate(zip(inputs.get("values", []), inputs.get("types", []), strict=False)):
+            shape, stride = _at(inputs.get("shapes", []), i), _at(inputs.get("strides", []), i)
+            items = [(value, shape, stride, et_type)]
+            if et_type.startswith("GenericList[") and isinstance(value, list):
+                types = _list_types(et_type)
+                items = [(v, _at(shape, j), _at(stride, j), types[j] if j < len(types) else "")
+                         for j, v in enumerate(value)]
+            for v, sh, st, t in items:
+                if _is_tensor_ref(v) and t.startswith("Tensor(") and "nullptr" not in t:
+                    try:
+                        info = _tensor_info(v, sh, st, t)
+                    except OpUnavailable:
+                        continue
+                    found.append((self._slots[info.key], info, i, names[i] if i < len(names) else ""))
+        return found
+
+    def _liveness(self) -> list[list[int]]:
+        """Per position of the flattened sequence: slots no later op reads (freed after it runs)."""
+        flat = [p for step in self.sequence for p in step]
+        carried = set(self._externals)  # read before written: live across steps and cycles
+        last_use: dict[int, int] = {}
+        for k, position in enumerate(flat):
+            for slot, *_ in self._inputs_of(position):
+                last_use[slot] = k
+            for slot in self.ops[position].out_slots:
+                if slot is not None:
+                    last_use.setdefault(slot, k)
+                    last_use[slot] = max(last_use[slot], k)
+        clears: list[list[int]] = [[] for _ in flat]
+        for slot, k in last_use.items():
+            if slot not in carried:
+                clears[k].append(slot)
+        return clears
+
+    def materialize(self) -> None:
+        """Synthesise every external tensor: one buffer per captured storage, views laid over it."""
+        nbytes: dict[int, int] = {}
+        for info, _, _ in self._externals.values():
+            end = (info.offset + info.extent) * info.itemsize
+            nbytes[info.storage_id] = max(nbytes.get(info.storage_id, 0), end)
+        storages = {sid: torch.empty(max(n, 1), dtype=torch.uint8, device=self.device).untyped_storage()
+                    for sid, n in nbytes.items()}
+        for slot, (info, rng, is_offsets) in self._externals.items():
+            view = torch.empty(0, dtype=info.dtype, device=self.device)
+            view.set_(storages[info.storage_id], info.offset, info.shape, info.stride)
+            self._fill(view, rng, is_offsets)
+            self.vals[slot] = view
+
+    def _fill(self, view: torch.Tensor, rng: tuple[int, int] | None, is_offsets: bool) -> None:
+        if view.numel() == 0:
+            return
+        if view.dtype == torch.bool:
+            values = torch.rand(view.shape, generator=self.generator) < 0.5
+        elif view.dtype.is_floating_point or view.dtype.is_complex:
+            values = torch.empty(view.shape, dtype=torch.float32).uniform_(0.1, 1.0, generator=self.generator)
+        else:
+            low, high = rng if rng is not None else (0, 0)
+            values = torch.randint(int(low), int(high) + 1, view.shape, generator=self.generator)
+            if is_offsets and view.dim() == 1:
+                values = values.sort().values
+                values[0] = int(low)
+        with torch.no_grad():
+            view.copy_(values.to(view.dtype))
+
+    def _stand_in(self, op: CompiledOp) -> None:
+        """Outputs of the captured shapes for an op that could not run, so its consumers still run."""
+        for slot, info in zip(op.out_slots, op.out_infos, strict=False):
+            if slot is not None and info is not None and self.vals[slot] is None:
+                size = max(info.offset + info.extent, 1)
+                base = torch.zeros(size, dtype=info.dtype, device=self.device)
+                self.vals[slot] = base.as_strided(info.shape, info.stride, info.offset)
+
+    # -- running -----------------------------------------------------------------------------------------
+    def dry_run(self) -> ReplayStats:
+        """Run every step once op by op; ops that fail are recorded and stood in for from then on."""
+        stats = ReplayStats()
+        for op in self.ops:
+            if op.error is not None:
+                stats.errors[op.index] = op.error
+        with torch.no_grad():
+            for _k, step in enumerate(self.sequence):
+                for position in step:
+                    op = self.ops[position]
+                    if op.error is None:
+                        try:
+                            op.store(op.call(self.vals), self.vals, self.generator)
+                        except Exception as err:  # noqa: BLE001 - recorded per op; replay goes on
+                            op.error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                            stats.errors[op.index] = op.error
+                    if op.error is not None:
+                        self._stand_in(op)
+        # After a full cycle, freed slots are None again; re-materialise nothing: externals persist.
+        self._next = 0
+        return stats
+
+    def run_step(self) -> int:
+        """Replay the next captured step (cycling); returns how many ops ran."""
+        k = self._next
+        self._next = (k + 1) % len(self.sequence)
+        offset = sum(len(s) for s in self.sequence[:k])
+        vals, clears = self.vals, self._clears
+        ran = 0
+        with torch.no_grad():
+            for j, position in enumerate(self.sequence[k]):
+                op = self.ops[position]
+                if op.error is None:
+                    op.store(op.call(vals), vals, self.generator)
+                    ran += 1
+                else:
+                    self._stand_in(op)
+                for slot in clears[offset + j]:
+                    vals[slot] = None
+        return ran
+
+    def time_ops(self, synchronize: Callable[[], None]) -> dict[int, list[float]]:
+        """One pass over every step with each op timed alone (synchronised): op index → seconds."""
+        times: dict[int, list[float]] = {}
+        vals = self.vals
+        with torch.no_grad():
+            for k, step in enumerate(self.sequence):
+                offset = sum(len(s) for s in self.sequence[:k])
+                for j, position in enumerate(step):
+                    op = self.ops[position]
+                    if op.error is None:
+                        synchronize()
+                        started = time.perf_counter()
+                        op.store(op.call(vals), vals, self.generator)
+                        synchronize()
+                        times.setdefault(op.index, []).append(time.perf_counter() - started)
+                    else:
+                        self._stand_in(op)
+                    for slot in self._clears[offset + j]:
+                        vals[slot] = None
+        self._next = 0
+        return times
+
+
+def _at(items: Any, index: int) -> Any:
+    return items[index] if isinstance(items, list) and index < len(items) else None

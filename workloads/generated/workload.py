@@ -1,0 +1,147 @@
+"""``workload=generated``: replay a generated benchmark spec through the harness.
+
+Each step replays one captured step (cycling through the captured steps), so the harness times,
+logs and compares it like any reference workload. After the timed steps, one more pass times each
+op alone for the per-op and per-category comparison, and the fidelity record is written to the
+run folder as ``fidelity.json`` (an MLflow artifact, like everything there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workloads.base import MLPerfInfo, RunContext, StepResult, WorkloadBase, invalid_config, register
+from workloads.generated.bundle import TraceError, rank_dirs, read_meta
+from workloads.generated.fidelity import FIDELITY_FILE, compute_fidelity
+from workloads.generated.replay import Replayer
+from workloads.generated.spec import load_spec
+
+
+@dataclass
+class GeneratedConfig:
+    """``workload=generated``: which spec to replay, and what to judge it against."""
+
+    name: str = "generated"
+    spec: str = ""  # the spec file `cobench trace generate` wrote (required)
+    # A bundle captured from the *original* program on the replay's platform: its plain step times
+    # become the reference (portability: captured on A, replayed on B, judged against the original on B).
+    reference_bundle: str = ""
+    op_timing: bool = True  # after the timed steps, time each op alone (per-op / per-category fidelity)
+
+
+# What decides "same platform as the capture": a replay elsewhere is a portability run.
+_PLATFORM_KEYS = ("device_type", "device_name", "num_threads", "world_size")
+
+
+def _process_peak_bytes(device: torch.device) -> int:
+    if device.type != "cpu":
+        return int(torch.accelerator.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+@register("generated", GeneratedConfig, "Replay of a generated trace benchmark (cobench trace generate)")
+class GeneratedWorkload(WorkloadBase):
+    """Replays the ops of a captured program with synthetic tensors, and measures its fidelity."""
+
+    throughput_unit = "iterations/s"
+
+    def __init__(self, config: GeneratedConfig, ctx: RunContext):
+        if not config.spec:
+            raise invalid_config("spec", "required: the spec file from `cobench trace generate BUNDLE`")
+        self.config, self.ctx = config, ctx
+        try:
+            self.spec = load_spec(config.spec)
+        except TraceError as err:
+            raise invalid_config("spec", str(err)) from None
+        ranks = len(self.spec["ranks"])
+        if ranks > 1 and ranks != ctx.world_size:
+            raise invalid_config("spec", f"{config.spec} was captured on {ranks} ranks; replay it on {ranks} "
+                                 f"(torchrun --nproc-per-node {ranks}), not {ctx.world_size}")
+        self.rank_index = ctx.rank if ranks > 1 else 0
+        self.reference_ms: list[float] | None = None
+        self.reference_platform: dict[str, Any] | None = None
+        if config.reference_bundle:
+            try:
+                dirs = rank_dirs(Path(config.reference_bundle))
+                meta = read_meta(dirs[min(ctx.rank, len(dirs) - 1)])
+            except TraceError as err:
+                raise invalid_config("reference_bundle", str(err)) from None
+            self.reference_ms = [1e3 * t for t in meta.step_times_s]
+            self.reference_platform = meta.platform
+        self.replayer: Replayer | None = None
+        self.errors: dict[int, str] = {}
+        self.step_times_s: list[float] = []
+
+    @property
+    def platform(self) -> dict[str, Any]:
+        return {"device_type": self.ctx.device.type, "device_name": self.ctx.device_name,
+                "num_threads": torch.get_num_threads(), "world_size": self.ctx.world_size}
+
+    @property
+    def portability(self) -> bool:
+        source = self.spec["source"]["platform"]
+        return any(source.get(k) != self.platform[k] for k in _PLATFORM_KEYS if k in source)
+
+    def setup(self) -> None:
+        rank_spec = self.spec["ranks"][self.rank_index]
+        self.replayer = Replayer(rank_spec, self.ctx.device, repeat=int(self.spec["options"].get("repeat", 1)),
+                                 process_group=self.ctx.process_group, seed=self.ctx.seed + self.ctx.rank)
+        self.replayer.materialize()
+        self.errors = self.replayer.dry_run().errors
+
+    def step(self) -> StepResult:
+        assert self.replayer is not None, "setup() first"
+        self.replayer.run_step()
+        return StepResult(samples=1)
+
+    def observe_step_times(self, step_times_s: list[float]) -> None:
+        self.step_times_s = list(step_times_s)
+
+    def mlperf_info(self) -> MLPerfInfo:
+        return MLPerfInfo(benchmark="generated", global_batch_size=self.ctx.world_size, train_samples=0,
+                          eval_samples=0)
+
+    def run_tags(self) -> dict[str, str]:
+        source = self.spec["source"]
+        platform = source.get("platform", {})
+        return {
+            "source_workload": str(source.get("workload", "")),
+            "source_run_id": str(source.get("run_id", "")),
+            "source_platform": f"{platform.get('device_type', '?')}:{platform.get('device_name', '?')}"
+                               f":{platform.get('num_threads', '?')}t:{platform.get('world_size', '?')}r",
+            "portability": str(self.portability).lower(),
+            "generated_spec": str(Path(self.config.spec).resolve()),
+        }
+
+    def extra_metrics(self) -> dict[str, float]:
+        assert self.replayer is not None
+        op_times: dict[int, list[float]] = {}
+        if self.config.op_timing:
+            device = self.ctx.device
+
+            def sync() -> None:
+                if device.type != "cpu":
+                    torch.accelerator.synchronize(device)
+
+            op_times = self.replayer.time_ops(sync)
+        record = compute_fidelity(
+            self.spec, self.rank_index, self.step_times_s, op_times, self.errors,
+            reference_times_ms=self.reference_ms, replay_peak_memory_bytes=_process_peak_bytes(self.ctx.device),
+            portability=self.portability,
+        )
+        record["replay_platform"] = self.platform
+        if self.reference_platform is not None:
+            record["reference_platform"] = self.reference_platform
+        if self.ctx.rank == 0:
+            path = self.ctx.work_dir / FIDELITY_FILE
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(record, indent=2))
+            os.replace(tmp, path)
+        return {k: float(v) for k, v in record["metrics"].items()}
