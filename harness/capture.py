@@ -38,10 +38,41 @@ from harness.loop import MemoryMeter, seed_everything
 from harness.platform import device_name, discover_platform, synchronize
 from workloads import discover
 from workloads.base import RunContext
-from workloads.generated.bundle import ET_FILE, KINETO_FILE, META_FILE, STEP_ANNOTATION, BundleMeta, TraceError
+from workloads.generated.bundle import (
+    ET_FILE,
+    ET_RESOURCES,
+    KINETO_FILE,
+    META_FILE,
+    STEP_ANNOTATION,
+    BundleMeta,
+    TraceError,
+)
 
-# Ask the ET observer to record the value range of integer tensors (index validity on replay).
+# Ask the ET observer to record the value range of integer tensors (index validity on replay) and,
+# for the ops that read indices, lengths and offsets, their integer inputs' data (raw bytes in
+# ``et_resources/nid_<node>_tid_<input>.dat``): replayed lookups then hit the rows the program hit.
 _INT_RANGE_ENV = "ENABLE_PYTORCH_EXECUTION_TRACE_SAVE_INTEGRAL_TENSOR_RANGE"
+_INT_DATA_ENV = "ENABLE_PYTORCH_EXECUTION_TRACE_SAVE_INTEGRAL_TENSOR_DATA"
+INDEX_OPS = (
+    "aten::embedding", "aten::embedding_bag", "aten::_embedding_bag", "aten::_embedding_bag_forward_only",
+    "aten::embedding_dense_backward", "aten::_embedding_bag_backward", "aten::cumsum", "aten::index_select",
+    "aten::index", "aten::index_put_", "aten::gather", "aten::scatter", "aten::scatter_add_", "aten::index_add_",
+    "aten::take", "aten::nll_loss_forward", "aten::nll_loss_backward", "aten::cross_entropy_loss",
+    "aten::one_hot", "aten::bincount", "aten::repeat_interleave", "aten::searchsorted",
+    "aten::masked_select", "aten::_unique2", "aten::segment_reduce",
+    # ops that carry index tensors whole (storage offset 0: see workloads.generated.spec._tensor_data)
+    "aten::split", "aten::split_with_sizes", "aten::narrow", "aten::slice", "aten::select", "aten::view",
+    "aten::reshape", "aten::to", "aten::_to_copy", "aten::copy_", "aten::clone", "aten::cat", "aten::stack",
+    "aten::unbind", "aten::flatten", "aten::contiguous",
+    "fbgemm::asynchronous_complete_cumsum", "fbgemm::asynchronous_exclusive_cumsum",
+    "fbgemm::asynchronous_inclusive_cumsum", "fbgemm::permute_2D_sparse_data", "fbgemm::permute_1D_sparse_data",
+    "fbgemm::jagged_to_padded_dense", "fbgemm::dense_to_jagged", "fbgemm::jagged_2d_to_dense",
+    "fbgemm::split_embedding_codegen_lookup_adagrad_function_cpu",
+    "fbgemm::split_embedding_codegen_lookup_sgd_function_cpu",
+    "fbgemm::split_embedding_codegen_lookup_rowwise_adagrad_function_cpu",
+    "fbgemm::split_embedding_codegen_lookup_adagrad_function", "fbgemm::split_embedding_codegen_lookup_sgd_function",
+    "fbgemm::split_embedding_codegen_lookup_rowwise_adagrad_function", "fbgemm::bounds_check_indices",
+)
 
 
 def platform_record(device: torch.device, world_size: int) -> dict[str, Any]:
@@ -120,18 +151,22 @@ class Capture:
 
     def _start_profiler(self) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        previous = os.environ.get(_INT_RANGE_ENV)
+        previous = {key: os.environ.get(key) for key in (_INT_RANGE_ENV, _INT_DATA_ENV)}
         os.environ[_INT_RANGE_ENV] = "1"
+        os.environ[_INT_DATA_ENV] = ",".join(INDEX_OPS)
         try:
+            (self.out_dir / ET_RESOURCES).mkdir(exist_ok=True)  # the observer does not create it in time
             self._observer = ExecutionTraceObserver().register_callback(str(self.out_dir / ET_FILE))
+            self._observer.set_extra_resource_collection(True)
             self._profiler = profile(activities=_profiler_activities(self.device), record_shapes=True,
                                      execution_trace_observer=self._observer)
             self._profiler.start()
         finally:
-            if previous is None:
-                os.environ.pop(_INT_RANGE_ENV, None)
-            else:
-                os.environ[_INT_RANGE_ENV] = previous
+            for key, value in previous.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
     def _stop_profiler(self) -> None:
         if self._profiler is None or self._observer is None:

@@ -4,6 +4,7 @@ A bundle is a folder per rank::
 
     <bundle>/et.json       PyTorch execution trace (ExecutionTraceObserver), schema 1.1.1-chakra.*
     <bundle>/kineto.json   the Kineto (chrome) trace of the same steps: per-op durations
+    <bundle>/et_resources/ raw bytes of the integer inputs of index-reading ops (optional)
     <bundle>/meta.json     cobench's own record: platform, config, step times with and without
                            instrumentation, capture overhead, rank/world size
 
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 ET_FILE, KINETO_FILE, META_FILE = "et.json", "kineto.json", "meta.json"
+ET_RESOURCES = "et_resources"  # integer input data the ET observer saved: nid_<node>_tid_<input>.dat
 META_SCHEMA = "cobench-trace-bundle/1"
 # Execution-trace schemas this code understands: the Chakra-flavoured 1.x family of torch 2.x.
 SUPPORTED_ET_SCHEMAS = (r"1\.0\.[1-9].*", r"1\.1\.\d+-chakra\.0\.0\.\d+")

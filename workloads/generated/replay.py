@@ -19,6 +19,7 @@ captured shapes, so everything after it still runs; coverage says what was lost.
 
 from __future__ import annotations
 
+import base64
 import re
 import time
 from collections.abc import Callable
@@ -200,6 +201,7 @@ class Replayer:
         self.ops_spec = rank_spec["ops"]
         self.step_indices = sorted({op["step"] for op in self.ops_spec})
         self._slots: dict[tuple, int] = {}
+        self._inputs_cache: dict[int, list[tuple[int, TensorInfo, int, str]]] = {}
         self.ops: list[CompiledOp] = [self._compile(i, op) for i, op in enumerate(self.ops_spec)]
         # The replay sequence: each step's ops, repeated; positions index into self.ops.
         self.sequence: list[list[int]] = []
@@ -334,18 +336,26 @@ class Replayer:
 
     # -- tensors -----------------------------------------------------------------------------------------
     def _find_externals(self) -> dict[int, tuple[TensorInfo, tuple[int, int] | None, bool]]:
-        """Slots read before any op of the sequence writes them: (layout, int range, is offsets)."""
+        """Slots read before any op of the sequence writes them: (layout, int range, is offsets).
+
+        Also collects :attr:`_constraints`: every integer input with a recorded value range, so that
+        views derived from a synthesised storage (e.g. one table's slice of a batch's indices) get
+        values valid for the op that reads them.
+        """
         produced: set[int] = set()
         externals: dict[int, tuple[TensorInfo, tuple[int, int] | None, bool]] = {}
+        self._constraints: list[tuple[TensorInfo, tuple[int, int] | None, bool, str | None]] = []
         for step in self.sequence:
             for position in step:
                 op, spec = self.ops[position], self.ops_spec[position]
-                for slot, info, arg_index, arg_name in self._inputs_of(position):
-                    if slot in produced or slot in externals:
-                        continue
-                    rng = spec.get("tensor_range", {}).get(str(arg_index))
-                    externals[slot] = (info, tuple(rng) if isinstance(rng, list) and len(rng) == 2 else None,
-                                       arg_name == "offsets")
+                for slot, info, tensor_index, arg_name in self._inputs_of(position):
+                    rng = spec.get("tensor_range", {}).get(str(tensor_index))
+                    rng = (int(rng[0]), int(rng[1])) if isinstance(rng, list) and len(rng) == 2 else None
+                    data = spec.get("tensor_data", {}).get(str(tensor_index))
+                    if (rng is not None or data) and not info.dtype.is_floating_point:
+                        self._constraints.append((info, rng, arg_name == "offsets", data))
+                    if slot not in produced and slot not in externals:
+                        externals[slot] = (info, rng, arg_name == "offsets")
                 produced.update(s for s in op.out_slots if s is not None)
         return externals
 
@@ -353,9 +363,9 @@ class Replayer:
         """Integer ``aten::empty*`` outputs whose first reader recorded a value range get values in it."""
         pending: dict[int, CompiledOp] = {}
         for op in self.ops:
-            for slot, _info, arg_index, _ in self._inputs_of(op.index):
+            for slot, _info, tensor_index, _ in self._inputs_of(op.index):
                 maker = pending.pop(slot, None)
-                rng = self.ops_spec[op.index].get("tensor_range", {}).get(str(arg_index))
+                rng = self.ops_spec[op.index].get("tensor_range", {}).get(str(tensor_index))
                 if maker is not None and isinstance(rng, list) and len(rng) == 2:
                     maker.fills.append((slot, (int(rng[0]), int(rng[1]))))
             if re.fullmatch(r"aten::(empty|empty_strided|empty_like|new_empty|new_empty_strided)", op.name):
@@ -365,7 +375,13 @@ class Replayer:
                         pending[slot] = op
 
     def _inputs_of(self, position: int) -> list[tuple[int, TensorInfo, int, str]]:
-        """(slot, layout, input index, schema argument name) of every tensor an op reads."""
+        """(slot, layout, tensor index, schema argument name) of every tensor an op reads.
+
+        The tensor index counts tensor inputs in order, list elements included: the key the
+        execution trace uses for recorded value ranges and data.
+        """
+        if position in self._inputs_cache:
+            return self._inputs_cache[position]
         spec = self.ops_spec[position]
         inputs = spec["inputs"]
         names: list[str] = []
@@ -375,6 +391,7 @@ class Replayer:
             except RuntimeError:
                 names = []
         found = []
+        tensor_index = -1
         for i, (value, et_type) in enumerate(zip(inputs.get("values", []), inputs.get("types", []), strict=False)):
             shape, stride = _at(inputs.get("shapes", []), i), _at(inputs.get("strides", []), i)
             items = [(value, shape, stride, et_type)]
@@ -383,12 +400,16 @@ class Replayer:
                 items = [(v, _at(shape, j), _at(stride, j), types[j] if j < len(types) else "")
                          for j, v in enumerate(value)]
             for v, sh, st, t in items:
-                if _is_tensor_ref(v) and t.startswith("Tensor(") and "nullptr" not in t:
+                if not t.startswith("Tensor("):
+                    continue
+                tensor_index += 1
+                if _is_tensor_ref(v) and "nullptr" not in t:
                     try:
                         info = _tensor_info(v, sh, st, t)
                     except OpUnavailable:
                         continue
-                    found.append((self._slots[info.key], info, i, names[i] if i < len(names) else ""))
+                    found.append((self._slots[info.key], info, tensor_index, names[i] if i < len(names) else ""))
+        self._inputs_cache[position] = found
         return found
 
     def _liveness(self) -> list[list[int]]:
@@ -417,11 +438,32 @@ class Replayer:
             nbytes[info.storage_id] = max(nbytes.get(info.storage_id, 0), end)
         storages = {sid: torch.empty(max(n, 1), dtype=torch.uint8, device=self.device).untyped_storage()
                     for sid, n in nbytes.items()}
-        for slot, (info, rng, is_offsets) in self._externals.items():
+        # Wide views first: a narrower view of the same storage (e.g. one table's slice of a
+        # jagged batch's offsets) carries its own reader's range, so it is written last and wins.
+        ordered = sorted(self._externals.items(), key=lambda item: -item[1][0].extent)
+        for slot, (info, rng, is_offsets) in ordered:
             view = torch.empty(0, dtype=info.dtype, device=self.device)
             view.set_(storages[info.storage_id], info.offset, info.shape, info.stride)
             self._fill(view, rng, is_offsets)
             self.vals[slot] = view
+        # Then what the readers recorded, on every view of a synthesised storage: ranges from the
+        # widest view to the narrowest, recorded data last (it is the program's own values).
+        for info, rng, is_offsets, data in sorted(self._constraints, key=lambda c: (c[3] is not None, -c[0].extent)):
+            if info.storage_id in storages:
+                view = torch.empty(0, dtype=info.dtype, device=self.device)
+                view.set_(storages[info.storage_id], info.offset, info.shape, info.stride)
+                if data is None or not self._copy_data(view, data):
+                    self._fill(view, rng, is_offsets)
+
+    @staticmethod
+    def _copy_data(view: torch.Tensor, data: str) -> bool:
+        """Write recorded raw integer data into ``view``; False when it does not fit the view."""
+        raw = bytearray(base64.b64decode(data))
+        if len(raw) != view.numel() * view.element_size():
+            return False
+        with torch.no_grad():
+            view.copy_(torch.frombuffer(raw, dtype=view.dtype).reshape(view.shape))
+        return True
 
     def _fill(self, view: torch.Tensor, rng: tuple[int, int] | None, is_offsets: bool) -> None:
         if view.numel() == 0:
@@ -454,10 +496,19 @@ class Replayer:
         for op in self.ops:
             if op.error is not None:
                 stats.errors[op.index] = op.error
+        integer_stand_ins: dict[int, int] = {}  # slot → the failed op whose output it stands in for
         with torch.no_grad():
-            for _k, step in enumerate(self.sequence):
+            for step in self.sequence:
                 for position in step:
                     op = self.ops[position]
+                    if op.error is None:
+                        # Index-like inputs invented for a failed op could send an unchecked kernel out
+                        # of bounds: ops reading them are skipped too, with the reason.
+                        culprit = next((integer_stand_ins[s] for s, *_ in self._inputs_of(position)
+                                        if s in integer_stand_ins), None)
+                        if culprit is not None:
+                            op.error = f"skipped: reads an integer output of failed op #{culprit}"
+                            stats.errors[op.index] = op.error
                     if op.error is None:
                         try:
                             op.store(op.call(self.vals), self.vals, self.generator)
@@ -466,7 +517,9 @@ class Replayer:
                             stats.errors[op.index] = op.error
                     if op.error is not None:
                         self._stand_in(op)
-        # After a full cycle, freed slots are None again; re-materialise nothing: externals persist.
+                        integer_stand_ins.update(
+                            (slot, op.index) for slot, info in zip(op.out_slots, op.out_infos)
+                            if slot is not None and info is not None and not info.dtype.is_floating_point)
         self._next = 0
         return stats
 

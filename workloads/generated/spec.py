@@ -15,6 +15,7 @@ dependencies, its category and its original duration joined from Kineto on ``rf_
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import math
@@ -26,6 +27,7 @@ from typing import Any
 
 from workloads.generated.bundle import (
     ET_FILE,
+    ET_RESOURCES,
     KINETO_FILE,
     STEP_ANNOTATION,
     BundleMeta,
@@ -37,6 +39,7 @@ from workloads.generated.bundle import (
 )
 
 SPEC_SCHEMA = "cobench-generated-spec/1"
+MAX_TENSOR_DATA_BYTES = 16 * 2**20  # larger recorded integer inputs fall back to their value range
 _THREAD_ROOT = "[pytorch|profiler|execution_trace|thread]"
 _PROCESS_ROOT = "[pytorch|profiler|execution_trace|process]"
 
@@ -232,6 +235,39 @@ def _replay_level(nodes: dict[int, Node]) -> list[Node]:
     return level
 
 
+def _tensor_data(resources: Path, node: Node) -> dict[str, str]:
+    """Tensor-input index → base64 of the raw integer data the ET observer saved for this op, if any.
+
+    torch 2.13's observer copies ``numel × itemsize`` bytes from ``storage + offset`` with the offset
+    in elements, not bytes: the data of a view that starts past its storage's first element is wrong,
+    so it is dropped (the replay falls back to the recorded value range there).
+    """
+    data: dict[str, str] = {}
+    if not resources.is_dir():
+        return data
+    index = -1
+    for value, et_type in zip(node.inputs.get("values", []), node.inputs.get("types", []), strict=False):
+        items = [(value, et_type)]
+        if et_type.startswith("GenericList[") and isinstance(value, list):
+            items = list(zip(value, _list_types(et_type), strict=False))
+        for item, item_type in items:
+            if not item_type.startswith("Tensor("):
+                continue
+            index += 1
+            path = resources / f"nid_{node.id}_tid_{index}.dat"
+            if not (_is_tensor_ref(item) and item[2] == 0 and path.is_file()):
+                continue
+            if 0 < path.stat().st_size <= MAX_TENSOR_DATA_BYTES:
+                data[str(index)] = base64.b64encode(path.read_bytes()).decode("ascii")
+    return data
+
+
+def _list_types(et_type: str) -> list[str]:
+    """Element types of ``GenericList[...]`` (a tensor type may itself contain commas)."""
+    inner = et_type[len("GenericList["):-1]
+    return re.findall(r"Tensor\([^)]*\)|[^,]+", inner) if inner else []
+
+
 def _step_of(node: Node, ancestors: list[Node], event: dict | None, step_events: list[dict]) -> int | None:
     for a in ancestors:
         if a.name.startswith(STEP_ANNOTATION):
@@ -292,6 +328,7 @@ def extract_rank(bundle: Path) -> tuple[BundleMeta, list[dict[str, Any]], list[d
             "inputs": node.inputs,
             "outputs": node.outputs,
             "tensor_range": node.tensor_range,
+            "tensor_data": _tensor_data(bundle / ET_RESOURCES, node),
             "ts_us": float(event["ts"]) if event else None,
             "dur_us": float(event["dur"]) if event else None,
         })
@@ -355,9 +392,10 @@ def generate_spec(bundle: str | Path, options: GenerateOptions | None = None) ->
         if not ops:
             raise TraceError(f"{rank_dir}: the selection {options} keeps no operators (of {original_count})")
         _add_dependencies(ops)
-        if options.obfuscate:
+        if options.obfuscate:  # the program's names and its data go; shapes, ranges and timings stay
             for op in ops:
                 op["scopes"] = [_obfuscated(s) for s in op["scopes"]]
+                op["tensor_data"] = {}
         kept_steps = sorted({op["step"] for op in ops})
         ranks.append({
             "rank": meta.rank,
