@@ -48,7 +48,7 @@ def bench(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """The test suite; pytest arguments after `--`."""
-    install(session, "test")
+    install(session, "test,chakra")
     session.run("pytest", *(session.posargs or ["-q"]))
 
 
