@@ -226,6 +226,13 @@ class Replayer:
             if op["name"].startswith("c10d::"):
                 compiled.fn = self._collective(op["name"])
                 self._compile_args(op, compiled, schema_args=None)
+                compiled.out_slots = []  # collectives write into their (input) buffers in place
+            elif op["name"].startswith("_c10d_functional::") and op["name"] != "_c10d_functional::wait_tensor":
+                fn = resolve_op(op["schema"])
+                wait = torch.ops._c10d_functional.wait_tensor.default
+                # The program waited later, inside another op the trace shows only as a whole.
+                compiled.fn = lambda *args, _fn=fn, **kwargs: _waited(_fn(*args, **kwargs), wait)
+                self._compile_args(op, compiled, torch._C.parse_schema(op["schema"]).arguments)
             else:
                 compiled.fn = resolve_op(op["schema"])
                 self._compile_args(op, compiled, torch._C.parse_schema(op["schema"]).arguments)
@@ -563,6 +570,14 @@ class Replayer:
                         vals[slot] = None
         self._next = 0
         return times
+
+
+def _waited(result: Any, wait: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(result, torch.Tensor):
+        return wait(result)
+    if isinstance(result, (list, tuple)):
+        return type(result)(_waited(r, wait) for r in result)
+    return result
 
 
 def _at(items: Any, index: int) -> Any:

@@ -216,6 +216,8 @@ def _replay_level(nodes: dict[int, Node]) -> list[Node]:
         return out
 
     def escapes(node: Node) -> bool:
+        if op_category(node.name) == "comm":
+            return False  # a collective's inner ops are its implementation, replayed by the collective
         inner = subtree(node)
         if not inner:
             return False
