@@ -518,7 +518,7 @@ class Replayer:
                             stats.errors[op.index] = op.error
                     if op.error is None:
                         try:
-                            op.store(op.call(self.vals), self.vals, self.generator)
+                            self._call_or_unalias(position)
                         except Exception as err:  # noqa: BLE001 - recorded per op; replay goes on
                             op.error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
                             stats.errors[op.index] = op.error
@@ -529,6 +529,21 @@ class Replayer:
                             if slot is not None and info is not None and not info.dtype.is_floating_point)
         self._next = 0
         return stats
+
+    def _call_or_unalias(self, position: int) -> None:
+        """Run an op; if it refuses inputs that overlap in memory, give its synthesised inputs storage of
+        their own and try once more. The observer's storage ids come from data addresses, which are
+        reused after frees, so two tensors the program never aliased can arrive with one storage id."""
+        op = self.ops[position]
+        try:
+            op.store(op.call(self.vals), self.vals, self.generator)
+        except RuntimeError as err:
+            shared = [slot for slot, *_ in self._inputs_of(position) if slot in self._externals]
+            if "single memory location" not in str(err) and "overlap" not in str(err) or not shared:
+                raise
+            for slot in shared:
+                self.vals[slot] = self.vals[slot].clone()
+            op.store(op.call(self.vals), self.vals, self.generator)
 
     def run_step(self) -> int:
         """Replay the next captured step (cycling); returns how many ops ran."""

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from workloads.generated.bundle import (
     ET_FILE,
     ET_RESOURCES,
@@ -176,20 +178,31 @@ def _framework_threads(nodes: dict[int, Node]) -> set[int]:
 
 
 def _keys(io: dict[str, list]) -> set[tuple]:
-    """(tensor id, shape) of every tensor an op reads or writes (ids alone are reused after frees)."""
+    """(tensor id, storage id, offset, shape) of every tensor an op reads or writes (the observer's ids
+    come from object addresses, which are reused after frees: the id alone is not an identity)."""
     keys = set()
     for value, shape in zip(io.get("values", []), io.get("shapes", []), strict=False):
         if _is_tensor_ref(value):
-            keys.add((value[0], json.dumps(shape)))
+            keys.add((value[0], value[1], value[2], json.dumps(shape)))
         elif isinstance(value, list) and isinstance(shape, list):
-            keys.update((v[0], json.dumps(sh)) for v, sh in zip(value, shape, strict=False) if _is_tensor_ref(v))
+            keys.update((v[0], v[1], v[2], json.dumps(sh)) for v, sh in zip(value, shape, strict=False)
+                        if _is_tensor_ref(v))
     return keys
 
 
+def _is_composite(schema: str) -> bool:
+    """Is this op implemented entirely by the ops it calls (CompositeImplicitAutograd)?"""
+    qualified = schema.split("(", 1)[0]
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CompositeImplicitAutograd"))
+    except RuntimeError:  # not registered in this process (e.g. a library not loaded): keep it whole
+        return False
+
+
 def _replay_level(nodes: dict[int, Node]) -> list[Node]:
-    """The ops to replay: top-level ops, except that an op whose *inner* ops make a tensor that a later
-    op reads (e.g. attention's log-sum-exp, saved for backward) is replaced by its inner ops, so the
-    replay makes that tensor too instead of inventing it."""
+    """The ops to replay: top-level ops, except that a composite op (one whose work is all done by the
+    ops it calls) whose inner ops make a tensor a later op reads (e.g. attention's log-sum-exp, saved
+    for backward) is replaced by its inner ops, so the replay makes that tensor instead of inventing it."""
     children: dict[int, list[Node]] = {}
     for node in nodes.values():
         if node.parent != node.id:
@@ -216,8 +229,8 @@ def _replay_level(nodes: dict[int, Node]) -> list[Node]:
         return out
 
     def escapes(node: Node) -> bool:
-        if op_category(node.name) == "comm":
-            return False  # a collective's inner ops are its implementation, replayed by the collective
+        if not _is_composite(node.schema):
+            return False  # it has a kernel of its own: expanding it would drop that work
         inner = subtree(node)
         if not inner:
             return False

@@ -1,0 +1,289 @@
+"""Generated trace benchmarks end to end: capture → generate → replay → fidelity → Chakra export.
+
+Everything runs for real: the PyTorch execution-trace observer and Kineto, the replay through the
+dispatcher, MLflow's sqlite store, gloo for two ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import clean_env, mlflow_runs
+from workloads.generated.bundle import ET_FILE, KINETO_FILE, META_FILE, TraceError, read_meta
+from workloads.generated.replay import Replayer
+from workloads.generated.spec import GenerateOptions, generate_spec, load_spec, write_spec
+
+CAPTURE_STEPS = ["--steps", "2", "--warmup", "1", "--baseline-steps", "3"]
+REPLAY = ["runner.warmup_steps=1", "runner.steps=4", "runner.progress=false"]
+
+
+def _cli(*args: str, cwd: Path, torchrun: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
+    prefix = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={torchrun}"] if torchrun else \
+        [sys.executable]
+    return subprocess.run([*prefix, "-m", "suite.cli", *args], capture_output=True, text=True, timeout=timeout,
+                          env=clean_env(), cwd=cwd)
+
+
+def _user_program(out: Path, steps: int = 2) -> None:
+    """A small program with the op kinds the issue names: views, in-place, embedding_bag, index ops,
+    attention; forward, backward and an optimiser step per iteration."""
+    from harness.capture import capture
+
+    torch.manual_seed(0)
+    emb = torch.nn.EmbeddingBag(500, 16, mode="sum")
+    proj = torch.nn.Linear(16, 32)
+    opt = torch.optim.AdamW([*emb.parameters(), *proj.parameters()], lr=1e-3)
+
+    def step() -> None:
+        ids = torch.randint(0, 500, (64,))
+        offsets = torch.arange(0, 64, 4)
+        x = proj(emb(ids, offsets)).relu()  # (16, 32)
+        x = x.clone()
+        flat = x.view(-1)  # a view: shares storage with x
+        flat.mul_(0.5)  # in place, through the view
+        picked = torch.index_select(x, 0, torch.tensor([0, 3, 5]))
+        gathered = x.gather(1, torch.randint(0, 32, (16, 4)))
+        q = x.view(1, 4, 4, 32)  # (batch, heads, seq, dim)
+        attn = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+        loss = attn.sum() + picked.mean() + gathered.sum() + x[:, :8].mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    with capture(out, steps=steps, warmup=1, baseline_steps=3, source="user_program") as cap:
+        while not cap.done:
+            with cap.step():
+                step()
+
+
+@pytest.fixture(scope="module")
+def program_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("program") / "bundle"
+    _user_program(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    work = tmp_path_factory.mktemp("llama")
+    out = work / "bundle"
+    proc = _cli("trace", "capture", "--out", str(out), *CAPTURE_STEPS, "workload=llama", f"results_dir={work}",
+                cwd=work)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "capture overhead" in proc.stdout
+    return out
+
+
+def test_capture_writes_a_bundle_with_uninstrumented_step_times(program_bundle: Path):
+    for name in (ET_FILE, KINETO_FILE, META_FILE):
+        assert (program_bundle / name).is_file()
+    meta = read_meta(program_bundle)
+    assert len(meta.step_times_s) == 3 and len(meta.traced_step_times_s) == 2
+    assert meta.source == "user_program" and meta.platform["device_type"] == "cpu"
+    # The profiler slows the steps it traces; the plain steps are the reference, so they must differ.
+    assert meta.capture_overhead_pct > 0
+    et = json.loads((program_bundle / ET_FILE).read_text())
+    assert et["schema"].startswith("1.1.1-chakra")
+
+
+def test_user_program_replays_every_op_with_the_captured_layout(program_bundle: Path):
+    spec = generate_spec(program_bundle)
+    rank = spec["ranks"][0]
+    names = {op["name"] for op in rank["ops"]}
+    # forward, backward and optimiser ops of the named kinds are all in the spec
+    assert {"aten::embedding_bag", "aten::index_select", "aten::gather", "aten::view", "aten::mul_"} <= names
+    assert any("attention" in n for n in names) and any("backward" in n for n in names)
+    assert all(op["dur_us"] is not None for op in rank["ops"])  # joined with Kineto on rf_id
+    replayer = Replayer(rank, torch.device("cpu"))
+    replayer.materialize()
+    errors = replayer.dry_run().errors
+    assert errors == {}, errors
+    # A captured view is a view on replay too: same storage as the tensor it came from.
+    view_ops = [op for op in replayer.ops if op.name == "aten::view"]
+    assert view_ops
+    for op in view_ops[:3]:
+        source_slot = op.arg_slots[0][2]
+        out = op.call(replayer.vals)
+        assert out.untyped_storage().data_ptr() == replayer.vals[source_slot].untyped_storage().data_ptr()
+    assert replayer.run_step() == len(replayer.sequence[0])
+
+
+def test_llama_capture_generate_replay_through_the_harness(llama_bundle: Path, tmp_path: Path):
+    proc = _cli("trace", "generate", str(llama_bundle), "--out", str(tmp_path / "spec.json"), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    results = tmp_path / "results"
+    proc = _cli("run", "workload=generated", f"workload.spec={tmp_path / 'spec.json'}", *REPLAY,
+                f"results_dir={results}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = mlflow_runs(results)
+    assert run.info.status == "FINISHED"
+    metrics, tags = run.data.metrics, run.data.tags
+    assert metrics["op_coverage_pct"] == 100.0 and metrics["ops_failed"] == 0
+    assert metrics["time_error_pct"] >= 0 and metrics["reference_step_ms"] > 0 and metrics["replay_step_ms"] > 0
+    assert 0 <= metrics["category_distance"] <= 1
+    assert tags["workload"] == "generated" and tags["source_workload"] == "llama"
+    assert tags["portability"] == "false"
+    (run_dir,) = (results / "runs").iterdir()
+    fidelity = json.loads((run_dir / "fidelity.json").read_text())
+    assert fidelity["metrics"]["time_error_pct"] == pytest.approx(metrics["time_error_pct"])
+    assert {"gemm", "attention", "optimizer"} <= set(fidelity["categories"])
+    assert fidelity["failed_ops"] == []
+
+
+def test_replay_on_other_threads_is_a_portability_run_judged_against_a_reference(llama_bundle: Path,
+                                                                                 tmp_path: Path):
+    spec = write_spec(generate_spec(llama_bundle), tmp_path / "spec.json")
+    results = tmp_path / "results"
+    proc = _cli("run", "workload=generated", f"workload.spec={spec}", f"workload.reference_bundle={llama_bundle}",
+                "platform.num_threads=1", *REPLAY, f"results_dir={results}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = mlflow_runs(results)
+    assert run.data.tags["portability"] == "true" and run.data.metrics["portability"] == 1.0
+    (run_dir,) = (results / "runs").iterdir()
+    fidelity = json.loads((run_dir / "fidelity.json").read_text())
+    assert fidelity["reference"] == "reference bundle" and fidelity["replay_platform"]["num_threads"] == 1
+
+
+def test_dlrm_replays_with_valid_indices(tmp_path: Path):
+    out = tmp_path / "dlrm"
+    proc = _cli("trace", "capture", "--out", str(out), *CAPTURE_STEPS, "workload=dlrm", f"results_dir={tmp_path}",
+                cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert any((out / "et_resources").iterdir())  # integer data of index-reading ops
+    spec = generate_spec(out)
+    replayer = Replayer(spec["ranks"][0], torch.device("cpu"))
+    replayer.materialize()
+    assert replayer.dry_run().errors == {}  # embedding_bag would refuse an out-of-range index
+
+
+def test_two_rank_capture_and_replay(tmp_path: Path):
+    out = tmp_path / "bundle"
+    proc = _cli("trace", "capture", "--out", str(out), *CAPTURE_STEPS, "workload=llama", f"results_dir={tmp_path}",
+                cwd=tmp_path, torchrun=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "rank0" / META_FILE).is_file() and (out / "rank1" / META_FILE).is_file()
+    spec_path = write_spec(generate_spec(out), tmp_path / "spec.json")
+    spec = load_spec(spec_path)
+    assert len(spec["ranks"]) == 2
+    assert any(op["category"] == "comm" for op in spec["ranks"][0]["ops"])  # FSDP2's collectives
+    results = tmp_path / "results"
+    proc = _cli("run", "workload=generated", f"workload.spec={spec_path}", *REPLAY, f"results_dir={results}",
+                cwd=tmp_path, torchrun=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = mlflow_runs(results)
+    assert run.info.status == "FINISHED" and run.data.metrics["op_coverage_pct"] == 100.0
+    # The same spec on one rank is refused before anything runs, saying how to run it.
+    proc = _cli("run", "workload=generated", f"workload.spec={spec_path}", *REPLAY, f"results_dir={tmp_path / 'r1'}",
+                cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "captured on 2 ranks" in proc.stderr and "--nproc-per-node 2" in proc.stderr
+    assert mlflow_runs(tmp_path / "r1") == []
+
+
+def test_selection_repeat_and_obfuscation(program_bundle: Path):
+    full = generate_spec(program_bundle)
+    only_mm = generate_spec(program_bundle, GenerateOptions(op=r"aten::(mm|addmm|linear)$", steps=[0], repeat=3))
+    ops = only_mm["ranks"][0]["ops"]
+    assert ops and all(op["name"] in ("aten::mm", "aten::addmm", "aten::linear") and op["step"] == 0 for op in ops)
+    assert not only_mm["full_step"] and only_mm["options"]["repeat"] == 3
+    replayer = Replayer(only_mm["ranks"][0], torch.device("cpu"), repeat=3)
+    replayer.materialize()
+    assert replayer.dry_run().errors == {}
+    assert len(replayer.sequence[0]) == 3 * len(ops)
+    secret = generate_spec(program_bundle, GenerateOptions(obfuscate=True))
+    assert secret["source"]["bundle"] == "" and "host" not in secret["source"]["platform"]
+    assert all(op["tensor_data"] == {} for op in secret["ranks"][0]["ops"])
+    assert len(secret["ranks"][0]["ops"]) == len(full["ranks"][0]["ops"])
+    with pytest.raises(ValueError, match="keeps no operators"):
+        generate_spec(program_bundle, GenerateOptions(op="aten::no_such_op"))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda b: (b / ET_FILE).write_text((b / ET_FILE).read_text()[:5000]), "not valid JSON"),
+        (lambda b: (b / ET_FILE).write_bytes(b"\x80\x04\x95pickle"), "not a UTF-8 JSON file"),
+        (lambda b: (b / ET_FILE).write_text(json.dumps({"schema": "2.0.0-chakra.1", "nodes": [{}]})),
+         "schema '2.0.0-chakra.1' is not supported; supported: 1.0.x and 1.1.x-chakra"),
+        (lambda b: (b / META_FILE).unlink(), "is not a trace bundle"),
+    ],
+    ids=["truncated", "pickle", "foreign-schema", "no-meta"],
+)
+def test_bad_bundles_are_refused_naming_the_file(program_bundle: Path, tmp_path: Path, damage, message):
+    bundle = tmp_path / "bundle"
+    shutil.copytree(program_bundle, bundle)
+    damage(bundle)
+    proc = _cli("trace", "generate", str(bundle), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    if message != "is not a trace bundle":
+        assert str(bundle / ET_FILE) in proc.stderr
+
+
+def test_a_trace_without_steps_is_refused(program_bundle: Path, tmp_path: Path):
+    bundle = tmp_path / "bundle"
+    shutil.copytree(program_bundle, bundle)
+    et = json.loads((bundle / ET_FILE).read_text())
+    for node in et["nodes"]:
+        node["name"] = node["name"].replace("cobench_step#", "something_else#")
+    (bundle / ET_FILE).write_text(json.dumps(et))
+    with pytest.raises(TraceError, match="no captured steps"):
+        generate_spec(bundle)
+
+
+def test_a_loop_that_stops_early_leaves_no_bundle(tmp_path: Path):
+    from harness.capture import capture
+
+    with pytest.raises(TraceError, match="loop until `cap.done`"):
+        with capture(tmp_path / "b", steps=2, warmup=0, baseline_steps=2) as cap:
+            with cap.step():
+                torch.ones(3).sum()
+    assert not (tmp_path / "b" / META_FILE).exists()
+
+
+def test_an_op_this_torch_lacks_is_skipped_with_its_error(program_bundle: Path, tmp_path: Path):
+    spec = generate_spec(program_bundle)
+    victim = next(op for op in spec["ranks"][0]["ops"] if op["name"] == "aten::relu")
+    victim["name"] = "aten::definitely_not_an_op"
+    victim["schema"] = victim["schema"].replace("aten::relu", "aten::definitely_not_an_op")
+    spec_path = write_spec(spec, tmp_path / "spec.json")
+    results = tmp_path / "results"
+    proc = _cli("run", "workload=generated", f"workload.spec={spec_path}", *REPLAY, f"results_dir={results}",
+                cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = mlflow_runs(results)
+    assert run.data.metrics["op_coverage_pct"] < 100.0 and run.data.metrics["ops_failed"] >= 1
+    (run_dir,) = (results / "runs").iterdir()
+    failed = json.loads((run_dir / "fidelity.json").read_text())["failed_ops"]
+    assert any("has no operator aten::definitely_not_an_op" in f["error"] for f in failed)
+
+
+def test_a_bad_spec_is_refused_before_any_run(tmp_path: Path):
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"schema": "someone-elses/3", "ranks": []}))
+    proc = _cli("run", "workload=generated", f"workload.spec={spec}", *REPLAY, f"results_dir={tmp_path / 'res'}",
+                cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "spec schema 'someone-elses/3' is not supported" in proc.stderr and str(spec) in proc.stderr
+    assert mlflow_runs(tmp_path / "res") == []
+    proc = _cli("run", "workload=generated", *REPLAY, f"results_dir={tmp_path / 'res'}", cwd=tmp_path)
+    assert proc.returncode == 2 and "workload.spec" in proc.stderr
+
+
+def test_chakra_export_reads_back(program_bundle: Path, tmp_path: Path):
+    pytest.importorskip("chakra", reason="mlc-chakra (the optional 'chakra' extra) is not installed")
+    from workloads.generated.chakra import read_chakra
+
+    proc = _cli("trace", "export", "--format", "chakra", str(program_bundle), "--out", str(tmp_path / "chakra"),
+                cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    metadata, nodes = read_chakra(tmp_path / "chakra" / "rank0.et")
+    assert any(a.get("name") == "schema" for a in metadata["attr"])
+    assert any(n["name"] == "aten::embedding_bag" for n in nodes)
