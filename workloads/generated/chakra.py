@@ -38,7 +38,8 @@ def export_chakra(bundle: str | Path, out_dir: str | Path | None = None) -> list
         try:
             converter.convert(str(rank_dir / ET_FILE), str(target), False)
         except Exception as err:  # noqa: BLE001 - the converter raises anything; say which file
-            raise TraceError(f"mlc-chakra could not convert {rank_dir / ET_FILE}: {type(err).__name__}: {err}") from None
+            reason = f"{type(err).__name__}: {err}"
+            raise TraceError(f"mlc-chakra could not convert {rank_dir / ET_FILE}: {reason}") from None
         written.append(target)
     return written
 

@@ -525,7 +525,7 @@ class Replayer:
                     if op.error is not None:
                         self._stand_in(op)
                         integer_stand_ins.update(
-                            (slot, op.index) for slot, info in zip(op.out_slots, op.out_infos)
+                            (slot, op.index) for slot, info in zip(op.out_slots, op.out_infos, strict=False)
                             if slot is not None and info is not None and not info.dtype.is_floating_point)
         self._next = 0
         return stats
