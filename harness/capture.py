@@ -56,7 +56,8 @@ _INT_DATA_ENV = "ENABLE_PYTORCH_EXECUTION_TRACE_SAVE_INTEGRAL_TENSOR_DATA"
 INDEX_OPS = (
     "aten::embedding", "aten::embedding_bag", "aten::_embedding_bag", "aten::_embedding_bag_forward_only",
     "aten::embedding_dense_backward", "aten::_embedding_bag_backward", "aten::cumsum", "aten::index_select",
-    "aten::index", "aten::index_put_", "aten::gather", "aten::scatter", "aten::scatter_add_", "aten::index_add_",
+    "aten::index", "aten::index_put_", "aten::index_put", "aten::_index_put_impl_", "aten::gather",
+    "aten::scatter", "aten::scatter_add_", "aten::index_add_",
     "aten::take", "aten::nll_loss_forward", "aten::nll_loss_backward", "aten::cross_entropy_loss",
     "aten::one_hot", "aten::bincount", "aten::repeat_interleave", "aten::searchsorted",
     "aten::masked_select", "aten::_unique2", "aten::segment_reduce",

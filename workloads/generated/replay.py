@@ -274,10 +274,13 @@ class Replayer:
         shapes, strides = inputs.get("shapes", []), inputs.get("strides", [])
         if schema_args is not None and len(values) != len(schema_args):
             raise OpUnavailable(f"the trace passes {len(values)} inputs, the schema takes {len(schema_args)}")
+        tensor_index = [-1]  # counts tensor inputs as the trace does (list elements included)
+        data = op.get("tensor_data") or {}
         for i, (value, et_type) in enumerate(zip(values, types, strict=False)):
             arg = schema_args[i] if schema_args is not None else None
             arg_type = str(arg.type) if arg is not None else ""
-            converted, slots = self._convert(value, et_type, _at(shapes, i), _at(strides, i), arg_type)
+            converted, slots = self._convert(value, et_type, _at(shapes, i), _at(strides, i), arg_type,
+                                             tensor_index, data)
             if arg is not None and arg.kwarg_only:
                 compiled.kwargs[arg.name] = converted
                 compiled.kwarg_slots.extend((arg.name, sub, slot) for sub, slot in slots)
@@ -285,20 +288,32 @@ class Replayer:
                 compiled.arg_slots.extend((len(compiled.args), sub, slot) for sub, slot in slots)
                 compiled.args.append(converted)
 
-    def _convert(self, value: Any, et_type: str, shape: Any, stride: Any, arg_type: str) -> tuple[Any, list]:
+    def _convert(self, value: Any, et_type: str, shape: Any, stride: Any, arg_type: str,
+                 tensor_index: list[int], data: dict[str, str]) -> tuple[Any, list]:
         """A trace value → (call-template value, [(list index or −1, slot)])."""
         if et_type.startswith("Tensor("):
+            tensor_index[0] += 1
             if not _is_tensor_ref(value) or "nullptr" in et_type:
                 return None, []
-            return None, [(-1, self._slot(_tensor_info(value, shape, stride, et_type)))]
+            info = _tensor_info(value, shape, stride, et_type)
+            pinned = self._pinned(info, data.get(str(tensor_index[0])))
+            return (pinned, []) if pinned is not None else (None, [(-1, self._slot(info))])
         if et_type.startswith("GenericList["):
             types = _list_types(et_type)
             if any(t.startswith("Tensor(") for t in types):
                 slots, template = [], []
                 for j, item in enumerate(value):
                     template.append(None)
+                    if not types[j].startswith("Tensor(") if j < len(types) else True:
+                        continue
+                    tensor_index[0] += 1
                     if _is_tensor_ref(item):
-                        slots.append((j, self._slot(_tensor_info(item, _at(shape, j), _at(stride, j), types[j]))))
+                        info = _tensor_info(item, _at(shape, j), _at(stride, j), types[j])
+                        pinned = self._pinned(info, data.get(str(tensor_index[0])))
+                        if pinned is not None:
+                            template[j] = pinned
+                        else:
+                            slots.append((j, self._slot(info)))
                 return template, slots
             return list(value), []
         if et_type == "None" or value == "<None>":
@@ -316,6 +331,25 @@ class Replayer:
         if et_type in ("Object", "Generator"):
             return None, []
         return value, []
+
+    def _pinned(self, info: TensorInfo, data: str | None) -> torch.Tensor | None:
+        """The program's own values for an integer input the trace recorded, as a constant.
+
+        Index tensors are often computed from data (``nonzero``, cumulative sums of lengths …); from
+        synthetic inputs they would come out with other values or even other shapes. Feeding the
+        recorded values keeps every lookup in range and every data-dependent shape as captured.
+        """
+        if data is None or info.dtype.is_floating_point:
+            return None
+        raw = bytearray(base64.b64decode(data))
+        numel = len(raw) // max(info.itemsize, 1)
+        expected = 1
+        for size in info.shape:
+            expected *= size
+        if numel != expected:
+            return None
+        # clone: a tensor of its own, not a view of the buffer (ops like detach_ refuse views)
+        return torch.frombuffer(raw, dtype=info.dtype).reshape(info.shape).clone().to(self.device)
 
     def _collective(self, name: str) -> Callable[..., Any]:
         """The ``torch.distributed`` call for a captured ``c10d::`` op (its process-group arguments dropped)."""
@@ -415,7 +449,8 @@ class Replayer:
                         info = _tensor_info(v, sh, st, t)
                     except OpUnavailable:
                         continue
-                    found.append((self._slots[info.key], info, tensor_index, names[i] if i < len(names) else ""))
+                    if info.key in self._slots:  # else pinned to recorded values everywhere it is read
+                        found.append((self._slots[info.key], info, tensor_index, names[i] if i < len(names) else ""))
         self._inputs_cache[position] = found
         return found
 
