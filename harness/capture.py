@@ -34,6 +34,7 @@ from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile, re
 
 from harness.config import CobenchConfig, results_root
 from harness.distributed import broadcast_from_main, env_dist_info, init_distributed
+from harness.fingerprint import git_state, library_versions
 from harness.loop import MemoryMeter, seed_everything
 from harness.platform import device_name, discover_platform, synchronize
 from workloads import discover
@@ -86,6 +87,8 @@ def platform_record(device: torch.device, world_size: int) -> dict[str, Any]:
         "world_size": world_size,
         "host": pyplatform.node(),
         "torch_version": torch.__version__,
+        "libraries": library_versions(),
+        "git_sha": git_state()[0],
     }
 
 
@@ -98,10 +101,43 @@ def _profiler_activities(device: torch.device) -> list[ProfilerActivity]:
     return activities
 
 
+class _ModuleScopes:
+    """While tracing, every ``nn.Module`` forward runs inside a record-function scope named after the
+    module (``nn.Module: layers.0.attention`` when the root module was given, else its class), so a
+    spec can be cut by module (``cobench trace generate --scope``)."""
+
+    def __init__(self, model: torch.nn.Module | None):
+        self.names = {id(m): name or "root" for name, m in model.named_modules()} if model is not None else {}
+        self.stack: list[Any] = []
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> _ModuleScopes:
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self.handles = [register_module_forward_pre_hook(self._enter), register_module_forward_hook(self._exit)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+        while self.stack:
+            self.stack.pop().__exit__(None, None, None)
+
+    def _enter(self, module: torch.nn.Module, _args: Any) -> None:
+        scope = record_function(f"nn.Module: {self.names.get(id(module), type(module).__name__)}")
+        scope.__enter__()
+        self.stack.append(scope)
+
+    def _exit(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
+        if self.stack:
+            self.stack.pop().__exit__(None, None, None)
+
+
 class Capture:
     """Drives the phases of a capture; use :meth:`step` around each step of the loop."""
 
-    def __init__(self, out_dir: Path, steps: int, warmup: int, baseline_steps: int, device: torch.device):
+    def __init__(self, out_dir: Path, steps: int, warmup: int, baseline_steps: int, device: torch.device,
+                 model: torch.nn.Module | None = None):
         if steps < 1 or baseline_steps < 1 or warmup < 0:
             raise ValueError(
                 f"capture needs steps >= 1 and baseline_steps >= 1 and warmup >= 0; got steps={steps}, "
@@ -115,6 +151,7 @@ class Capture:
         self.traced_times_s: list[float] = []
         self._profiler: profile | None = None
         self._observer: ExecutionTraceObserver | None = None
+        self._scopes = _ModuleScopes(model)
 
     @property
     def total_steps(self) -> int:
@@ -136,7 +173,7 @@ class Capture:
         synchronize(self.device)
         started = time.perf_counter()
         if traced:
-            with record_function(f"{STEP_ANNOTATION}{index}"):
+            with record_function(f"{STEP_ANNOTATION}{index}"), self._scopes:
                 yield
         else:
             yield
@@ -201,8 +238,11 @@ def capture(
     config: dict[str, Any] | None = None,
     source: str = "program",
     source_run_id: str = "",
+    model: torch.nn.Module | None = None,
 ) -> Iterator[Capture]:
     """Capture a trace bundle of the steps marked with ``cap.step()``; see the module docstring.
+
+    ``model``: your root module, to name module scopes by their path (``layers.0.attention``).
 
     Raises :class:`TraceError` when the loop ends before a traced step completed.
     """
@@ -210,7 +250,7 @@ def capture(
     rank = dist.get_rank() if dist.is_initialized() else 0
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     target = bundle_dir(Path(out_dir), rank, world_size)
-    cap = Capture(target, steps, warmup, baseline_steps, device)
+    cap = Capture(target, steps, warmup, baseline_steps, device, model)
     started = time.perf_counter()
     try:
         yield cap
@@ -262,7 +302,8 @@ def capture_benchmark(cfg: CobenchConfig, out_dir: Path | None, *, steps: int, w
     config = OmegaConf.to_container(OmegaConf.structured(cfg.workload), resolve=True)
     try:
         with capture(out_dir, steps=steps, warmup=warmup, baseline_steps=baseline_steps, device=platform.device,
-                     config={"workload": config, "platform": platform.name}, source=cfg.workload.name) as cap:
+                     config={"workload": config, "platform": platform.name}, source=cfg.workload.name,
+                     model=getattr(workload, "model", None)) as cap:
             while not cap.done:
                 with cap.step():
                     workload.step()
