@@ -58,23 +58,21 @@ INDEX_OPS = (
     "aten::embedding", "aten::embedding_bag", "aten::_embedding_bag", "aten::_embedding_bag_forward_only",
     "aten::embedding_dense_backward", "aten::_embedding_bag_backward", "aten::cumsum", "aten::index_select",
     "aten::index", "aten::index_put_", "aten::index_put", "aten::_index_put_impl_", "aten::gather",
-    "aten::scatter", "aten::scatter_add_", "aten::index_add_",
-    "aten::take", "aten::nll_loss_forward", "aten::nll_loss_backward", "aten::cross_entropy_loss",
-    "aten::one_hot", "aten::bincount", "aten::repeat_interleave", "aten::searchsorted",
-    "aten::masked_select", "aten::_unique2", "aten::segment_reduce",
+    "aten::scatter", "aten::scatter_add_", "aten::index_add_", "aten::take", "aten::nll_loss_forward",
+    "aten::nll_loss_backward", "aten::cross_entropy_loss", "aten::one_hot", "aten::bincount",
+    "aten::repeat_interleave", "aten::searchsorted", "aten::masked_select", "aten::_unique2", "aten::segment_reduce",
     # ops that carry index tensors whole (storage offset 0: see workloads.generated.spec._tensor_data)
     "aten::split", "aten::split_with_sizes", "aten::narrow", "aten::slice", "aten::select", "aten::view",
     "aten::reshape", "aten::to", "aten::_to_copy", "aten::copy_", "aten::clone", "aten::cat", "aten::stack",
     "aten::unbind", "aten::flatten", "aten::contiguous",
-    "fbgemm::asynchronous_complete_cumsum", "fbgemm::asynchronous_exclusive_cumsum",
-    "fbgemm::asynchronous_inclusive_cumsum", "fbgemm::permute_2D_sparse_data", "fbgemm::permute_1D_sparse_data",
-    "fbgemm::jagged_to_padded_dense", "fbgemm::dense_to_jagged", "fbgemm::jagged_2d_to_dense",
-    "fbgemm::split_embedding_codegen_lookup_adagrad_function_cpu",
-    "fbgemm::split_embedding_codegen_lookup_sgd_function_cpu",
-    "fbgemm::split_embedding_codegen_lookup_rowwise_adagrad_function_cpu",
-    "fbgemm::split_embedding_codegen_lookup_adagrad_function", "fbgemm::split_embedding_codegen_lookup_sgd_function",
-    "fbgemm::split_embedding_codegen_lookup_rowwise_adagrad_function", "fbgemm::bounds_check_indices",
 )
+
+
+def _data_ops() -> list[str]:
+    """INDEX_OPS plus every op registered by a recommendation library (fbgemm's jagged, permute and
+    table-batched-embedding ops take lengths, offsets and layout buffers that must be exact)."""
+    registered = [name for name in torch._C._dispatch_get_all_op_names() if name.startswith("fbgemm::")]
+    return [*INDEX_OPS, *registered]
 
 
 def platform_record(device: torch.device, world_size: int) -> dict[str, Any]:
@@ -191,7 +189,7 @@ class Capture:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         previous = {key: os.environ.get(key) for key in (_INT_RANGE_ENV, _INT_DATA_ENV)}
         os.environ[_INT_RANGE_ENV] = "1"
-        os.environ[_INT_DATA_ENV] = ",".join(INDEX_OPS)
+        os.environ[_INT_DATA_ENV] = ",".join(_data_ops())
         try:
             (self.out_dir / ET_RESOURCES).mkdir(exist_ok=True)  # the observer does not create it in time
             self._observer = ExecutionTraceObserver().register_callback(str(self.out_dir / ET_FILE))

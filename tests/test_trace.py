@@ -287,3 +287,35 @@ def test_chakra_export_reads_back(program_bundle: Path, tmp_path: Path):
     metadata, nodes = read_chakra(tmp_path / "chakra" / "rank0.et")
     assert any(a.get("name") == "schema" for a in metadata["attr"])
     assert any(n["name"] == "aten::embedding_bag" for n in nodes)
+
+
+CRASHING_OP = '''
+import os, signal
+import torch
+
+@torch.library.custom_op("cobench_test::crash", mutates_args=())
+def crash(x: torch.Tensor) -> torch.Tensor:
+    os.kill(os.getpid(), signal.SIGSEGV)  # what an unchecked kernel fed bad indices does
+    return x.clone()
+'''
+
+
+def test_an_op_that_crashes_the_process_is_found_by_the_probe_and_skipped(program_bundle: Path, tmp_path: Path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(CRASHING_OP)  # registers the op in every process of this test
+    spec = generate_spec(program_bundle)
+    victim = next(op for op in spec["ranks"][0]["ops"] if op["name"] == "aten::relu")
+    victim["name"], victim["schema"] = "cobench_test::crash", "cobench_test::crash(Tensor x) -> Tensor"
+    spec_path = write_spec(spec, tmp_path / "spec.json")
+    results = tmp_path / "results"
+    env = clean_env() | {"PYTHONPATH": f"{site}:{Path.cwd()}"}
+    proc = subprocess.run([sys.executable, "-m", "suite.cli", "run", "workload=generated",
+                           f"workload.spec={spec_path}", *REPLAY, f"results_dir={results}"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (run,) = mlflow_runs(results)
+    assert run.info.status == "FINISHED" and run.data.metrics["ops_failed"] >= 1
+    (run_dir,) = (results / "runs").iterdir()
+    failed = json.loads((run_dir / "fidelity.json").read_text())["failed_ops"]
+    assert any(f["name"] == "cobench_test::crash" and "SIGSEGV" in f["error"] for f in failed), failed

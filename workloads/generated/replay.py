@@ -532,8 +532,16 @@ class Replayer:
                 self.vals[slot] = base.as_strided(info.shape, info.stride, info.offset)
 
     # -- running -----------------------------------------------------------------------------------------
-    def dry_run(self) -> ReplayStats:
-        """Run every step once op by op; ops that fail are recorded and stood in for from then on."""
+    def exclude(self, reasons: dict[int, str]) -> None:
+        """Never run these ops (e.g. they crashed a probe process); they count as failed, with the reason."""
+        for index, reason in reasons.items():
+            self.ops[index].error = reason
+
+    def dry_run(self, before_op: Callable[[int], object] | None = None) -> ReplayStats:
+        """Run every step once op by op; ops that fail are recorded and stood in for from then on.
+
+        ``before_op(index)`` is called before each op runs (the crash probe writes it down).
+        """
         stats = ReplayStats()
         for op in self.ops:
             if op.error is not None:
@@ -552,6 +560,8 @@ class Replayer:
                             op.error = f"skipped: reads an integer output of failed op #{culprit}"
                             stats.errors[op.index] = op.error
                     if op.error is None:
+                        if before_op is not None:
+                            before_op(op.index)
                         try:
                             self._call_or_unalias(position)
                         except Exception as err:  # noqa: BLE001 - recorded per op; replay goes on

@@ -20,6 +20,7 @@ import torch
 from workloads.base import MLPerfInfo, RunContext, StepResult, WorkloadBase, invalid_config, register
 from workloads.generated.bundle import TraceError, rank_dirs, read_meta
 from workloads.generated.fidelity import FIDELITY_FILE, compute_fidelity
+from workloads.generated.probe import find_crashing_ops
 from workloads.generated.replay import Replayer
 from workloads.generated.spec import load_spec
 
@@ -34,6 +35,8 @@ class GeneratedConfig:
     # become the reference (portability: captured on A, replayed on B, judged against the original on B).
     reference_bundle: str = ""
     op_timing: bool = True  # after the timed steps, time each op alone (per-op / per-category fidelity)
+    # Single process: first dry-run in a child process and skip ops that crash it (see probe.py).
+    probe: bool = True
 
 
 # What decides "same platform as the capture": a replay elsewhere is a portability run.
@@ -93,6 +96,9 @@ class GeneratedWorkload(WorkloadBase):
         rank_spec = self.spec["ranks"][self.rank_index]
         self.replayer = Replayer(rank_spec, self.ctx.device, repeat=int(self.spec["options"].get("repeat", 1)),
                                  process_group=self.ctx.process_group, seed=self.ctx.seed + self.ctx.rank)
+        if self.config.probe and not self.ctx.distributed and self.ctx.device.type == "cpu":
+            # a crash probe needs the ops to run alone: not with collectives, not on a shared device
+            self.replayer.exclude(find_crashing_ops(self.config.spec, self.rank_index))
         self.replayer.materialize()
         self.errors = self.replayer.dry_run().errors
 
