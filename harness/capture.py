@@ -10,8 +10,10 @@ Wrap your own loop and mark its steps::
                 train_step()
 
 The first ``warmup`` steps run plain (not timed), the next ``baseline_steps`` run plain and are
-timed — the reference the replay is judged against, since the profiler itself distorts time — and
-the last ``steps`` run under the PyTorch execution-trace observer and the Kineto profiler. The
+timed — the reference the replay is judged against, since the profiler itself distorts time —,
+the next ``steps`` run under the PyTorch execution-trace observer and the Kineto profiler (the
+structure), and the last ``steps`` under Kineto alone (cheap enough to measure how much of a step
+is the program's own host time between ops). The
 bundle (``et.json``, ``kineto.json``, ``meta.json``, see :mod:`workloads.generated.bundle`) is
 written when the ``with`` block ends. Under ``torchrun`` every rank writes ``<out>/rank<i>/``.
 """
@@ -43,6 +45,7 @@ from workloads.generated.bundle import (
     ET_FILE,
     ET_RESOURCES,
     KINETO_FILE,
+    KINETO_TIMING_FILE,
     META_FILE,
     STEP_ANNOTATION,
     BundleMeta,
@@ -147,13 +150,15 @@ class Capture:
         self.plain_times_s: list[float] = []
         self.memory = MemoryMeter(device)
         self.traced_times_s: list[float] = []
+        self.timing_times_s: list[float] = []  # steps under Kineto alone (host-gap measurement)
+        self._timing_profiler: profile | None = None
         self._profiler: profile | None = None
         self._observer: ExecutionTraceObserver | None = None
         self._scopes = _ModuleScopes(model)
 
     @property
     def total_steps(self) -> int:
-        return self.warmup + self.baseline_steps + self.steps
+        return self.warmup + self.baseline_steps + 2 * self.steps
 
     @property
     def done(self) -> bool:
@@ -162,16 +167,23 @@ class Capture:
 
     @contextmanager
     def step(self) -> Iterator[None]:
-        """One step of the user's loop; steps past the last traced one run plain."""
+        """One step of the user's loop; steps past the last phase run plain."""
         index = self.step_index - self.warmup - self.baseline_steps
         traced = 0 <= index < self.steps
-        timed = self.warmup <= self.step_index < self.total_steps
+        timing = self.steps <= index < 2 * self.steps  # Kineto alone: little overhead, for host gaps
+        timed = self.warmup <= self.step_index < self.warmup + self.baseline_steps or traced
         if traced and self._profiler is None:
             self._start_profiler()
+        if timing and self._timing_profiler is None:
+            self._timing_profiler = profile(activities=_profiler_activities(self.device))
+            self._timing_profiler.start()
         synchronize(self.device)
         started = time.perf_counter()
         if traced:
             with record_function(f"{STEP_ANNOTATION}{index}"), self._scopes:
+                yield
+        elif timing:
+            with record_function(f"{STEP_ANNOTATION}{index - self.steps}"):
                 yield
         else:
             yield
@@ -179,11 +191,17 @@ class Capture:
         elapsed = time.perf_counter() - started
         if timed:
             (self.traced_times_s if traced else self.plain_times_s).append(elapsed)
+        if timing:
+            self.timing_times_s.append(elapsed)
         if timed and not traced:
             self.memory.sample()
         self.step_index += 1
         if traced and index == self.steps - 1:
             self._stop_profiler()
+        if timing and index == 2 * self.steps - 1 and self._timing_profiler is not None:
+            self._timing_profiler.stop()
+            self._timing_profiler.export_chrome_trace(str(self.out_dir / KINETO_TIMING_FILE))
+            self._timing_profiler = None
 
     def _start_profiler(self) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -214,6 +232,9 @@ class Capture:
 
     def abandon(self) -> None:
         """Stop an unfinished profiler (the loop failed); leaves no meta.json, so no bundle."""
+        if self._timing_profiler is not None:
+            self._timing_profiler.stop()
+            self._timing_profiler = None
         if self._profiler is not None:
             self._profiler.stop()
             self._profiler = None
@@ -230,8 +251,8 @@ def capture(
     out_dir: str | Path,
     *,
     steps: int = 3,
-    warmup: int = 2,
-    baseline_steps: int = 5,
+    warmup: int = 5,
+    baseline_steps: int = 20,
     device: torch.device | str | None = None,
     config: dict[str, Any] | None = None,
     source: str = "program",
@@ -256,10 +277,14 @@ def capture(
         cap.abandon()
         raise
     cap._stop_profiler()
+    if cap._timing_profiler is not None:  # the loop ended inside the timing phase
+        cap._timing_profiler.stop()
+        cap._timing_profiler = None
     if not cap.traced_times_s or not cap.plain_times_s:
         raise TraceError(
             f"capture into {target}: the loop ran {cap.step_index} step(s), but a bundle needs "
-            f"{cap.total_steps} (warm-up {warmup}, timed baseline {baseline_steps}, traced {steps}); "
+            f"{cap.total_steps} (warm-up {warmup}, timed baseline {baseline_steps}, traced {steps}, "
+            f"timed under Kineto alone {steps}); "
             f"loop until `cap.done`"
         )
     meta = BundleMeta(
@@ -273,6 +298,7 @@ def capture(
         source_run_id=source_run_id,
         capture_wall_s=time.perf_counter() - started,
         peak_memory_bytes=cap.memory.read(),
+        timing_step_times_s=cap.timing_times_s,
     )
     (target / META_FILE).write_text(json.dumps(meta.to_json(), indent=2))
 

@@ -26,9 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     cap.add_argument("--out", type=Path, default=None,
                      help="bundle folder (default <results_dir>/traces/<workload>-<time>)")
     cap.add_argument("--steps", type=int, default=3, help="steps traced (default 3)")
-    cap.add_argument("--warmup", type=int, default=3, help="plain steps first, not timed (default 3)")
-    cap.add_argument("--baseline-steps", type=int, default=20,
-                     help="plain timed steps: the reference the replay is judged against (default 20)")
+    cap.add_argument("--warmup", type=int, default=10, help="plain steps first, not timed (default 10)")
+    cap.add_argument("--baseline-steps", type=int, default=50,
+                     help="plain timed steps: the reference the replay is judged against (default 50)")
     cap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. workload=llama workload.preset=tiny")
 
     gen = commands.add_parser("generate", help="bundle → portable benchmark spec (one JSON file)")

@@ -4,6 +4,8 @@ A bundle is a folder per rank::
 
     <bundle>/et.json       PyTorch execution trace (ExecutionTraceObserver), schema 1.1.1-chakra.*
     <bundle>/kineto.json   the Kineto (chrome) trace of the same steps: per-op durations
+    <bundle>/kineto_timing.json  as many steps again under Kineto alone (far cheaper than the ET):
+                           how much of a step is the program's own host time between ops
     <bundle>/et_resources/ raw bytes of the integer inputs of index-reading ops (optional)
     <bundle>/meta.json     cobench's own record: platform, config, step times with and without
                            instrumentation, capture overhead, rank/world size
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 ET_FILE, KINETO_FILE, META_FILE = "et.json", "kineto.json", "meta.json"
+KINETO_TIMING_FILE = "kineto_timing.json"  # the same steps again under Kineto alone: host gaps
 ET_RESOURCES = "et_resources"  # integer input data the ET observer saved: nid_<node>_tid_<input>.dat
 META_SCHEMA = "cobench-trace-bundle/1"
 # Execution-trace schemas this code understands: the Chakra-flavoured 1.x family of torch 2.x.
@@ -49,6 +52,7 @@ class BundleMeta:
     capture_wall_s: float = 0.0
     # Peak memory over the plain timed steps: the allocator's peak on accelerators, else process RSS.
     peak_memory_bytes: int = 0
+    timing_step_times_s: list[float] = field(default_factory=list)  # under Kineto alone
     schema: str = META_SCHEMA
 
     @property
@@ -72,6 +76,7 @@ class BundleMeta:
             "capture_overhead_pct": self.capture_overhead_pct,
             "capture_wall_s": self.capture_wall_s,
             "peak_memory_bytes": self.peak_memory_bytes,
+            "timing_step_times_s": self.timing_step_times_s,
         }
 
 
@@ -132,6 +137,7 @@ def read_meta(bundle: Path) -> BundleMeta:
             source_run_id=str(raw.get("source_run_id", "")),
             capture_wall_s=float(raw.get("capture_wall_s", 0.0)),
             peak_memory_bytes=int(raw.get("peak_memory_bytes", 0)),
+            timing_step_times_s=[float(t) for t in raw.get("timing_step_times_s", [])],
         )
     except (KeyError, TypeError, ValueError) as err:
         raise TraceError(f"{path}: malformed metadata ({type(err).__name__}: {err})") from None

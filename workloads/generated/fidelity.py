@@ -75,6 +75,7 @@ def compute_fidelity(
     reference_times_ms: list[float] | None = None,
     replay_peak_memory_bytes: int = 0,
     portability: bool = False,
+    host_gaps: bool = False,
 ) -> dict[str, Any]:
     """The fidelity record (``fidelity.json``) and its headline metrics."""
     rank_spec = spec["ranks"][min(rank, len(spec["ranks"]) - 1)]
@@ -124,6 +125,9 @@ def compute_fidelity(
         "replay_peak_memory_mb": replay_peak_memory_bytes / 2**20,
         "source_peak_memory_mb": source_peak / 2**20,
         "portability": float(portability),
+        # the program's own host time per step the replay spent between ops (0: ops back to back)
+        "host_gap_ms": statistics.fmean(s.get("host_gap_us", 0.0) for s in rank_spec["steps"]) / 1e3
+        if host_gaps and rank_spec["steps"] else 0.0,
     }
     if source_peak and replay_peak_memory_bytes:
         metrics["memory_error_pct"] = 100.0 * (replay_peak_memory_bytes - source_peak) / source_peak

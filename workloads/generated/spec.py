@@ -31,6 +31,7 @@ from workloads.generated.bundle import (
     ET_FILE,
     ET_RESOURCES,
     KINETO_FILE,
+    KINETO_TIMING_FILE,
     STEP_ANNOTATION,
     BundleMeta,
     TraceError,
@@ -352,7 +353,65 @@ def extract_rank(bundle: Path) -> tuple[BundleMeta, list[dict[str, Any]], list[d
               "traced_ms": float(e["dur"]) / 1e3} for e in sorted(step_events, key=lambda e: float(e["ts"]))]
     if not ops:
         raise TraceError(f"{et_path}: the captured steps contain no operators with a schema")
+    timing_path = bundle / KINETO_TIMING_FILE
+    gap = None
+    if timing_path.is_file():
+        plain_us = 1e6 * sorted(meta.step_times_s)[len(meta.step_times_s) // 2]
+        gap = host_gap_us(read_json(timing_path, "Kineto timing trace"), timing_path, plain_us)
+    _place_host_gaps(ops, steps, gap)
     return meta, ops, steps
+
+
+def host_gap_us(timing: Any, path: Path, plain_us: float) -> float | None:
+    """The program's own host time per step (Python, framework: between ops), without the profiler.
+
+    From the steps captured under Kineto alone: step time − the time of its top-level ops, scaled
+    by plain ÷ Kineto step time (Kineto's own, small, cost falls on ops and gaps alike). Median over
+    the steps; None when the bundle has no such steps.
+    """
+    if not isinstance(timing, dict) or not isinstance(timing.get("traceEvents"), list):
+        raise TraceError(f"{path} is not a Kineto/chrome trace: expected an object with 'traceEvents'")
+    events = [e for e in timing["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X"]
+    steps = [e for e in events if e.get("cat") == "user_annotation"
+             and str(e.get("name", "")).startswith(STEP_ANNOTATION)]
+    ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: float(e["ts"]))
+    gaps = []
+    for step in steps:
+        start, end, tid = float(step["ts"]), float(step["ts"]) + float(step["dur"]), step.get("tid")
+        busy, covered_until = 0.0, start
+        for e in ops:
+            ts = float(e["ts"])
+            if e.get("tid") != tid or ts < start or ts >= end or ts < covered_until:
+                continue  # another thread's, outside the step, or nested in an op already counted
+            busy += float(e["dur"])
+            covered_until = ts + float(e["dur"])
+        dur = float(step["dur"])
+        if dur > 0:
+            gaps.append(max(0.0, dur - busy) * plain_us / dur)
+    return sorted(gaps)[len(gaps) // 2] if gaps else None
+
+
+def _place_host_gaps(ops: list[dict], steps: list[dict], per_step_us: float | None) -> None:
+    """Spread the measured host time per step over the gaps between ops (``gap_us`` before each op,
+    ``tail_gap_us`` after a step's last), in proportion to the gaps the traced steps show."""
+    for step in steps:
+        members = [op for op in ops if op["step"] == step["index"]]
+        main_tid = members[0]["tid"] if members else None
+        start, end = step["ts_us"], step["ts_us"] + 1e3 * step["traced_ms"]
+        weights, previous_end = [], start
+        for op in members:
+            if op["tid"] != main_tid or op["ts_us"] is None:
+                weights.append(0.0)  # another thread's gaps (e.g. CUDA's backward) overlap the main one's
+                continue
+            weights.append(max(0.0, op["ts_us"] - previous_end))
+            previous_end = max(previous_end, op["ts_us"] + (op["dur_us"] or 0.0))
+        tail = max(0.0, end - previous_end)
+        total = sum(weights) + tail
+        scale = (per_step_us or 0.0) / total if total > 0 else 0.0
+        for op, weight in zip(members, weights, strict=True):
+            op["gap_us"] = weight * scale
+        step["tail_gap_us"] = tail * scale
+        step["host_gap_us"] = per_step_us or 0.0
 
 
 def _add_dependencies(ops: list[dict[str, Any]]) -> None:

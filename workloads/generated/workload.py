@@ -37,6 +37,9 @@ class GeneratedConfig:
     op_timing: bool = True  # after the timed steps, time each op alone (per-op / per-category fidelity)
     # Single process: first dry-run in a child process and skip ops that crash it (see probe.py).
     probe: bool = True
+    # Spend the program's own host time between ops (measured at capture, under Kineto alone) as it
+    # did; off: ops back to back (the device work alone). Only for whole-step specs.
+    host_gaps: bool = True
 
 
 # What decides "same platform as the capture": a replay elsewhere is a portability run.
@@ -95,7 +98,8 @@ class GeneratedWorkload(WorkloadBase):
     def setup(self) -> None:
         rank_spec = self.spec["ranks"][self.rank_index]
         self.replayer = Replayer(rank_spec, self.ctx.device, repeat=int(self.spec["options"].get("repeat", 1)),
-                                 process_group=self.ctx.process_group, seed=self.ctx.seed + self.ctx.rank)
+                                 process_group=self.ctx.process_group, seed=self.ctx.seed + self.ctx.rank,
+                                 host_gaps=self.config.host_gaps and bool(self.spec.get("full_step")))
         if self.config.probe and not self.ctx.distributed and self.ctx.device.type == "cpu":
             # a crash probe needs the ops to run alone: not with collectives, not on a shared device
             self.replayer.exclude(find_crashing_ops(self.config.spec, self.rank_index))
@@ -140,7 +144,7 @@ class GeneratedWorkload(WorkloadBase):
         record = compute_fidelity(
             self.spec, self.rank_index, self.step_times_s, op_times, self.errors,
             reference_times_ms=self.reference_ms, replay_peak_memory_bytes=_process_peak_bytes(self.ctx.device),
-            portability=self.portability,
+            portability=self.portability, host_gaps=self.replayer.host_gaps,
         )
         record["replay_platform"] = self.platform
         if self.reference_platform is not None:
