@@ -2,6 +2,7 @@
 
     nox -s bench              the main job: the smoke suite on this machine (results/ by default)
     nox -s bench -- results_dir=/tmp/res runner.repetitions=5    (overrides go after --)
+    nox -s qualify -- platform=cpu      hardware qualification: PASS/FAIL against conf/gates/cpu.yaml
     nox -s tests              the test suite (what CI runs)
     nox -s perf               the performance benchmarks (pytest-benchmark), not part of tests
     nox -s lint               ruff
@@ -43,6 +44,14 @@ def bench(session: nox.Session) -> None:
     """The main job: the smoke suite on this platform; Hydra overrides after `--`."""
     install(session)
     session.run("cobench", "suite", "smoke", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def qualify(session: nox.Session) -> None:
+    """Hardware qualification: the qualify suite judged against conf/gates/<platform>.yaml; exit 0 = PASS.
+    `nox -s qualify -- platform=cpu`; `nox -s qualify -- --record-golden platform=cpu` records references."""
+    install(session)
+    session.run("cobench", "qualify", *session.posargs)
 
 
 @nox.session(python=PYTHON)

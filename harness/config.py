@@ -118,6 +118,9 @@ class SuiteBenchmark:
     name: str = MISSING
     workload: str = MISSING
     overrides: list[str] = field(default_factory=list)
+    # A generated trace benchmark: the suite first captures this source (Hydra overrides, e.g.
+    # [workload=llama]) and replays the spec it generates (the entry's workload must be "generated").
+    capture: list[str] | None = None
 
 
 @dataclass
@@ -136,6 +139,9 @@ class SuiteConfig:
         _require(bool(self.benchmarks), "suite.benchmarks", "a suite needs at least one benchmark")
         names = [b.name for b in self.benchmarks]
         _require(len(set(names)) == len(names), "suite.benchmarks", f"duplicate names in {names}")
+        for bench in self.benchmarks:
+            _require(bench.capture is None or bench.workload == "generated", f"suite.benchmarks.{bench.name}",
+                     f"capture: needs workload: generated (got {bench.workload!r})")
         if self.baseline is not None:
             _require_choice(self.baseline, "suite.baseline", tuple(names))
         _require(not self.delta_metrics or self.baseline is not None, "suite.delta_metrics", "needs suite.baseline")

@@ -50,15 +50,17 @@ def _suite(args: list[str]) -> int:
         return EXIT_BAD_INPUT
     sigterm_as_interrupt()
     try:
-        results, wall_s, suite = run_suite(args[0], args[1:])
+        outcome = run_suite(args[0], args[1:])
     except (ValueError, TrackingError) as err:
         print(f"cobench: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("cobench: interrupted; open MLflow runs were closed as KILLED", file=sys.stderr)
         return EXIT_INTERRUPTED
+    results = outcome.results
     if env_dist_info().is_main:
-        print_summary(results, title=f"suite {args[0]}: {wall_s:.1f} s wall", extra_metrics=suite.summary_metrics)
+        print_summary(results, title=f"suite {args[0]}: {outcome.wall_s:.1f} s wall",
+                      extra_metrics=outcome.suite.summary_metrics)
     ok = all(r.status in (STATUS_FINISHED, STATUS_SKIPPED) for r in results)
     return EXIT_OK if ok else EXIT_FAILED
 

@@ -3,14 +3,20 @@
 All benchmark configs are composed and validated before the first one runs, so a typo in the
 tenth benchmark costs nothing. Each benchmark becomes a child run of the suite's parent run. A
 benchmark this platform cannot run (e.g. a CUDA-only codec on a CPU) is SKIPPED with its reason;
-the others still run.
+the others still run. A generated trace benchmark (an entry with ``capture:``) is captured from
+its source workload on this platform first, then replayed like any other benchmark.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
-from harness.config import CobenchConfig, SuiteConfig, compose_config, to_run_config
+import torch.distributed as dist
+
+from harness.capture import capture_benchmark
+from harness.config import CobenchConfig, SuiteBenchmark, SuiteConfig, compose_config, results_root, to_run_config
 from harness.distributed import env_dist_info, init_distributed
 from harness.platform import discover_platform
 from harness.runner import (
@@ -24,25 +30,79 @@ from harness.runner import (
 )
 from harness.tracking import Tracker
 
+CAPTURE_STEPS, CAPTURE_WARMUP, CAPTURE_BASELINE = 3, 10, 50
 
-def plan_suite(name: str, overrides: list[str]) -> tuple[CobenchConfig, list[tuple[str, CobenchConfig]]]:
+
+@dataclass
+class Plan:
+    """One benchmark of a suite, validated: its config and, for a generated benchmark, its source's."""
+
+    name: str
+    cfg: CobenchConfig
+    source: CobenchConfig | None = None  # the workload to capture first (entries with `capture:`)
+    bundle: Path | None = None
+
+
+@dataclass
+class SuiteOutcome:
+    results: list[BenchmarkResult]
+    wall_s: float
+    suite: SuiteConfig
+    parent_run_id: str | None
+    tracker: Tracker | None
+
+
+def plan_suite(name: str, overrides: list[str]) -> tuple[CobenchConfig, list[Plan]]:
     """The suite's config and each benchmark's validated config; raises ValueError on bad input."""
     base = to_run_config(compose_config([f"suite={name}", *overrides]))
     if base.suite is None:
         raise ValueError(f"suite {name!r} is empty: conf/suite/{name}.yaml needs name and benchmarks")
     plans = []
     for bench in base.suite.benchmarks:
-        bench_overrides = [f"workload={bench.workload}", *bench.overrides, *overrides]
-        plans.append((bench.name, to_run_config(compose_config(bench_overrides))))
+        plans.append(_plan(name, bench, overrides, base))
     return base, plans
 
 
-def _run_one(bench_name: str, cfg: CobenchConfig, suite: str, parent_id: str | None, tracker: Tracker | None):
+def _plan(suite: str, bench: SuiteBenchmark, overrides: list[str], base: CobenchConfig) -> Plan:
+    bench_overrides = [f"workload={bench.workload}", *bench.overrides, *overrides]
+    if bench.capture is None:
+        return Plan(bench.name, to_run_config(compose_config(bench_overrides)))
+    source = to_run_config(compose_config([*bench.capture, *overrides]))
+    if source.workload.name == "generated":
+        raise ValueError(f"suite {suite!r}, benchmark {bench.name!r}: capture: must name a source workload")
+    bundle = results_root(base) / "traces" / suite / bench.name
+    cfg = to_run_config(compose_config([*bench_overrides, f"workload.spec={bundle / 'spec.json'}"]))
+    return Plan(bench.name, cfg, source, bundle)
+
+
+def _capture_source(plan: Plan) -> None:
+    """Capture the plan's source workload on this platform and generate the spec it replays."""
+    from workloads.generated.spec import generate_spec, write_spec
+
+    assert plan.source is not None and plan.bundle is not None
+    capture_benchmark(plan.source, plan.bundle, steps=CAPTURE_STEPS, warmup=CAPTURE_WARMUP,
+                      baseline_steps=CAPTURE_BASELINE)
+    if dist.is_initialized():
+        dist.barrier()  # every rank's bundle is written
+    if env_dist_info().is_main:
+        write_spec(generate_spec(plan.bundle), plan.bundle / "spec.json")
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _run_one(plan: Plan, suite: str, parent_id: str | None, tracker: Tracker | None) -> BenchmarkResult:
+    cfg = plan.cfg
+    if plan.source is not None:
+        try:
+            _capture_source(plan)
+        except (ValueError, RuntimeError) as err:
+            return BenchmarkResult(plan.name, cfg.workload.name, cfg.platform.name, STATUS_FAILED, "-", None,
+                                   error=f"capture of the source workload failed: {type(err).__name__}: {err}")
     try:
-        return run_benchmark(cfg, benchmark=bench_name, suite=suite, parent_run_id=parent_id, tracker=tracker,
+        return run_benchmark(cfg, benchmark=plan.name, suite=suite, parent_run_id=parent_id, tracker=tracker,
                              connect=False)
     except ValueError as err:  # raised before the benchmark's run exists: this platform can't run it
-        return BenchmarkResult(bench_name, cfg.workload.name, cfg.platform.name, STATUS_SKIPPED, "-", None,
+        return BenchmarkResult(plan.name, cfg.workload.name, cfg.platform.name, STATUS_SKIPPED, "-", None,
                                error=str(err))
 
 
@@ -64,8 +124,8 @@ def baseline_deltas(suite: SuiteConfig, results: list[BenchmarkResult]) -> dict[
     return deltas
 
 
-def run_suite(name: str, overrides: list[str]) -> tuple[list[BenchmarkResult], float, SuiteConfig]:
-    """Run suite ``name``; returns the results, the suite's wall time in seconds and its config."""
+def run_suite(name: str, overrides: list[str]) -> SuiteOutcome:
+    """Run suite ``name``: its results, wall time, config and MLflow parent run."""
     base, plans = plan_suite(name, overrides)
     suite = base.suite
     assert suite is not None
@@ -81,8 +141,8 @@ def run_suite(name: str, overrides: list[str]) -> tuple[list[BenchmarkResult], f
     started = time.perf_counter()
     results: list[BenchmarkResult] = []
     try:
-        for bench_name, cfg in plans:
-            results.append(_run_one(bench_name, cfg, name, parent_id, tracker))
+        for plan in plans:
+            results.append(_run_one(plan, name, parent_id, tracker))
     except KeyboardInterrupt:
         if parent_id and tracker is not None:
             tracker.end_run(parent_id, STATUS_KILLED, "KeyboardInterrupt: interrupted by the user")
@@ -93,7 +153,7 @@ def run_suite(name: str, overrides: list[str]) -> tuple[list[BenchmarkResult], f
         result.metrics.update(deltas.get(result.benchmark, {}))
     if parent_id and tracker is not None:
         _close_parent(tracker, parent_id, results, deltas, wall_s)
-    return results, wall_s, suite
+    return SuiteOutcome(results, wall_s, suite, parent_id, tracker)
 
 
 def _close_parent(tracker: Tracker, parent_id: str, results: list[BenchmarkResult],

@@ -93,7 +93,7 @@ def test_config_hash_tracks_what_is_measured_not_where_results_go():
 def test_suite_plan_validates_every_benchmark_up_front():
     base, plans = plan_suite("smoke", ["runner.steps=2"])
     assert base.suite is not None and base.suite.name == "smoke"
-    assert [name for name, _ in plans] == [b.name for b in base.suite.benchmarks]
-    assert all(cfg.runner.steps == 2 for _, cfg in plans)  # user overrides win over the suite's
+    assert [plan.name for plan in plans] == [b.name for b in base.suite.benchmarks]
+    assert all(plan.cfg.runner.steps == 2 for plan in plans)  # user overrides win over the suite's
     with pytest.raises(ValueError, match="runner.steps"):
         plan_suite("smoke", ["runner.steps=0"])

@@ -1,0 +1,117 @@
+"""`cobench qualify`: real suite runs judged against gates and golden references, verdicts in MLflow."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import clean_env, mlflow_runs
+
+# The qualify suite, shortened: every benchmark (including the Llama capture + replay) still runs.
+SHORT = ["platform=cpu", "runner.warmup_steps=1", "runner.steps=4", "runner.repetitions=2", "runner.eval_interval=0",
+         "runner.progress=false"]
+
+
+def _qualify(*args: str, results: Path, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "suite.cli", "qualify", *args, *SHORT, f"results_dir={results}"],
+                          capture_output=True, text=True, timeout=600, env=clean_env(), cwd=cwd)
+
+
+def _gates(tmp: Path, golden: Path, **changes) -> Path:
+    gates = {
+        "platform": "cpu",
+        "suite": "qualify",
+        "golden": str(golden),
+        "defaults": {"throughput_tolerance": 0.9, "cv_max": 1.0, "loss_rtol": 0.02},
+        "benchmarks": {
+            "llama_tiny": {"gates": ["finished", "throughput", "cv", "loss_trajectory"]},
+            "dlrm_tiny": {"gates": ["finished", "throughput", "loss_trajectory"]},
+            "seqrec_tiny": {"gates": ["finished", "throughput"]},
+            "llama_replay": {"gates": ["finished"], "metrics": [{"metric": "op_coverage_pct", "min": 100}]},
+        },
+    }
+    for key, value in changes.items():
+        gates[key] = value
+    path = tmp / f"gates-{len(list(tmp.glob('gates-*')))}.yaml"
+    path.write_text(yaml.safe_dump(gates))
+    return path
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """(work dir, gates file, golden file) after recording a golden reference from a real run."""
+    tmp = tmp_path_factory.mktemp("qualify")
+    golden = tmp / "golden.yaml"
+    gates = _gates(tmp, golden)
+    proc = _qualify("--gates", str(gates), "--record-golden", results=tmp / "record", cwd=tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp, gates, golden
+
+
+def test_record_golden_writes_every_benchmark(recorded):
+    _, _, golden = recorded
+    data = yaml.safe_load(golden.read_text())
+    assert data["suite"] == "qualify" and data["platform"] == "cpu" and data["source_run_id"]
+    assert set(data["benchmarks"]) == {"llama_tiny", "dlrm_tiny", "seqrec_tiny", "llama_replay"}
+    llama = data["benchmarks"]["llama_tiny"]
+    assert llama["throughput"] > 0 and len(llama["train_loss"]) == 5 and llama["config_hash"]
+
+
+def test_qualify_passes_against_its_golden_and_logs_the_verdict(recorded):
+    tmp, gates, _ = recorded
+    results = tmp / "pass"
+    proc = _qualify("--gates", str(gates), results=results, cwd=tmp)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "verdict PASS" in proc.stdout
+    (verdict_dir,) = (results / "qualify").iterdir()
+    verdict = json.loads((verdict_dir / "verdict.json").read_text())
+    assert verdict["verdict"] == "PASS" and verdict["gates_failed"] == 0 and verdict["gates_passed"] >= 10
+    assert "| llama_tiny | loss_trajectory | PASS |" in (verdict_dir / "verdict.md").read_text()
+    parent = next(r for r in mlflow_runs(results) if r.data.tags.get("kind") == "qualification")
+    assert parent.data.tags["verdict"] == "PASS" and parent.data.metrics["gates_failed"] == 0
+    assert parent.info.run_id == verdict["parent_run_id"]
+
+
+def test_an_impossible_gate_fails_loudly(recorded):
+    tmp, _, golden = recorded
+    gates = _gates(tmp, golden, defaults={"throughput_tolerance": -9.0, "cv_max": 1.0, "loss_rtol": 0.02})
+    results = tmp / "fail"
+    proc = _qualify("--gates", str(gates), results=results, cwd=tmp)
+    assert proc.returncode == 1
+    assert "FAIL llama_tiny throughput: measured" in proc.stderr and "required >=" in proc.stderr
+    (verdict_dir,) = (results / "qualify").iterdir()
+    verdict = json.loads((verdict_dir / "verdict.json").read_text())
+    assert verdict["verdict"] == "FAIL"
+    failed = {(g["benchmark"], g["gate"]) for g in verdict["gates"] if not g["passed"]}
+    assert ("llama_tiny", "throughput") in failed and ("dlrm_tiny", "loss_trajectory") not in failed
+    parent = next(r for r in mlflow_runs(results) if r.data.tags.get("kind") == "qualification")
+    assert parent.data.tags["verdict"] == "FAIL" and parent.data.metrics["gates_failed"] >= 1
+
+
+def test_bad_gates_and_goldens_are_refused_before_anything_runs(recorded, tmp_path: Path):
+    tmp, gates, golden = recorded
+    results = tmp_path / "res"
+
+    def refused(*args: str, overrides: tuple[str, ...] = ()) -> str:
+        proc = subprocess.run([sys.executable, "-m", "suite.cli", "qualify", *args, *SHORT, *overrides,
+                               f"results_dir={results}"], capture_output=True, text=True, timeout=120,
+                              env=clean_env(), cwd=tmp_path)
+        assert proc.returncode == 2, proc.stderr
+        assert mlflow_runs(results) == []  # nothing ran
+        return proc.stderr
+
+    assert "platform 'nowhere' has no gates" in refused(overrides=("platform.name=nowhere",))
+    assert "no golden reference" in refused("--gates", str(gates), "--golden", str(tmp_path / "none.yaml"))
+    other = yaml.safe_load(golden.read_text()) | {"suite_version": 99}
+    (tmp_path / "old.yaml").write_text(yaml.safe_dump(other))
+    assert "version 99" in refused("--gates", str(gates), "--golden", str(tmp_path / "old.yaml"))
+    assert "another configuration" in refused("--gates", str(gates), overrides=("runner.steps=5",))
+    bad = _gates(tmp_path, golden, benchmarks={"llama_tiny": {"gates": ["fast_enough"]}})
+    assert "unknown gate(s) ['fast_enough']" in refused("--gates", str(bad))
+    typo = _gates(tmp_path, golden, defaults={"throughput_tolerence": 0.1})
+    assert "unknown key(s) ['throughput_tolerence']" in refused("--gates", str(typo))
