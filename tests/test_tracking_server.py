@@ -2,48 +2,7 @@
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-
-import pytest
 from conftest import TINY
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@pytest.fixture
-def mlflow_server(tmp_path):
-    port = _free_port()
-    server_dir = tmp_path / "server"
-    server_dir.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{server_dir / 'server.db'}", "--workers", "1"],
-        cwd=server_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    uri = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("mlflow server did not come up within 90 s")
-        yield uri
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def test_run_logs_to_a_tracking_server(cobench, mlflow_server):

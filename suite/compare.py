@@ -1,0 +1,204 @@
+"""``cobench compare``: the same benchmarks across platforms, from MLflow.
+
+    cobench compare [--baseline PLATFORM] [--metric throughput] [--suite S] [--workload W]
+                    [--benchmark B] [--tag k=v ...] [--since DATE] [--until DATE]
+                    [--tracking-uri URI | --results-dir DIR] [--out DIR]
+
+One row per benchmark configuration (benchmark name + ``config_hash``: runs of different
+configurations are never averaged together), one column group per platform: the olympic mean of
+the matching runs' metric, its variation (cv, min–max, number of runs) and the ratio to the
+baseline platform. Writes ``compare.csv``, ``compare.json``, ``compare.md`` and a plot
+(``compare.svg`` and ``.png``: ratio to baseline with min–max error bars) to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from harness.cli import EXIT_BAD_INPUT, EXIT_OK
+from harness.timing import olympic_mean
+from harness.tracking import TrackingError
+from suite.results import RunRecord, find_runs, open_store, parse_date
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cobench compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--metric", default="throughput", help="metric to compare (default throughput)")
+    parser.add_argument("--baseline", help="platform the others are divided by (default: the first found)")
+    parser.add_argument("--suite")
+    parser.add_argument("--workload")
+    parser.add_argument("--benchmark")
+    parser.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE", help="only runs with this tag")
+    parser.add_argument("--since", help="runs started on/after this date (YYYY-MM-DD or ISO time)")
+    parser.add_argument("--until", help="runs started before this date")
+    parser.add_argument("--tracking-uri", help="an MLflow server (default: the sqlite store in --results-dir)")
+    parser.add_argument("--results-dir", type=Path, default=Path("results"))
+    parser.add_argument("--experiment", default="cobench")
+    parser.add_argument("--out", type=Path, help="output folder (default <results-dir>/compare/<time>)")
+    return parser
+
+
+def summarize(runs: list[RunRecord], metric: str) -> tuple[dict[tuple[str, str], dict[str, dict]], list[str]]:
+    """{(benchmark, config_hash): {platform: stats}} and the platforms, in order of first appearance."""
+    values: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    platforms: list[str] = []
+    for run in runs:
+        value = run.metrics.get(metric)
+        if value is None or not math.isfinite(value):
+            continue
+        key = (run.tags.get("benchmark", run.name), run.tags.get("config_hash", "?"))
+        values[key][run.platform].append(value)
+        if run.platform not in platforms:
+            platforms.append(run.platform)
+    table = {}
+    for key, by_platform in values.items():
+        table[key] = {}
+        for platform, vals in by_platform.items():
+            mean = olympic_mean(vals)
+            cv = statistics.pstdev(vals) / statistics.fmean(vals) if len(vals) > 1 and statistics.fmean(vals) else 0.0
+            table[key][platform] = {"value": mean, "cv": cv, "min": min(vals), "max": max(vals), "n": len(vals)}
+    return table, platforms
+
+
+def _rows(table: dict, platforms: list[str], baseline: str, unit: dict[str, str]) -> list[dict[str, Any]]:
+    rows = []
+    multi = defaultdict(int)
+    for benchmark, _ in table:
+        multi[benchmark] += 1
+    for (benchmark, chash), by_platform in sorted(table.items()):
+        base = by_platform.get(baseline)
+        for platform in platforms:
+            stats = by_platform.get(platform)
+            if stats is None:
+                continue
+            rows.append({
+                "benchmark": benchmark if multi[benchmark] == 1 else f"{benchmark} [{chash}]",
+                "config_hash": chash, "platform": platform, "unit": unit.get(benchmark, ""), **stats,
+                "ratio": stats["value"] / base["value"] if base and base["value"] else None,
+            })
+    return rows
+
+
+def _plot(rows: list[dict[str, Any]], platforms: list[str], baseline: str, metric: str, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    benchmarks = list(dict.fromkeys(r["benchmark"] for r in rows))
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.4 * len(benchmarks) * max(len(platforms), 1) / 2 + 2), 3.6))
+    width = 0.8 / max(len(platforms), 1)
+    for i, platform in enumerate(platforms):
+        xs, ys, lo, hi = [], [], [], []
+        for j, benchmark in enumerate(benchmarks):
+            row = next((r for r in rows if r["benchmark"] == benchmark and r["platform"] == platform), None)
+            if row is None or row["ratio"] is None:
+                continue
+            scale = row["ratio"] / row["value"] if row["value"] else 0.0
+            xs.append(j + (i - (len(platforms) - 1) / 2) * width)
+            ys.append(row["ratio"])
+            lo.append(row["ratio"] - row["min"] * scale)
+            hi.append(row["max"] * scale - row["ratio"])
+        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=platform)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(benchmarks)), benchmarks, rotation=15, ha="right")
+    ax.set_ylabel(f"{metric} / {baseline}")
+    ax.set_title(f"{metric} relative to {baseline} (bars: olympic mean; whiskers: min-max)")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out / "compare.svg")
+    fig.savefig(out / "compare.png", dpi=120)
+    plt.close(fig)
+
+
+def _write(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.json").write_text(json.dumps({**meta, "rows": rows}, indent=2, default=str))
+    with (out / "compare.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = [f"# {meta['metric']} by platform (baseline `{meta['baseline']}`)", "",
+             "| benchmark | platform | value | unit | ratio | cv | min | max | runs |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "-"
+        lines.append(f"| {r['benchmark']} | {r['platform']} | {r['value']:.4g} | {r['unit']} | {ratio} | "
+                     f"{r['cv']:.3f} | {r['min']:.4g} | {r['max']:.4g} | {r['n']} |")
+    (out / "compare.md").write_text("\n".join(lines) + "\n")
+
+
+def _print(rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title=f"{meta['metric']}: {meta['runs']} runs, baseline {meta['baseline']}")
+    for column in ("benchmark", "platform", "value", "unit", "ratio", "cv %", "min-max", "runs"):
+        table.add_column(column, justify="left" if column in ("benchmark", "platform", "unit") else "right")
+    for r in rows:
+        table.add_row(escape(r["benchmark"]), escape(r["platform"]), f"{r['value']:.4g}", r["unit"],
+                      f"{r['ratio']:.3f}" if r["ratio"] is not None else "-", f"{100 * r['cv']:.1f}",
+                      f"{r['min']:.4g}-{r['max']:.4g}", str(r["n"]))
+    Console(width=160).print(table)
+
+
+def compare(ns: argparse.Namespace) -> int:
+    tags = {}
+    for item in ns.tag:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--tag {item!r}: expected KEY=VALUE")
+        tags[key] = value
+    client = open_store(ns.tracking_uri, ns.results_dir)
+    runs = find_runs(client, experiment=ns.experiment, suite=ns.suite, workload=ns.workload,
+                     benchmark=ns.benchmark, tags=tags, since=parse_date(ns.since, "--since"),
+                     until=parse_date(ns.until, "--until"))
+    where = ns.tracking_uri or str(ns.results_dir)
+    if not runs:
+        raise ValueError(f"no finished runs in {where} match the filters; try fewer filters, or run a suite first")
+    table, platforms = summarize(runs, ns.metric)
+    if not table:
+        raise ValueError(f"none of the {len(runs)} matching runs logged metric {ns.metric!r}")
+    baseline = ns.baseline or platforms[0]
+    if baseline not in platforms:
+        raise ValueError(f"baseline platform {baseline!r} has no matching runs; "
+                         f"platforms found: {', '.join(platforms)}")
+    mixed = sorted({b for b, _ in table if sum(1 for other, _ in table if other == b) > 1})
+    if mixed:
+        print(f"cobench compare: note: {', '.join(mixed)} ran with several configurations (config_hash); "
+              f"they get one row each and are never averaged together", file=sys.stderr)
+    unit = {r.tags.get("benchmark", r.name): r.tags.get("throughput_unit", "") if ns.metric == "throughput" else ""
+            for r in runs}
+    rows = _rows(table, platforms, baseline, unit)
+    meta = {"metric": ns.metric, "baseline": baseline, "platforms": platforms, "runs": len(runs), "source": where,
+            "filters": {"suite": ns.suite, "workload": ns.workload, "benchmark": ns.benchmark, "tags": tags,
+                        "since": ns.since, "until": ns.until}}
+    out = ns.out or ns.results_dir / "compare" / time.strftime("%Y%m%d-%H%M%S")
+    _write(rows, meta, out)
+    _plot(rows, platforms, baseline, ns.metric, out)
+    _print(rows, meta)
+    print(f"written: {out}/compare.{{csv,json,md,svg,png}}")
+    return EXIT_OK
+
+
+def main(argv: list[str]) -> int:
+    try:
+        ns = _parser().parse_args(argv)
+    except SystemExit as exit_:
+        return EXIT_OK if exit_.code == 0 else EXIT_BAD_INPUT
+    try:
+        return compare(ns)
+    except (ValueError, TrackingError) as err:
+        print(f"cobench compare: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT

@@ -1,0 +1,67 @@
+"""`cobench compare`: real runs on two platform configurations, read back from MLflow."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import TINY
+
+
+@pytest.fixture(scope="module")
+def two_platforms(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One results folder with tiny Llama on '1 thread' and '2 threads' (two runs each)."""
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    results = tmp_path_factory.mktemp("cmp") / "results"
+    for threads in (1, 2, 1, 2):  # the same configuration twice per platform
+        proc = subprocess.run(
+            [sys.executable, "-m", "suite.cli", "run", f"platform.num_threads={threads}",
+             f"platform.name=cpu-{threads}t", "platform.calibrate=false", *TINY, f"results_dir={results}"],
+            capture_output=True, text=True, timeout=300, env=clean_env())
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return results
+
+
+def test_compare_two_thread_counts(cobench, two_platforms: Path, tmp_path: Path):
+    out = tmp_path / "cmp"
+    proc = cobench("compare", "--results-dir", str(two_platforms), "--baseline", "cpu-1t", "--workload", "llama",
+                   "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "cpu-1t" in proc.stdout and "cpu-2t" in proc.stdout
+    data = json.loads((out / "compare.json").read_text())
+    rows = {r["platform"]: r for r in data["rows"]}
+    assert rows["cpu-1t"]["ratio"] == 1.0 and rows["cpu-1t"]["n"] == 2
+    assert rows["cpu-2t"]["ratio"] == pytest.approx(rows["cpu-2t"]["value"] / rows["cpu-1t"]["value"])
+    assert rows["cpu-2t"]["unit"] == "tokens/s"
+    assert (out / "compare.svg").read_text().lstrip().startswith(("<?xml", "<svg"))
+    assert (out / "compare.png").stat().st_size > 1000
+    assert "| llama | cpu-2t |" in (out / "compare.md").read_text()
+
+
+def test_compare_filters_and_bad_input(cobench, two_platforms: Path, tmp_path: Path):
+    proc = cobench("compare", "--results-dir", str(two_platforms), "--baseline", "h100")
+    assert proc.returncode == 2 and "platforms found: cpu-1t, cpu-2t" in proc.stderr
+    proc = cobench("compare", "--results-dir", str(two_platforms), "--workload", "dlrm")
+    assert proc.returncode == 2 and "no finished runs" in proc.stderr
+    proc = cobench("compare", "--results-dir", str(two_platforms), "--since", "2999-01-01")
+    assert proc.returncode == 2 and "no finished runs" in proc.stderr
+    proc = cobench("compare", "--results-dir", str(tmp_path / "empty"))
+    assert proc.returncode == 2 and "no tracking store" in proc.stderr
+    proc = cobench("compare", "--tracking-uri", "http://127.0.0.1:9")
+    assert proc.returncode == 2 and "127.0.0.1:9" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_compare_reads_a_tracking_server(cobench, mlflow_server, tmp_path: Path):
+    for threads in (1, 2):
+        proc = cobench("run", "tracking=server", f"tracking.uri={mlflow_server}", f"platform.num_threads={threads}",
+                       f"platform.name=cpu-{threads}t", "platform.calibrate=false", *TINY)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = cobench("compare", "--tracking-uri", mlflow_server, "--baseline", "cpu-2t", "--out", str(tmp_path / "o"))
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((tmp_path / "o" / "compare.json").read_text())["rows"]
+    assert {r["platform"] for r in rows} == {"cpu-1t", "cpu-2t"}
