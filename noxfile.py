@@ -3,6 +3,7 @@
     nox -s bench              the main job: the smoke suite on this machine (results/ by default)
     nox -s bench -- results_dir=/tmp/res runner.repetitions=5    (overrides go after --)
     nox -s qualify -- platform=cpu      hardware qualification: PASS/FAIL against conf/gates/cpu.yaml
+    nox -s report -- --suite smoke      MLPerf-style submission folder + HTML report of the latest smoke run
     nox -s tests              the test suite (what CI runs)
     nox -s perf               the performance benchmarks (pytest-benchmark), not part of tests
     nox -s lint               ruff
@@ -52,6 +53,13 @@ def qualify(session: nox.Session) -> None:
     `nox -s qualify -- platform=cpu`; `nox -s qualify -- --record-golden platform=cpu` records references."""
     install(session)
     session.run("cobench", "qualify", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def report(session: nox.Session) -> None:
+    """Submission folder + HTML report of the latest suite run: `nox -s report -- --suite smoke --org acme`."""
+    install(session)
+    session.run("cobench", "report", *session.posargs)
 
 
 @nox.session(python=PYTHON)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from harness.platform import Platform, cpu_model_name
@@ -79,6 +80,7 @@ def environment_fingerprint(platform: Platform, config_hash: str, world_size: in
         "python": sys.version.split()[0],
         "cpu": cpu_model_name(),
         "cpu_count": os.cpu_count(),
+        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
         "torch_threads": torch.get_num_threads(),
         "device": str(platform.device),
         "device_name": platform.device_name,

@@ -173,7 +173,7 @@ def _judge(outcome: SuiteOutcome, plans: list[Plan], gates: GatesFile, golden: d
     (out / "verdict.md").write_text(_markdown(verdict))
     tracker = outcome.tracker
     if tracker is not None and outcome.parent_run_id:
-        tracker.set_tags(outcome.parent_run_id, {"verdict": verdict["verdict"], "kind": "qualification"})
+        tracker.set_tags(outcome.parent_run_id, {"verdict": verdict["verdict"], "qualification": "true"})
         tracker.log_metrics(outcome.parent_run_id, {"gates_failed": float(len(failed)),
                                                     "gates_passed": float(verdict["gates_passed"])})
         for name in ("verdict.json", "verdict.md"):

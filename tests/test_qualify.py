@@ -72,7 +72,7 @@ def test_qualify_passes_against_its_golden_and_logs_the_verdict(recorded):
     verdict = json.loads((verdict_dir / "verdict.json").read_text())
     assert verdict["verdict"] == "PASS" and verdict["gates_failed"] == 0 and verdict["gates_passed"] >= 10
     assert "| llama_tiny | loss_trajectory | PASS |" in (verdict_dir / "verdict.md").read_text()
-    parent = next(r for r in mlflow_runs(results) if r.data.tags.get("kind") == "qualification")
+    parent = next(r for r in mlflow_runs(results) if r.data.tags.get("qualification") == "true")
     assert parent.data.tags["verdict"] == "PASS" and parent.data.metrics["gates_failed"] == 0
     assert parent.info.run_id == verdict["parent_run_id"]
 
@@ -89,7 +89,7 @@ def test_an_impossible_gate_fails_loudly(recorded):
     assert verdict["verdict"] == "FAIL"
     failed = {(g["benchmark"], g["gate"]) for g in verdict["gates"] if not g["passed"]}
     assert ("llama_tiny", "throughput") in failed and ("dlrm_tiny", "loss_trajectory") not in failed
-    parent = next(r for r in mlflow_runs(results) if r.data.tags.get("kind") == "qualification")
+    parent = next(r for r in mlflow_runs(results) if r.data.tags.get("qualification") == "true")
     assert parent.data.tags["verdict"] == "FAIL" and parent.data.metrics["gates_failed"] >= 1
 
 
