@@ -9,9 +9,12 @@ Tensors: an op's outputs feed later ops (dataflow is real, so views share storag
 mutate what later ops read). Tensors the captured steps read but never produced (parameters,
 optimiser state, inputs made outside the step) are synthesised once, before timing: one buffer per
 captured storage, sized from the true extent of every view of it (offset + Σ (size−1)·stride + 1
-elements, in bytes), each view laid over it with its captured offset and strides. Integer tensors
-get values inside the range the trace recorded (so indices stay valid); ``offsets`` arguments are
-sorted. Tensors are released after their last use, as the original program would.
+elements, in bytes), each view laid over it with its captured offset and strides. Integer inputs
+the capture recorded are fed the program's own values (constants: data-dependent indices and shapes
+replay as captured); others get values inside the range the trace recorded, ``offsets`` arguments
+sorted. Tensors are released after their last use, as the original program would. Each step runs as
+generated straight-line code (one direct C++ op call per op), with the program's host time spent
+in the gaps between ops when asked to.
 
 An op that cannot run here is recorded with its error and replaced by stand-in outputs of the
 captured shapes, so everything after it still runs; coverage says what was lost.
