@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from tests.conftest import clean_env, mlflow_runs
+from conftest import clean_env, mlflow_runs
 
 # The qualify suite, shortened: every benchmark (including the Llama capture + replay) still runs.
 SHORT = ["platform=cpu", "runner.warmup_steps=1", "runner.steps=4", "runner.repetitions=2", "runner.eval_interval=0",

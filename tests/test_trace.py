@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import clean_env, mlflow_runs
 
-from tests.conftest import clean_env, mlflow_runs
 from workloads.generated.bundle import ET_FILE, KINETO_FILE, META_FILE, TraceError, read_meta
 from workloads.generated.replay import Replayer
 from workloads.generated.spec import GenerateOptions, generate_spec, load_spec, write_spec
