@@ -13,8 +13,7 @@ The first ``warmup`` steps run plain (not timed), the next ``baseline_steps`` ru
 timed — the reference the replay is judged against, since the profiler itself distorts time —,
 the next ``steps`` run under the PyTorch execution-trace observer and the Kineto profiler (the
 structure), and the last ``steps`` under Kineto alone (cheap enough to measure how much of a step
-is the program's own host time between ops). The
-bundle (``et.json``, ``kineto.json``, ``meta.json``, see :mod:`workloads.generated.bundle`) is
+is the program's own host time between ops). The bundle (see :mod:`workloads.generated.bundle`) is
 written when the ``with`` block ends. Under ``torchrun`` every rank writes ``<out>/rank<i>/``.
 """
 
