@@ -107,8 +107,9 @@ def _plot(rows: list[dict[str, Any]], platforms: list[str], baseline: str, metri
             scale = row["ratio"] / row["value"] if row["value"] else 0.0
             xs.append(j + (i - (len(platforms) - 1) / 2) * width)
             ys.append(row["ratio"])
-            lo.append(row["ratio"] - row["min"] * scale)
-            hi.append(row["max"] * scale - row["ratio"])
+            # clamped: with one run min == value == max, and rounding can leave a -1e-16 whisker
+            lo.append(max(0.0, row["ratio"] - row["min"] * scale))
+            hi.append(max(0.0, row["max"] * scale - row["ratio"]))
         ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=platform)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(benchmarks)), benchmarks, rotation=15, ha="right")

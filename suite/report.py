@@ -124,8 +124,9 @@ def _plots(rows: list[dict[str, Any]], losses: dict[str, list[float]]) -> list[s
         fig, ax = plt.subplots(figsize=(6.4, 3.4))
         names = [r["benchmark"] for r in done]
         values = [r["metrics"]["throughput"] for r in done]
-        lower = [v - r["metrics"].get("throughput_min", v) for v, r in zip(values, done, strict=True)]
-        upper = [r["metrics"].get("throughput_max", v) - v for v, r in zip(values, done, strict=True)]
+        # clamped: matplotlib refuses a negative whisker, and rounding can make one of -1e-12
+        lower = [max(0.0, v - r["metrics"].get("throughput_min", v)) for v, r in zip(values, done, strict=True)]
+        upper = [max(0.0, r["metrics"].get("throughput_max", v) - v) for v, r in zip(values, done, strict=True)]
         ax.barh(names, values, xerr=[lower, upper], capsize=3, color="#4c72b0")
         ax.set_xscale("log")
         ax.set_xlabel("throughput, each in its unit (whiskers: min-max)")

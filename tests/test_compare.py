@@ -65,3 +65,16 @@ def test_compare_reads_a_tracking_server(cobench, mlflow_server, tmp_path: Path)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads((tmp_path / "o" / "compare.json").read_text())["rows"]
     assert {r["platform"] for r in rows} == {"cpu-1t", "cpu-2t"}
+
+
+def test_plot_with_one_run_per_platform(tmp_path: Path):
+    """One run per platform: min == value == max, and the whiskers must not go negative by rounding
+    (CI once failed with matplotlib's "'yerr' must not contain negative values")."""
+    from suite.compare import _plot
+
+    rows = []
+    for platform, value in (("a", 59319.690671274955), ("b", 42879.2093986462)):
+        rows.append({"benchmark": "llama_tiny", "platform": platform, "value": value, "min": value, "max": value,
+                     "n": 1, "cv": 0.0, "ratio": value / 59319.690671274955})
+    _plot(rows, ["a", "b"], "a", "throughput", tmp_path)
+    assert (tmp_path / "compare.svg").stat().st_size > 0
