@@ -18,7 +18,7 @@ from conftest import clean_env, mlflow_runs
 
 from workloads.generated.bundle import ET_FILE, KINETO_FILE, META_FILE, TraceError, read_meta
 from workloads.generated.replay import Replayer
-from workloads.generated.spec import GenerateOptions, generate_spec, load_spec, write_spec
+from workloads.generated.spec import GenerateOptions, generate_spec, kineto_host_gaps, load_spec, write_spec
 
 CAPTURE_STEPS = ["--steps", "2", "--warmup", "1", "--baseline-steps", "3"]
 REPLAY = ["runner.warmup_steps=1", "runner.steps=4", "runner.progress=false"]
@@ -128,6 +128,9 @@ def test_llama_capture_generate_replay_through_the_harness(llama_bundle: Path, t
     assert metrics["op_coverage_pct"] == 100.0 and metrics["ops_failed"] == 0
     assert metrics["time_error_pct"] >= 0 and metrics["reference_step_ms"] > 0 and metrics["replay_step_ms"] > 0
     assert 0 <= metrics["category_distance"] <= 1
+    assert metrics["host_gap_ms"] > 0  # the program's host time between ops, spent by the replay
+    # the yardstick's own noise is reported beside the error
+    assert metrics["reference_step_cv_pct"] > 0 and metrics["replay_step_cv_pct"] > 0
     assert tags["workload"] == "generated" and tags["source_workload"] == "llama"
     assert tags["portability"] == "false"
     (run_dir,) = (results / "runs").iterdir()
@@ -319,3 +322,26 @@ def test_an_op_that_crashes_the_process_is_found_by_the_probe_and_skipped(progra
     (run_dir,) = (results / "runs").iterdir()
     failed = json.loads((run_dir / "fidelity.json").read_text())["failed_ops"]
     assert any(f["name"] == "cobench_test::crash" and "SIGSEGV" in f["error"] for f in failed), failed
+
+
+def test_host_gap_estimate_takes_the_profilers_cost_out():
+    """Kineto's cost per op event lands between top-level ops; the estimate removes it.
+
+    One step of 100 µs under Kineto, 70 µs plain: 30 µs of profiler cost over 3 op events (10 each).
+    Two top-level ops (30 + 40 µs busy, one with a nested op) leave 30 µs of gaps, 20 of which are the
+    profiler's: 10 µs is the program's own.
+    """
+    def event(name: str, ts: float, dur: float, cat: str = "cpu_op") -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": 7}
+
+    trace = {"traceEvents": [
+        event("cobench_step#0", 1000, 100, "user_annotation"),
+        event("aten::linear", 1010, 30), event("aten::addmm", 1015, 20),
+        event("aten::relu", 1050, 40),
+        event("aten::relu", 1200, 5),  # after the step: not counted
+    ]}
+    assert kineto_host_gaps(trace, Path("t.json"), {None: 70.0}) == {0: pytest.approx(10.0)}
+    # no profiler cost (plain as slow as traced): every gap is the program's
+    assert kineto_host_gaps(trace, Path("t.json"), {0: 100.0}) == {0: pytest.approx(30.0)}
+    with pytest.raises(TraceError, match="not a Kineto"):
+        kineto_host_gaps({"nodes": []}, Path("t.json"), {None: 1.0})

@@ -49,11 +49,19 @@ def spearman(x: list[float], y: list[float]) -> float:
     return pearson(_ranks(x), _ranks(y))
 
 
+def _cv_pct(values: list[float]) -> float:
+    """Coefficient of variation (%): how much the step times it is judged on move on their own."""
+    return 100.0 * statistics.stdev(values) / statistics.fmean(values) if len(values) > 1 else math.nan
+
+
+def _reference_times(spec: dict[str, Any], rank: int, reference_times_ms: list[float] | None) -> list[float]:
+    times = spec["source"]["step_times_ms"]
+    return reference_times_ms or times[min(rank, len(times) - 1)]
+
+
 def reference_step_ms(spec: dict[str, Any], rank: int, reference_times_ms: list[float] | None = None) -> float:
     """What one replayed step should take: the source's plain step time, scaled to the selection."""
-    source = spec["source"]
-    times = reference_times_ms or source["step_times_ms"][min(rank, len(source["step_times_ms"]) - 1)]
-    full = _median(times)
+    full = _median(_reference_times(spec, rank, reference_times_ms))
     rank_spec = spec["ranks"][min(rank, len(spec["ranks"]) - 1)]
     if spec.get("full_step", False):
         return full
@@ -115,6 +123,9 @@ def compute_fidelity(
         "time_error_signed_pct": signed,
         "replay_step_ms": replay_ms,
         "reference_step_ms": reference_ms,
+        # the noise of both sides: an error below these is not a difference this platform can show
+        "reference_step_cv_pct": _cv_pct(_reference_times(spec, rank, reference_times_ms)),
+        "replay_step_cv_pct": _cv_pct(replay_step_times_s),
         "op_coverage_pct": 100.0 * len(ran) / len(ops),
         "time_coverage_pct": 100.0 * ran_dur / total_dur if total_dur > 0 else math.nan,
         "ops_per_step": len(ops) / max(len(rank_spec["steps"]), 1),

@@ -643,11 +643,14 @@ class Replayer:
         lines = ["def step(v):", "    t = pc()"]
         offset = sum(len(s) for s in self.sequence[:k])
         ran = 0
+        owed_s = 0.0  # the program's host time not yet spent: gaps too short to spin on add up
         for j, position in enumerate(self.sequence[k]):
             op = self.ops[position]
-            gap_s = 1e-6 * (self.ops_spec[position].get("gap_us") or 0.0) if self.host_gaps else 0.0
-            if gap_s > 2e-7:  # the program's own host time before this op, spent as the program did: busy
-                lines.append(f"    while pc() < t + {gap_s!r}: pass")
+            if self.host_gaps:
+                owed_s += 1e-6 * (self.ops_spec[position].get("gap_us") or 0.0)
+            if owed_s > 2e-7:  # the program's own host time before this op, spent as the program did: busy
+                lines.append(f"    while pc() < t + {owed_s!r}: pass")
+                owed_s = 0.0
             if op.error is not None:
                 lines.append(f"    standin({position})")
             else:
@@ -674,7 +677,7 @@ class Replayer:
             lines.extend(f"    v[{slot}] = None" for slot in self._clears[offset + j])
             if self.host_gaps:
                 lines.append("    t = pc()")
-        tail_s = 1e-6 * self._tail_gaps_us[k] if self.host_gaps else 0.0
+        tail_s = owed_s + (1e-6 * self._tail_gaps_us[k] if self.host_gaps else 0.0)
         if tail_s > 2e-7:
             lines.append(f"    while pc() < t + {tail_s!r}: pass")
         namespace: dict[str, Any] = {

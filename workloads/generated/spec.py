@@ -20,6 +20,7 @@ import hashlib
 import json
 import math
 import re
+import statistics
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -365,9 +366,22 @@ def extract_rank(bundle: Path) -> tuple[BundleMeta, list[dict[str, Any]], list[d
 def host_gap_us(timing: Any, path: Path, plain_us: float) -> float | None:
     """The program's own host time per step (Python, framework: between ops), without the profiler.
 
-    From the steps captured under Kineto alone: step time − the time of its top-level ops, scaled
-    by plain ÷ Kineto step time (Kineto's own, small, cost falls on ops and gaps alike). Median over
-    the steps; None when the bundle has no such steps.
+    From the steps captured under Kineto alone; the median over them (None when there are none).
+    See :func:`kineto_host_gaps`.
+    """
+    gaps = kineto_host_gaps(timing, path, {None: plain_us})
+    return statistics.median(gaps.values()) if gaps else None
+
+
+def kineto_host_gaps(timing: Any, path: Path, plain_us: dict[int | None, float]) -> dict[int, float]:
+    """Host time between top-level ops per annotated step (``cobench_step#<k>`` → µs), profiler removed.
+
+    Under Kineto a step's main thread is either inside a top-level op or between two (the gap). The
+    profiler's own cost is about the same for every op event, c = (Kineto step − plain step) ÷ the
+    step's op events, and it lands outside the op it records (the op's timestamps are taken inside
+    its callbacks), so each top-level op adds c to the gaps; nested events add theirs inside their
+    parent. The program's own gap is therefore gap − top-level ops × c. ``plain_us`` gives the
+    uninstrumented step time per step index (the ``None`` key for every step).
     """
     if not isinstance(timing, dict) or not isinstance(timing.get("traceEvents"), list):
         raise TraceError(f"{path} is not a Kineto/chrome trace: expected an object with 'traceEvents'")
@@ -375,20 +389,26 @@ def host_gap_us(timing: Any, path: Path, plain_us: float) -> float | None:
     steps = [e for e in events if e.get("cat") == "user_annotation"
              and str(e.get("name", "")).startswith(STEP_ANNOTATION)]
     ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: float(e["ts"]))
-    gaps = []
+    gaps: dict[int, float] = {}
     for step in steps:
-        start, end, tid = float(step["ts"]), float(step["ts"]) + float(step["dur"]), step.get("tid")
-        busy, covered_until = 0.0, start
+        index = int(str(step["name"])[len(STEP_ANNOTATION):])
+        plain = plain_us.get(index, plain_us.get(None))
+        start, dur, tid = float(step["ts"]), float(step["dur"]), step.get("tid")
+        busy, covered_until, top, every = 0.0, start, 0, 0
         for e in ops:
             ts = float(e["ts"])
-            if e.get("tid") != tid or ts < start or ts >= end or ts < covered_until:
-                continue  # another thread's, outside the step, or nested in an op already counted
+            if ts < start or ts >= start + dur:
+                continue
+            every += 1
+            if e.get("tid") != tid or ts < covered_until:
+                continue  # another thread's, or nested in an op already counted
             busy += float(e["dur"])
             covered_until = ts + float(e["dur"])
-        dur = float(step["dur"])
-        if dur > 0:
-            gaps.append(max(0.0, dur - busy) * plain_us / dur)
-    return sorted(gaps)[len(gaps) // 2] if gaps else None
+            top += 1
+        if dur > 0 and every and plain is not None:
+            per_event = max(0.0, dur - plain) / every
+            gaps[index] = max(0.0, dur - busy - top * per_event)
+    return gaps
 
 
 def _place_host_gaps(ops: list[dict], steps: list[dict], per_step_us: float | None) -> None:
