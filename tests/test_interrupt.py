@@ -19,8 +19,11 @@ def test_ctrl_c_leaves_a_killed_run_with_metrics_so_far(tmp_path, calibration_ca
         f"platform.calibration_cache={calibration_cache}", "runner.warmup_steps=1",
         "runner.steps=100000", "runner.progress=false", "workload.train_batches=2",
     ]
+    # As from a terminal: a shell's background job (e.g. CI started with `&`) inherits SIGINT ignored,
+    # and Python then installs no KeyboardInterrupt handler at all.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=clean_env(), cwd=tmp_path)
+                            env=clean_env(), cwd=tmp_path,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 180
         mllog = None
