@@ -6,7 +6,9 @@ no MLflow status. So a single-process replay first dry-runs the spec in a child 
 the index of each op before running it; if the child dies of a signal, the last index names the op,
 which is then excluded (recorded with the reason) and the child tries again.
 
-    python -m workloads.generated.probe SPEC RANK PROGRESS_FILE [EXCLUDED_INDEX ...]
+    python -m workloads.generated.probe SPEC RANK TRUST PROGRESS_FILE [EXCLUDED_INDEX ...]
+
+It is started only for a spec the workload has already checked (``safety.check_spec``).
 """
 
 from __future__ import annotations
@@ -21,14 +23,15 @@ from pathlib import Path
 MAX_CRASHES = 8
 
 
-def find_crashing_ops(spec_path: str, rank: int, timeout_s: float = 600.0) -> dict[int, str]:
+def find_crashing_ops(spec_path: str, rank: int, timeout_s: float = 600.0, *, trust: bool = False) -> dict[int, str]:
     """Op index → why it is excluded, for every op that crashed a probe process."""
     crashed: dict[int, str] = {}
     with tempfile.TemporaryDirectory(prefix="cobench-probe-") as tmp:
         progress = Path(tmp) / "progress"
         for _ in range(MAX_CRASHES):
             progress.write_text("")
-            cmd = [sys.executable, "-m", __name__, spec_path, str(rank), str(progress), *map(str, crashed)]
+            cmd = [sys.executable, "-m", __name__, spec_path, str(rank), str(int(trust)), str(progress),
+                   *map(str, crashed)]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
                                   env=os.environ | {"CUDA_LAUNCH_BLOCKING": "1"})
             if proc.returncode >= 0:
@@ -50,10 +53,10 @@ def _main(argv: list[str]) -> int:
     from workloads.generated.replay import Replayer
     from workloads.generated.spec import load_spec
 
-    spec_path, rank, progress_path, *excluded = argv
+    spec_path, rank, trust, progress_path, *excluded = argv
     spec = load_spec(spec_path)
     replayer = Replayer(spec["ranks"][int(rank)], torch.device("cpu"),
-                        repeat=int(spec["options"].get("repeat", 1)))
+                        repeat=int(spec["options"].get("repeat", 1)), trust=trust == "1")
     replayer.exclude({int(i): "excluded" for i in excluded})
     replayer.materialize()
     with open(progress_path, "w", buffering=1) as progress:

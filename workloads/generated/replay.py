@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from workloads.generated.safety import op_refusal
 from workloads.generated.spec import _is_tensor_ref
 
 # c10::ScalarType codes, as the execution trace writes dtype arguments.
@@ -59,6 +60,10 @@ _LIBRARIES = {"fbgemm": ("fbgemm_gpu",), "torchrec": ("torchrec",)}
 
 class OpUnavailable(RuntimeError):
     """This torch build has no such operator (or it cannot be called here)."""
+
+
+class OpRefused(RuntimeError):
+    """The replay policy (:mod:`workloads.generated.safety`) refuses this op and the spec is not trusted."""
 
 
 def tensor_dtype(et_type: str) -> torch.dtype:
@@ -203,8 +208,9 @@ class Replayer:
     """Replays one rank's ops; :meth:`run_step` replays the next captured step."""
 
     def __init__(self, rank_spec: dict[str, Any], device: torch.device, *, repeat: int = 1,
-                 process_group: Any = None, seed: int = 0, host_gaps: bool = False):
+                 process_group: Any = None, seed: int = 0, host_gaps: bool = False, trust: bool = False):
         self.device, self.repeat, self.group = device, repeat, process_group
+        self.trust = trust  # run ops the safety policy refuses (the user vouched for this spec)
         self.host_gaps = host_gaps
         self.generator = torch.Generator().manual_seed(seed)
         self.ops_spec = rank_spec["ops"]
@@ -225,6 +231,7 @@ class Replayer:
         self._clears = self._liveness()
         self._next = 0
         self._steps: list[tuple[Callable[[list[Any]], None], int] | None] = [None] * len(self.sequence)
+        self.errors: dict[int, str] = {}  # op index → why it did not run (compile, dry run or later)
 
     # -- compilation -------------------------------------------------------------------------------------
     def _slot(self, info: TensorInfo) -> int:
@@ -233,6 +240,9 @@ class Replayer:
     def _compile(self, index: int, op: dict[str, Any]) -> CompiledOp:
         compiled = CompiledOp(index, op["name"], op["category"], op["step"], None, [], {}, [], [], [], [],
                               op.get("dur_us"))
+        refusal = None if self.trust else op_refusal(op["name"], op["schema"])
+        if refusal is not None:  # check_spec refuses such a spec first: this is the last line of defence
+            raise OpRefused(f"op #{index} {op['schema'].split('(', 1)[0]}: {refusal}")
         try:
             self._compile_outputs(op, compiled)
             if op["name"].startswith("c10d::"):
@@ -355,15 +365,9 @@ class Replayer:
         """
         if data is None or info.dtype.is_floating_point:
             return None
-        raw = bytearray(base64.b64decode(data))
-        numel = len(raw) // max(info.itemsize, 1)
-        expected = 1
-        for size in info.shape:
-            expected *= size
-        if numel != expected:
-            return None
+        values = recorded_view(data, info.dtype, info.shape, info.stride)
         # clone: a tensor of its own, not a view of the buffer (ops like detach_ refuse views)
-        return torch.frombuffer(raw, dtype=info.dtype).reshape(info.shape).clone().to(self.device)
+        return None if values is None else values.clone().to(self.device)
 
     def _collective(self, name: str) -> Callable[..., Any]:
         """The ``torch.distributed`` call for a captured ``c10d::`` op (its process-group arguments dropped)."""
@@ -514,28 +518,41 @@ class Replayer:
     @staticmethod
     def _copy_data(view: torch.Tensor, data: str) -> bool:
         """Write recorded raw integer data into ``view``; False when it does not fit the view."""
-        raw = bytearray(base64.b64decode(data))
-        if len(raw) != view.numel() * view.element_size():
+        values = recorded_view(data, view.dtype, tuple(view.shape), tuple(view.stride()))
+        if values is None:
+            return False
+        target, values = _distinct(view), values[_broadcast_index(view)]
+        if torch._debug_has_internal_overlap(target) != 0:
             return False
         with torch.no_grad():
-            view.copy_(torch.frombuffer(raw, dtype=view.dtype).reshape(view.shape))
+            target.copy_(values)
         return True
 
     def _fill(self, view: torch.Tensor, rng: tuple[int, int] | None, is_offsets: bool) -> None:
+        """Defined values for a synthesised view: in the reader's range for integers, sane floats.
+
+        A view whose elements share memory (an ``expand``: stride 0; overlapping windows) is written
+        through the memory it spans, each location once, so every element it shows is defined.
+        """
         if view.numel() == 0:
             return
-        if view.dtype == torch.bool:
-            values = torch.rand(view.shape, generator=self.generator) < 0.5
-        elif view.dtype.is_floating_point or view.dtype.is_complex:
-            values = torch.empty(view.shape, dtype=torch.float32).uniform_(0.1, 1.0, generator=self.generator)
+        target = _distinct(view)
+        if torch._debug_has_internal_overlap(target) != 0:
+            extent = 1 + sum((s - 1) * st for s, st in zip(target.shape, target.stride(), strict=True))
+            target = torch.empty(0, dtype=view.dtype, device=view.device).set_(
+                view.untyped_storage(), view.storage_offset(), (extent,), (1,))
+        if target.dtype == torch.bool:
+            values = torch.rand(target.shape, generator=self.generator) < 0.5
+        elif target.dtype.is_floating_point or target.dtype.is_complex:
+            values = torch.empty(target.shape, dtype=torch.float32).uniform_(0.1, 1.0, generator=self.generator)
         else:
             low, high = rng if rng is not None else (0, 0)
-            values = torch.randint(int(low), int(high) + 1, view.shape, generator=self.generator)
-            if is_offsets and view.dim() == 1:
+            values = torch.randint(int(low), int(high) + 1, target.shape, generator=self.generator)
+            if is_offsets and target.dim() == 1:
                 values = values.sort().values
                 values[0] = int(low)
         with torch.no_grad():
-            view.copy_(values.to(view.dtype))
+            target.copy_(values.to(target.dtype))
 
     def _stand_in(self, op: CompiledOp) -> None:
         """Outputs of the captured shapes for an op that could not run, so its consumers still run."""
@@ -552,10 +569,11 @@ class Replayer:
             self.ops[index].error = reason
         self._steps = [None] * len(self.sequence)
 
-    def dry_run(self, before_op: Callable[[int], object] | None = None) -> ReplayStats:
-        """Run every step once op by op; ops that fail are recorded and stood in for from then on.
+    def dry_run(self, before_op: Callable[[int], object] | None = None, steps: list[int] | None = None) -> ReplayStats:
+        """Run every step (or ``steps``) once op by op; ops that fail are recorded and stood in for from then on.
 
         ``before_op(index)`` is called before each op runs (the crash probe writes it down).
+        Failures accumulate in :attr:`errors`.
         """
         stats = ReplayStats()
         for op in self.ops:
@@ -563,8 +581,8 @@ class Replayer:
                 stats.errors[op.index] = op.error
         integer_stand_ins: dict[int, int] = {}  # slot → the failed op whose output it stands in for
         with torch.no_grad():
-            for step in self.sequence:
-                for position in step:
+            for k in range(len(self.sequence)) if steps is None else steps:
+                for position in self.sequence[k]:
                     op = self.ops[position]
                     if op.error is None:
                         # Index-like inputs invented for a failed op could send an unchecked kernel out
@@ -580,15 +598,17 @@ class Replayer:
                         try:
                             self._call_or_unalias(position)
                         except Exception as err:  # noqa: BLE001 - recorded per op; replay goes on
-                            op.error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                            op.error = _describe(err)
                             stats.errors[op.index] = op.error
                     if op.error is not None:
                         self._stand_in(op)
                         integer_stand_ins.update(
                             (slot, op.index) for slot, info in zip(op.out_slots, op.out_infos, strict=False)
                             if slot is not None and info is not None and not info.dtype.is_floating_point)
-        self._next = 0
+        if steps is None:
+            self._next = 0
         self._steps = [None] * len(self.sequence)  # regenerate: ops that failed are stood in for now
+        self.errors.update(stats.errors)
         return stats
 
     def _call_or_unalias(self, position: int) -> None:
@@ -613,8 +633,11 @@ class Replayer:
         if self._steps[k] is None:
             self._steps[k] = self._codegen(k)
         step, ran = self._steps[k]
-        with torch.no_grad():
-            step(self.vals)
+        try:
+            with torch.no_grad():
+                step(self.vals)
+        except Exception:  # noqa: BLE001 - an op failed only now (its inputs differ from the dry run's)
+            self.dry_run(steps=[k])  # find it op by op: recorded, stood in for, the code regenerated
         return ran
 
     def _codegen(self, k: int) -> tuple[Callable[[list[Any]], None], int]:
@@ -628,8 +651,9 @@ class Replayer:
         fns: list[Callable[..., Any]] = []
 
         def const(value: Any) -> str:
-            if value is None or isinstance(value, (bool, int, str)) or (
-                    isinstance(value, float) and math.isfinite(value)):
+            # Only exact JSON scalars become literals (their repr is always a literal of the same
+            # value); everything else is passed by reference. No spec text reaches the code otherwise.
+            if value is None or type(value) in (bool, int, str) or (type(value) is float and math.isfinite(value)):
                 return repr(value)
             consts.append(value)
             return f"c[{len(consts) - 1}]"
@@ -647,7 +671,7 @@ class Replayer:
         for j, position in enumerate(self.sequence[k]):
             op = self.ops[position]
             if self.host_gaps:
-                owed_s += 1e-6 * (self.ops_spec[position].get("gap_us") or 0.0)
+                owed_s += _seconds(self.ops_spec[position].get("gap_us"))
             if owed_s > 2e-7:  # the program's own host time before this op, spent as the program did: busy
                 lines.append(f"    while pc() < t + {owed_s!r}: pass")
                 owed_s = 0.0
@@ -677,7 +701,7 @@ class Replayer:
             lines.extend(f"    v[{slot}] = None" for slot in self._clears[offset + j])
             if self.host_gaps:
                 lines.append("    t = pc()")
-        tail_s = owed_s + (1e-6 * self._tail_gaps_us[k] if self.host_gaps else 0.0)
+        tail_s = owed_s + (_seconds(self._tail_gaps_us[k]) if self.host_gaps else 0.0)
         if tail_s > 2e-7:
             lines.append(f"    while pc() < t + {tail_s!r}: pass")
         namespace: dict[str, Any] = {
@@ -700,7 +724,12 @@ class Replayer:
                     if op.error is None:
                         synchronize()
                         started = time.perf_counter()
-                        op.store(op.call(vals), vals, self.generator)
+                        try:
+                            op.store(op.call(vals), vals, self.generator)
+                        except Exception as err:  # noqa: BLE001 - recorded like a dry-run failure
+                            op.error = self.errors[op.index] = _describe(err)
+                            self._stand_in(op)
+                            continue
                         synchronize()
                         times.setdefault(op.index, []).append(time.perf_counter() - started)
                     else:
@@ -709,6 +738,51 @@ class Replayer:
                         vals[slot] = None
         self._next = 0
         return times
+
+
+def recorded_view(data: str, dtype: torch.dtype, shape: tuple[int, ...],
+                  stride: tuple[int, ...]) -> torch.Tensor | None:
+    """A recorded input's values laid out as the view the op read, or None if the record is incomplete.
+
+    The execution-trace observer dumps ``numel × itemsize`` raw bytes from the view's first element,
+    in memory order — not the view's values in logical order. For a contiguous view the two agree;
+    for an expanded (stride 0), transposed or otherwise strided view, the elements it shows lie in
+    the first ``extent`` elements of that memory (the rest of the dump is whatever memory followed),
+    so the view is rebuilt over them with its own strides. A view that spans more memory than was
+    dumped (``extent > numel``: a slice with a step) cannot be rebuilt.
+    """
+    raw = bytearray(base64.b64decode(data))
+    flat = torch.frombuffer(raw, dtype=dtype) if len(raw) % dtype.itemsize == 0 and raw else None
+    numel = math.prod(shape)
+    if flat is None or flat.numel() != numel:
+        return None
+    if numel == 0:
+        return flat.reshape(shape)
+    extent = 1 + sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
+    if extent > numel:
+        return None
+    return flat.as_strided(shape, stride, 0)
+
+
+def _broadcast_index(view: torch.Tensor) -> tuple[slice, ...]:
+    """Index keeping one element of every broadcast (stride-0) dimension of ``view``."""
+    return tuple(slice(0, 1) if st == 0 and s > 1 else slice(None) for s, st in zip(view.shape, view.stride(),
+                                                                                      strict=True))
+
+
+def _distinct(view: torch.Tensor) -> torch.Tensor:
+    """``view`` without its broadcast dimensions: each memory location it shows, once."""
+    return view[_broadcast_index(view)]
+
+
+def _describe(err: Exception) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+def _seconds(gap_us: Any) -> float:
+    """A host gap in seconds, as a float the generated code can hold: finite, not negative."""
+    seconds = 1e-6 * float(gap_us or 0.0)
+    return seconds if math.isfinite(seconds) and seconds > 0 else 0.0
 
 
 def _waited(result: Any, wait: Callable[[torch.Tensor], torch.Tensor]) -> Any:
