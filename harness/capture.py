@@ -23,8 +23,9 @@ import json
 import os
 import platform as pyplatform
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +38,9 @@ from harness.config import CobenchConfig, results_root
 from harness.distributed import broadcast_from_main, env_dist_info, init_distributed
 from harness.fingerprint import git_state, library_versions
 from harness.loop import MemoryMeter, seed_everything
-from harness.platform import device_name, discover_platform, synchronize
+from harness.platform import Platform, device_name, discover_platform, synchronize
 from workloads import discover
-from workloads.base import RunContext
+from workloads.base import RunContext, Workload
 from workloads.generated.bundle import (
     ET_FILE,
     ET_RESOURCES,
@@ -302,34 +303,90 @@ def capture(
     (target / META_FILE).write_text(json.dumps(meta.to_json(), indent=2))
 
 
+@dataclass
+class SourceWorkload:
+    """A registered workload set up to be captured (and, for a side-by-side judgement, run again)."""
+
+    workload: Workload
+    ctx: RunContext
+    platform: Platform
+    cfg: CobenchConfig
+
+    def capture(self, out_dir: Path, *, steps: int, warmup: int, baseline_steps: int) -> Path:
+        """Capture this rank's bundle into ``out_dir``; returns the rank's bundle folder."""
+        config = OmegaConf.to_container(OmegaConf.structured(self.cfg.workload), resolve=True)
+        with capture(out_dir, steps=steps, warmup=warmup, baseline_steps=baseline_steps, device=self.ctx.device,
+                     config={"workload": config, "platform": self.platform.name}, source=self.cfg.workload.name,
+                     model=getattr(self.workload, "model", None)) as cap:
+            while not cap.done:
+                with cap.step():
+                    self.workload.step()
+        return bundle_dir(out_dir, self.ctx.rank, self.ctx.world_size)
+
+
+def prepare_source(cfg: CobenchConfig, work_dir: Path) -> SourceWorkload:
+    """Platform, process group and the workload ``cfg`` names, set up (validated before anything runs)."""
+    dist_env = env_dist_info()
+    platform = discover_platform(cfg.platform, dist_env.local_rank)
+    info = init_distributed(platform.device, cfg.platform.dist_backend)
+    ctx = RunContext(device=platform.device, seed=cfg.seed, rank=info.rank, world_size=info.world_size,
+                     process_group=torch.distributed.group.WORLD if info.enabled else None,
+                     deterministic=cfg.deterministic, work_dir=work_dir, device_name=platform.device_name)
+    spec = discover()[cfg.workload.name]
+    if spec.replays_bundle:
+        raise ValueError(f"capture a reference workload or your own program, not a replay "
+                         f"(workload={cfg.workload.name})")
+    workload = spec.factory(cfg.workload, ctx)  # validates before anything is written
+    seed_everything(cfg.seed, cfg.deterministic)
+    workload.setup()
+    return SourceWorkload(workload, ctx, platform, cfg)
+
+
+def default_trace_dir(cfg: CobenchConfig, label: str) -> Path:
+    """``<results_dir>/traces/<label>-<time>``, the same on every rank."""
+    name = f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return Path(broadcast_from_main(str(results_root(cfg) / "traces" / name) if env_dist_info().is_main else None))
+
+
 def capture_benchmark(cfg: CobenchConfig, out_dir: Path | None, *, steps: int, warmup: int,
                       baseline_steps: int) -> Path:
     """``cobench trace capture``: capture the registered workload ``cfg`` describes.
 
     Returns this rank's bundle folder (``<results_dir>/traces/<workload>-<time>`` by default).
     """
-    dist_env = env_dist_info()
-    platform = discover_platform(cfg.platform, dist_env.local_rank)
-    info = init_distributed(platform.device, cfg.platform.dist_backend)
     if out_dir is None:
-        name = f"{cfg.workload.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        out_dir = Path(broadcast_from_main(str(results_root(cfg) / "traces" / name) if info.is_main else None))
+        init_distributed(discover_platform(cfg.platform, env_dist_info().local_rank).device,
+                         cfg.platform.dist_backend)
+        out_dir = default_trace_dir(cfg, cfg.workload.name)
     out_dir.mkdir(parents=True, exist_ok=True)
-    ctx = RunContext(device=platform.device, seed=cfg.seed, rank=info.rank, world_size=info.world_size,
-                     process_group=torch.distributed.group.WORLD if info.enabled else None,
-                     deterministic=cfg.deterministic, work_dir=out_dir, device_name=platform.device_name)
-    spec = discover()[cfg.workload.name]
-    workload = spec.factory(cfg.workload, ctx)  # validates before anything is written
-    seed_everything(cfg.seed, cfg.deterministic)
-    workload.setup()
-    config = OmegaConf.to_container(OmegaConf.structured(cfg.workload), resolve=True)
+    source = prepare_source(cfg, out_dir)
     try:
-        with capture(out_dir, steps=steps, warmup=warmup, baseline_steps=baseline_steps, device=platform.device,
-                     config={"workload": config, "platform": platform.name}, source=cfg.workload.name,
-                     model=getattr(workload, "model", None)) as cap:
-            while not cap.done:
-                with cap.step():
-                    workload.step()
+        return source.capture(out_dir, steps=steps, warmup=warmup, baseline_steps=baseline_steps)
     finally:
-        workload.teardown()
-    return bundle_dir(out_dir, info.rank, info.world_size)
+        source.workload.teardown()
+
+
+def judge(step: Callable[[], Any], out_dir: str | Path, *, device: torch.device | str | None = None,
+          model: torch.nn.Module | None = None, rounds: int = 10, steps_per_round: int = 10, warmup: int = 5,
+          capture_steps: int = 3, baseline_steps: int = 20, source: str = "program",
+          replay_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Capture ``step`` (your callable running one training step), generate its spec, and judge the replay
+    side by side with ``step`` in this process (see :mod:`harness.judge`).
+
+    Returns the fidelity record, also written to ``<out_dir>/fidelity.json``; its ``metrics`` hold
+    ``time_error_pct`` (signed: ``time_error_signed_pct``) with its 95 % interval, ``fidelity_valid``
+    and the replay's coverage and per-category figures. ``replay_options``: settings of the replay
+    workload (e.g. ``{"trust_spec": True}`` for a program that uses its own op library).
+    """
+    from harness.judge import judge_bundle
+
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    out_dir = Path(out_dir)
+    with capture(out_dir, steps=capture_steps, warmup=warmup, baseline_steps=baseline_steps, device=device,
+                 source=source, model=model) as cap:
+        while not cap.done:
+            with cap.step():
+                step()
+    ctx = RunContext(device=device, seed=0, work_dir=out_dir, device_name=device_name(device))
+    return judge_bundle(step, out_dir, ctx, rounds=rounds, steps_per_round=steps_per_round, warmup=warmup,
+                        replay_options=replay_options)

@@ -118,9 +118,13 @@ class SuiteBenchmark:
     name: str = MISSING
     workload: str = MISSING
     overrides: list[str] = field(default_factory=list)
-    # A generated trace benchmark: the suite first captures this source (Hydra overrides, e.g.
-    # [workload=llama]) and replays the spec it generates (the entry's workload must be "generated").
+    # A generated trace benchmark: the suite captures this source (Hydra overrides, e.g.
+    # [workload=llama]) and judges the replay of its spec side by side with it, in one process
+    # (harness/judge.py): `rounds` interleaved rounds of `round_steps` steps of each. The entry's
+    # workload must be one that replays bundles (workload: generated).
     capture: list[str] | None = None
+    rounds: int = 10
+    round_steps: int = 10
 
 
 @dataclass
@@ -139,9 +143,12 @@ class SuiteConfig:
         _require(bool(self.benchmarks), "suite.benchmarks", "a suite needs at least one benchmark")
         names = [b.name for b in self.benchmarks]
         _require(len(set(names)) == len(names), "suite.benchmarks", f"duplicate names in {names}")
+        replays = [name for name, spec in discover().items() if spec.replays_bundle]
         for bench in self.benchmarks:
-            _require(bench.capture is None or bench.workload == "generated", f"suite.benchmarks.{bench.name}",
-                     f"capture: needs workload: generated (got {bench.workload!r})")
+            _require(bench.capture is None or bench.workload in replays, f"suite.benchmarks.{bench.name}",
+                     f"capture: needs a workload that replays bundles, {replays} (got {bench.workload!r})")
+            _require(bench.rounds >= 2 and bench.round_steps >= 1, f"suite.benchmarks.{bench.name}",
+                     f"rounds must be >= 2 and round_steps >= 1 (got {bench.rounds}, {bench.round_steps})")
         if self.baseline is not None:
             _require_choice(self.baseline, "suite.baseline", tuple(names))
         _require(not self.delta_metrics or self.baseline is not None, "suite.delta_metrics", "needs suite.baseline")

@@ -56,7 +56,7 @@ class BenchmarkResult:
     error: str | None = None
 
 
-def _new_run_dir(root: Path, name: str) -> str:
+def new_run_dir(root: Path, name: str) -> str:
     """A fresh folder name for this run's files (created only once the run really starts)."""
     return str(root / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}-{uuid.uuid4().hex[:6]}")
 
@@ -98,7 +98,7 @@ def run_benchmark(
     name = benchmark or cfg.workload.name
     spec = discover()[cfg.workload.name]
 
-    run_dir = Path(broadcast_from_main(_new_run_dir(root, name) if dist_info.is_main else None))
+    run_dir = Path(broadcast_from_main(new_run_dir(root, name) if dist_info.is_main else None))
     ctx = RunContext(
         device=platform.device,
         seed=cfg.seed,

@@ -4,20 +4,18 @@ All benchmark configs are composed and validated before the first one runs, so a
 tenth benchmark costs nothing. Each benchmark becomes a child run of the suite's parent run. A
 benchmark this platform cannot run (e.g. a CUDA-only codec on a CPU) is SKIPPED with its reason;
 the others still run. A generated trace benchmark (an entry with ``capture:``) is captured from
-its source workload on this platform first, then replayed like any other benchmark.
+its source workload on this platform, and its replay judged side by side with the source in one
+process (:mod:`harness.judge`): its run holds the replay's speed and the fidelity figures.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-import torch.distributed as dist
-
-from harness.capture import capture_benchmark
 from harness.config import CobenchConfig, SuiteBenchmark, SuiteConfig, compose_config, results_root, to_run_config
 from harness.distributed import env_dist_info, init_distributed
+from harness.judge import judge_benchmark
 from harness.platform import discover_platform
 from harness.runner import (
     STATUS_FAILED,
@@ -29,6 +27,7 @@ from harness.runner import (
     run_benchmark,
 )
 from harness.tracking import Tracker
+from workloads import discover
 
 CAPTURE_STEPS, CAPTURE_WARMUP, CAPTURE_BASELINE = 3, 10, 50
 
@@ -39,8 +38,9 @@ class Plan:
 
     name: str
     cfg: CobenchConfig
-    source: CobenchConfig | None = None  # the workload to capture first (entries with `capture:`)
-    bundle: Path | None = None
+    source: CobenchConfig | None = None  # the workload to capture and judge beside (entries with `capture:`)
+    rounds: int = 10
+    round_steps: int = 10
 
 
 @dataclass
@@ -68,37 +68,21 @@ def _plan(suite: str, bench: SuiteBenchmark, overrides: list[str], base: Cobench
     if bench.capture is None:
         return Plan(bench.name, to_run_config(compose_config(bench_overrides)))
     source = to_run_config(compose_config([*bench.capture, *overrides]))
-    if source.workload.name == "generated":
+    if discover()[source.workload.name].replays_bundle:
         raise ValueError(f"suite {suite!r}, benchmark {bench.name!r}: capture: must name a source workload")
-    bundle = results_root(base) / "traces" / suite / bench.name
+    bundle = results_root(base) / "traces" / suite / bench.name  # validated now; judged in the run's folder
     cfg = to_run_config(compose_config([*bench_overrides, f"workload.spec={bundle / 'spec.json'}"]))
-    return Plan(bench.name, cfg, source, bundle)
-
-
-def _capture_source(plan: Plan) -> None:
-    """Capture the plan's source workload on this platform and generate the spec it replays."""
-    from workloads.generated.spec import generate_spec, write_spec
-
-    assert plan.source is not None and plan.bundle is not None
-    capture_benchmark(plan.source, plan.bundle, steps=CAPTURE_STEPS, warmup=CAPTURE_WARMUP,
-                      baseline_steps=CAPTURE_BASELINE)
-    if dist.is_initialized():
-        dist.barrier()  # every rank's bundle is written
-    if env_dist_info().is_main:
-        write_spec(generate_spec(plan.bundle), plan.bundle / "spec.json")
-    if dist.is_initialized():
-        dist.barrier()
+    return Plan(bench.name, cfg, source, bench.rounds, bench.round_steps)
 
 
 def _run_one(plan: Plan, suite: str, parent_id: str | None, tracker: Tracker | None) -> BenchmarkResult:
     cfg = plan.cfg
-    if plan.source is not None:
-        try:
-            _capture_source(plan)
-        except (ValueError, RuntimeError) as err:
-            return BenchmarkResult(plan.name, cfg.workload.name, cfg.platform.name, STATUS_FAILED, "-", None,
-                                   error=f"capture of the source workload failed: {type(err).__name__}: {err}")
     try:
+        if plan.source is not None:
+            return judge_benchmark(plan.source, benchmark=plan.name, rounds=plan.rounds,
+                                   steps_per_round=plan.round_steps, warmup=CAPTURE_WARMUP,
+                                   capture_steps=CAPTURE_STEPS, baseline_steps=CAPTURE_BASELINE, suite=suite,
+                                   parent_run_id=parent_id, tracker=tracker, connect=False)
         return run_benchmark(cfg, benchmark=plan.name, suite=suite, parent_run_id=parent_id, tracker=tracker,
                              connect=False)
     except ValueError as err:  # raised before the benchmark's run exists: this platform can't run it

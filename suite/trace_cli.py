@@ -4,6 +4,7 @@
     cobench trace generate BUNDLE [--out SPEC] [--scope RE] [--op RE] [--exclude-op RE]
                            [--steps I,J] [--window-ms A:B] [--repeat N] [--obfuscate]
     cobench trace export --format chakra BUNDLE [--out DIR]
+    cobench trace fidelity [--rounds R] [--round-steps K] [--warmup W] [--steps N] [--baseline-steps B] [OVERRIDES]
 
 Replay is a workload like any other: ``cobench run workload=generated workload.spec=SPEC``.
 """
@@ -11,6 +12,7 @@ Replay is a workload like any other: ``cobench run workload=generated workload.s
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -42,6 +44,15 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--repeat", type=int, default=1, help="replay the selection N times per step")
     gen.add_argument("--obfuscate", action="store_true", help="hash scope names, drop host and config")
 
+    fid = commands.add_parser("fidelity", help="capture → generate → replay side by side with the source, one "
+                                                "MLflow run: the trustworthy fidelity figure")
+    fid.add_argument("--rounds", type=int, default=10, help="interleaved rounds (default 10)")
+    fid.add_argument("--round-steps", type=int, default=10, help="steps of each side per round (default 10)")
+    fid.add_argument("--warmup", type=int, default=5, help="untimed steps of each side first (default 5)")
+    fid.add_argument("--steps", type=int, default=3, help="steps traced by the capture (default 3)")
+    fid.add_argument("--baseline-steps", type=int, default=20, help="plain timed steps in the capture (default 20)")
+    fid.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. workload=llama")
+
     exp = commands.add_parser("export", help="write the execution trace as Chakra protobuf (mlc-chakra)")
     exp.add_argument("bundle", type=Path)
     exp.add_argument("--format", choices=["chakra"], required=True)
@@ -56,8 +67,6 @@ def _capture(args: argparse.Namespace) -> int:
     from harness.distributed import env_dist_info, shutdown_distributed
 
     cfg = to_run_config(compose_config(args.overrides))
-    if cfg.workload.name == "generated":
-        raise ValueError("capture a reference workload or your own program, not a replay (workload=generated)")
     sigterm_as_interrupt()
     try:
         bundle = capture_benchmark(cfg, args.out, steps=args.steps, warmup=args.warmup,
@@ -77,6 +86,7 @@ def _capture(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from workloads.generated.safety import refused_ops
     from workloads.generated.spec import GenerateOptions, generate_spec, write_spec
 
     steps = [int(s) for s in args.steps.split(",")] if args.steps else None
@@ -93,6 +103,43 @@ def _generate(args: argparse.Namespace) -> int:
     captured = sum(r["captured_ops"] for r in spec["ranks"])
     print(f"spec {out}: {kept} of {captured} captured ops, {len(spec['ranks'])} rank(s)\n"
           f"replay: cobench run workload=generated workload.spec={out}")
+    refused = refused_ops(spec)
+    if refused:
+        listed = "".join(f"\n  {name}: {why}" for name, why in sorted(refused.items()))
+        print(f"warning: the captured program used ops a replay refuses by default:{listed}\n"
+              f"a replay of this spec needs workload.trust_spec=true (only for a spec you trust)", file=sys.stderr)
+    return EXIT_OK
+
+
+def _fidelity(args: argparse.Namespace) -> int:
+    from harness.cli import sigterm_as_interrupt
+    from harness.config import compose_config, to_run_config
+    from harness.distributed import env_dist_info, shutdown_distributed
+    from harness.judge import judge_benchmark
+    from harness.runner import STATUS_FINISHED
+
+    cfg = to_run_config(compose_config(args.overrides))
+    sigterm_as_interrupt()
+    try:
+        result = judge_benchmark(cfg, rounds=args.rounds, steps_per_round=args.round_steps, warmup=args.warmup,
+                                 capture_steps=args.steps, baseline_steps=args.baseline_steps)
+    finally:
+        shutdown_distributed()
+    if not env_dist_info().is_main:
+        return EXIT_OK if result.status == STATUS_FINISHED else EXIT_FAILED
+    if result.status != STATUS_FINISHED:
+        print(f"cobench trace fidelity: {result.status}: {result.error}\n  run folder: {result.run_dir}",
+              file=sys.stderr)
+        return EXIT_FAILED
+    m = result.metrics
+    record = json.loads((result.run_dir / "fidelity.json").read_text())
+    verdict = "valid" if m["fidelity_valid"] else f"NOT VALID: {record['side_by_side']['invalid_reason']}"
+    print(f"{cfg.workload.name}: replay {m['replay_step_ms']:.2f} ms vs source {m['source_step_ms']:.2f} ms per step, "
+          f"side by side in one process ({args.rounds} rounds of {args.round_steps} steps)\n"
+          f"  time_error_pct {m['time_error_signed_pct']:+.1f} % (95 % interval {m['time_error_ci_low_pct']:+.1f} … "
+          f"{m['time_error_ci_high_pct']:+.1f} %), source round cv {m['source_round_cv_pct']:.1f} %: {verdict}\n"
+          f"  op coverage {m['op_coverage_pct']:.1f} %, category distance {m['category_distance']:.3f}\n"
+          f"  run folder: {result.run_dir} (fidelity.json); MLflow run {result.run_id or '(tracking off)'}")
     return EXIT_OK
 
 
@@ -111,7 +158,7 @@ def main(argv: list[str]) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as exit_:
         return EXIT_OK if exit_.code == 0 else EXIT_BAD_INPUT
-    handlers = {"capture": _capture, "generate": _generate, "export": _export}
+    handlers = {"capture": _capture, "generate": _generate, "fidelity": _fidelity, "export": _export}
     try:
         return handlers[args.command](args)
     except (TraceError, ValueError) as err:

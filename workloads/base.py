@@ -152,12 +152,16 @@ class WorkloadSpec:
     config_class: type
     factory: Callable[[Any, RunContext], Workload]
     description: str = ""
+    # Replays trace bundles (``factory.from_bundle(bundle, ctx, **options)`` builds one from a
+    # capture): the harness finds the replay by this property, never by a workload's name.
+    replays_bundle: bool = False
 
 
 REGISTRY: dict[str, WorkloadSpec] = {}
 
 
-def register(name: str, config_class: type, description: str = "") -> Callable[[type], type]:
+def register(name: str, config_class: type, description: str = "", *,
+             replays_bundle: bool = False) -> Callable[[type], type]:
     """Class decorator: ``@register("llama", LlamaConfig)`` adds a workload to the registry."""
     if not dataclasses.is_dataclass(config_class):
         raise TypeError(f"workload {name!r}: config_class must be a dataclass")
@@ -165,7 +169,8 @@ def register(name: str, config_class: type, description: str = "") -> Callable[[
     def decorate(cls: type) -> type:
         if name in REGISTRY and REGISTRY[name].factory is not cls:
             raise ValueError(f"workload {name!r} is registered twice")
-        REGISTRY[name] = WorkloadSpec(name, config_class, cls, description or (cls.__doc__ or "").strip())
+        REGISTRY[name] = WorkloadSpec(name, config_class, cls, description or (cls.__doc__ or "").strip(),
+                                      replays_bundle)
         return cls
 
     return decorate

@@ -145,6 +145,9 @@ def compute_fidelity(
     record = {
         "metrics": metrics,
         "reference": "reference bundle" if reference_times_ms else "source bundle (plain, uninstrumented steps)",
+        # a replay alone is judged against step times measured in another process (the capture's or a
+        # reference bundle's); `cobench trace fidelity` judges side by side in one process instead
+        "judgement": "portability" if portability else "cross_process",
         "categories": categories,
         "failed_ops": [{"index": i, "name": ops[i]["name"], "schema": ops[i]["schema"], "error": err}
                        for i, err in sorted(errors.items())],

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,8 @@ from workloads.generated.bundle import TraceError, rank_dirs, read_meta
 from workloads.generated.fidelity import FIDELITY_FILE, compute_fidelity
 from workloads.generated.probe import find_crashing_ops
 from workloads.generated.replay import Replayer
-from workloads.generated.spec import load_spec
+from workloads.generated.safety import available_memory_bytes, check_spec
+from workloads.generated.spec import generate_spec, load_spec, write_spec
 
 
 @dataclass
@@ -40,6 +42,11 @@ class GeneratedConfig:
     # Spend the program's own host time between ops (measured at capture, under Kineto alone) as it
     # did; off: ops back to back (the device work alone). Only for whole-step specs.
     host_gaps: bool = True
+    # Run ops the safety policy refuses (files, raw storages, process-wide state, unknown namespaces:
+    # see workloads/generated/safety.py). Only for a spec you trust; logged loudly and tagged.
+    trust_spec: bool = False
+    # Refuse a spec whose tensors need more than this at their peak; 0: what the device has available.
+    memory_limit_mb: float = 0.0
 
 
 # What decides "same platform as the capture": a replay elsewhere is a portability run.
@@ -52,7 +59,8 @@ def _process_peak_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-@register("generated", GeneratedConfig, "Replay of a generated trace benchmark (cobench trace generate)")
+@register("generated", GeneratedConfig, "Replay of a generated trace benchmark (cobench trace generate)",
+          replays_bundle=True)
 class GeneratedWorkload(WorkloadBase):
     """Replays the ops of a captured program with synthetic tensors, and measures its fidelity."""
 
@@ -62,6 +70,9 @@ class GeneratedWorkload(WorkloadBase):
         if not config.spec:
             raise invalid_config("spec", "required: the spec file from `cobench trace generate BUNDLE`")
         self.config, self.ctx = config, ctx
+        if config.memory_limit_mb < 0:
+            raise invalid_config("memory_limit_mb",
+                                 f"{config.memory_limit_mb} is negative (0: the device's available memory)")
         try:
             self.spec = load_spec(config.spec)
         except TraceError as err:
@@ -71,6 +82,17 @@ class GeneratedWorkload(WorkloadBase):
             raise invalid_config("spec", f"{config.spec} was captured on {ranks} ranks; replay it on {ranks} "
                                  f"(torchrun --nproc-per-node {ranks}), not {ctx.world_size}")
         self.rank_index = ctx.rank if ranks > 1 else 0
+        limit = int(config.memory_limit_mb * 2**20) or available_memory_bytes(ctx.device)
+        try:
+            checked = check_spec(self.spec, config.spec, trust=config.trust_spec, memory_limit_bytes=limit,
+                                 rank=self.rank_index)
+        except TraceError as err:
+            raise invalid_config("spec", str(err)) from None
+        self.trusted_ops = checked.trusted_ops
+        if self.trusted_ops and ctx.rank == 0:
+            listed = "; ".join(f"{name}: {why}" for name, why in sorted(self.trusted_ops.items()))
+            warnings.warn(f"workload.trust_spec=true: replaying {config.spec} WITH ops the replay policy refuses: "
+                          f"{listed}. They can reach outside the replay's tensors.", stacklevel=2)
         self.reference_ms: list[float] | None = None
         self.reference_platform: dict[str, Any] | None = None
         if config.reference_bundle:
@@ -82,8 +104,17 @@ class GeneratedWorkload(WorkloadBase):
             self.reference_ms = [1e3 * t for t in meta.step_times_s]
             self.reference_platform = meta.platform
         self.replayer: Replayer | None = None
-        self.errors: dict[int, str] = {}
         self.step_times_s: list[float] = []
+
+    @classmethod
+    def from_bundle(cls, bundle: Path, ctx: RunContext, **options: Any) -> GeneratedWorkload:
+        """Generate the spec of a capture (``<bundle>/spec.json``, written by rank 0) and replay it."""
+        spec_path = Path(bundle) / "spec.json"
+        if ctx.rank == 0:
+            write_spec(generate_spec(bundle), spec_path)
+        if ctx.distributed:
+            torch.distributed.barrier(group=ctx.process_group)
+        return cls(GeneratedConfig(spec=str(spec_path), **options), ctx)
 
     @property
     def platform(self) -> dict[str, Any]:
@@ -99,12 +130,13 @@ class GeneratedWorkload(WorkloadBase):
         rank_spec = self.spec["ranks"][self.rank_index]
         self.replayer = Replayer(rank_spec, self.ctx.device, repeat=int(self.spec["options"].get("repeat", 1)),
                                  process_group=self.ctx.process_group, seed=self.ctx.seed + self.ctx.rank,
-                                 host_gaps=self.config.host_gaps and bool(self.spec.get("full_step")))
+                                 host_gaps=self.config.host_gaps and bool(self.spec.get("full_step")),
+                                 trust=self.config.trust_spec)
         if self.config.probe and not self.ctx.distributed and self.ctx.device.type == "cpu":
             # a crash probe needs the ops to run alone: not with collectives, not on a shared device
-            self.replayer.exclude(find_crashing_ops(self.config.spec, self.rank_index))
+            self.replayer.exclude(find_crashing_ops(self.config.spec, self.rank_index, trust=self.config.trust_spec))
         self.replayer.materialize()
-        self.errors = self.replayer.dry_run().errors
+        self.replayer.dry_run()
 
     def step(self) -> StepResult:
         assert self.replayer is not None, "setup() first"
@@ -128,6 +160,7 @@ class GeneratedWorkload(WorkloadBase):
                                f":{platform.get('num_threads', '?')}t:{platform.get('world_size', '?')}r",
             "portability": str(self.portability).lower(),
             "generated_spec": str(Path(self.config.spec).resolve()),
+            "trusted_unsafe_ops": ",".join(sorted(self.trusted_ops)) or "none",
         }
 
     def extra_metrics(self) -> dict[str, float]:
@@ -142,7 +175,7 @@ class GeneratedWorkload(WorkloadBase):
 
             op_times = self.replayer.time_ops(sync)
         record = compute_fidelity(
-            self.spec, self.rank_index, self.step_times_s, op_times, self.errors,
+            self.spec, self.rank_index, self.step_times_s, op_times, self.replayer.errors,
             reference_times_ms=self.reference_ms, replay_peak_memory_bytes=_process_peak_bytes(self.ctx.device),
             portability=self.portability, host_gaps=self.replayer.host_gaps,
         )
