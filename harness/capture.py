@@ -12,8 +12,8 @@ Wrap your own loop and mark its steps::
 The first ``warmup`` steps run plain (not timed), the next ``baseline_steps`` run plain and are
 timed — the reference the replay is judged against, since the profiler itself distorts time —,
 the next ``steps`` run under the PyTorch execution-trace observer and the Kineto profiler (the
-structure), and the last ``steps`` under Kineto alone (cheap enough to measure how much of a step
-is the program's own host time between ops). The bundle (see :mod:`workloads.generated.bundle`) is
+structure), and the last ``max(steps, 5)`` under Kineto alone, after 2 that are not measured
+(cheap enough to measure how much of a step is the program's own host time between ops). The bundle (see :mod:`workloads.trace_bundle`) is
 written when the ``with`` block ends. Under ``torchrun`` every rank writes ``<out>/rank<i>/``.
 """
 
@@ -41,7 +41,7 @@ from harness.loop import MemoryMeter, seed_everything
 from harness.platform import Platform, device_name, discover_platform, synchronize
 from workloads import discover
 from workloads.base import RunContext, Workload
-from workloads.generated.bundle import (
+from workloads.trace_bundle import (
     ET_FILE,
     ET_RESOURCES,
     KINETO_FILE,
@@ -69,6 +69,10 @@ INDEX_OPS = (
     "aten::reshape", "aten::to", "aten::_to_copy", "aten::copy_", "aten::clone", "aten::cat", "aten::stack",
     "aten::unbind", "aten::flatten", "aten::contiguous",
 )
+
+
+TIMING_WARMUP = 2  # Kineto-alone steps run before the measured ones
+MIN_TIMING_STEPS = 5  # Kineto-alone steps measured: the host-gap estimate is their median
 
 
 def _data_ops() -> list[str]:
@@ -157,8 +161,13 @@ class Capture:
         self._scopes = _ModuleScopes(model)
 
     @property
+    def timing_steps(self) -> int:
+        """Steps under Kineto alone that are measured (after TIMING_WARMUP that are not)."""
+        return max(self.steps, MIN_TIMING_STEPS)
+
+    @property
     def total_steps(self) -> int:
-        return self.warmup + self.baseline_steps + 2 * self.steps
+        return self.warmup + self.baseline_steps + self.steps + TIMING_WARMUP + self.timing_steps
 
     @property
     def done(self) -> bool:
@@ -170,7 +179,11 @@ class Capture:
         """One step of the user's loop; steps past the last phase run plain."""
         index = self.step_index - self.warmup - self.baseline_steps
         traced = 0 <= index < self.steps
-        timing = self.steps <= index < 2 * self.steps  # Kineto alone: little overhead, for host gaps
+        # Kineto alone: little overhead, for host gaps. Its first steps after the traced phase run slow
+        # (up to 2x here: caches and allocator refilling after the observer), so they are not measured.
+        timing_index = index - self.steps - TIMING_WARMUP
+        timing = self.steps <= index < self.steps + TIMING_WARMUP + self.timing_steps
+        measured_timing = timing and timing_index >= 0
         timed = self.warmup <= self.step_index < self.warmup + self.baseline_steps or traced
         if traced and self._profiler is None:
             self._start_profiler()
@@ -182,8 +195,8 @@ class Capture:
         if traced:
             with record_function(f"{STEP_ANNOTATION}{index}"), self._scopes:
                 yield
-        elif timing:
-            with record_function(f"{STEP_ANNOTATION}{index - self.steps}"):
+        elif measured_timing:
+            with record_function(f"{STEP_ANNOTATION}{timing_index}"):
                 yield
         else:
             yield
@@ -191,14 +204,14 @@ class Capture:
         elapsed = time.perf_counter() - started
         if timed:
             (self.traced_times_s if traced else self.plain_times_s).append(elapsed)
-        if timing:
+        if measured_timing:
             self.timing_times_s.append(elapsed)
         if timed and not traced:
             self.memory.sample()
         self.step_index += 1
         if traced and index == self.steps - 1:
             self._stop_profiler()
-        if timing and index == 2 * self.steps - 1 and self._timing_profiler is not None:
+        if measured_timing and timing_index == self.timing_steps - 1 and self._timing_profiler is not None:
             self._timing_profiler.stop()
             self._timing_profiler.export_chrome_trace(str(self.out_dir / KINETO_TIMING_FILE))
             self._timing_profiler = None
@@ -284,7 +297,7 @@ def capture(
         raise TraceError(
             f"capture into {target}: the loop ran {cap.step_index} step(s), but a bundle needs "
             f"{cap.total_steps} (warm-up {warmup}, timed baseline {baseline_steps}, traced {steps}, "
-            f"timed under Kineto alone {steps}); "
+            f"under Kineto alone {TIMING_WARMUP} + {cap.timing_steps}); "
             f"loop until `cap.done`"
         )
     meta = BundleMeta(

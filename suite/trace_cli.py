@@ -74,7 +74,7 @@ def _capture(args: argparse.Namespace) -> int:
     finally:
         shutdown_distributed()
     if env_dist_info().is_main:
-        from workloads.generated.bundle import read_meta
+        from workloads.trace_bundle import read_meta
 
         meta = read_meta(bundle)
         where = bundle.parent if meta.world_size > 1 else bundle
@@ -152,7 +152,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from workloads.generated.bundle import TraceError
+    from workloads.trace_bundle import TraceError
 
     try:
         args = _parser().parse_args(argv)

@@ -16,9 +16,9 @@ import pytest
 import torch
 from conftest import clean_env, mlflow_runs
 
-from workloads.generated.bundle import ET_FILE, KINETO_FILE, META_FILE, TraceError, read_meta
 from workloads.generated.replay import Replayer
 from workloads.generated.spec import GenerateOptions, generate_spec, kineto_host_gaps, load_spec, write_spec
+from workloads.trace_bundle import ET_FILE, KINETO_FILE, META_FILE, TraceError, read_meta
 
 CAPTURE_STEPS = ["--steps", "2", "--warmup", "1", "--baseline-steps", "3"]
 REPLAY = ["runner.warmup_steps=1", "runner.steps=4", "runner.progress=false"]

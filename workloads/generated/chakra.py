@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workloads.generated.bundle import ET_FILE, TraceError, check_et_schema, rank_dirs, read_json
+from workloads.trace_bundle import ET_FILE, TraceError, check_et_schema, rank_dirs, read_json
 
 
 def _converter():

@@ -232,6 +232,7 @@ class Replayer:
         self._next = 0
         self._steps: list[tuple[Callable[[list[Any]], None], int] | None] = [None] * len(self.sequence)
         self.errors: dict[int, str] = {}  # op index → why it did not run (compile, dry run or later)
+        self._call_cost_s: float | None = None
 
     # -- compilation -------------------------------------------------------------------------------------
     def _slot(self, info: TensorInfo) -> int:
@@ -668,10 +669,14 @@ class Replayer:
         offset = sum(len(s) for s in self.sequence[:k])
         ran = 0
         owed_s = 0.0  # the program's host time not yet spent: gaps too short to spin on add up
+        # The program's gap before an op includes its own cost of calling the op (Python binding,
+        # argument parsing); the replay pays its own call cost instead, so that much of each gap is
+        # already spent. A negative balance (the replay's calls cost more) carries to later gaps.
+        call_s = self.call_cost_s() if self.host_gaps else 0.0
         for j, position in enumerate(self.sequence[k]):
             op = self.ops[position]
             if self.host_gaps:
-                owed_s += _seconds(self.ops_spec[position].get("gap_us"))
+                owed_s += _seconds(self.ops_spec[position].get("gap_us")) - call_s
             if owed_s > 2e-7:  # the program's own host time before this op, spent as the program did: busy
                 lines.append(f"    while pc() < t + {owed_s!r}: pass")
                 owed_s = 0.0
@@ -711,6 +716,23 @@ class Replayer:
         }
         exec(compile("\n".join([*lines, "    return None"]), f"<cobench replay step {k}>", "exec"), namespace)
         return namespace["step"], ran
+
+    def call_cost_s(self) -> float:
+        """What one op call costs the generated code before any kernel work, on this machine (seconds).
+
+        Measured once: the median over batches of calls of ``aten::alias`` (no kernel work: a view)
+        made exactly as the generated code makes them.
+        """
+        if self._call_cost_s is None:
+            alias, x = torch.ops.aten.alias.default._op, torch.empty(4)
+            batches = []
+            for _ in range(7):
+                started = time.perf_counter()
+                for _ in range(500):
+                    alias(x)
+                batches.append((time.perf_counter() - started) / 500)
+            self._call_cost_s = sorted(batches)[len(batches) // 2]
+        return self._call_cost_s
 
     def time_ops(self, synchronize: Callable[[], None]) -> dict[int, list[float]]:
         """One pass over every step with each op timed alone (synchronised): op index → seconds."""

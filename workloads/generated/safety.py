@@ -21,7 +21,7 @@ able to touch anything but the tensors the replay itself creates. So, before any
    storage sized from its widest view, live from its first to its last use — must fit the device,
    else the spec is refused with both figures.
 
-Every problem is a :class:`~workloads.generated.bundle.TraceError` naming the file, the op and the
+Every problem is a :class:`~workloads.trace_bundle.TraceError` naming the file, the op and the
 field. The replay's generated code is built only from integers, Python literals of JSON scalars
 and values it holds itself (see ``Replayer._codegen``), so nothing of a spec is ever executed.
 """
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from workloads.generated.bundle import TraceError
+from workloads.trace_bundle import TraceError
 
 # Namespaces whose ops may replay: compute libraries that torch itself ships, the ones the replay
 # loads on demand (fbgemm_gpu, torchrec), and collectives, which run through torch.distributed on

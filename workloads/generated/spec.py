@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from workloads.generated.bundle import (
+from workloads.trace_bundle import (
     ET_FILE,
     ET_RESOURCES,
     KINETO_FILE,

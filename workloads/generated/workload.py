@@ -19,12 +19,12 @@ from typing import Any
 import torch
 
 from workloads.base import MLPerfInfo, RunContext, StepResult, WorkloadBase, invalid_config, register
-from workloads.generated.bundle import TraceError, rank_dirs, read_meta
 from workloads.generated.fidelity import FIDELITY_FILE, compute_fidelity
 from workloads.generated.probe import find_crashing_ops
 from workloads.generated.replay import Replayer
 from workloads.generated.safety import available_memory_bytes, check_spec
 from workloads.generated.spec import generate_spec, load_spec, write_spec
+from workloads.trace_bundle import TraceError, rank_dirs, read_meta
 
 
 @dataclass

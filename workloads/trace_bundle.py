@@ -1,4 +1,7 @@
-"""The trace bundle: what a capture writes and what ``generate`` reads.
+"""The trace bundle: the contract between a capture (``harness.capture``) and a replay workload.
+
+It lives beside the workload protocol (``workloads/base.py``) so the harness writes bundles
+without importing any named workload; the replay workload reads them.
 
 A bundle is a folder per rank::
 
