@@ -14,7 +14,8 @@ timed — the reference the replay is judged against, since the profiler itself 
 the next ``steps`` run under the PyTorch execution-trace observer and the Kineto profiler (the
 structure), and the last ``max(steps, 5)`` under Kineto alone, after 2 that are not measured
 (cheap enough to measure how much of a step is the program's own host time between ops). The
-bundle (see :mod:`workloads.trace_bundle`) is written when the ``with`` block ends. Under ``torchrun`` every rank writes ``<out>/rank<i>/``.
+bundle (see :mod:`workloads.trace_bundle`) is written when the ``with`` block ends. Under
+``torchrun`` every rank writes ``<out>/rank<i>/``.
 """
 
 from __future__ import annotations
