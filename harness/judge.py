@@ -22,6 +22,7 @@ import json
 import math
 import random
 import statistics
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
+from torch.profiler import ProfilerActivity, profile, supported_activities
 
 from harness.capture import prepare_source
 from harness.config import CobenchConfig, config_hash, results_root
@@ -183,6 +185,9 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
     try:
         side = interleave(source_step, replay.step, ctx.device, rounds=rounds, steps_per_round=steps_per_round,
                           warmup=warmup, seed=ctx.seed)
+        memory_steps = max(1, len(replay.spec["ranks"][replay.rank_index]["steps"]))  # every captured step once
+        source_peak = step_memory_peak_bytes(source_step, ctx.device, memory_steps)
+        replay_peak = step_memory_peak_bytes(replay.step, ctx.device, memory_steps)
         replay.observe_step_times([t / 1e3 for r in side.replay_ms for t in r])
         replay.extra_metrics()  # coverage, categories, per-op timing: writes the replay's fidelity.json
     finally:
@@ -195,10 +200,19 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
     record["metrics"].update(side.metrics())
     for category, shares in record.get("categories", {}).items():  # replay's share − source's, in points
         record["metrics"][f"category_error_pp_{category}"] = 100.0 * (shares["replay_share"] - shares["source_share"])
-    # One process holds both sides: its peak memory is the source's and the replay's together, so the
-    # replay's memory is judged by a run of its own (cobench run workload=generated), not here.
-    for key in ("replay_peak_memory_mb", "memory_error_pct"):
-        record["metrics"].pop(key, None)
+    # Memory, side by side: what one step allocates at its peak over what it started with (the
+    # allocator's own accounting, per side), on top of what lives across steps. The replay synthesises
+    # exactly the storages the steps read but did not make (parameters, optimiser state, inputs), so
+    # that part is the same on both sides; the process-wide peak (RSS) would hold both sides at once.
+    static = record["metrics"].get("replay_static_mb", 0.0) * 2**20
+    record["metrics"].update({
+        "source_step_peak_mb": source_peak / 2**20,
+        "replay_step_peak_mb": replay_peak / 2**20,
+        "source_peak_memory_mb": (static + source_peak) / 2**20,
+        "replay_peak_memory_mb": (static + replay_peak) / 2**20,
+        "memory_error_pct": 100.0 * (replay_peak - source_peak) / (static + source_peak)
+        if static + source_peak > 0 else math.nan,
+    })
     record["judgement"] = "side_by_side"
     record["side_by_side"] = {k: v for k, v in asdict(side).items() if k not in ("source_ms", "replay_ms")}
     record["side_by_side"]["source_ms"], record["side_by_side"]["replay_ms"] = side.source_ms, side.replay_ms
@@ -207,6 +221,32 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
     tmp.write_text(json.dumps(record, indent=2))
     tmp.replace(path)
     return record
+
+
+def step_memory_peak_bytes(step: Callable[[], Any], device: torch.device, steps: int = 1) -> int:
+    """The most memory ``steps`` calls of ``step`` hold at once beyond what was allocated before them.
+
+    Read from the profiler's memory events (the allocator's running total of what was allocated
+    since profiling began, for ``device``): no RSS, so another side's tensors in the same process
+    do not count.
+    """
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda" and ProfilerActivity.CUDA in supported_activities():
+        activities.append(ProfilerActivity.CUDA)
+    synchronize(device)
+    with profile(activities=activities, profile_memory=True) as prof:
+        for _ in range(steps):
+            step()
+        synchronize(device)
+    with tempfile.TemporaryDirectory(prefix="cobench-memory-") as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text()).get("traceEvents", [])
+    device_type = 0 if device.type == "cpu" else 1  # c10::DeviceType: CPU 0, CUDA 1
+    totals = [float(e["args"]["Total Allocated"]) for e in events
+              if e.get("name") == "[memory]" and isinstance(e.get("args"), dict)
+              and e["args"].get("Device Type") == device_type and "Total Allocated" in e["args"]]
+    return int(max([0.0, *totals]))
 
 
 def _cv_pct(values: list[float]) -> float:

@@ -138,7 +138,9 @@ def _fidelity(args: argparse.Namespace) -> int:
           f"side by side in one process ({args.rounds} rounds of {args.round_steps} steps)\n"
           f"  time_error_pct {m['time_error_signed_pct']:+.1f} % (95 % interval {m['time_error_ci_low_pct']:+.1f} … "
           f"{m['time_error_ci_high_pct']:+.1f} %), source round cv {m['source_round_cv_pct']:.1f} %: {verdict}\n"
-          f"  op coverage {m['op_coverage_pct']:.1f} %, category distance {m['category_distance']:.3f}\n"
+          f"  op coverage {m['op_coverage_pct']:.1f} %, category distance {m['category_distance']:.3f}, peak tensor "
+          f"memory {m['replay_peak_memory_mb']:.1f} vs {m['source_peak_memory_mb']:.1f} MB "
+          f"({m['memory_error_pct']:+.1f} %)\n"
           f"  run folder: {result.run_dir} (fidelity.json); MLflow run {result.run_id or '(tracking off)'}")
     return EXIT_OK
 

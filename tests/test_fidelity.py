@@ -82,6 +82,10 @@ def test_corpus_program_replays_completely_judged_side_by_side(name: str, tmp_pa
     assert metrics["time_error_ci_low_pct"] <= metrics["time_error_signed_pct"] <= metrics["time_error_ci_high_pct"]
     # a loose bound: the replay does the same work; the table of figures is measured outside the tests
     assert abs(metrics["time_error_signed_pct"]) < 100.0
+    # memory side by side: each side's step peak from the allocator's own accounting, same static part
+    assert metrics["source_step_peak_mb"] > 0 and metrics["replay_step_peak_mb"] > 0
+    assert metrics["replay_peak_memory_mb"] - metrics["replay_step_peak_mb"] == pytest.approx(
+        metrics["source_peak_memory_mb"] - metrics["source_step_peak_mb"])
     saved = json.loads((tmp_path / "bundle" / "fidelity.json").read_text())
     assert saved["side_by_side"]["source_ms"] and saved["metrics"]["fidelity_valid"] in (0.0, 1.0)
 

@@ -233,6 +233,7 @@ class Replayer:
         self._steps: list[tuple[Callable[[list[Any]], None], int] | None] = [None] * len(self.sequence)
         self.errors: dict[int, str] = {}  # op index → why it did not run (compile, dry run or later)
         self._call_cost_s: float | None = None
+        self.static_bytes = 0  # synthesised tensors (parameters, optimiser state, inputs): set by materialize()
 
     # -- compilation -------------------------------------------------------------------------------------
     def _slot(self, info: TensorInfo) -> int:
@@ -499,6 +500,7 @@ class Replayer:
             nbytes[info.storage_id] = max(nbytes.get(info.storage_id, 0), end)
         storages = {sid: torch.empty(max(n, 1), dtype=torch.uint8, device=self.device).untyped_storage()
                     for sid, n in nbytes.items()}
+        self.static_bytes = sum(max(n, 1) for n in nbytes.values())  # what lives across steps
         # Wide views first: a narrower view of the same storage (e.g. one table's slice of a
         # jagged batch's offsets) carries its own reader's range, so it is written last and wins.
         ordered = sorted(self._externals.items(), key=lambda item: -item[1][0].extent)

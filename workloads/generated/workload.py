@@ -179,6 +179,7 @@ class GeneratedWorkload(WorkloadBase):
             reference_times_ms=self.reference_ms, replay_peak_memory_bytes=_process_peak_bytes(self.ctx.device),
             portability=self.portability, host_gaps=self.replayer.host_gaps,
         )
+        record["metrics"]["replay_static_mb"] = self.replayer.static_bytes / 2**20
         record["replay_platform"] = self.platform
         if self.reference_platform is not None:
             record["reference_platform"] = self.reference_platform
