@@ -86,8 +86,8 @@ def _capture(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from workloads.generated.safety import refused_ops
-    from workloads.generated.spec import GenerateOptions, generate_spec, write_spec
+    from workloads.trace_replay.safety import refused_ops
+    from workloads.trace_replay.spec import GenerateOptions, generate_spec, write_spec
 
     steps = [int(s) for s in args.steps.split(",")] if args.steps else None
     window = None
@@ -146,7 +146,7 @@ def _fidelity(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from workloads.generated.chakra import export_chakra
+    from workloads.trace_replay.chakra import export_chakra
 
     for path in export_chakra(args.bundle, args.out):
         print(f"chakra: {path}")

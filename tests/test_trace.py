@@ -16,9 +16,9 @@ import pytest
 import torch
 from conftest import clean_env, mlflow_runs
 
-from workloads.generated.replay import Replayer
-from workloads.generated.spec import GenerateOptions, generate_spec, kineto_host_gaps, load_spec, write_spec
 from workloads.trace_bundle import ET_FILE, KINETO_FILE, META_FILE, TraceError, read_meta
+from workloads.trace_replay.replay import Replayer
+from workloads.trace_replay.spec import GenerateOptions, generate_spec, kineto_host_gaps, load_spec, write_spec
 
 CAPTURE_STEPS = ["--steps", "2", "--warmup", "1", "--baseline-steps", "3"]
 REPLAY = ["runner.warmup_steps=1", "runner.steps=4", "runner.progress=false"]
@@ -282,7 +282,7 @@ def test_a_bad_spec_is_refused_before_any_run(tmp_path: Path):
 
 def test_chakra_export_reads_back(program_bundle: Path, tmp_path: Path):
     pytest.importorskip("chakra", reason="mlc-chakra (the optional 'chakra' extra) is not installed")
-    from workloads.generated.chakra import read_chakra
+    from workloads.trace_replay.chakra import read_chakra
 
     proc = _cli("trace", "export", "--format", "chakra", str(program_bundle), "--out", str(tmp_path / "chakra"),
                 cwd=tmp_path)

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from workloads.trace_bundle import TraceError
+from workloads.trace_replay.ops import ET_DTYPES, LAYOUTS, MEMORY_FORMATS, SCALAR_TYPES
 
 # Namespaces whose ops may replay: compute libraries that torch itself ships, the ones the replay
 # loads on demand (fbgemm_gpu, torchrec), and collectives, which run through torch.distributed on
@@ -304,7 +305,7 @@ class _Checker:
         itemsize = self.int_(ref[4], f"{where} (element size)", 1, 16)
         self.need(itemsize in ITEMSIZES, where, f"element size {itemsize} is not 1, 2, 4, 8 or 16")
         self.str_(ref[5], f"{where} (device)")
-        dtype = _ET_DTYPES().get(et_type[len("Tensor("):-1])
+        dtype = ET_DTYPES.get(et_type[len("Tensor("):-1])
         if dtype is not None:
             self.need(dtype.itemsize == itemsize, where, f"{et_type} has elements of {dtype.itemsize} bytes, "
                       f"the reference says {itemsize}")
@@ -349,8 +350,6 @@ class _Checker:
             ok = True  # Device, Generator, Layout ...: converted or dropped by the replay
         self.need(ok, where, f"the schema takes '{arg_type}', the spec gives {_show(value)} ({et_type})")
         if base in ("ScalarType", "Layout", "MemoryFormat") and type(value) is int:
-            from workloads.generated.replay import LAYOUTS, MEMORY_FORMATS, SCALAR_TYPES
-
             table = {"ScalarType": SCALAR_TYPES, "Layout": LAYOUTS, "MemoryFormat": MEMORY_FORMATS}[base]
             self.need(value in table, where, f"{value} is not a {base} this replay knows")
 
@@ -370,7 +369,7 @@ def check_spec(spec: dict[str, Any], path: str | Path, *, trust: bool = False,
         listed = "; ".join(f"{name}: {why}" for name, why in sorted(refused.items()))
         raise TraceError(f"{path}: the spec calls ops a replay refuses: {listed}. A replay runs only ops that "
                          f"compute on its own tensors (namespaces {', '.join(sorted(ALLOWED_NAMESPACES))}; see "
-                         f"workloads/generated/safety.py); if you trust this spec and its source, replay it with "
+                         f"workloads/trace_replay/safety.py); if you trust this spec and its source, replay it with "
                          f"workload.trust_spec=true")
     peaks = [estimate_peak_bytes(r) for r in spec["ranks"]]
     if memory_limit_bytes is not None:
@@ -488,7 +487,3 @@ def _show(value: Any) -> str:
     return f"{type(value).__name__} {text[:60]}{'…' if len(text) > 60 else ''}"
 
 
-def _ET_DTYPES() -> dict[str, torch.dtype]:
-    from workloads.generated.replay import ET_DTYPES
-
-    return ET_DTYPES

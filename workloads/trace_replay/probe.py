@@ -6,7 +6,7 @@ no MLflow status. So a single-process replay first dry-runs the spec in a child 
 the index of each op before running it; if the child dies of a signal, the last index names the op,
 which is then excluded (recorded with the reason) and the child tries again.
 
-    python -m workloads.generated.probe SPEC RANK TRUST PROGRESS_FILE [EXCLUDED_INDEX ...]
+    python -m workloads.trace_replay.probe SPEC RANK TRUST PROGRESS_FILE [EXCLUDED_INDEX ...]
 
 It is started only for a spec the workload has already checked (``safety.check_spec``).
 """
@@ -50,8 +50,8 @@ def find_crashing_ops(spec_path: str, rank: int, timeout_s: float = 600.0, *, tr
 def _main(argv: list[str]) -> int:
     import torch
 
-    from workloads.generated.replay import Replayer
-    from workloads.generated.spec import load_spec
+    from workloads.trace_replay.replay import Replayer
+    from workloads.trace_replay.spec import load_spec
 
     spec_path, rank, trust, progress_path, *excluded = argv
     spec = load_spec(spec_path)

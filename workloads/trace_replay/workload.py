@@ -19,12 +19,12 @@ from typing import Any
 import torch
 
 from workloads.base import MLPerfInfo, RunContext, StepResult, WorkloadBase, invalid_config, register
-from workloads.generated.fidelity import FIDELITY_FILE, compute_fidelity
-from workloads.generated.probe import find_crashing_ops
-from workloads.generated.replay import Replayer
-from workloads.generated.safety import available_memory_bytes, check_spec
-from workloads.generated.spec import generate_spec, load_spec, write_spec
 from workloads.trace_bundle import TraceError, rank_dirs, read_meta
+from workloads.trace_replay.fidelity import FIDELITY_FILE, compute_fidelity
+from workloads.trace_replay.probe import find_crashing_ops
+from workloads.trace_replay.replay import Replayer
+from workloads.trace_replay.safety import available_memory_bytes, check_spec
+from workloads.trace_replay.spec import generate_spec, load_spec, write_spec
 
 
 @dataclass
@@ -43,7 +43,7 @@ class GeneratedConfig:
     # did; off: ops back to back (the device work alone). Only for whole-step specs.
     host_gaps: bool = True
     # Run ops the safety policy refuses (files, raw storages, process-wide state, unknown namespaces:
-    # see workloads/generated/safety.py). Only for a spec you trust; logged loudly and tagged.
+    # see workloads/trace_replay/safety.py). Only for a spec you trust; logged loudly and tagged.
     trust_spec: bool = False
     # Refuse a spec whose tensors need more than this at their peak; 0: what the device has available.
     memory_limit_mb: float = 0.0

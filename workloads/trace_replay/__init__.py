@@ -1,5 +1,5 @@
 """Generated trace benchmarks: bundle (capture output) → spec → replay, with measured fidelity."""
 
-from workloads.generated.workload import GeneratedConfig, GeneratedWorkload
+from workloads.trace_replay.workload import GeneratedConfig, GeneratedWorkload
 
 __all__ = ["GeneratedConfig", "GeneratedWorkload"]

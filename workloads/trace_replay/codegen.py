@@ -1,0 +1,120 @@
+"""A captured step as one generated Python function: each op one direct C++ op call on the value list.
+
+Interpreting call templates op by op costs the replayer ~3.6 µs per op, comparable to a small op
+itself; generated straight-line code costs about one Python call, close to the original program's
+own dispatch cost. The code is built only from integers this module computes (slots, positions,
+list indices), Python literals of exact JSON scalars (``repr`` of a str, int, bool or finite float
+is a literal of the same value) and references to values it holds: no text of a spec is executed.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from workloads.trace_replay.ops import CompiledOp, flatten_tensors
+
+SPIN_MIN_S = 2e-7  # shorter host gaps are not spun on: they add up to the next
+_call_cost_s: float | None = None
+
+
+def call_cost_s() -> float:
+    """What one op call costs the generated code before any kernel work, on this machine (seconds).
+
+    Measured once per process: the median over batches of calls of ``aten::alias`` (no kernel
+    work: a view) made exactly as the generated code makes them.
+    """
+    global _call_cost_s
+    if _call_cost_s is None:
+        alias, x = torch.ops.aten.alias.default._op, torch.empty(4)
+        batches = []
+        for _ in range(7):
+            started = time.perf_counter()
+            for _ in range(500):
+                alias(x)
+            batches.append((time.perf_counter() - started) / 500)
+        _call_cost_s = sorted(batches)[len(batches) // 2]
+    return _call_cost_s
+
+
+def seconds(gap_us: Any) -> float:
+    """A host gap in seconds, as a float the generated code can hold: finite, not negative."""
+    value = 1e-6 * float(gap_us or 0.0)
+    return value if math.isfinite(value) and value > 0 else 0.0
+
+
+def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: Sequence[list[int]],
+                  gaps_s: Sequence[float] | None, tail_s: float, *, stand_in: Callable[[int], None],
+                  fill: Callable[[int], None], name: str) -> tuple[Callable[[list[Any]], None], int]:
+    """The step running ``ops[p]`` for each p in ``positions``; returns it and how many ops it runs.
+
+    ``clears[j]``: slots to release after the j-th op (their last use). ``gaps_s[j]``: the
+    program's own host time before the j-th op, spent busy as the program did (None: ops back to
+    back). The program's gap before an op includes its own cost of calling the op (Python binding,
+    argument parsing); the replay pays its own call cost instead, so that much of each gap counts as
+    spent, and a negative balance (the replay's calls cost more) carries to later gaps.
+    """
+    consts: list[Any] = []
+    fns: list[Callable[..., Any]] = []
+
+    def const(value: Any) -> str:
+        if value is None or type(value) in (bool, int, str) or (type(value) is float and math.isfinite(value)):
+            return repr(value)
+        consts.append(value)
+        return f"c[{len(consts) - 1}]"
+
+    def expr(template: Any, slots: dict[int, int]) -> str:
+        if isinstance(template, list):
+            return "[" + ", ".join(f"v[{slots[j]}]" if j in slots else const(item)
+                                   for j, item in enumerate(template)) + "]"
+        return f"v[{slots[-1]}]" if -1 in slots else const(template)
+
+    lines = ["def step(v):", "    t = pc()"]
+    ran = 0
+    owed_s = 0.0  # the program's host time not yet spent
+    call_s = call_cost_s() if gaps_s is not None else 0.0
+    for j, position in enumerate(positions):
+        op = ops[position]
+        if gaps_s is not None:
+            owed_s += gaps_s[j] - call_s
+        if owed_s > SPIN_MIN_S:
+            lines.append(f"    while pc() < t + {float(owed_s)!r}: pass")
+            owed_s = 0.0
+        if op.error is not None:
+            lines.append(f"    standin({int(position)})")
+        else:
+            ran += 1
+            by_arg: dict[Any, dict[int, int]] = {}
+            for pos, sub, slot in op.arg_slots:
+                by_arg.setdefault(pos, {})[int(sub)] = int(slot)
+            for key, sub, slot in op.kwarg_slots:
+                by_arg.setdefault(key, {})[int(sub)] = int(slot)
+            parts = [expr(a, by_arg.get(i, {})) for i, a in enumerate(op.args)]
+            assert all(key.isidentifier() for key in op.kwargs), "keyword names come from the parsed schema"
+            parts += [f"{key}={expr(value, by_arg.get(key, {}))}" for key, value in op.kwargs.items()]
+            fns.append(getattr(op.fn, "_op", op.fn))  # the C++ op itself, not its Python wrapper
+            call = f"f[{len(fns) - 1}]({', '.join(parts)})"
+            targets = [(n, int(slot)) for n, slot in enumerate(op.out_slots) if slot is not None]
+            if op.single_output and targets:
+                lines.append(f"    v[{targets[0][1]}] = {call}")
+            elif targets:
+                lines.append(f"    r = flat({call})")
+                lines.extend(f"    v[{slot}] = r[{n}]" for n, slot in targets)
+            else:
+                lines.append(f"    {call}")
+            if op.fills:
+                lines.append(f"    fill({int(position)})")
+        lines.extend(f"    v[{int(slot)}] = None" for slot in clears[j])
+        if gaps_s is not None:
+            lines.append("    t = pc()")
+    tail = owed_s + tail_s
+    if tail > SPIN_MIN_S:
+        lines.append(f"    while pc() < t + {float(tail)!r}: pass")
+    namespace: dict[str, Any] = {"f": fns, "c": consts, "flat": flatten_tensors, "pc": time.perf_counter,
+                                 "standin": stand_in, "fill": fill}
+    exec(compile("\n".join([*lines, "    return None"]), f"<cobench replay {name}>", "exec"), namespace)
+    return namespace["step"], ran

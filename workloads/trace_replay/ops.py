@@ -1,0 +1,191 @@
+"""One captured op made callable: the dispatcher op its schema names, its call template, its tensor slots.
+
+How each op runs: its schema (from the trace) names the dispatcher op — ``torch.ops.<ns>.<op>.
+<overload>`` — and the parsed schema says which arguments are keyword-only and which integers are
+really dtypes, layouts or memory formats. The execution trace's value encodings are read here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# c10::ScalarType codes, as the execution trace writes dtype arguments.
+SCALAR_TYPES = {
+    0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
+    6: torch.float32, 7: torch.float64, 8: torch.complex32, 9: torch.complex64, 10: torch.complex128,
+    11: torch.bool, 15: torch.bfloat16, 23: torch.float8_e5m2, 24: torch.float8_e4m3fn,
+    25: torch.float8_e5m2fnuz, 26: torch.float8_e4m3fnuz, 27: torch.uint16, 28: torch.uint32, 29: torch.uint64,
+}
+LAYOUTS = {0: torch.strided, 1: torch.sparse_coo, 2: torch.sparse_csr, 3: torch.sparse_csc}
+MEMORY_FORMATS = {0: torch.contiguous_format, 1: torch.preserve_format, 2: torch.channels_last,
+                  3: torch.channels_last_3d}
+# The C++ type names the execution trace writes inside "Tensor(...)".
+ET_DTYPES = {
+    "float": torch.float32, "double": torch.float64, "c10::Half": torch.float16, "c10::BFloat16": torch.bfloat16,
+    "long int": torch.int64, "long": torch.int64, "int": torch.int32, "short int": torch.int16,
+    "short": torch.int16, "signed char": torch.int8, "unsigned char": torch.uint8, "bool": torch.bool,
+    "c10::complex<float>": torch.complex64, "c10::complex<double>": torch.complex128,
+    "c10::Float8_e4m3fn": torch.float8_e4m3fn, "c10::Float8_e5m2": torch.float8_e5m2,
+    "unsigned short": torch.uint16, "unsigned int": torch.uint32, "unsigned long": torch.uint64,
+}
+_LIBRARIES = {"fbgemm": ("fbgemm_gpu",), "torchrec": ("torchrec",)}
+
+
+class OpUnavailable(RuntimeError):
+    """This torch build has no such operator (or it cannot be called here)."""
+
+
+class OpRefused(RuntimeError):
+    """The replay policy (:mod:`workloads.trace_replay.safety`) refuses this op and the spec is not trusted."""
+
+
+def tensor_dtype(et_type: str) -> torch.dtype:
+    match = re.fullmatch(r"Tensor\((.*)\)", et_type)
+    if not match or match.group(1) not in ET_DTYPES:
+        raise OpUnavailable(f"unknown tensor type {et_type!r} in the trace")
+    return ET_DTYPES[match.group(1)]
+
+
+def resolve_op(schema: str) -> Callable[..., Any]:
+    """``aten::add.Tensor(...)`` → ``torch.ops.aten.add.Tensor``; loads fbgemm/torchrec on demand."""
+    qualified = schema.split("(", 1)[0]
+    if "::" not in qualified:
+        raise OpUnavailable(f"schema {schema[:80]!r} has no namespace")
+    namespace, rest = qualified.split("::", 1)
+    name, _, overload = rest.partition(".")
+    for module in _LIBRARIES.get(namespace, ()):
+        try:
+            __import__(module)
+        except Exception as err:  # noqa: BLE001 - any import failure means the op is unavailable
+            raise OpUnavailable(f"{namespace}:: ops need {module}, which failed to import: {err}") from None
+    try:
+        packet = getattr(getattr(torch.ops, namespace), name)
+        return getattr(packet, overload or "default")
+    except (AttributeError, RuntimeError) as err:
+        raise OpUnavailable(f"torch {torch.__version__} has no operator {qualified}: {err}") from None
+
+
+@dataclass
+class TensorInfo:
+    """A captured tensor value: identity, storage placement and layout."""
+
+    tensor_id: int
+    storage_id: int
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    itemsize: int
+
+    @property
+    def key(self) -> tuple:
+        """Slot identity: a captured tensor id with its layout (ids are reused after frees)."""
+        return (self.tensor_id, self.shape, self.stride, self.dtype)
+
+    @property
+    def extent(self) -> int:
+        """Elements of storage this view spans from its offset (0 when it is empty)."""
+        if any(s == 0 for s in self.shape):
+            return 0
+        return 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride, strict=False))
+
+
+def tensor_info(ref: list, shape: Any, stride: Any, et_type: str) -> TensorInfo:
+    shape = tuple(int(s) for s in shape) if isinstance(shape, list) else ()
+    stride = tuple(int(s) for s in stride) if isinstance(stride, list) and len(stride) == len(shape) else ()
+    if not stride:  # contiguous strides when the trace has none
+        acc, rev = 1, []
+        for s in reversed(shape):
+            rev.append(acc)
+            acc *= max(s, 1)
+        stride = tuple(reversed(rev))
+    return TensorInfo(int(ref[0]), int(ref[1]), int(ref[2]), shape, stride, tensor_dtype(et_type), int(ref[4]))
+
+
+def list_types(et_type: str) -> list[str]:
+    inner = et_type[len("GenericList["):-1]
+    return re.findall(r"Tensor\([^)]*\)|[^,]+", inner) if inner else []
+
+
+@dataclass
+class CompiledOp:
+    """One op ready to run: a call template plus the slots its tensors come from and go to."""
+
+    index: int
+    name: str
+    category: str
+    step: int
+    fn: Callable[..., Any] | None
+    args: list[Any]
+    kwargs: dict[str, Any]
+    arg_slots: list[tuple[int, int, int]]  # (position, list index or −1, slot)
+    kwarg_slots: list[tuple[str, int, int]]
+    out_slots: list[int | None]  # flattened outputs → slots
+    out_infos: list[TensorInfo | None]
+    dur_us: float | None
+    error: str | None = None
+    single_output: bool = False  # returns exactly one Tensor (not a tuple or list)
+    # Integer outputs an uninitialised-memory op (aten::empty…) makes, filled later by a copy the
+    # trace does not show (e.g. torch.tensor(list)): slot → the value range its consumer recorded.
+    fills: list[tuple[int, tuple[int, int]]] = field(default_factory=list)
+
+    def call(self, vals: list[Any]) -> Any:
+        args = [list(a) if isinstance(a, list) else a for a in self.args]
+        for pos, sub, slot in self.arg_slots:
+            if sub < 0:
+                args[pos] = vals[slot]
+            else:
+                args[pos][sub] = vals[slot]
+        kwargs = self.kwargs
+        if self.kwarg_slots:
+            kwargs = {k: list(v) if isinstance(v, list) else v for k, v in kwargs.items()}
+            for key, sub, slot in self.kwarg_slots:
+                if sub < 0:
+                    kwargs[key] = vals[slot]
+                else:
+                    kwargs[key][sub] = vals[slot]
+        return self.fn(*args, **kwargs)
+
+    def store(self, result: Any, vals: list[Any], generator: torch.Generator) -> None:
+        if not self.out_slots:
+            return
+        flat = flatten_tensors(result)
+        for slot, value in zip(self.out_slots, flat, strict=False):
+            if slot is not None:
+                vals[slot] = value
+        self.store_fills(vals, generator)
+
+    def store_fills(self, vals: list[Any], generator: torch.Generator) -> None:
+        for slot, (low, high) in self.fills:
+            target = vals[slot]
+            target.copy_(torch.randint(low, high + 1, target.shape, generator=generator))
+
+
+def flatten_tensors(result: Any) -> list[Any]:
+    if isinstance(result, (tuple, list)):
+        out = []
+        for item in result:
+            out.extend(flatten_tensors(item) if isinstance(item, (tuple, list)) else [item])
+        return out
+    return [result]
+
+
+def describe(err: Exception) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+def waited(result: Any, wait: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(result, torch.Tensor):
+        return wait(result)
+    if isinstance(result, (list, tuple)):
+        return type(result)(waited(r, wait) for r in result)
+    return result
+
+
+def at(items: Any, index: int) -> Any:
+    return items[index] if isinstance(items, list) and index < len(items) else None

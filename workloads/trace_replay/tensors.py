@@ -1,0 +1,96 @@
+"""Defined contents for the replay's synthesised tensors: recorded values, values in range, stand-ins.
+
+A replay never reads uninitialised memory: every storage it synthesises gets values — the
+program's own recorded integers where the trace has them, values inside the range the reading op
+recorded otherwise, finite floats — and an op that could not run is stood in for by outputs of
+its captured layout.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+
+import torch
+
+
+def recorded_view(data: str, dtype: torch.dtype, shape: tuple[int, ...],
+                  stride: tuple[int, ...]) -> torch.Tensor | None:
+    """A recorded input's values laid out as the view the op read, or None if the record is incomplete.
+
+    The execution-trace observer dumps ``numel × itemsize`` raw bytes from the view's first element,
+    in memory order — not the view's values in logical order. For a contiguous view the two agree;
+    for an expanded (stride 0), transposed or otherwise strided view, the elements it shows lie in
+    the first ``extent`` elements of that memory (the rest of the dump is whatever memory followed),
+    so the view is rebuilt over them with its own strides. A view that spans more memory than was
+    dumped (``extent > numel``: a slice with a step) cannot be rebuilt.
+    """
+    raw = bytearray(base64.b64decode(data))
+    flat = torch.frombuffer(raw, dtype=dtype) if len(raw) % dtype.itemsize == 0 and raw else None
+    numel = math.prod(shape)
+    if flat is None or flat.numel() != numel:
+        return None
+    if numel == 0:
+        return flat.reshape(shape)
+    extent = 1 + sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
+    if extent > numel:
+        return None
+    return flat.as_strided(shape, stride, 0)
+
+
+def broadcast_index(view: torch.Tensor) -> tuple[slice, ...]:
+    """Index keeping one element of every broadcast (stride-0) dimension of ``view``."""
+    return tuple(slice(0, 1) if st == 0 and s > 1 else slice(None) for s, st in zip(view.shape, view.stride(),
+                                                                                      strict=True))
+
+
+def distinct(view: torch.Tensor) -> torch.Tensor:
+    """``view`` without its broadcast dimensions: each memory location it shows, once."""
+    return view[broadcast_index(view)]
+
+
+def copy_recorded(view: torch.Tensor, data: str) -> bool:
+    """Write recorded raw integer data into ``view``; False when it does not fit the view."""
+    values = recorded_view(data, view.dtype, tuple(view.shape), tuple(view.stride()))
+    if values is None:
+        return False
+    target, values = distinct(view), values[broadcast_index(view)]
+    if torch._debug_has_internal_overlap(target) != 0:
+        return False
+    with torch.no_grad():
+        target.copy_(values)
+    return True
+
+
+def fill_view(view: torch.Tensor, rng: tuple[int, int] | None, is_offsets: bool, generator: torch.Generator) -> None:
+    """Defined values for a synthesised view: in the reader's range for integers, sane floats.
+
+    A view whose elements share memory (an ``expand``: stride 0; overlapping windows) is written
+    through the memory it spans, each location once, so every element it shows is defined.
+    """
+    if view.numel() == 0:
+        return
+    target = distinct(view)
+    if torch._debug_has_internal_overlap(target) != 0:
+        extent = 1 + sum((s - 1) * st for s, st in zip(target.shape, target.stride(), strict=True))
+        target = torch.empty(0, dtype=view.dtype, device=view.device).set_(
+            view.untyped_storage(), view.storage_offset(), (extent,), (1,))
+    if target.dtype == torch.bool:
+        values = torch.rand(target.shape, generator=generator) < 0.5
+    elif target.dtype.is_floating_point or target.dtype.is_complex:
+        values = torch.empty(target.shape, dtype=torch.float32).uniform_(0.1, 1.0, generator=generator)
+    else:
+        low, high = rng if rng is not None else (0, 0)
+        values = torch.randint(int(low), int(high) + 1, target.shape, generator=generator)
+        if is_offsets and target.dim() == 1:
+            values = values.sort().values
+            values[0] = int(low)
+    with torch.no_grad():
+        target.copy_(values.to(target.dtype))
+
+
+def stand_in(shape: tuple[int, ...], stride: tuple[int, ...], offset: int, extent: int, dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+    """Zeros of a captured layout, for the output of an op that could not run."""
+    base = torch.zeros(max(offset + extent, 1), dtype=dtype, device=device)
+    return base.as_strided(shape, stride, offset)
