@@ -24,7 +24,7 @@ import json
 import os
 import platform as pyplatform
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -378,29 +378,3 @@ def capture_benchmark(cfg: CobenchConfig, out_dir: Path | None, *, steps: int, w
         return source.capture(out_dir, steps=steps, warmup=warmup, baseline_steps=baseline_steps)
     finally:
         source.workload.teardown()
-
-
-def judge(step: Callable[[], Any], out_dir: str | Path, *, device: torch.device | str | None = None,
-          model: torch.nn.Module | None = None, rounds: int = 10, steps_per_round: int = 10, warmup: int = 5,
-          capture_steps: int = 3, baseline_steps: int = 20, source: str = "program",
-          replay_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Capture ``step`` (your callable running one training step), generate its spec, and judge the replay
-    side by side with ``step`` in this process (see :mod:`harness.judge`).
-
-    Returns the fidelity record, also written to ``<out_dir>/fidelity.json``; its ``metrics`` hold
-    ``time_error_pct`` (signed: ``time_error_signed_pct``) with its 95 % interval, ``fidelity_valid``
-    and the replay's coverage and per-category figures. ``replay_options``: settings of the replay
-    workload (e.g. ``{"trust_spec": True}`` for a program that uses its own op library).
-    """
-    from harness.judge import judge_bundle
-
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    out_dir = Path(out_dir)
-    with capture(out_dir, steps=capture_steps, warmup=warmup, baseline_steps=baseline_steps, device=device,
-                 source=source, model=model) as cap:
-        while not cap.done:
-            with cap.step():
-                step()
-    ctx = RunContext(device=device, seed=0, work_dir=out_dir, device_name=device_name(device))
-    return judge_bundle(step, out_dir, ctx, rounds=rounds, steps_per_round=steps_per_round, warmup=warmup,
-                        replay_options=replay_options)

@@ -9,7 +9,7 @@ from a bootstrap over rounds (each round's pair is resampled together, so drift 
 does not widen it), and it is declared invalid, with the reason, when the source's own round-to-
 round spread is too wide for a difference of the gated size to show.
 
-    from harness.capture import judge
+    from harness.judge import judge
     record = judge(train_step, "traces/mine", model=model)   # capture → generate → side by side
 
 ``cobench trace fidelity workload=<name>`` does the same for a registered workload, as one MLflow run.
@@ -34,11 +34,11 @@ import torch
 from omegaconf import OmegaConf
 from torch.profiler import ProfilerActivity, profile, supported_activities
 
-from harness.capture import prepare_source
+from harness.capture import capture, prepare_source
 from harness.config import CobenchConfig, config_hash, results_root
 from harness.distributed import broadcast_from_main, env_dist_info, init_distributed
 from harness.fingerprint import environment_fingerprint
-from harness.platform import discover_platform, synchronize
+from harness.platform import device_name, discover_platform, synchronize
 from harness.runner import (
     STATUS_FAILED,
     STATUS_FINISHED,
@@ -253,6 +253,30 @@ def _cv_pct(values: list[float]) -> float:
     if len(values) < 2:
         return 0.0
     return 100.0 * statistics.stdev(values) / statistics.fmean(values)
+
+
+def judge(step: Callable[[], Any], out_dir: str | Path, *, device: torch.device | str | None = None,
+          model: torch.nn.Module | None = None, rounds: int = 10, steps_per_round: int = 10, warmup: int = 5,
+          capture_steps: int = 3, baseline_steps: int = 20, source: str = "program",
+          replay_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Capture ``step`` (your callable running one training step), generate its spec, and judge the replay
+    side by side with ``step`` in this process (see :mod:`harness.judge`).
+
+    Returns the fidelity record, also written to ``<out_dir>/fidelity.json``; its ``metrics`` hold
+    ``time_error_pct`` (signed: ``time_error_signed_pct``) with its 95 % interval, ``fidelity_valid``
+    and the replay's coverage and per-category figures. ``replay_options``: settings of the replay
+    workload (e.g. ``{"trust_spec": True}`` for a program that uses its own op library).
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    out_dir = Path(out_dir)
+    with capture(out_dir, steps=capture_steps, warmup=warmup, baseline_steps=baseline_steps, device=device,
+                 source=source, model=model) as cap:
+        while not cap.done:
+            with cap.step():
+                step()
+    ctx = RunContext(device=device, seed=0, work_dir=out_dir, device_name=device_name(device))
+    return judge_bundle(step, out_dir, ctx, rounds=rounds, steps_per_round=steps_per_round, warmup=warmup,
+                        replay_options=replay_options)
 
 
 def judge_benchmark(cfg: CobenchConfig, *, benchmark: str | None = None, rounds: int = 10, steps_per_round: int = 10,

@@ -18,8 +18,7 @@ from conftest import clean_env, mlflow_runs
 from fidelity_corpus import PROGRAMS
 
 import harness.judge as judge_module
-from harness.capture import judge
-from harness.judge import SideBySide, interleave
+from harness.judge import SideBySide, interleave, judge
 
 
 class FakeClock:
