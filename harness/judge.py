@@ -50,6 +50,7 @@ from harness.runner import (
 from harness.tracking import Tracker
 from workloads import discover
 from workloads.base import RunContext
+from workloads.trace_bundle import rank_dirs, read_meta
 
 FIDELITY_FILE = "fidelity.json"
 # The figure means something only when the source itself is steady: its round medians' spread (cv)
@@ -57,6 +58,8 @@ FIDELITY_FILE = "fidelity.json"
 MAX_SOURCE_ROUND_CV_PCT = 10.0
 MAX_CI_HALF_WIDTH_PCT = 5.0
 BOOTSTRAP_SAMPLES = 2000
+# c10::DeviceType codes, as the profiler's memory events name devices (others: any non-CPU event)
+_C10_DEVICE_TYPES = {"cpu": 0, "cuda": 1, "xpu": 12, "mps": 13, "privateuseone": 20}
 
 
 @dataclass
@@ -185,7 +188,8 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
     try:
         side = interleave(source_step, replay.step, ctx.device, rounds=rounds, steps_per_round=steps_per_round,
                           warmup=warmup, seed=ctx.seed)
-        memory_steps = max(1, len(replay.spec["ranks"][replay.rank_index]["steps"]))  # every captured step once
+        dirs = rank_dirs(bundle)  # each captured step once, on each side
+        memory_steps = len(read_meta(dirs[min(ctx.rank, len(dirs) - 1)]).traced_step_times_s)
         source_peak = step_memory_peak_bytes(source_step, ctx.device, memory_steps)
         replay_peak = step_memory_peak_bytes(replay.step, ctx.device, memory_steps)
         replay.observe_step_times([t / 1e3 for r in side.replay_ms for t in r])
@@ -242,10 +246,11 @@ def step_memory_peak_bytes(step: Callable[[], Any], device: torch.device, steps:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
-    device_type = 0 if device.type == "cpu" else 1  # c10::DeviceType: CPU 0, CUDA 1
+    device_type = _C10_DEVICE_TYPES.get(device.type)
     totals = [float(e["args"]["Total Allocated"]) for e in events
-              if e.get("name") == "[memory]" and isinstance(e.get("args"), dict)
-              and e["args"].get("Device Type") == device_type and "Total Allocated" in e["args"]]
+              if e.get("name") == "[memory]" and isinstance(e.get("args"), dict) and "Total Allocated" in e["args"]
+              and (e["args"].get("Device Type") == device_type if device_type is not None
+                   else e["args"].get("Device Type") != 0)]
     return int(max([0.0, *totals]))
 
 
