@@ -97,7 +97,8 @@ class SideBySide:
         reasons = []
         if self.source_round_cv_pct > MAX_SOURCE_ROUND_CV_PCT:
             reasons.append(f"the source's own step time varies {self.source_round_cv_pct:.1f} % between rounds "
-                           f"(> {MAX_SOURCE_ROUND_CV_PCT:.0f} %): the machine was too busy to judge")
+                           f"(> {MAX_SOURCE_ROUND_CV_PCT:.0f} %): the machine was busy, or the program's steps "
+                           f"differ (data-dependent work); run more steps per round (--round-steps)")
         if half_width > MAX_CI_HALF_WIDTH_PCT:
             reasons.append(f"the 95 % interval is ±{half_width:.1f} % (> ±{MAX_CI_HALF_WIDTH_PCT:.0f} %): "
                            f"run more rounds (--rounds) or on a quieter machine")
