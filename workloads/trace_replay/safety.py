@@ -31,6 +31,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,7 @@ from typing import Any
 import torch
 
 from workloads.trace_bundle import TraceError
-from workloads.trace_replay.ops import ET_DTYPES, LAYOUTS, MEMORY_FORMATS, SCALAR_TYPES
+from workloads.trace_replay.ops import ET_DTYPES, LAYOUTS, MEMORY_FORMATS, SCALAR_TYPES, at, list_types
 
 # Namespaces whose ops may replay: compute libraries that torch itself ships, the ones the replay
 # loads on demand (fbgemm_gpu, torchrec), and collectives, which run through torch.distributed on
@@ -203,18 +204,18 @@ class _Checker:
         steps = self.list_(rank.get("steps", []), f"{where}.steps")
         host_us: dict[int, float] = {}
         for i, step in enumerate(steps):
-            at = f"{where}.steps[{i}]"
-            self.dict_(step, at)
-            index = self.int_(step.get("index"), f"{at}.index", 0)
+            loc = f"{where}.steps[{i}]"
+            self.dict_(step, loc)
+            index = self.int_(step.get("index"), f"{loc}.index", 0)
             for key in ("tail_gap_us", "host_gap_us", "ops_dur_us"):
-                self.number(step.get(key, 0.0), f"{at}.{key}", 0.0, MAX_STEP_HOST_US if key != "ops_dur_us" else 1e12)
+                self.number(step.get(key, 0.0), f"{loc}.{key}", 0.0, MAX_STEP_HOST_US if key != "ops_dur_us" else 1e12)
             host_us[index] = step.get("tail_gap_us", 0.0)
         for i, op in enumerate(self.list_(rank["ops"], f"{where}.ops")):
-            at = f"{where}.ops[{i}]"
-            self.op(self.dict_(op, at), at)
+            loc = f"{where}.ops[{i}]"
+            self.op(self.dict_(op, loc), loc)
             step = op["step"]
             host_us[step] = host_us.get(step, 0.0) + (op.get("gap_us") or 0.0)
-            self.need(host_us[step] <= MAX_STEP_HOST_US, at,
+            self.need(host_us[step] <= MAX_STEP_HOST_US, loc,
                       f"step {step}'s host gaps add up to over {MAX_STEP_HOST_US / 1e6:.0f} s")
 
     def op(self, op: dict[str, Any], where: str) -> None:
@@ -233,18 +234,18 @@ class _Checker:
         for d, dep in enumerate(self.list_(op.get("deps", []), f"{where}.deps")):
             self.int_(dep, f"{where}.deps[{d}]")
         for key, rng in self.dict_(op.get("tensor_range", {}), f"{where}.tensor_range").items():
-            at = f"{where}.tensor_range[{key!r}]"
-            self.need(key.isdigit() and isinstance(rng, list) and len(rng) == 2, at, "expected [low, high]")
-            self.need(self.int_(rng[0], at) <= self.int_(rng[1], at), at, f"low {rng[0]} > high {rng[1]}")
+            loc = f"{where}.tensor_range[{key!r}]"
+            self.need(key.isdigit() and isinstance(rng, list) and len(rng) == 2, loc, "expected [low, high]")
+            self.need(self.int_(rng[0], loc) <= self.int_(rng[1], loc), loc, f"low {rng[0]} > high {rng[1]}")
         for key, data in self.dict_(op.get("tensor_data", {}), f"{where}.tensor_data").items():
-            at = f"{where}.tensor_data[{key!r}]"
-            self.need(key.isdigit() and type(data) is str, at, "expected base64 text")
-            self.need(len(data) <= MAX_TENSOR_DATA_CHARS, at, f"{len(data)} characters of data (at most "
+            loc = f"{where}.tensor_data[{key!r}]"
+            self.need(key.isdigit() and type(data) is str, loc, "expected base64 text")
+            self.need(len(data) <= MAX_TENSOR_DATA_CHARS, loc, f"{len(data)} characters of data (at most "
                       f"{MAX_TENSOR_DATA_CHARS})")
             try:
                 base64.b64decode(data, validate=True)
             except (binascii.Error, ValueError):
-                raise self.fail(at, "not base64") from None
+                raise self.fail(loc, "not base64") from None
         arg_types: list[str] | None = None
         if not name.startswith("c10d::"):
             try:
@@ -260,19 +261,19 @@ class _Checker:
         values, types, shapes, strides = columns
         self.need(len(types) == len(values), where, f"{len(values)} values but {len(types)} types")
         for i, (value, et_type) in enumerate(zip(values, types, strict=True)):
-            at = f"{where}.values[{i}]"
+            loc = f"{where}.values[{i}]"
             self.str_(et_type, f"{where}.types[{i}]")
-            shape, stride = _at(shapes, i), _at(strides, i)
+            shape, stride = at(shapes, i), at(strides, i)
             if et_type.startswith("GenericList["):
-                self.list_(value, at)
-                items = _list_types(et_type)
+                self.list_(value, loc)
+                items = list_types(et_type)
                 for j, item in enumerate(value):
                     item_type = items[j] if j < len(items) else ""
-                    self.value(item, item_type, _at(shape, j), _at(stride, j), f"{at}[{j}]")
+                    self.value(item, item_type, at(shape, j), at(stride, j), f"{loc}[{j}]")
             else:
-                self.value(value, et_type, shape, stride, at)
+                self.value(value, et_type, shape, stride, loc)
             if arg_types is not None and i < len(arg_types):
-                self.fits_schema(value, et_type, arg_types[i], at)
+                self.fits_schema(value, et_type, arg_types[i], loc)
 
     def value(self, value: Any, et_type: str, shape: Any, stride: Any, where: str, depth: int = 0) -> None:
         if "nullptr" in et_type:
@@ -413,22 +414,12 @@ def available_memory_bytes(device: torch.device) -> int:
     """What the device can still give: free accelerator memory, or the host's available memory."""
     if device.type != "cpu":
         return int(torch.accelerator.get_memory_info(device)[0])
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return int(_sysconf("SC_AVPHYS_PAGES") * _sysconf("SC_PAGE_SIZE")) or 2**62
-
-
-def _sysconf(name: str) -> int:
-    import os
-
-    try:
-        return int(os.sysconf(name))
-    except (ValueError, OSError, AttributeError):
-        return 0
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _tensor_refs(io: dict[str, Any]):
@@ -437,10 +428,10 @@ def _tensor_refs(io: dict[str, Any]):
         if et_type.startswith("Tensor(") and "nullptr" not in et_type and _is_ref(value):
             yield value, shape, stride
         elif et_type.startswith("GenericList[") and isinstance(value, list):
-            items = _list_types(et_type)
+            items = list_types(et_type)
             for j, item in enumerate(value):
                 if j < len(items) and items[j].startswith("Tensor(") and _is_ref(item):
-                    yield item, _at(shape, j), _at(stride, j)
+                    yield item, at(shape, j), at(stride, j)
 
 
 def _extent(shape: Any, stride: Any) -> int:
@@ -471,15 +462,6 @@ def _is_float(text: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _list_types(et_type: str) -> list[str]:
-    inner = et_type[len("GenericList["):-1]
-    return re.findall(r"Tensor\([^)]*\)|[^,]+", inner) if inner else []
-
-
-def _at(items: Any, index: int) -> Any:
-    return items[index] if isinstance(items, list) and index < len(items) else None
 
 
 def _show(value: Any) -> str:
