@@ -47,7 +47,7 @@ from workloads.trace_replay.ops import (
 )
 from workloads.trace_replay.safety import op_refusal
 from workloads.trace_replay.spec import _is_tensor_ref
-from workloads.trace_replay.tensors import copy_recorded, fill_view, recorded_view, stand_in
+from workloads.trace_replay.tensors import NON_NEGATIVE_READERS, copy_recorded, fill_view, recorded_view, stand_in
 
 
 @dataclass
@@ -346,29 +346,47 @@ class Replayer:
 
     def materialize(self) -> None:
         """Synthesise every external tensor: one buffer per captured storage, views laid over it."""
-        nbytes: dict[int, int] = {}
+        # Keyed by storage and dtype: the observer's storage ids come from data addresses, reused after
+        # frees, so a step counter (int64) and a bias correction (float64) freed and made in turn can
+        # arrive with one id; views of one storage in two dtypes are otherwise rare.
+        nbytes: dict[tuple[int, torch.dtype], int] = {}
         for info, _, _ in self._externals.values():
             end = (info.offset + info.extent) * info.itemsize
-            nbytes[info.storage_id] = max(nbytes.get(info.storage_id, 0), end)
+            key = (info.storage_id, info.dtype)
+            nbytes[key] = max(nbytes.get(key, 0), end)
         storages = {sid: torch.empty(max(n, 1), dtype=torch.uint8, device=self.device).untyped_storage()
                     for sid, n in nbytes.items()}
         self.static_bytes = sum(max(n, 1) for n in nbytes.values())  # what lives across steps
         # Wide views first: a narrower view of the same storage (e.g. one table's slice of a
         # jagged batch's offsets) carries its own reader's range, so it is written last and wins.
         ordered = sorted(self._externals.items(), key=lambda item: -item[1][0].extent)
+        non_negative = self._non_negative_storages()
         for slot, (info, rng, is_offsets) in ordered:
             view = torch.empty(0, dtype=info.dtype, device=self.device)
-            view.set_(storages[info.storage_id], info.offset, info.shape, info.stride)
-            fill_view(view, rng, is_offsets, self.generator)
+            view.set_(storages[(info.storage_id, info.dtype)], info.offset, info.shape, info.stride)
+            fill_view(view, rng, is_offsets, self.generator, non_negative=info.storage_id in non_negative)
             self.vals[slot] = view
         # Then what the readers recorded, on every view of a synthesised storage: ranges from the
         # widest view to the narrowest, recorded data last (it is the program's own values).
         for info, rng, is_offsets, data in sorted(self._constraints, key=lambda c: (c[3] is not None, -c[0].extent)):
-            if info.storage_id in storages:
+            if (info.storage_id, info.dtype) in storages:
                 view = torch.empty(0, dtype=info.dtype, device=self.device)
-                view.set_(storages[info.storage_id], info.offset, info.shape, info.stride)
+                view.set_(storages[(info.storage_id, info.dtype)], info.offset, info.shape, info.stride)
                 if data is None or not copy_recorded(view, data):
                     fill_view(view, rng, is_offsets, self.generator)
+
+    def nonfinite_tensors(self) -> int:
+        """How many of the tensors carried across steps (parameters, optimiser state, inputs) now hold an
+        infinite or NaN element: 0 in a sane replay. (A step's intermediates may hold them by design,
+        e.g. a division masked afterwards, as in the program itself.)"""
+        carried = (self.vals[slot] for slot in self._externals)
+        return sum(1 for v in carried if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()
+                   and not bool(torch.isfinite(v).all()))
+
+    def _non_negative_storages(self) -> set[int]:
+        """Captured storages some op takes a square root, logarithm or variance of (in place or not)."""
+        return {info.storage_id for op in self.ops if NON_NEGATIVE_READERS.search(op.name)
+                for _, info, _, _ in self._inputs_of(op.index)}
 
     def _stand_in(self, op: CompiledOp) -> None:
         """Outputs of the captured shapes for an op that could not run, so its consumers still run."""

@@ -180,6 +180,7 @@ class GeneratedWorkload(WorkloadBase):
             portability=self.portability, host_gaps=self.replayer.host_gaps,
         )
         record["metrics"]["replay_static_mb"] = self.replayer.static_bytes / 2**20
+        record["metrics"]["replay_nonfinite_tensors"] = float(self.replayer.nonfinite_tensors())
         record["replay_platform"] = self.platform
         if self.reference_platform is not None:
             record["reference_platform"] = self.reference_platform
