@@ -47,7 +47,7 @@ from workloads.trace_replay.ops import (
 )
 from workloads.trace_replay.safety import op_refusal
 from workloads.trace_replay.spec import _is_tensor_ref
-from workloads.trace_replay.tensors import NON_NEGATIVE_READERS, copy_recorded, fill_view, recorded_view, stand_in
+from workloads.trace_replay.tensors import copy_recorded, fill_view, recorded_view, stand_in
 
 
 @dataclass
@@ -360,11 +360,10 @@ class Replayer:
         # Wide views first: a narrower view of the same storage (e.g. one table's slice of a
         # jagged batch's offsets) carries its own reader's range, so it is written last and wins.
         ordered = sorted(self._externals.items(), key=lambda item: -item[1][0].extent)
-        non_negative = self._non_negative_storages()
         for slot, (info, rng, is_offsets) in ordered:
             view = torch.empty(0, dtype=info.dtype, device=self.device)
             view.set_(storages[(info.storage_id, info.dtype)], info.offset, info.shape, info.stride)
-            fill_view(view, rng, is_offsets, self.generator, non_negative=info.storage_id in non_negative)
+            fill_view(view, rng, is_offsets, self.generator)
             self.vals[slot] = view
         # Then what the readers recorded, on every view of a synthesised storage: ranges from the
         # widest view to the narrowest, recorded data last (it is the program's own values).
@@ -382,11 +381,6 @@ class Replayer:
         carried = (self.vals[slot] for slot in self._externals)
         return sum(1 for v in carried if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()
                    and not bool(torch.isfinite(v).all()))
-
-    def _non_negative_storages(self) -> set[int]:
-        """Captured storages some op takes a square root, logarithm or variance of (in place or not)."""
-        return {info.storage_id for op in self.ops if NON_NEGATIVE_READERS.search(op.name)
-                for _, info, _, _ in self._inputs_of(op.index)}
 
     def _stand_in(self, op: CompiledOp) -> None:
         """Outputs of the captured shapes for an op that could not run, so its consumers still run."""

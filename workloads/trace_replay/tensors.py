@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import math
-import re
 
 import torch
 
@@ -63,23 +62,15 @@ def copy_recorded(view: torch.Tensor, data: str) -> bool:
     return True
 
 
-# Ops that need non-negative floats (square roots, logarithms, powers, variances): a storage any of
-# them reads is synthesised with values >= 0 (e.g. Adam's second moments, batch norm's running_var).
-NON_NEGATIVE_READERS = re.compile(
-    r"::(_foreach_)?(sqrt|rsqrt|log|log2|log10|log1p|pow|lgamma|digamma)_?$|batch_norm|::_?(var|std)")
+def fill_view(view: torch.Tensor, rng: tuple[int, int] | None, is_offsets: bool, generator: torch.Generator) -> None:
+    """Defined values for a synthesised view: in the reader's range for integers, floats in [0.1, 1).
 
-
-def fill_view(view: torch.Tensor, rng: tuple[int, int] | None, is_offsets: bool, generator: torch.Generator,
-              non_negative: bool = False) -> None:
-    """Defined values for a synthesised view: in the reader's range for integers, sane floats.
-
-    Floats of a tensor with dimensions are drawn like a default initialisation, signed and uniform
-    in ±sqrt(3 / n) for a last dimension of n (unit variance through a matmul) — all-positive values
-    grow through every layer and overflow a few layers into a step — or in [0, sqrt(3 / n)) where
-    ``non_negative`` (a reader takes a square root or a logarithm of it). Scalars (0-d: epsilons,
-    learning rates, betas, loss scales) stay in [0.1, 1). A view whose elements share memory (an
-    ``expand``: stride 0; overlapping windows) is written through the memory it spans, each location
-    once, so every element it shows is defined.
+    Positive floats keep square roots, logarithms and divisions defined. (Drawn signed and scaled
+    like a default initialisation instead, a replayed Llama's optimiser state decayed into
+    denormal floats within ~40 steps and every step ran 10x slower on a CPU; positive values
+    overflow instead, which costs nothing: ``replay_nonfinite_tensors`` reports it.) A view whose
+    elements share memory (an ``expand``: stride 0; overlapping windows) is written through the
+    memory it spans, each location once, so every element it shows is defined.
     """
     if view.numel() == 0:
         return
@@ -90,12 +81,8 @@ def fill_view(view: torch.Tensor, rng: tuple[int, int] | None, is_offsets: bool,
             view.untyped_storage(), view.storage_offset(), (extent,), (1,))
     if target.dtype == torch.bool:
         values = torch.rand(target.shape, generator=generator) < 0.5
-    elif (target.dtype.is_floating_point or target.dtype.is_complex) and view.dim() == 0:
-        values = torch.empty(target.shape, dtype=torch.float32).uniform_(0.1, 1.0, generator=generator)
     elif target.dtype.is_floating_point or target.dtype.is_complex:
-        bound = math.sqrt(3.0 / max(view.shape[-1], 1))
-        values = torch.empty(target.shape, dtype=torch.float32).uniform_(0.0 if non_negative else -bound, bound,
-                                                                          generator=generator)
+        values = torch.empty(target.shape, dtype=torch.float32).uniform_(0.1, 1.0, generator=generator)
     else:
         low, high = rng if rng is not None else (0, 0)
         values = torch.randint(int(low), int(high) + 1, target.shape, generator=generator)
