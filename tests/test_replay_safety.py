@@ -60,11 +60,17 @@ def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           env=clean_env(), cwd=cwd)
 
 
-def test_a_spec_edited_to_overwrite_a_file_is_refused_naming_the_op(program_spec: Path, tmp_path: Path):
+def _attack(program_spec: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """(victim file, spec edited to map it into a tensor and overwrite it): the attack of issue 21."""
     victim = tmp_path / "victim.txt"
     victim.write_text("precious data\n")
     evil = tmp_path / "evil.json"
     evil.write_text(json.dumps(aim_at_file(json.loads(program_spec.read_text()), victim)))
+    return victim, evil
+
+
+def test_a_spec_edited_to_overwrite_a_file_is_refused_naming_the_op(program_spec: Path, tmp_path: Path):
+    victim, evil = _attack(program_spec, tmp_path)
     results = tmp_path / "results"
     proc = _run("run", "workload=generated", f"workload.spec={evil}", *REPLAY, f"results_dir={results}", cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -74,10 +80,7 @@ def test_a_spec_edited_to_overwrite_a_file_is_refused_naming_the_op(program_spec
 
 
 def test_trusting_a_spec_is_an_explicit_opt_in_that_is_logged(program_spec: Path, tmp_path: Path):
-    victim = tmp_path / "victim.txt"
-    victim.write_text("precious data\n")
-    evil = tmp_path / "evil.json"
-    evil.write_text(json.dumps(aim_at_file(json.loads(program_spec.read_text()), victim)))
+    victim, evil = _attack(program_spec, tmp_path)
     results = tmp_path / "results"
     proc = _run("run", "workload=generated", f"workload.spec={evil}", "workload.trust_spec=true",
                 "workload.probe=false", *REPLAY, f"results_dir={results}", cwd=tmp_path)
