@@ -57,6 +57,7 @@ FIDELITY_FILE = "fidelity.json"
 # must stay under this, and the interval's half-width under the next, for a 10 % gate to decide.
 MAX_SOURCE_ROUND_CV_PCT = 10.0
 MAX_CI_HALF_WIDTH_PCT = 5.0
+MIN_VALID_ROUNDS = 5  # a bootstrap over fewer rounds gives an interval too narrow to believe
 BOOTSTRAP_SAMPLES = 2000
 # c10::DeviceType codes, as the profiler's memory events name devices (others: any non-CPU event)
 _C10_DEVICE_TYPES = {"cpu": 0, "cuda": 1, "xpu": 12, "mps": 13, "privateuseone": 20}
@@ -95,6 +96,9 @@ class SideBySide:
         self.replay_round_cv_pct = _cv_pct([statistics.median(r) for r in self.replay_ms])
         half_width = (self.time_error_ci_high_pct - self.time_error_ci_low_pct) / 2
         reasons = []
+        if len(self.order) < MIN_VALID_ROUNDS:
+            reasons.append(f"{len(self.order)} rounds are too few for an interval (at least {MIN_VALID_ROUNDS}: "
+                           f"--rounds)")
         if self.source_round_cv_pct > MAX_SOURCE_ROUND_CV_PCT:
             reasons.append(f"the source's own step time varies {self.source_round_cv_pct:.1f} % between rounds "
                            f"(> {MAX_SOURCE_ROUND_CV_PCT:.0f} %): the machine was busy, or the program's steps "

@@ -66,6 +66,8 @@ def test_a_noisy_source_makes_the_figure_invalid_with_the_reason():
     bad = SideBySide(noisy, noisy, ["source", "replay"] * 3).summarise()
     assert not bad.fidelity_valid
     assert "source's own step time varies" in bad.invalid_reason and bad.metrics()["fidelity_valid"] == 0.0
+    few = SideBySide(steady[:2], [[10.5, 10.4, 10.6]] * 2, ["source", "replay"]).summarise()
+    assert not few.fidelity_valid and "too few for an interval" in few.invalid_reason
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
