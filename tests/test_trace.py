@@ -347,3 +347,27 @@ def test_host_gap_estimate_takes_the_profilers_cost_out():
     assert kineto_host_gaps(trace, Path("t.json"), {0: 100.0}) == {0: pytest.approx(30.0)}
     with pytest.raises(TraceError, match="not a Kineto"):
         kineto_host_gaps({"nodes": []}, Path("t.json"), {None: 1.0})
+
+
+def test_host_time_inside_a_wrapper_the_replay_does_not_run_counts_as_host_time():
+    """The autograd engine's ``evaluate_function`` wraps backward ops; the replay calls the ops inside
+    directly, so the wrapper's self time is the program's host time, and its own profiler cost too.
+
+    Step of 100 µs, 80 plain: 20 µs of profiler cost over 4 events (5 each). The wrapper (40 µs)
+    holds mm (10) and add (10): 20 µs of engine time. Replayed ops are mm, add, relu (30): busy 50 µs,
+    outside them 50 µs, of which the profiler's cost for the events outside a replayed op (wrapper, mm,
+    add, relu: 4 × 5) is 20: 30 µs is the program's.
+    """
+    def event(name: str, ts: float, dur: float, cat: str = "cpu_op") -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": 7}
+
+    trace = {"traceEvents": [
+        event("cobench_step#0", 1000, 100, "user_annotation"),
+        event("autograd::engine::evaluate_function: MmBackward0", 1005, 40),
+        event("aten::mm", 1010, 10), event("aten::add", 1030, 10),
+        event("aten::relu", 1060, 30),
+    ]}
+    replayed = {"aten::mm", "aten::add", "aten::relu"}.__contains__
+    assert kineto_host_gaps(trace, Path("t.json"), {None: 80.0}, replayed) == {0: pytest.approx(30.0)}
+    # without the replayed set the wrapper counts as one op: busy 70 µs (wrapper, relu), 2 events × 5
+    assert kineto_host_gaps(trace, Path("t.json"), {None: 80.0}) == {0: pytest.approx(20.0)}

@@ -14,31 +14,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
 from workloads.trace_replay.ops import CompiledOp, flatten_tensors
 
 SPIN_MIN_S = 2e-7  # shorter host gaps are not spun on: they add up to the next
-_call_cost_s: float | None = None
-
-
-def call_cost_s() -> float:
-    """What one op call costs the generated code before any kernel work, on this machine (seconds).
-
-    Measured once per process: the median over batches of calls of ``aten::alias`` (no kernel
-    work: a view) made exactly as the generated code makes them.
-    """
-    global _call_cost_s
-    if _call_cost_s is None:
-        alias, x = torch.ops.aten.alias.default._op, torch.empty(4)
-        batches = []
-        for _ in range(7):
-            started = time.perf_counter()
-            for _ in range(500):
-                alias(x)
-            batches.append((time.perf_counter() - started) / 500)
-        _call_cost_s = sorted(batches)[len(batches) // 2]
-    return _call_cost_s
 
 
 def seconds(gap_us: Any) -> float:
@@ -48,15 +26,17 @@ def seconds(gap_us: Any) -> float:
 
 
 def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: Sequence[list[int]],
-                  gaps_s: Sequence[float] | None, tail_s: float, *, stand_in: Callable[[int], None],
-                  fill: Callable[[int], None], name: str) -> tuple[Callable[[list[Any]], None], int]:
+                  gaps_s: Sequence[float] | None, tail_s: float, *, call_s: float = 0.0,
+                  stand_in: Callable[[int], None], fill: Callable[[int], None],
+                  name: str) -> tuple[Callable[[list[Any]], None], int]:
     """The step running ``ops[p]`` for each p in ``positions``; returns it and how many ops it runs.
 
     ``clears[j]``: slots to release after the j-th op (their last use). ``gaps_s[j]``: the
     program's own host time before the j-th op, spent busy as the program did (None: ops back to
     back). The program's gap before an op includes its own cost of calling the op (Python binding,
-    argument parsing); the replay pays its own call cost instead, so that much of each gap counts as
-    spent, and a negative balance (the replay's calls cost more) carries to later gaps.
+    argument parsing); the replay pays its own instead, ``call_s`` per op (measured by the replayer
+    on its own steps), so that much of each gap counts as spent, and a negative balance (the
+    replay's calls cost more) carries to later gaps.
     """
     consts: list[Any] = []
     fns: list[Callable[..., Any]] = []
@@ -76,7 +56,6 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
     lines = ["def step(v):", "    t = pc()"]
     ran = 0
     owed_s = 0.0  # the program's host time not yet spent
-    call_s = call_cost_s() if gaps_s is not None else 0.0
     for j, position in enumerate(positions):
         op = ops[position]
         if gaps_s is not None:

@@ -20,10 +20,14 @@ all is :mod:`.safety`'s policy, checked before a replay is built.
 
 from __future__ import annotations
 
+import json
 import re
+import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,7 +50,7 @@ from workloads.trace_replay.ops import (
     waited,
 )
 from workloads.trace_replay.safety import op_refusal
-from workloads.trace_replay.spec import _is_tensor_ref
+from workloads.trace_replay.spec import STEP_ANNOTATION, _is_tensor_ref, kineto_host_gaps
 from workloads.trace_replay.tensors import copy_recorded, fill_view, recorded_view, stand_in
 
 
@@ -85,6 +89,7 @@ class Replayer:
         self._next = 0
         self._steps: list[tuple[Callable[[list[Any]], None], int] | None] = [None] * len(self.sequence)
         self.errors: dict[int, str] = {}  # op index → why it did not run (compile, dry run or later)
+        self.call_s = 0.0  # the replay's own host time per op call: set by calibrate_host_cost()
         self.static_bytes = 0  # synthesised tensors (parameters, optimiser state, inputs): set by materialize()
 
     # -- compilation -------------------------------------------------------------------------------------
@@ -466,15 +471,64 @@ class Replayer:
             self.dry_run(steps=[k])  # find it op by op: recorded, stood in for, the code regenerated
         return ran
 
-    def _codegen(self, k: int) -> tuple[Callable[[list[Any]], None], int]:
-        """Step ``k`` as one generated function (:func:`codegen.generate_step`)."""
+    def _codegen(self, k: int, *, no_gap_time: bool = False) -> tuple[Callable[[list[Any]], None], int]:
+        """Step ``k`` as one generated function (:func:`codegen.generate_step`); ``no_gap_time``: the
+        same code with every host gap zero (what :meth:`calibrate_host_cost` measures)."""
         positions = self.sequence[k]
         offset = sum(len(s) for s in self.sequence[:k])
-        gaps = [seconds(self.ops_spec[p].get("gap_us")) for p in positions] if self.host_gaps else None
-        return generate_step(self.ops, positions, self._clears[offset:offset + len(positions)], gaps,
-                             seconds(self._tail_gaps_us[k]) if self.host_gaps else 0.0,
+        gaps = None
+        if self.host_gaps:
+            gaps = [0.0 if no_gap_time else seconds(self.ops_spec[p].get("gap_us")) for p in positions]
+        tail = seconds(self._tail_gaps_us[k]) if self.host_gaps and not no_gap_time else 0.0
+        return generate_step(self.ops, positions, self._clears[offset:offset + len(positions)], gaps, tail,
+                             call_s=0.0 if no_gap_time else self.call_s,
                              stand_in=lambda i: self._stand_in(self.ops[i]),
                              fill=lambda i: self.ops[i].store_fills(self.vals, self.generator), name=f"step {k}")
+
+    def calibrate_host_cost(self, synchronize: Callable[[], None], rounds: int = 4) -> float:
+        """Measure the replay's own host time per op call (seconds; kept in :attr:`call_s`).
+
+        The program's host gaps were measured from its Kineto trace as the time outside its ops, the
+        profiler's cost taken out (:func:`.spec.kineto_host_gaps`); the replay's own time outside its
+        ops (the generated code: argument lists, the op binding, slot stores and releases) is measured
+        here the same way on its own steps with every gap zero, so the gaps it spends are exactly the
+        program's host time it does not already pay. (A fixed per-call figure from a one-argument op
+        came out at a third of a real op line's cost and left the replay ~10 % slow.)
+        """
+        if not self.host_gaps:
+            return 0.0
+        steps = len(self.sequence)
+        generated = [self._codegen(k, no_gap_time=True) for k in range(steps)]
+
+        def run(k: int) -> None:
+            with torch.no_grad():
+                generated[k][0](self.vals)
+
+        for k in range(steps):  # warm
+            run(k)
+        plain: dict[int, list[float]] = {k: [] for k in range(steps)}
+        for _ in range(rounds):
+            for k in range(steps):
+                synchronize()
+                started = time.perf_counter()
+                run(k)
+                synchronize()
+                plain[k].append(1e6 * (time.perf_counter() - started))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for i in range(rounds * steps):
+                with torch.profiler.record_function(f"{STEP_ANNOTATION}{i}"):
+                    run(i % steps)
+                synchronize()
+        with tempfile.TemporaryDirectory(prefix="cobench-calibrate-") as tmp:
+            path = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(path))
+            trace = json.loads(path.read_text())
+        plain_us = {i: statistics.median(plain[i % steps]) for i in range(rounds * steps)}
+        host_us = kineto_host_gaps(trace, path, plain_us)
+        per_op = [host_us[i] / max(1, len(self.sequence[i % steps])) for i in host_us]
+        self.call_s = 1e-6 * statistics.median(per_op) if per_op else 0.0
+        self._steps = [None] * len(self.sequence)  # regenerate with the measured cost
+        return self.call_s
 
     def time_ops(self, synchronize: Callable[[], None]) -> dict[int, list[float]]:
         """One pass over every step with each op timed alone (synchronised): op index → seconds."""

@@ -21,7 +21,7 @@ import json
 import math
 import re
 import statistics
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -358,56 +358,65 @@ def extract_rank(bundle: Path) -> tuple[BundleMeta, list[dict[str, Any]], list[d
     gap = None
     if timing_path.is_file():
         plain_us = 1e6 * sorted(meta.step_times_s)[len(meta.step_times_s) // 2]
-        gap = host_gap_us(read_json(timing_path, "Kineto timing trace"), timing_path, plain_us)
+        names = {op["name"] for op in ops}
+        gap = host_gap_us(read_json(timing_path, "Kineto timing trace"), timing_path, plain_us, names.__contains__)
     _place_host_gaps(ops, steps, gap)
     return meta, ops, steps
 
 
-def host_gap_us(timing: Any, path: Path, plain_us: float) -> float | None:
+def host_gap_us(timing: Any, path: Path, plain_us: float, replayed: Callable[[str], bool] | None = None
+                ) -> float | None:
     """The program's own host time per step (Python, framework: between ops), without the profiler.
 
     From the steps captured under Kineto alone; the median over them (None when there are none).
     See :func:`kineto_host_gaps`.
     """
-    gaps = kineto_host_gaps(timing, path, {None: plain_us})
+    gaps = kineto_host_gaps(timing, path, {None: plain_us}, replayed)
     return statistics.median(gaps.values()) if gaps else None
 
 
-def kineto_host_gaps(timing: Any, path: Path, plain_us: dict[int | None, float]) -> dict[int, float]:
-    """Host time between top-level ops per annotated step (``cobench_step#<k>`` → µs), profiler removed.
+def kineto_host_gaps(timing: Any, path: Path, plain_us: dict[int | None, float],
+                     replayed: Callable[[str], bool] | None = None) -> dict[int, float]:
+    """Host time outside the replayed ops per annotated step (``cobench_step#<k>`` → µs), profiler removed.
 
-    Under Kineto a step's main thread is either inside a top-level op or between two (the gap). The
-    profiler's own cost is about the same for every op event, c = (Kineto step − plain step) ÷ the
-    step's op events, and it lands outside the op it records (the op's timestamps are taken inside
-    its callbacks), so each top-level op adds c to the gaps; nested events add theirs inside their
-    parent. The program's own gap is therefore gap − top-level ops × c. ``plain_us`` gives the
-    uninstrumented step time per step index (the ``None`` key for every step).
+    Under Kineto a step's main thread is either inside an op the replay runs (the top-most event whose
+    name ``replayed`` accepts; every op when None) or not: Python, and framework work that is not an
+    op of its own, such as the autograd engine's ``evaluate_function`` wrappers around backward ops
+    (their self time is the program's host time: the replay calls the ops inside them directly).
+    The profiler's own cost is about the same for every op event, c = (Kineto step − plain step) ÷
+    the step's op events, and it lands outside the event it records (the timestamps are taken inside
+    its callbacks): each event that is not inside a replayed op adds c to the host time; nested
+    events add theirs inside their parent. The program's own host time is therefore the time outside
+    replayed ops − those events × c. ``plain_us`` gives the uninstrumented step time per step index
+    (the ``None`` key for every step).
     """
     if not isinstance(timing, dict) or not isinstance(timing.get("traceEvents"), list):
         raise TraceError(f"{path} is not a Kineto/chrome trace: expected an object with 'traceEvents'")
     events = [e for e in timing["traceEvents"] if isinstance(e, dict) and e.get("ph") == "X"]
     steps = [e for e in events if e.get("cat") == "user_annotation"
              and str(e.get("name", "")).startswith(STEP_ANNOTATION)]
-    ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: float(e["ts"]))
+    # parents before their children: by start, the longer first
+    ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: (float(e["ts"]), -float(e["dur"])))
     gaps: dict[int, float] = {}
     for step in steps:
         index = int(str(step["name"])[len(STEP_ANNOTATION):])
         plain = plain_us.get(index, plain_us.get(None))
         start, dur, tid = float(step["ts"]), float(step["dur"]), step.get("tid")
-        busy, covered_until, top, every = 0.0, start, 0, 0
+        busy, covered_until, outside, every = 0.0, start, 0, 0
         for e in ops:
             ts = float(e["ts"])
             if ts < start or ts >= start + dur:
                 continue
             every += 1
             if e.get("tid") != tid or ts < covered_until:
-                continue  # another thread's, or nested in an op already counted
-            busy += float(e["dur"])
-            covered_until = ts + float(e["dur"])
-            top += 1
+                continue  # another thread's, or inside a replayed op already counted
+            outside += 1
+            if replayed is None or replayed(str(e.get("name", ""))):
+                busy += float(e["dur"])
+                covered_until = ts + float(e["dur"])
         if dur > 0 and every and plain is not None:
             per_event = max(0.0, dur - plain) / every
-            gaps[index] = max(0.0, dur - busy - top * per_event)
+            gaps[index] = max(0.0, dur - busy - outside * per_event)
     return gaps
 
 

@@ -137,6 +137,11 @@ class GeneratedWorkload(WorkloadBase):
             self.replayer.exclude(find_crashing_ops(self.config.spec, self.rank_index, trust=self.config.trust_spec))
         self.replayer.materialize()
         self.replayer.dry_run()
+        self.replayer.calibrate_host_cost(self._synchronize)
+
+    def _synchronize(self) -> None:
+        if self.ctx.device.type != "cpu":
+            torch.accelerator.synchronize(self.ctx.device)
 
     def step(self) -> StepResult:
         assert self.replayer is not None, "setup() first"
@@ -167,19 +172,15 @@ class GeneratedWorkload(WorkloadBase):
         assert self.replayer is not None
         op_times: dict[int, list[float]] = {}
         if self.config.op_timing:
-            device = self.ctx.device
-
-            def sync() -> None:
-                if device.type != "cpu":
-                    torch.accelerator.synchronize(device)
-
-            op_times = self.replayer.time_ops(sync)
+            op_times = self.replayer.time_ops(self._synchronize)
         record = compute_fidelity(
             self.spec, self.rank_index, self.step_times_s, op_times, self.replayer.errors,
             reference_times_ms=self.reference_ms, replay_peak_memory_bytes=_process_peak_bytes(self.ctx.device),
             portability=self.portability, host_gaps=self.replayer.host_gaps,
         )
         record["metrics"]["replay_static_mb"] = self.replayer.static_bytes / 2**20
+        if self.replayer.host_gaps:
+            record["metrics"]["replay_host_us_per_op"] = 1e6 * self.replayer.call_s
         record["metrics"]["replay_nonfinite_tensors"] = float(self.replayer.nonfinite_tensors())
         record["replay_platform"] = self.platform
         if self.reference_platform is not None:
