@@ -226,8 +226,9 @@ class Capture:
             (self.out_dir / ET_RESOURCES).mkdir(exist_ok=True)  # the observer does not create it in time
             self._observer = ExecutionTraceObserver().register_callback(str(self.out_dir / ET_FILE))
             self._observer.set_extra_resource_collection(True)
+            # memory events: when the program freed each buffer (the replay holds buffers as long)
             self._profiler = profile(activities=_profiler_activities(self.device), record_shapes=True,
-                                     execution_trace_observer=self._observer)
+                                     profile_memory=True, execution_trace_observer=self._observer)
             self._profiler.start()
         finally:
             for key, value in previous.items():

@@ -87,8 +87,32 @@ def test_corpus_program_replays_completely_judged_side_by_side(name: str, tmp_pa
     assert metrics["source_step_peak_mb"] > 0 and metrics["replay_step_peak_mb"] > 0
     assert metrics["replay_peak_memory_mb"] - metrics["replay_step_peak_mb"] == pytest.approx(
         metrics["source_peak_memory_mb"] - metrics["source_step_peak_mb"])
+    # buffers live as long as the program kept them (allocator events): the peak is the program's
+    # (measured 0 ... -2.3 % on seven of the eight, -11 % on the torch.compile one; 15 % catches a regression)
+    assert abs(metrics["memory_error_pct"]) <= 15.0, metrics["memory_error_pct"]
     saved = json.loads((tmp_path / "bundle" / "fidelity.json").read_text())
     assert saved["side_by_side"]["source_ms"] and saved["metrics"]["fidelity_valid"] in (0.0, 1.0)
+
+
+def test_replay_holds_buffers_as_long_as_the_program_did(tmp_path: Path):
+    """A program that keeps a big intermediate past its last use (a Python name, like a backward
+    formula's locals) peaks higher than last-use freeing would: the replay frees when the program did."""
+    x, w = torch.randn(256, 256), torch.randn(256, 256)
+
+    def step() -> None:
+        big = x @ w  # 256 KiB, last read by the relu below ...
+        small = big.relu().sum()
+        other = torch.mm(x, w) + 1.0  # ... but still held while these 2 x 256 KiB are made
+        del big
+        (other.sum() + small).item()
+
+    record = judge(step, tmp_path / "bundle", rounds=3, steps_per_round=4, warmup=2, baseline_steps=5)
+    metrics = record["metrics"]
+    assert metrics["op_coverage_pct"] == 100.0
+    assert abs(metrics["memory_error_pct"]) <= 5.0, (metrics["source_step_peak_mb"], metrics["replay_step_peak_mb"])
+    # the record the replay follows: allocations placed on the ops that made them, frees after an op
+    ops = json.loads((tmp_path / "bundle" / "spec.json").read_text())["ranks"][0]["ops"]
+    assert sum(len(op["allocated"]) for op in ops) >= sum(len(op["released"]) for op in ops) > 0
 
 
 def test_cobench_trace_fidelity_is_one_mlflow_run(tmp_path: Path):

@@ -332,7 +332,13 @@ class Replayer:
         return found
 
     def _liveness(self) -> list[list[int]]:
-        """Per position of the flattened sequence: slots no later op reads (freed after it runs)."""
+        """Per position of the flattened sequence: slots to free after it runs.
+
+        A slot is freed after its last use, or later where the program held it longer: for a storage
+        the spec saw allocated (``allocated``, from the allocator's events), after the op that the
+        program freed it after (``released``), or at the end of its step when the program kept it
+        past the step. Other slots (and every slot of a spec without that record) are freed at last use.
+        """
         flat = [p for step in self.sequence for p in step]
         carried = set(self._externals)  # read before written: live across steps and cycles
         last_use: dict[int, int] = {}
@@ -343,11 +349,32 @@ class Replayer:
                 if slot is not None:
                     last_use.setdefault(slot, k)
                     last_use[slot] = max(last_use[slot], k)
+        held = self._source_lifetimes(flat, carried)
         clears: list[list[int]] = [[] for _ in flat]
         for slot, k in last_use.items():
             if slot not in carried:
-                clears[k].append(slot)
+                clears[max(k, held.get(slot, k))].append(slot)
         return clears
+
+    def _source_lifetimes(self, flat: list[int], carried: set[int]) -> dict[int, int]:
+        """Slot → the last flat position the program held its storage (see :meth:`_liveness`)."""
+        held: dict[int, int] = {}
+        live: dict[int, list[int]] = {}  # storage allocated in this step → the slots viewing it
+        step_of = [self.ops[p].step for p in flat]
+        for k, position in enumerate(flat):
+            op, allocated = self.ops[position], self.ops_spec[position].get("allocated", [])
+            for slot, info in zip(op.out_slots, op.out_infos, strict=False):
+                if slot is not None and info is not None and slot not in carried and info.storage_id in allocated:
+                    live.setdefault(info.storage_id, []).append(slot)
+            for storage in self.ops_spec[position].get("released", []):
+                for slot in live.pop(storage, []):
+                    held[slot] = max(held.get(slot, k), k)
+            if k + 1 == len(flat) or step_of[k + 1] != step_of[k]:  # kept past the step: to its end
+                for slots in live.values():
+                    for slot in slots:
+                        held[slot] = max(held.get(slot, k), k)
+                live.clear()
+        return held
 
     def materialize(self) -> None:
         """Synthesise every external tensor: one buffer per captured storage, views laid over it."""

@@ -16,6 +16,7 @@ dependencies, its category and its original duration joined from Kineto on ``rf_
 from __future__ import annotations
 
 import base64
+import bisect
 import hashlib
 import json
 import math
@@ -318,7 +319,8 @@ def extract_rank(bundle: Path) -> tuple[BundleMeta, list[dict[str, Any]], list[d
     et = read_json(et_path, "execution trace")
     check_et_schema(et, et_path)
     nodes = parse_nodes(et, et_path)
-    by_rf, step_events = _kineto_events(read_json(kineto_path, "Kineto trace"), kineto_path)
+    kineto = read_json(kineto_path, "Kineto trace")
+    by_rf, step_events = _kineto_events(kineto, kineto_path)
     if not any(n.name.startswith(STEP_ANNOTATION) for n in nodes.values()):
         raise TraceError(f"{et_path}: no captured steps (no '{STEP_ANNOTATION}<i>' markers); capture with "
                          f"harness.capture.capture() or `cobench trace capture`")
@@ -354,6 +356,7 @@ def extract_rank(bundle: Path) -> tuple[BundleMeta, list[dict[str, Any]], list[d
               "traced_ms": float(e["dur"]) / 1e3} for e in sorted(step_events, key=lambda e: float(e["ts"]))]
     if not ops:
         raise TraceError(f"{et_path}: the captured steps contain no operators with a schema")
+    _mark_source_releases(ops, kineto)
     timing_path = bundle / KINETO_TIMING_FILE
     gap = None
     if timing_path.is_file():
@@ -362,6 +365,57 @@ def extract_rank(bundle: Path) -> tuple[BundleMeta, list[dict[str, Any]], list[d
         gap = host_gap_us(read_json(timing_path, "Kineto timing trace"), timing_path, plain_us, names.__contains__)
     _place_host_gaps(ops, steps, gap)
     return meta, ops, steps
+
+
+def _mark_source_releases(ops: list[dict[str, Any]], kineto: dict[str, Any]) -> None:
+    """``allocated`` on each op: its new output storages seen allocated; ``released``: the storages the
+    program freed after it and before the next op.
+
+    From the allocator's events in the traced steps' Kineto trace (``profile_memory``): an allocation
+    inside an op whose size is one of its new output storages' is that storage; the free at the
+    same address, later, is placed after the last op that began before it. A program holds memory
+    longer than its last use says (a backward formula's intermediates live until it returns, Python
+    names until they are rebound): the replay frees each buffer when the program did, so the peak is
+    the program's. Bundles captured without memory events get no ``released`` (the replay frees at
+    last use).
+    """
+    memory = sorted((e for e in kineto.get("traceEvents", []) if isinstance(e, dict) and e.get("name") == "[memory]"
+                     and isinstance(e.get("args"), dict) and isinstance(e["args"].get("Bytes"), int)
+                     and isinstance(e["args"].get("Addr"), int) and isinstance(e.get("ts"), int | float)),
+                    key=lambda e: float(e["ts"]))
+    timed = [op for op in ops if op["ts_us"] is not None and op["dur_us"] is not None]
+    if not memory or not timed:
+        return
+    starts = [op["ts_us"] for op in timed]
+    seen: set[int] = set()  # storages that existed before an op: its inputs, earlier outputs
+    fresh: list[dict[int, int]] = []  # per timed op: new output storage → bytes
+    for op in timed:
+        for ref in _tensor_refs(op["inputs"].get("values", [])):
+            seen.add(ref[1])
+        new: dict[int, int] = {}
+        for ref in _tensor_refs(op["outputs"].get("values", [])):
+            if ref[1] not in seen and ref[3] > 0:
+                new[ref[1]] = max(new.get(ref[1], 0), (ref[2] + ref[3]) * ref[4])
+            seen.add(ref[1])
+        fresh.append(new)
+    for op in ops:
+        op["allocated"], op["released"] = [], []
+    owner: dict[int, int] = {}  # address → the storage allocated there, while it lives
+    for event in memory:
+        ts, addr, nbytes = float(event["ts"]), event["args"]["Addr"], event["args"]["Bytes"]
+        at = bisect.bisect_right(starts, ts) - 1  # the last op that began before the event
+        if at < 0:
+            continue
+        if nbytes > 0:
+            op = timed[at]
+            if ts <= op["ts_us"] + op["dur_us"]:
+                storage = next((sid for sid, size in fresh[at].items() if size == nbytes), None)
+                if storage is not None:
+                    del fresh[at][storage]
+                    owner[addr] = storage
+                    op["allocated"].append(storage)
+        elif nbytes < 0 and addr in owner:
+            timed[at]["released"].append(owner.pop(addr))
 
 
 def host_gap_us(timing: Any, path: Path, plain_us: float, replayed: Callable[[str], bool] | None = None
