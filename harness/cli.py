@@ -17,7 +17,8 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
-    print(f"cobench: error: {message}", file=sys.stderr)
+    """Leave a Hydra task with a message: Hydra reports other exceptions as its own crash."""
+    print(f"cobench run: error: {message}", file=sys.stderr)
     raise SystemExit(code)
 
 
@@ -58,7 +59,8 @@ def validate_overrides(overrides: list[str]) -> None:
 
 
 def run_main(argv: list[str]) -> int:
-    """Entry of ``cobench run [hydra overrides] [-m]``."""
+    """Entry of ``cobench run [hydra overrides] [-m]``; errors take the dispatcher's one path
+    (:func:`suite.cli.guarded`): ValueError and TrackingError are bad input, Ctrl-C an interruption."""
     import hydra
 
     from harness.config import CONF_DIR, register_configs, to_run_config
@@ -78,21 +80,13 @@ def run_main(argv: list[str]) -> int:
 
     hydra_flags = [a for a in argv if a.startswith("-") and a not in ("-m", "--multirun")]
     if not hydra_flags:  # --help, --cfg, --info ... only show things: let Hydra answer
-        try:
-            validate_overrides([a for a in argv if not a.startswith("-")])
-        except (ValueError, TrackingError) as err:
-            print(f"cobench: error: {err}", file=sys.stderr)
-            return EXIT_BAD_INPUT
+        validate_overrides([a for a in argv if not a.startswith("-")])
     register_configs()
-    sigterm_as_interrupt()
     app = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(task)
     saved_argv = sys.argv
     sys.argv = ["cobench run", *argv]
     try:
         app()
-    except KeyboardInterrupt:
-        print("cobench: interrupted; the MLflow run was closed as KILLED", file=sys.stderr)
-        return EXIT_INTERRUPTED
     finally:
         sys.argv = saved_argv
     if not results:  # --help, --cfg job, ... : Hydra answered and ran nothing

@@ -1,9 +1,24 @@
-"""The ``cobench`` command. It sits at the top layer so it can reach suites as well as the
-harness; ``run`` itself is the harness's Hydra app."""
+"""The ``cobench`` command: one dispatcher, one way to fail.
+
+Every subcommand is a function ``run(argv) -> exit code`` in its own module, imported only when
+it is called (``cobench --help`` and ``cobench list`` import no workload). Errors take one path
+here, whatever the command: bad input (a config or argument error, an unreachable store, a
+refused trace) prints ``cobench <command>: error: ...`` and exits 2 before anything ran; an
+interruption (Ctrl-C, or a scheduler's SIGTERM) exits 130 after the command closed its MLflow
+runs as KILLED; a run that failed exits 1 (its reason is in its MLflow run).
+
+Settings every command shares are written the same way everywhere, as ``key=value``
+(``results_dir=DIR``, ``tracking.uri=URI``, ``tracking.experiment=NAME``); commands that also take
+flags keep them (``--results-dir DIR`` is the same as ``results_dir=DIR`` for ``compare``).
+"""
 
 from __future__ import annotations
 
+import importlib
 import sys
+from collections.abc import Callable
+
+from harness.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, sigterm_as_interrupt
 
 USAGE = """usage: cobench COMMAND [ARGS]
 
@@ -13,91 +28,111 @@ commands:
   suite NAME [OVERRIDES]   run a suite (conf/suite/NAME.yaml) under one MLflow parent run,
                            e.g. `cobench suite smoke results_dir=/tmp/res`
   list                     the workloads, suites and platforms this checkout knows
-  trace capture|generate|export ...
+  trace capture|generate|fidelity|export ...
                            generated trace benchmarks: `cobench trace --help`
   qualify [OVERRIDES]      run the qualification suite and check the platform's gates:
                            `cobench qualify --help`
-  compare [OPTIONS]        platform × benchmark table from MLflow: `cobench compare --help`
+  compare [OPTIONS]        platform x benchmark table from MLflow: `cobench compare --help`
   report [OPTIONS]         MLPerf-style submission folder + HTML report: `cobench report --help`
 
+Shared settings, the same in every command: results_dir=DIR, tracking.uri=URI,
+tracking.experiment=NAME (`cobench compare results_dir=/data/res`).
 `cobench run --help` shows the composed config and every override group.
+Exit codes: 0 done, 1 a run failed, 2 bad input (nothing ran), 130 interrupted.
 """
 
+# command → (module, function): imported only when the command runs
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("harness.cli", "run_main"),
+    "suite": ("suite.runner", "suite_main"),
+    "list": ("suite.cli", "list_main"),
+    "trace": ("suite.trace_cli", "run"),
+    "qualify": ("suite.qualify", "run"),
+    "compare": ("suite.compare", "run"),
+    "report": ("suite.report", "run"),
+}
 
-def _list() -> int:
+# key=value settings shared by every command → the flag of the commands that parse flags
+SHARED_SETTINGS = {"results_dir": "--results-dir", "tracking.uri": "--tracking-uri",
+                   "tracking.experiment": "--experiment"}
+FLAG_COMMANDS = ("compare", "report")  # argparse-only commands: shared settings become their flags
+
+
+class CommandFailed(Exception):
+    """A command ran and did not succeed (exit 1); the message says what failed and where to look."""
+
+
+def shared_settings_as_flags(command: str, args: list[str]) -> list[str]:
+    """``results_dir=DIR`` → ``--results-dir DIR`` for commands that take flags only.
+
+    Raises ValueError for any other ``key=value`` there, naming the ones it takes.
+    """
+    out = []
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep or arg.startswith("-"):
+            out.append(arg)
+        elif key in SHARED_SETTINGS:
+            out += [SHARED_SETTINGS[key], value]
+        else:
+            raise ValueError(f"{arg!r}: `cobench {command}` takes the shared settings "
+                             f"{', '.join(k + '=' for k in SHARED_SETTINGS)} as key=value, and its own options "
+                             f"as flags (`cobench {command} --help`)")
+    return out
+
+
+def list_main(args: list[str]) -> int:
+    """``cobench list``: what this checkout knows, without importing any workload's code."""
     from harness.config import CONF_DIR
     from workloads import discover
 
+    if args:
+        raise ValueError(f"`cobench list` takes no arguments, got {' '.join(args)}")
     print("workloads:")
     for name, spec in sorted(discover().items()):
         print(f"  {name:12s} {spec.description}")
     for group in ("suite", "platform", "tracking"):
         names = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
         print(f"{group}s: {', '.join(names)}")
-    return 0
+    return EXIT_OK
 
 
-def _suite(args: list[str]) -> int:
-    from harness.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, sigterm_as_interrupt
-    from harness.distributed import env_dist_info
-    from harness.runner import STATUS_FINISHED, STATUS_SKIPPED
-    from harness.summary import print_summary
+def guarded(command: str, fn: Callable[[list[str]], int], args: list[str]) -> int:
+    """Run a command's function with the one error path every command shares (see the module doc)."""
     from harness.tracking import TrackingError
-    from suite.runner import run_suite
 
-    if not args or args[0].startswith("-") or "=" in args[0]:
-        print("cobench: error: `cobench suite` needs a suite name, e.g. `cobench suite smoke`", file=sys.stderr)
-        return EXIT_BAD_INPUT
     sigterm_as_interrupt()
     try:
-        outcome = run_suite(args[0], args[1:])
-    except (ValueError, TrackingError) as err:
-        print(f"cobench: error: {err}", file=sys.stderr)
+        if command in FLAG_COMMANDS:
+            args = shared_settings_as_flags(command, args)
+        return fn(args)
+    except SystemExit as exit_:  # argparse: --help (0) or a usage error (2); the run path's own exits
+        if exit_.code is None:
+            return EXIT_OK
+        return exit_.code if isinstance(exit_.code, int) else EXIT_BAD_INPUT
+    except (ValueError, TrackingError) as err:  # config, gates, trace and store errors: nothing ran
+        print(f"cobench {command}: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except CommandFailed as err:
+        print(f"cobench {command}: failed: {err}", file=sys.stderr)
+        return EXIT_FAILED
     except KeyboardInterrupt:
-        print("cobench: interrupted; open MLflow runs were closed as KILLED", file=sys.stderr)
+        print(f"cobench {command}: interrupted; MLflow runs it had started were closed as KILLED",
+              file=sys.stderr)
         return EXIT_INTERRUPTED
-    results = outcome.results
-    if env_dist_info().is_main:
-        print_summary(results, title=f"suite {args[0]}: {outcome.wall_s:.1f} s wall",
-                      extra_metrics=outcome.suite.summary_metrics)
-    ok = all(r.status in (STATUS_FINISHED, STATUS_SKIPPED) for r in results)
-    return EXIT_OK if ok else EXIT_FAILED
 
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
-        return 0
+        return EXIT_OK
     command, rest = args[0], args[1:]
-    if command == "run":
-        from harness.cli import run_main
-
-        return run_main(rest)
-    if command == "suite":
-        return _suite(rest)
-    if command == "list":
-        return _list()
-    # Each further command lives in its own module, which parses its own arguments.
-    if command == "trace":
-        from suite.trace_cli import main as trace_main
-
-        return trace_main(rest)
-    if command == "qualify":
-        from suite.qualify import main as qualify_main
-
-        return qualify_main(rest)
-    if command == "compare":
-        from suite.compare import main as compare_main
-
-        return compare_main(rest)
-    if command == "report":
-        from suite.report import main as report_main
-
-        return report_main(rest)
-    print(f"cobench: error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
-    return 2
+    if command not in COMMANDS:
+        print(f"cobench: error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    module, function = COMMANDS[command]
+    return guarded(command, getattr(importlib.import_module(module), function), rest)
 
 
 if __name__ == "__main__":

@@ -24,9 +24,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from harness.cli import EXIT_BAD_INPUT, EXIT_OK
+from harness.cli import EXIT_OK
 from harness.timing import olympic_mean
-from harness.tracking import TrackingError
 from suite.results import RunRecord, find_runs, open_store, parse_date
 
 
@@ -193,13 +192,7 @@ def compare(ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def main(argv: list[str]) -> int:
-    try:
-        ns = _parser().parse_args(argv)
-    except SystemExit as exit_:
-        return EXIT_OK if exit_.code == 0 else EXIT_BAD_INPUT
-    try:
-        return compare(ns)
-    except (ValueError, TrackingError) as err:
-        print(f"cobench compare: error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+def run(argv: list[str]) -> int:
+    """``cobench compare [OPTIONS]`` (errors: :func:`suite.cli.guarded`)."""
+    return compare(_parser().parse_args(argv))
+

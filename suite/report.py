@@ -32,8 +32,7 @@ from typing import Any
 
 import yaml
 
-from harness.cli import EXIT_BAD_INPUT, EXIT_OK
-from harness.tracking import TrackingError
+from harness.cli import EXIT_OK
 from suite.results import RunRecord, find_runs, open_store
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -290,13 +289,7 @@ def _system(fp: dict[str, Any], org: str, name: str, config: dict[str, Any]) -> 
     }
 
 
-def main(argv: list[str]) -> int:
-    try:
-        ns = _parser().parse_args(argv)
-    except SystemExit as exit_:
-        return EXIT_OK if exit_.code == 0 else EXIT_BAD_INPUT
-    try:
-        return report(ns)
-    except (ValueError, TrackingError) as err:
-        print(f"cobench report: error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+def run(argv: list[str]) -> int:
+    """``cobench report [OPTIONS]`` (errors: :func:`suite.cli.guarded`)."""
+    return report(_parser().parse_args(argv))
+

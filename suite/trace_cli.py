@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from harness.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from harness.cli import EXIT_FAILED, EXIT_OK
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,12 +62,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _capture(args: argparse.Namespace) -> int:
     from harness.capture import capture_benchmark
-    from harness.cli import sigterm_as_interrupt
     from harness.config import compose_config, to_run_config
     from harness.distributed import env_dist_info, shutdown_distributed
 
     cfg = to_run_config(compose_config(args.overrides))
-    sigterm_as_interrupt()
     try:
         bundle = capture_benchmark(cfg, args.out, steps=args.steps, warmup=args.warmup,
                                    baseline_steps=args.baseline_steps)
@@ -112,14 +110,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _fidelity(args: argparse.Namespace) -> int:
-    from harness.cli import sigterm_as_interrupt
     from harness.config import compose_config, to_run_config
     from harness.distributed import env_dist_info, shutdown_distributed
     from harness.judge import judge_benchmark
     from harness.runner import STATUS_FINISHED
 
     cfg = to_run_config(compose_config(args.overrides))
-    sigterm_as_interrupt()
     try:
         result = judge_benchmark(cfg, rounds=args.rounds, steps_per_round=args.round_steps, warmup=args.warmup,
                                  capture_steps=args.steps, baseline_steps=args.baseline_steps)
@@ -153,26 +149,17 @@ def _export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def main(argv: list[str]) -> int:
-    from workloads.trace_bundle import TraceError
+def run(argv: list[str]) -> int:
+    """``cobench trace SUBCOMMAND ...`` (errors: :func:`suite.cli.guarded`; a capture or replay that
+    fails once running exits 1)."""
+    from harness.tracking import TrackingError
+    from suite.cli import CommandFailed
 
-    try:
-        args = _parser().parse_args(argv)
-    except SystemExit as exit_:
-        return EXIT_OK if exit_.code == 0 else EXIT_BAD_INPUT
+    args = _parser().parse_args(argv)
     handlers = {"capture": _capture, "generate": _generate, "fidelity": _fidelity, "export": _export}
     try:
         return handlers[args.command](args)
-    except (TraceError, ValueError) as err:
-        print(f"cobench trace {args.command}: error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print(f"cobench trace {args.command}: interrupted; no bundle was written", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except TrackingError:
+        raise  # the store cannot be reached: bad input, before any run
     except RuntimeError as err:
-        print(f"cobench trace {args.command}: failed: {err}", file=sys.stderr)
-        return EXIT_FAILED
-
-
-if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+        raise CommandFailed(str(err)) from err

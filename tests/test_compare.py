@@ -56,6 +56,16 @@ def test_compare_filters_and_bad_input(cobench, two_platforms: Path, tmp_path: P
     assert proc.returncode == 2 and "127.0.0.1:9" in proc.stderr and "Traceback" not in proc.stderr
 
 
+def test_compare_takes_the_shared_settings_as_key_value(cobench, two_platforms: Path, tmp_path: Path):
+    """`results_dir=DIR` works in every command, as in `cobench run`; other key=value is refused by name."""
+    proc = cobench("compare", f"results_dir={two_platforms}", "--workload", "llama", "--out", str(tmp_path / "kv"))
+    assert proc.returncode == 0, proc.stderr
+    assert {r["platform"] for r in json.loads((tmp_path / "kv" / "compare.json").read_text())["rows"]} == {
+        "cpu-1t", "cpu-2t"}
+    proc = cobench("compare", f"results_dir={two_platforms}", "workload=llama")
+    assert proc.returncode == 2 and "'workload=llama'" in proc.stderr and "results_dir=" in proc.stderr
+
+
 def test_compare_reads_a_tracking_server(cobench, mlflow_server, tmp_path: Path):
     for threads in (1, 2):
         proc = cobench("run", "tracking=server", f"tracking.uri={mlflow_server}", f"platform.num_threads={threads}",
