@@ -36,10 +36,11 @@ from omegaconf import OmegaConf
 from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile, record_function
 
 from harness.config import CobenchConfig, results_root
-from harness.distributed import broadcast_from_main, env_dist_info, init_distributed
+from harness.distributed import broadcast_from_main, env_dist_info
 from harness.fingerprint import git_state, library_versions
 from harness.loop import MemoryMeter, seed_everything
-from harness.platform import Platform, device_name, discover_platform, synchronize
+from harness.platform import Platform, device_name, synchronize
+from harness.runner import join, open_workload
 from workloads import discover
 from workloads.base import RunContext, Workload
 from workloads.trace_bundle import (
@@ -332,7 +333,7 @@ class SourceWorkload:
         config = OmegaConf.to_container(OmegaConf.structured(self.cfg.workload), resolve=True)
         with capture(out_dir, steps=steps, warmup=warmup, baseline_steps=baseline_steps, device=self.ctx.device,
                      config={"workload": config, "platform": self.platform.name}, source=self.cfg.workload.name,
-                     model=getattr(self.workload, "model", None)) as cap:
+                     model=self.workload.root_module()) as cap:
             while not cap.done:
                 with cap.step():
                     self.workload.step()
@@ -341,20 +342,13 @@ class SourceWorkload:
 
 def prepare_source(cfg: CobenchConfig, work_dir: Path) -> SourceWorkload:
     """Platform, process group and the workload ``cfg`` names, set up (validated before anything runs)."""
-    dist_env = env_dist_info()
-    platform = discover_platform(cfg.platform, dist_env.local_rank)
-    info = init_distributed(platform.device, cfg.platform.dist_backend)
-    ctx = RunContext(device=platform.device, seed=cfg.seed, rank=info.rank, world_size=info.world_size,
-                     process_group=torch.distributed.group.WORLD if info.enabled else None,
-                     deterministic=cfg.deterministic, work_dir=work_dir, device_name=platform.device_name)
-    spec = discover()[cfg.workload.name]
-    if spec.replays_bundle:
+    if discover()[cfg.workload.name].replays_bundle:
         raise ValueError(f"capture a reference workload or your own program, not a replay "
                          f"(workload={cfg.workload.name})")
-    workload = spec.factory(cfg.workload, ctx)  # validates before anything is written
+    opened = open_workload(cfg, work_dir)
     seed_everything(cfg.seed, cfg.deterministic)
-    workload.setup()
-    return SourceWorkload(workload, ctx, platform, cfg)
+    opened.workload.setup()
+    return SourceWorkload(opened.workload, opened.ctx, opened.platform, cfg)
 
 
 def default_trace_dir(cfg: CobenchConfig, label: str) -> Path:
@@ -370,8 +364,7 @@ def capture_benchmark(cfg: CobenchConfig, out_dir: Path | None, *, steps: int, w
     Returns this rank's bundle folder (``<results_dir>/traces/<workload>-<time>`` by default).
     """
     if out_dir is None:
-        init_distributed(discover_platform(cfg.platform, env_dist_info().local_rank).device,
-                         cfg.platform.dist_backend)
+        join(cfg)
         out_dir = default_trace_dir(cfg, cfg.workload.name)
     out_dir.mkdir(parents=True, exist_ok=True)
     source = prepare_source(cfg, out_dir)

@@ -36,15 +36,16 @@ from torch.profiler import ProfilerActivity, profile, supported_activities
 
 from harness.capture import capture, prepare_source
 from harness.config import CobenchConfig, config_hash, results_root
-from harness.distributed import broadcast_from_main, env_dist_info, init_distributed
+from harness.distributed import broadcast_from_main, env_dist_info
 from harness.fingerprint import environment_fingerprint
-from harness.platform import device_name, discover_platform, synchronize
+from harness.platform import device_name, synchronize
 from harness.runner import (
     STATUS_FAILED,
     STATUS_FINISHED,
     STATUS_KILLED,
     BenchmarkResult,
     connect_tracker,
+    join,
     new_run_dir,
 )
 from harness.tracking import Tracker
@@ -301,7 +302,7 @@ def judge_benchmark(cfg: CobenchConfig, *, benchmark: str | None = None, rounds:
     """
     name = benchmark or f"{cfg.workload.name}_fidelity"
     root = results_root(cfg)
-    init_distributed(discover_platform(cfg.platform, env_dist_info().local_rank).device, cfg.platform.dist_backend)
+    join(cfg)
     run_dir = Path(broadcast_from_main(new_run_dir(root, name) if env_dist_info().is_main else None))
     bundle = run_dir / "bundle"
     source = prepare_source(cfg, bundle)  # validates the workload before any run exists

@@ -14,6 +14,7 @@ import json
 import time
 import traceback
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from omegaconf import OmegaConf
 
 from harness.config import CobenchConfig, config_hash, results_root
 from harness.distributed import (
+    DistInfo,
     broadcast_from_main,
     env_dist_info,
     gather_to_all,
@@ -31,11 +33,11 @@ from harness.fingerprint import environment_fingerprint
 from harness.loop import RepetitionState, run_repetition
 from harness.metrics import benchmark_metrics
 from harness.mlperf_log import MLPerfLogWriter
-from harness.platform import PeakFlops, discover_platform
+from harness.platform import PeakFlops, Platform, discover_platform
 from harness.progress import step_progress
 from harness.tracking import Tracker, TrackingError
 from workloads import discover
-from workloads.base import RunContext
+from workloads.base import RunContext, Workload, WorkloadSpec
 
 STATUS_FINISHED, STATUS_FAILED, STATUS_KILLED = "FINISHED", "FAILED", "KILLED"
 STATUS_SKIPPED = "SKIPPED"  # a suite's benchmark this platform cannot run; no MLflow run is made
@@ -54,11 +56,53 @@ class BenchmarkResult:
     run_id: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    losses: list[float] = field(default_factory=list)  # train loss per step: repetition 0, rank 0
 
 
 def new_run_dir(root: Path, name: str) -> str:
     """A fresh folder name for this run's files (created only once the run really starts)."""
     return str(root / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}-{uuid.uuid4().hex[:6]}")
+
+
+@dataclass
+class OpenedWorkload:
+    """What running and capturing share before a step runs: the platform, this process's place in
+    the process group, the run context and the workload ``cfg`` names, built against that context."""
+
+    platform: Platform
+    dist: DistInfo
+    ctx: RunContext
+    spec: WorkloadSpec
+    workload: Workload
+
+
+def join(cfg: CobenchConfig) -> tuple[Platform, DistInfo]:
+    """This process's platform, and its place in the process group (joined once per process)."""
+    platform = discover_platform(cfg.platform, env_dist_info().local_rank)
+    return platform, init_distributed(platform.device, cfg.platform.dist_backend)
+
+
+def open_workload(cfg: CobenchConfig, work_dir: Path,
+                  joined: tuple[Platform, DistInfo] | None = None) -> OpenedWorkload:
+    """Build the workload ``cfg`` names on this platform (:func:`join`, unless ``joined`` already).
+
+    The workload's constructor checks its config against the context (world size, device):
+    :class:`~workloads.base.PlatformUnsupported` when this platform cannot run it, ValueError when
+    the config is wrong; nothing is written and no run exists yet.
+    """
+    platform, dist_info = joined or join(cfg)
+    ctx = RunContext(
+        device=platform.device,
+        seed=cfg.seed,
+        rank=dist_info.rank,
+        world_size=dist_info.world_size,
+        process_group=torch.distributed.group.WORLD if dist_info.enabled else None,
+        deterministic=cfg.deterministic,
+        work_dir=work_dir,
+        device_name=platform.device_name,
+    )
+    spec = discover()[cfg.workload.name]
+    return OpenedWorkload(platform, dist_info, ctx, spec, spec.factory(cfg.workload, ctx))
 
 
 def connect_tracker(cfg: CobenchConfig) -> Tracker | None:
@@ -83,33 +127,23 @@ def run_benchmark(
     parent_run_id: str | None = None,
     tracker: Tracker | None = None,
     connect: bool = True,
+    derived: Callable[[dict[str, float]], dict[str, float]] | None = None,
 ) -> BenchmarkResult:
     """Run ``cfg`` (already validated) and return its result; raises ValueError on bad input.
+
+    ``derived``: metrics computed from the finished run's (e.g. a suite's deltas against its
+    baseline), logged with them before the run is closed.
 
     ``tracker``: an open store (a suite's); else, with ``connect``, one is opened here (on rank 0;
     every rank must pass the same ``connect``, since connecting is collective).
 
     KeyboardInterrupt propagates after the MLflow run is closed as KILLED.
     """
-    root = results_root(cfg)
-    dist_env = env_dist_info()
-    platform = discover_platform(cfg.platform, dist_env.local_rank)
-    dist_info = init_distributed(platform.device, cfg.platform.dist_backend)
     name = benchmark or cfg.workload.name
-    spec = discover()[cfg.workload.name]
-
-    run_dir = Path(broadcast_from_main(new_run_dir(root, name) if dist_info.is_main else None))
-    ctx = RunContext(
-        device=platform.device,
-        seed=cfg.seed,
-        rank=dist_info.rank,
-        world_size=dist_info.world_size,
-        process_group=torch.distributed.group.WORLD if dist_info.enabled else None,
-        deterministic=cfg.deterministic,
-        work_dir=run_dir,
-        device_name=platform.device_name,
-    )
-    workload = spec.factory(cfg.workload, ctx)  # validates against ctx before any run exists
+    joined = join(cfg)
+    run_dir = Path(broadcast_from_main(new_run_dir(results_root(cfg), name) if joined[1].is_main else None))
+    opened = open_workload(cfg, run_dir, joined)  # validates against the context before any run exists
+    platform, dist_info, ctx, spec, workload = opened.platform, opened.dist, opened.ctx, opened.spec, opened.workload
     if tracker is None and connect:
         tracker = connect_tracker(cfg)
     main = dist_info.is_main
@@ -140,7 +174,7 @@ def run_benchmark(
             "world_size": dist_info.world_size,
             "peak_flops_source": peak.source if peak else "unknown",
         }
-        tags.update(getattr(workload, "run_tags", dict)())  # optional: e.g. a replay's source and portability
+        tags.update(workload.run_tags())  # e.g. a replay's source and portability
         result.run_id = tracker.start_run(cfg.run_name or name, tags, parent_run_id)
         tracker.log_params(result.run_id, OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
         if peak is not None and peak.value:
@@ -175,7 +209,7 @@ def run_benchmark(
             (run_dir / "error.txt").write_text(traceback.format_exc())
         _finish(result, tracker, repetitions, states, peak, STATUS_FAILED, reason)
         return result
-    _finish(result, tracker, repetitions, [], peak, STATUS_FINISHED, None)
+    _finish(result, tracker, repetitions, [], peak, STATUS_FINISHED, None, derived)
     return result
 
 
@@ -187,12 +221,16 @@ def _finish(
     peak: PeakFlops | None,
     status: str,
     reason: str | None,
+    derived: Callable[[dict[str, float]], dict[str, float]] | None = None,
 ) -> None:
     """Compute metrics from whatever was measured, write them locally, close the MLflow run."""
     result.status, result.error = status, reason
     measured = repetitions + ([unfinished] if unfinished and unfinished[0].step_times_s else [])
     if measured:
         result.metrics = benchmark_metrics(measured, result.throughput_unit, peak.value if peak else None)
+        result.losses = list(measured[0][0].losses)  # the trajectory users (and qualify) compare
+    if derived is not None and status == STATUS_FINISHED:
+        result.metrics.update(derived(result.metrics))
     if not env_dist_info().is_main:
         return
     (result.run_dir / "metrics.json").write_text(
@@ -203,8 +241,8 @@ def _finish(
     run_id = result.run_id
     tracker.log_metrics(run_id, result.metrics)
     if measured:
-        first = measured[0][0]  # repetition 0 on rank 0: the trajectory users compare
-        tracker.log_series(run_id, "train_loss", first.losses)
+        first = measured[0][0]
+        tracker.log_series(run_id, "train_loss", result.losses)
         for samples_count, quality in first.quality_history:
             tracker.log_metrics(run_id, {f"{k}_curve": v for k, v in quality.items()}, step=samples_count)
     for path in sorted(result.run_dir.iterdir()):

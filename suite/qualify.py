@@ -1,7 +1,7 @@
 """``cobench qualify``: run the qualification suite and judge the platform against its gates.
 
     cobench qualify [--gates FILE] [--golden FILE] [--suite NAME] [OVERRIDES]   → PASS (0) / FAIL (1)
-    cobench qualify --record-golden [--golden FILE] [OVERRIDES]                  → new golden reference
+    cobench qualify --record-golden [--runs N] [--golden FILE] [OVERRIDES]       → new golden reference
 
 Gates and golden references are data (``conf/gates/<platform>.yaml``, ``conf/golden/<platform>.yaml``,
 see :mod:`suite.gates`). Everything is checked before the suite runs — a platform without gates, a
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import statistics
 import sys
 import time
 from dataclasses import asdict
@@ -23,13 +24,20 @@ from typing import Any
 
 import torch
 
-from harness.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, sigterm_as_interrupt
+from harness.cli import EXIT_FAILED, EXIT_OK
 from harness.config import CONF_DIR, CobenchConfig, config_hash, results_root
 from harness.distributed import env_dist_info
-from harness.platform import discover_platform
-from harness.runner import STATUS_FINISHED
-from harness.tracking import TrackingError
-from suite.gates import GateError, GateResult, GatesFile, evaluate, load_gates, load_golden, write_golden
+from harness.runner import STATUS_FINISHED, join
+from suite.gates import (
+    GateError,
+    GateResult,
+    GatesFile,
+    evaluate,
+    load_gates,
+    load_golden,
+    median_trajectory,
+    write_golden,
+)
 from suite.runner import Plan, SuiteOutcome, plan_suite, run_suite
 
 
@@ -40,7 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gates", type=Path, help="gates file (default conf/gates/<platform>.yaml)")
     parser.add_argument("--golden", type=Path, help="golden reference (default: the one the gates file names)")
     parser.add_argument("--record-golden", action="store_true",
-                        help="run the suite and record its results as the golden reference (a trusted run)")
+                        help="run the suite and record its results as the golden reference (trusted runs)")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="with --record-golden: run the suite N times; the golden is their median (default 1)")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. platform=cpu")
     return parser
 
@@ -52,7 +62,7 @@ def _benchmark_hash(plan: Plan) -> str:
 
 
 def _gates_for(base: CobenchConfig, plans: list[Plan], suite: str, path: Path | None) -> tuple[str, GatesFile]:
-    platform = discover_platform(base.platform, env_dist_info().local_rank).name
+    platform = join(base)[0].name
     path = path or CONF_DIR / "gates" / f"{platform}.yaml"
     if not path.is_file():
         raise GateError(f"platform {platform!r} has no gates: {path} does not exist; write one (see "
@@ -83,40 +93,41 @@ def _check_golden(golden: dict[str, Any], path: Path, suite: str, version: int, 
                             f"re-record it or drop the overrides that changed it")
 
 
-def _losses(outcome: SuiteOutcome, run_id: str | None) -> list[float]:
-    if outcome.tracker is None or run_id is None:
-        return []
-    history = outcome.tracker.client.get_metric_history(run_id, "train_loss")
-    return [m.value for m in sorted(history, key=lambda m: m.step)]
-
-
-def _record(outcome: SuiteOutcome, plans: list[Plan], platform: str, path: Path) -> int:
-    failed = [r.benchmark for r in outcome.results if r.status != STATUS_FINISHED]
+def _record(outcomes: list[SuiteOutcome], plans: list[Plan], platform: str, path: Path) -> int:
+    """The golden reference: per benchmark, the median over the recorded runs (throughput, its cv and,
+    point by point, the loss trajectory), with every run's throughput beside it."""
+    failed = sorted({r.benchmark for o in outcomes for r in o.results if r.status != STATUS_FINISHED})
     if failed:
         print(f"cobench qualify: not recording a golden reference: benchmarks did not finish: {failed}",
               file=sys.stderr)
         return EXIT_FAILED
-    by_name = {r.benchmark: r for r in outcome.results}
+    runs = [{r.benchmark: r for r in o.results} for o in outcomes]
+
+    def entry(plan: Plan) -> dict[str, Any]:
+        results = [by_name[plan.name] for by_name in runs]
+        throughputs = [r.metrics["throughput"] for r in results]
+        return {
+            "config_hash": _benchmark_hash(plan),
+            "throughput": statistics.median(throughputs),
+            "throughput_unit": results[0].throughput_unit,
+            "throughput_cv": statistics.median(r.metrics.get("throughput_cv", 0.0) for r in results),
+            "throughput_runs": throughputs,
+            "train_loss": median_trajectory([r.losses for r in results]),
+        }
+
+    suite = outcomes[0].suite
     golden = {
         "platform": platform,
-        "suite": outcome.suite.name,
-        "suite_version": outcome.suite.version,
+        "suite": suite.name,
+        "suite_version": suite.version,
         "recorded": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "source_run_id": outcome.parent_run_id or "",
+        "source_run_id": ",".join(o.parent_run_id for o in outcomes if o.parent_run_id),
         "torch_version": str(torch.__version__),
-        "benchmarks": {
-            plan.name: {
-                "config_hash": _benchmark_hash(plan),
-                "throughput": by_name[plan.name].metrics["throughput"],
-                "throughput_unit": by_name[plan.name].throughput_unit,
-                "throughput_cv": by_name[plan.name].metrics.get("throughput_cv", 0.0),
-                "train_loss": _losses(outcome, by_name[plan.name].run_id),
-            }
-            for plan in plans
-        },
+        "runs": len(outcomes),
+        "benchmarks": {plan.name: entry(plan) for plan in plans},
     }
     write_golden(path, golden)
-    print(f"golden reference for {platform!r} written to {path}")
+    print(f"golden reference for {platform!r} ({len(outcomes)} run(s), medians) written to {path}")
     return EXIT_OK
 
 
@@ -129,7 +140,7 @@ def _markdown(verdict: dict[str, Any]) -> str:
              "| benchmark | gate | result | measured | required | detail |", "|---|---|---|---|---|---|"]
     for g in verdict["gates"]:
         lines.append(f"| {g['benchmark']} | {g['gate']} | {'PASS' if g['passed'] else '**FAIL**'} | "
-                     f"{g['measured']} | {g['required']} | {g['detail']} |")
+                     f"{g['measured_text']} | {g['required_text']} | {g['detail']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -141,7 +152,8 @@ def _print(verdict: dict[str, Any], results: list[GateResult]) -> None:
     for column in ("benchmark", "gate", "result", "measured", "required"):
         table.add_column(column)
     for g in results:
-        table.add_row(g.benchmark, g.gate, "PASS" if g.passed else "[bold red]FAIL[/]", g.measured, g.required)
+        table.add_row(g.benchmark, g.gate, "PASS" if g.passed else "[bold red]FAIL[/]", g.measured_text,
+                      g.required_text)
     Console(width=160).print(table)
 
 
@@ -152,7 +164,7 @@ def _judge(outcome: SuiteOutcome, plans: list[Plan], gates: GatesFile, golden: d
     for plan in plans:
         r = by_name[plan.name]
         results += evaluate(plan.name, gates.benchmarks[plan.name], r.status, r.error, r.metrics,
-                            _losses(outcome, r.run_id), golden["benchmarks"].get(plan.name))
+                            r.losses, golden["benchmarks"].get(plan.name))
     failed = [g for g in results if not g.passed]
     verdict = {
         "verdict": "FAIL" if failed else "PASS",
@@ -165,7 +177,8 @@ def _judge(outcome: SuiteOutcome, plans: list[Plan], gates: GatesFile, golden: d
         "wall_s": outcome.wall_s,
         "gates_passed": len(results) - len(failed),
         "gates_failed": len(failed),
-        "gates": [asdict(g) for g in results],
+        # numbers (measured, bound, comparison), and the same as text for people
+        "gates": [asdict(g) | {"measured_text": g.measured_text, "required_text": g.required_text} for g in results],
     }
     out = results_root(base) / "qualify" / f"{time.strftime('%Y%m%d-%H%M%S')}-{platform}"
     out.mkdir(parents=True, exist_ok=True)
@@ -180,7 +193,7 @@ def _judge(outcome: SuiteOutcome, plans: list[Plan], gates: GatesFile, golden: d
             tracker.log_artifact(outcome.parent_run_id, out / name)
     _print(verdict, results)
     for g in failed:
-        print(f"FAIL {g.benchmark} {g.gate}: measured {g.measured}, required {g.required}"
+        print(f"FAIL {g.benchmark} {g.gate}: measured {g.measured_text}, required {g.required_text}"
               + (f" ({g.detail})" if g.detail else ""), file=sys.stderr)
     print(f"verdict {verdict['verdict']}: {out / 'verdict.md'}")
     return EXIT_FAILED if failed else EXIT_OK
@@ -188,9 +201,6 @@ def _judge(outcome: SuiteOutcome, plans: list[Plan], gates: GatesFile, golden: d
 
 def _qualify(ns: argparse.Namespace) -> int:
     base, plans = plan_suite(ns.suite, ns.overrides)
-    if not base.tracking.enabled:
-        raise GateError("qualification logs its verdict and reads loss trajectories from MLflow: "
-                        "leave tracking on (drop tracking=off)")
     platform, gates = _gates_for(base, plans, ns.suite, ns.gates)
     golden_path = ns.golden or gates.golden
     golden = None
@@ -198,26 +208,18 @@ def _qualify(ns: argparse.Namespace) -> int:
         golden = load_golden(golden_path)
         assert base.suite is not None
         _check_golden(golden, golden_path, ns.suite, base.suite.version, plans)
-    outcome = run_suite(ns.suite, ns.overrides)
+    if ns.runs < 1 or (ns.runs > 1 and not ns.record_golden):
+        raise GateError(f"--runs {ns.runs}: takes N >= 1, with --record-golden (the golden is the median of N runs)")
+    outcomes = [run_suite(base, plans) for _ in range(ns.runs if ns.record_golden else 1)]
     if not env_dist_info().is_main:
         return EXIT_OK
     if ns.record_golden:
-        return _record(outcome, plans, platform, golden_path)
+        return _record(outcomes, plans, platform, golden_path)
+    outcome = outcomes[0]
     assert golden is not None
     return _judge(outcome, plans, gates, golden, golden_path, platform, base)
 
 
-def main(argv: list[str]) -> int:
-    try:
-        ns = _parser().parse_args(argv)
-    except SystemExit as exit_:
-        return EXIT_OK if exit_.code == 0 else EXIT_BAD_INPUT
-    sigterm_as_interrupt()
-    try:
-        return _qualify(ns)
-    except (GateError, ValueError, TrackingError) as err:
-        print(f"cobench qualify: error: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("cobench qualify: interrupted; no verdict (open MLflow runs were closed as KILLED)", file=sys.stderr)
-        return EXIT_INTERRUPTED
+def run(argv: list[str]) -> int:
+    """``cobench qualify ...``: PASS exits 0, FAIL 1 (errors: :func:`suite.cli.guarded`)."""
+    return _qualify(_parser().parse_args(argv))

@@ -11,12 +11,13 @@ process (:mod:`harness.judge`): its run holds the replay's speed and the fidelit
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from harness.cli import EXIT_FAILED, EXIT_OK
 from harness.config import CobenchConfig, SuiteBenchmark, SuiteConfig, compose_config, results_root, to_run_config
-from harness.distributed import env_dist_info, init_distributed
+from harness.distributed import env_dist_info
 from harness.judge import judge_benchmark
-from harness.platform import discover_platform
 from harness.runner import (
     STATUS_FAILED,
     STATUS_FINISHED,
@@ -24,10 +25,14 @@ from harness.runner import (
     STATUS_SKIPPED,
     BenchmarkResult,
     connect_tracker,
+    join,
+    open_workload,
     run_benchmark,
 )
+from harness.summary import print_summary
 from harness.tracking import Tracker
 from workloads import discover
+from workloads.base import PlatformUnsupported
 
 CAPTURE_STEPS, CAPTURE_WARMUP, CAPTURE_BASELINE = 3, 10, 50
 
@@ -41,6 +46,7 @@ class Plan:
     source: CobenchConfig | None = None  # the workload to capture and judge beside (entries with `capture:`)
     rounds: int = 10
     round_steps: int = 10
+    skip: str | None = None  # why this platform cannot run it (the benchmark is SKIPPED), or None
 
 
 @dataclass
@@ -53,13 +59,27 @@ class SuiteOutcome:
 
 
 def plan_suite(name: str, overrides: list[str]) -> tuple[CobenchConfig, list[Plan]]:
-    """The suite's config and each benchmark's validated config; raises ValueError on bad input."""
+    """The suite's config and each benchmark's validated plan, before anything runs.
+
+    Every config is composed and every workload built once against this platform and launch (the
+    process group is joined here): a benchmark this platform cannot run is planned SKIPPED with the
+    reason; any other error is bad input and raises ValueError naming the benchmark.
+    """
     base = to_run_config(compose_config([f"suite={name}", *overrides]))
     if base.suite is None:
         raise ValueError(f"suite {name!r} is empty: conf/suite/{name}.yaml needs name and benchmarks")
+    joined = join(base)
     plans = []
     for bench in base.suite.benchmarks:
-        plans.append(_plan(name, bench, overrides, base))
+        plan = _plan(name, bench, overrides, base)
+        checked = plan.source if plan.source is not None else plan.cfg
+        try:
+            open_workload(checked, results_root(base), joined).workload.teardown()
+        except PlatformUnsupported as err:
+            plan.skip = str(err)
+        except ValueError as err:
+            raise ValueError(f"suite {name!r}, benchmark {bench.name!r}: {err}") from err
+        plans.append(plan)
     return base, plans
 
 
@@ -75,19 +95,19 @@ def _plan(suite: str, bench: SuiteBenchmark, overrides: list[str], base: Cobench
     return Plan(bench.name, cfg, source, bench.rounds, bench.round_steps)
 
 
-def _run_one(plan: Plan, suite: str, parent_id: str | None, tracker: Tracker | None) -> BenchmarkResult:
+def _run_one(plan: Plan, suite: str, parent_id: str | None, tracker: Tracker | None,
+             derived: Callable[[dict[str, float]], dict[str, float]]) -> BenchmarkResult:
     cfg = plan.cfg
-    try:
-        if plan.source is not None:
-            return judge_benchmark(plan.source, benchmark=plan.name, rounds=plan.rounds,
-                                   steps_per_round=plan.round_steps, warmup=CAPTURE_WARMUP,
-                                   capture_steps=CAPTURE_STEPS, baseline_steps=CAPTURE_BASELINE, suite=suite,
-                                   parent_run_id=parent_id, tracker=tracker, connect=False)
-        return run_benchmark(cfg, benchmark=plan.name, suite=suite, parent_run_id=parent_id, tracker=tracker,
-                             connect=False)
-    except ValueError as err:  # raised before the benchmark's run exists: this platform can't run it
+    if plan.skip is not None:
         return BenchmarkResult(plan.name, cfg.workload.name, cfg.platform.name, STATUS_SKIPPED, "-", None,
-                               error=str(err))
+                               error=plan.skip)
+    if plan.source is not None:
+        return judge_benchmark(plan.source, benchmark=plan.name, rounds=plan.rounds,
+                               steps_per_round=plan.round_steps, warmup=CAPTURE_WARMUP,
+                               capture_steps=CAPTURE_STEPS, baseline_steps=CAPTURE_BASELINE, suite=suite,
+                               parent_run_id=parent_id, tracker=tracker, connect=False)
+    return run_benchmark(cfg, benchmark=plan.name, suite=suite, parent_run_id=parent_id, tracker=tracker,
+                         connect=False, derived=derived)
 
 
 def baseline_deltas(suite: SuiteConfig, results: list[BenchmarkResult]) -> dict[str, dict[str, float]]:
@@ -108,14 +128,11 @@ def baseline_deltas(suite: SuiteConfig, results: list[BenchmarkResult]) -> dict[
     return deltas
 
 
-def run_suite(name: str, overrides: list[str]) -> SuiteOutcome:
-    """Run suite ``name``: its results, wall time, config and MLflow parent run."""
-    base, plans = plan_suite(name, overrides)
+def run_suite(base: CobenchConfig, plans: list[Plan]) -> SuiteOutcome:
+    """Run a planned suite (:func:`plan_suite`): its results, wall time, config and MLflow parent run."""
     suite = base.suite
     assert suite is not None
-    # Join the process group first: connecting to the store is collective (rank 0 tells the others).
-    init_distributed(discover_platform(base.platform, env_dist_info().local_rank).device,
-                     base.platform.dist_backend)
+    name = suite.name
     tracker = connect_tracker(base)
     main = env_dist_info().is_main
     parent_id = None
@@ -124,17 +141,24 @@ def run_suite(name: str, overrides: list[str]) -> SuiteOutcome:
         parent_id = tracker.start_run(f"suite-{name}", tags)
     started = time.perf_counter()
     results: list[BenchmarkResult] = []
+    # The baseline runs first, so each other benchmark's deltas against it are logged with its run.
+    ordered = sorted(plans, key=lambda plan: plan.name != suite.baseline)
+
+    def deltas_of(name: str) -> Callable[[dict[str, float]], dict[str, float]]:
+        def derived(metrics: dict[str, float]) -> dict[str, float]:
+            probe = BenchmarkResult(name, "", "", STATUS_FINISHED, "", None, metrics=metrics)
+            return baseline_deltas(suite, [*results, probe]).get(name, {})
+        return derived
+
     try:
-        for plan in plans:
-            results.append(_run_one(plan, name, parent_id, tracker))
+        for plan in ordered:
+            results.append(_run_one(plan, name, parent_id, tracker, deltas_of(plan.name)))
     except KeyboardInterrupt:
         if parent_id and tracker is not None:
             tracker.end_run(parent_id, STATUS_KILLED, "KeyboardInterrupt: interrupted by the user")
         raise
     wall_s = time.perf_counter() - started
     deltas = baseline_deltas(suite, results)
-    for result in results:
-        result.metrics.update(deltas.get(result.benchmark, {}))
     if parent_id and tracker is not None:
         _close_parent(tracker, parent_id, results, deltas, wall_s)
     return SuiteOutcome(results, wall_s, suite, parent_id, tracker)
@@ -148,10 +172,21 @@ def _close_parent(tracker: Tracker, parent_id: str, results: list[BenchmarkResul
     for r in results:
         if "throughput" in r.metrics:
             metrics[f"{r.benchmark}.throughput"] = r.metrics["throughput"]
-        if r.run_id and deltas.get(r.benchmark):
-            tracker.log_metrics(r.run_id, deltas[r.benchmark])
+        metrics.update({f"{r.benchmark}.{k}": v for k, v in deltas.get(r.benchmark, {}).items()})
     tracker.log_metrics(parent_id, metrics)
     if results:
         tracker.set_tags(parent_id, {"platform": results[0].platform})
     reason = f"failed benchmarks: {', '.join(failed)}" if failed else None
     tracker.end_run(parent_id, STATUS_FAILED if failed else STATUS_FINISHED, reason)
+
+
+def suite_main(args: list[str]) -> int:
+    """``cobench suite NAME [OVERRIDES]``: exit 0 when every benchmark finished or was skipped, else 1."""
+    if not args or args[0].startswith("-") or "=" in args[0]:
+        raise ValueError("`cobench suite` needs a suite name, e.g. `cobench suite smoke`")
+    outcome = run_suite(*plan_suite(args[0], args[1:]))
+    if env_dist_info().is_main:
+        print_summary(outcome.results, title=f"suite {args[0]}: {outcome.wall_s:.1f} s wall",
+                      extra_metrics=outcome.suite.summary_metrics)
+    ok = all(r.status in (STATUS_FINISHED, STATUS_SKIPPED) for r in outcome.results)
+    return EXIT_OK if ok else EXIT_FAILED

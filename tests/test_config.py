@@ -97,3 +97,14 @@ def test_suite_plan_validates_every_benchmark_up_front():
     assert all(plan.cfg.runner.steps == 2 for plan in plans)  # user overrides win over the suite's
     with pytest.raises(ValueError, match="runner.steps"):
         plan_suite("smoke", ["runner.steps=0"])
+
+
+def test_a_suite_skips_what_this_platform_cannot_run_and_refuses_a_bad_configuration():
+    """Planning builds every workload against this launch: a codec that needs more than one rank is
+    planned SKIPPED with the reason; a wrong setting stops the whole suite before anything runs."""
+    _, plans = plan_suite("dlrm_codecs", ["runner.steps=2"])
+    skipped = {plan.name: plan.skip for plan in plans}
+    assert skipped["none"] is None
+    assert "needs >1 rank" in skipped["int8"] and "cannot run here: 'workload.comm_codec'" in skipped["int8"]
+    with pytest.raises(ValueError, match="suite 'dlrm_codecs', benchmark .*codec_options are for codecs registered"):
+        plan_suite("dlrm_codecs", ["+workload.codec_options.bogus=1"])

@@ -18,6 +18,7 @@ Life cycle, driven by the harness runner::
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,17 @@ import torch
 def invalid_config(key: str, message: str) -> ValueError:
     """The error for a bad workload config value; ``key`` is relative to ``workload.``."""
     return ValueError(f"invalid config 'workload.{key}': {message}")
+
+
+class PlatformUnsupported(ValueError):
+    """A valid configuration this platform or launch cannot run (e.g. a CUDA-only sharding on a CPU, a
+    codec that needs >1 rank in one process). A suite SKIPs such a benchmark with this reason; any
+    other error from a workload's constructor is a bad configuration and stops the suite before it runs."""
+
+
+def unsupported(key: str, message: str) -> PlatformUnsupported:
+    """:class:`PlatformUnsupported` for the setting ``workload.<key>``."""
+    return PlatformUnsupported(f"cannot run here: 'workload.{key}': {message}")
 
 
 @dataclass(frozen=True)
@@ -111,6 +123,12 @@ class Workload(Protocol):
 
     def extra_metrics(self) -> dict[str, float]: ...
 
+    def observe_step_times(self, step_times_s: list[float]) -> None: ...
+
+    def run_tags(self) -> dict[str, str]: ...
+
+    def root_module(self) -> torch.nn.Module | None: ...
+
     def teardown(self) -> None: ...
 
 
@@ -135,7 +153,6 @@ class WorkloadBase:
     def teardown(self) -> None:
         pass
 
-    # Optional hooks (the harness looks them up; a protocol-only workload may lack them).
     def observe_step_times(self, step_times_s: list[float]) -> None:
         """Called with this rank's timed step durations just before :meth:`extra_metrics`."""
 
@@ -143,34 +160,70 @@ class WorkloadBase:
         """Extra MLflow tags for the run (e.g. where a replayed trace came from)."""
         return {}
 
+    def root_module(self) -> torch.nn.Module | None:
+        """The model, when there is one: a capture names each op's module scope from its hooks."""
+        return None
+
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    """A registry entry: the workload's name, its config schema and how to build it."""
+    """A registry entry: the workload's name, its config schema and how to build it.
+
+    A workload package declares its entry (:func:`declare`) without importing its code: listing
+    workloads is cheap, and a workload's module (TorchRec, for some) is imported the first time
+    its config schema or factory is asked for.
+    """
 
     name: str
-    config_class: type
-    factory: Callable[[Any, RunContext], Workload]
+    module: str  # imported on first use; it binds the classes with @register
     description: str = ""
     # Replays trace bundles (``factory.from_bundle(bundle, ctx, **options)`` builds one from a
     # capture): the harness finds the replay by this property, never by a workload's name.
     replays_bundle: bool = False
 
+    @property
+    def config_class(self) -> type:
+        return self._bound()[0]
+
+    @property
+    def factory(self) -> Callable[[Any, RunContext], Workload]:
+        return self._bound()[1]
+
+    def _bound(self) -> tuple[type, Callable[[Any, RunContext], Workload]]:
+        if self.name not in _BOUND:
+            importlib.import_module(self.module)
+        if self.name not in _BOUND:
+            raise RuntimeError(f"workload {self.name!r}: importing {self.module} registered no class "
+                               f"(decorate it with @register({self.name!r}, ConfigClass))")
+        return _BOUND[self.name]
+
 
 REGISTRY: dict[str, WorkloadSpec] = {}
+_BOUND: dict[str, tuple[type, Callable[[Any, RunContext], Workload]]] = {}
+
+
+def declare(name: str, module: str, description: str, *, replays_bundle: bool = False) -> None:
+    """Declare workload ``name``, implemented (``@register``) in ``module``, imported on first use."""
+    existing = REGISTRY.get(name)
+    if existing is not None and existing.module != module:
+        raise ValueError(f"workload {name!r} is declared twice ({existing.module}, {module})")
+    REGISTRY[name] = WorkloadSpec(name, module, description, replays_bundle)
 
 
 def register(name: str, config_class: type, description: str = "", *,
              replays_bundle: bool = False) -> Callable[[type], type]:
-    """Class decorator: ``@register("llama", LlamaConfig)`` adds a workload to the registry."""
+    """Class decorator: ``@register("llama", LlamaConfig)`` binds a workload's classes to its entry
+    (made here for a workload nobody declared, e.g. one defined in a test or a user's module)."""
     if not dataclasses.is_dataclass(config_class):
         raise TypeError(f"workload {name!r}: config_class must be a dataclass")
 
     def decorate(cls: type) -> type:
-        if name in REGISTRY and REGISTRY[name].factory is not cls:
+        if name in _BOUND and _BOUND[name][1] is not cls:
             raise ValueError(f"workload {name!r} is registered twice")
-        REGISTRY[name] = WorkloadSpec(name, config_class, cls, description or (cls.__doc__ or "").strip(),
-                                      replays_bundle)
+        if name not in REGISTRY:
+            REGISTRY[name] = WorkloadSpec(name, cls.__module__, description or (cls.__doc__ or "").strip(),
+                                          replays_bundle)
+        _BOUND[name] = (config_class, cls)
         return cls
 
     return decorate

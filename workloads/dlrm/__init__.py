@@ -1,22 +1,36 @@
 """DLRM-DCNv2 (MLPerf) training benchmark on TorchRec, with a measured, compressible all-to-all."""
 
-from workloads.dlrm import compression  # noqa: F401 - registers comm_codec=eb in CUSTOM_CODECS
-from workloads.dlrm.comm import CUSTOM_CODECS, PooledA2AMeter, build_qcomm_registry
-from workloads.dlrm.data import ClickBatch, PlantedClickModel, SyntheticCriteo
-from workloads.dlrm.model import PRESETS, DLRMShape, build_dlrm
-from workloads.dlrm.workload import DLRMConfig, DLRMWorkload, roc_auc
+from __future__ import annotations
 
-__all__ = [
-    "CUSTOM_CODECS",
-    "PRESETS",
-    "ClickBatch",
-    "DLRMConfig",
-    "DLRMShape",
-    "DLRMWorkload",
-    "PlantedClickModel",
-    "PooledA2AMeter",
-    "SyntheticCriteo",
-    "build_dlrm",
-    "build_qcomm_registry",
-    "roc_auc",
-]
+import importlib
+from typing import Any
+
+from workloads.base import declare
+
+declare("dlrm", "workloads.dlrm.workload",
+        "DLRM-DCNv2 (MLPerf) from TorchRec, on planted Criteo-like click data")
+
+# the public names, imported on first use (the package itself stays cheap to import)
+_EXPORTS = {
+    "CUSTOM_CODECS": "workloads.dlrm.comm",
+    "PooledA2AMeter": "workloads.dlrm.comm",
+    "build_qcomm_registry": "workloads.dlrm.comm",
+    "ClickBatch": "workloads.dlrm.data",
+    "PlantedClickModel": "workloads.dlrm.data",
+    "SyntheticCriteo": "workloads.dlrm.data",
+    "PRESETS": "workloads.dlrm.model",
+    "DLRMShape": "workloads.dlrm.model",
+    "build_dlrm": "workloads.dlrm.model",
+    "DLRMConfig": "workloads.dlrm.workload",
+    "DLRMWorkload": "workloads.dlrm.workload",
+    "roc_auc": "workloads.dlrm.workload",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted(_EXPORTS)

@@ -55,16 +55,21 @@ def codec_names() -> list[str]:
     return [*BUILTIN_CODECS, *CUSTOM_CODECS]
 
 
-def codec_problem(name: str, device: torch.device, world_size: int, codec_options: dict[str, Any]) -> str | None:
-    """Why ``name`` cannot run here (a sentence), or None when it can."""
-    if name not in BUILTIN_CODECS and name not in CUSTOM_CODECS:
-        return f"got {name!r}, allowed values: {', '.join(codec_names())}"
+def codec_unsupported(name: str, device: torch.device, world_size: int) -> str | None:
+    """Why a valid codec ``name`` cannot run on this platform or launch (a sentence), or None when it can."""
     if name != "none" and world_size == 1:
         return (f"comm_codec={name} needs >1 rank: a single process has no embedding all-to-all to compress; "
                 "launch with torchrun --nproc-per-node N, or use comm_codec=none")
     if name == "fp8" and device.type == "cpu":
         return ("comm_codec=fp8 does not run on CPU: FBGEMM's CPU FP8 quantiser rejects the flat all-to-all "
                 "buffer (\"Tensor 'input' must have 2 dimension(s)\"); use fp16, bf16 or int8 on CPU")
+    return None
+
+
+def codec_problem(name: str, codec_options: dict[str, Any]) -> str | None:
+    """What is wrong with codec ``name`` and its options (a sentence), or None when they are valid."""
+    if name not in BUILTIN_CODECS and name not in CUSTOM_CODECS:
+        return f"got {name!r}, allowed values: {', '.join(codec_names())}"
     if name in BUILTIN_CODECS and codec_options:
         return f"codec_options are for codecs registered in CUSTOM_CODECS; the built-in {name!r} takes none"
     if name in CUSTOM_CODECS:
@@ -119,9 +124,32 @@ def _all_to_all_codecs(registry: dict[str, QuantizedCommCodecs] | None) -> list[
     return [] if codecs is None else [("forward", codecs.forward), ("backward", codecs.backward)]
 
 
+class CustomCodec:
+    """What cobench's own all-to-all codecs (``CUSTOM_CODECS``) add to TorchRec's ``QuantizedCommCodec``:
+    a per-step schedule, statistics, and a block size fitted to the sharding plan. TorchRec's built-in
+    codecs are not CustomCodecs and get none of these calls."""
+
+    auto_block = False  # True: block_size was not given and may be fitted to the sharding plan
+
+    def set_iteration(self, step: int, loss: float | None = None) -> None:
+        """Called once per training step before it runs (``loss``: the previous step's)."""
+
+    def set_block_size(self, block_size: int) -> None:
+        """Re-block before the first message."""
+        raise NotImplementedError
+
+    def stats_dict(self) -> dict[str, float]:
+        """The codec's own statistics since it was built (metric name → value)."""
+        return {}
+
+
+def _custom_codecs(registry: dict[str, QuantizedCommCodecs] | None) -> list[tuple[str, CustomCodec]]:
+    return [(direction, codec) for direction, codec in _all_to_all_codecs(registry) if isinstance(codec, CustomCodec)]
+
+
 def advance_codecs(registry: dict[str, QuantizedCommCodecs] | None, step: int, loss: torch.Tensor | None) -> None:
-    """Tell codecs that have ``set_iteration`` which step starts (``loss``: the previous step's)."""
-    scheduled = [codec for _, codec in _all_to_all_codecs(registry) if hasattr(codec, "set_iteration")]
+    """Tell our codecs which step starts (``loss``: the previous step's)."""
+    scheduled = [codec for _, codec in _custom_codecs(registry)]
     if not scheduled:
         return
     previous = float(loss) if loss is not None else None  # finished: the harness synchronised the last step
@@ -130,14 +158,12 @@ def advance_codecs(registry: dict[str, QuantizedCommCodecs] | None, step: int, l
 
 
 def codec_metrics(registry: dict[str, QuantizedCommCodecs] | None) -> dict[str, float]:
-    """The all-to-all codecs' own statistics, for codecs that keep ``stats.as_dict()``."""
+    """Our all-to-all codecs' own statistics (:meth:`CustomCodec.stats_dict`)."""
     metrics = {}
-    for direction, codec in _all_to_all_codecs(registry):
-        stats = getattr(codec, "stats", None)
-        if stats is not None and hasattr(stats, "as_dict"):
-            for name, value in stats.as_dict().items():
-                if math.isfinite(value):
-                    metrics[f"codec_{direction}_{name}"] = float(value)
+    for direction, codec in _custom_codecs(registry):
+        for name, value in codec.stats_dict().items():
+            if math.isfinite(value):
+                metrics[f"codec_{direction}_{name}"] = float(value)
     return metrics
 
 
@@ -303,7 +329,7 @@ MAX_AUTO_BLOCK = 256  # larger blocks amortise the 8-byte header, smaller ones t
 def fit_block_size(registry: dict[str, Any] | None, dim_per_rank: list[int]) -> int | None:
     """Give codecs without an explicit block_size the largest block (≤ MAX_AUTO_BLOCK) dividing every
     rank's pooled-embedding dim sum, so every chunk of the all-to-all is a whole number of blocks."""
-    codecs = [c for _, c in _all_to_all_codecs(registry) if getattr(c, "auto_block", False)]
+    codecs = [c for _, c in _custom_codecs(registry) if c.auto_block]
     if not codecs:
         return None
     common = math.gcd(*dim_per_rank)

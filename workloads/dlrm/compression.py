@@ -59,7 +59,7 @@ import torch.distributed as dist
 if TYPE_CHECKING:  # torchrec is imported where used: every cobench command imports all workloads
     from torchrec.distributed.types import QuantizedCommCodecs
 
-from workloads.dlrm.comm import CUSTOM_CODECS
+from workloads.dlrm.comm import CUSTOM_CODECS, CustomCodec
 
 logger = logging.getLogger(__name__)
 
@@ -434,7 +434,7 @@ def _codes(x: torch.Tensor, origin: torch.Tensor, step: torch.Tensor, bits: int)
 # ---- the codec -----------------------------------------------------------------------------------
 
 
-class ErrorBoundedCodec:
+class ErrorBoundedCodec(CustomCodec):
     """TorchRec ``QuantizedCommCodec`` with a guaranteed per-element error bound (module docstring)."""
 
     def __init__(self, config: ErrorBoundConfig, process_group: dist.ProcessGroup | None = None,
@@ -454,7 +454,8 @@ class ErrorBoundedCodec:
             self._warn_once("raw", f"{name}: the bound needs more than {MAX_PACKED_BITS} bits: "
                             "messages go as raw float32 (lossless)")
 
-    auto_block = False  # True: block_size was not given and may be fitted to the sharding plan
+    def stats_dict(self) -> dict[str, float]:
+        return self.stats.as_dict()
 
     def set_block_size(self, block_size: int) -> None:
         """Re-block before the first message, e.g. to divide every rank's embedding dim sum."""

@@ -27,9 +27,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
 
-from workloads.base import MLPerfInfo, QualityTarget, RunContext, StepResult, WorkloadBase, register
+from workloads.base import (
+    MLPerfInfo,
+    QualityTarget,
+    RunContext,
+    StepResult,
+    WorkloadBase,
+    register,
+    unsupported,
+)
 from workloads.base import invalid_config as _invalid
-from workloads.dlrm import comm
+from workloads.dlrm import comm, compression  # noqa: F401 - compression registers comm_codec=eb
 from workloads.dlrm.data import ClickBatch, SyntheticCriteo
 from workloads.dlrm.model import PRESETS, DLRMShape, build_dlrm, count_params, dense_training_flops
 
@@ -141,7 +149,7 @@ def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives)
 
 
-@register("dlrm", DLRMConfig, "DLRM-DCNv2 (MLPerf) from TorchRec, on planted Criteo-like click data")
+@register("dlrm", DLRMConfig)
 class DLRMWorkload(WorkloadBase):
     """DLRM-DCNv2 training; tables sharded by TorchRec DMP on more than one rank."""
 
@@ -157,12 +165,16 @@ class DLRMWorkload(WorkloadBase):
                 f"use a multiple of {ctx.world_size}",
             )
         self.local_batch = self.shape.batch_size // ctx.world_size
-        problem = comm.codec_problem(config.comm_codec, ctx.device, ctx.world_size, config.codec_options)
+        problem = comm.codec_problem(config.comm_codec, config.codec_options)
         if problem:
             raise _invalid("comm_codec", problem)
+        problem = comm.codec_unsupported(config.comm_codec, ctx.device, ctx.world_size)
+        if problem:
+            raise unsupported("comm_codec", problem)
         self._check_sharding()
         self.a2a_meter = comm.PooledA2AMeter(ctx.device) if ctx.distributed else None
         self.qcomm_registry: dict[str, Any] | None = None  # the codecs the sharder got
+        self.codec_block_size: int | None = None  # fitted to the sharding plan in setup (our codecs)
         self._cursor = 0
         self._previous_loss: torch.Tensor | None = None
         self._step_seconds: list[float] = []  # host time per step (CPU: the whole step), for projections
@@ -170,7 +182,7 @@ class DLRMWorkload(WorkloadBase):
     def _check_sharding(self) -> None:
         cfg, ctx, shape = self.config, self.ctx, self.shape
         if cfg.sharding == "row_wise" and ctx.device.type != "cuda":
-            raise _invalid(
+            raise unsupported(
                 "sharding",
                 f"row_wise needs CUDA: TorchRec shards EmbeddingBagCollections row-wise only on cuda "
                 f"(its output is a reduce-scatter); on {ctx.device.type} use table_wise or column_wise",
@@ -364,7 +376,7 @@ class DLRMWorkload(WorkloadBase):
         if self.a2a_meter is None:
             return metrics
         metrics.update(comm.codec_metrics(self.qcomm_registry))
-        if getattr(self, "codec_block_size", None):
+        if self.codec_block_size:
             metrics["codec_block_size"] = float(self.codec_block_size)
         measured = self.a2a_meter.summary()
         metrics.update(measured)

@@ -86,7 +86,7 @@ class LlamaConfig:
         return replace(PRESETS[self.preset], **{k: v for k, v in overrides.items() if v is not None})
 
 
-@register("llama", LlamaConfig, "Llama 3-style decoder, training on a learnable synthetic corpus")
+@register("llama", LlamaConfig)
 class LlamaWorkload(WorkloadBase):
     """Data-parallel training of a Llama 3-style decoder (DDP or FSDP2 on more than one rank)."""
 

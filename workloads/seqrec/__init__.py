@@ -1,24 +1,38 @@
 """Sequence recommender with FreeScale-style load balancing across ranks (``workload=seqrec``)."""
 
-from workloads.seqrec.balance import CostModel, bubble_fraction, fit_cost_model, partition
-from workloads.seqrec.data import LengthDistribution, PlantedPreferences, SeqBatch
-from workloads.seqrec.model import PRESETS, SeqRecModel, SeqRecShape
-from workloads.seqrec.simulate import ScalePrediction, simulate_scaling
-from workloads.seqrec.workload import SeqRecConfig, SeqRecWorkload
+from __future__ import annotations
 
-__all__ = [
-    "PRESETS",
-    "CostModel",
-    "LengthDistribution",
-    "PlantedPreferences",
-    "ScalePrediction",
-    "SeqBatch",
-    "SeqRecConfig",
-    "SeqRecModel",
-    "SeqRecShape",
-    "SeqRecWorkload",
-    "bubble_fraction",
-    "fit_cost_model",
-    "partition",
-    "simulate_scaling",
-]
+import importlib
+from typing import Any
+
+from workloads.base import declare
+
+declare("seqrec", "workloads.seqrec.workload",
+        "Sequence recommender on jagged histories with FreeScale-style load balancing")
+
+# the public names, imported on first use (the package itself stays cheap to import)
+_EXPORTS = {
+    "CostModel": "workloads.seqrec.balance",
+    "bubble_fraction": "workloads.seqrec.balance",
+    "fit_cost_model": "workloads.seqrec.balance",
+    "partition": "workloads.seqrec.balance",
+    "LengthDistribution": "workloads.seqrec.data",
+    "PlantedPreferences": "workloads.seqrec.data",
+    "SeqBatch": "workloads.seqrec.data",
+    "PRESETS": "workloads.seqrec.model",
+    "SeqRecModel": "workloads.seqrec.model",
+    "SeqRecShape": "workloads.seqrec.model",
+    "ScalePrediction": "workloads.seqrec.simulate",
+    "simulate_scaling": "workloads.seqrec.simulate",
+    "SeqRecConfig": "workloads.seqrec.workload",
+    "SeqRecWorkload": "workloads.seqrec.workload",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = sorted(_EXPORTS)

@@ -195,7 +195,7 @@ class ScheduledBatch:
     num_targets: int
 
 
-@register("seqrec", SeqRecConfig, "Sequence recommender on jagged histories with FreeScale-style load balancing")
+@register("seqrec", SeqRecConfig)
 class SeqRecWorkload(WorkloadBase):
     """A SASRec-style next-item recommender; balanced partitions of every global batch across ranks."""
 

@@ -59,8 +59,7 @@ def _process_peak_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-@register("generated", GeneratedConfig, "Replay of a generated trace benchmark (cobench trace generate)",
-          replays_bundle=True)
+@register("generated", GeneratedConfig)
 class GeneratedWorkload(WorkloadBase):
     """Replays the ops of a captured program with synthetic tensors, and measures its fidelity."""
 
