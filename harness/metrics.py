@@ -8,6 +8,7 @@ the olympic mean, with the coefficient of variation beside it.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from harness.loop import RepetitionState
@@ -107,3 +108,62 @@ def benchmark_metrics(
     if all(r is not None for r in reached):
         metrics["quality_target_reached"] = float(all(reached))
     return metrics
+
+
+# Every metric a suite gates or reports: name → (unit, definition). The README's metric table is
+# rendered from this (:func:`metric_table`) and a test keeps the two equal.
+METRIC_DEFINITIONS: dict[str, tuple[str, str]] = {
+    "throughput": ("tokens/s or samples/s (tag `throughput_unit`)",
+                   "per repetition, every rank's timed work ÷ the slowest rank's timed seconds; the olympic mean "
+                   "over repetitions (the mean without the fastest and slowest when there are 3 or more)"),
+    "throughput_cv": ("fraction", "standard deviation ÷ mean of the repetitions' throughputs"),
+    "throughput_min": ("as throughput", "the slowest repetition's throughput"),
+    "throughput_max": ("as throughput", "the fastest repetition's throughput"),
+    "samples_per_s": ("samples/s", "as throughput, counting samples (sequences, examples)"),
+    "step_time_ms_p50": ("ms", "median of the job's step time (at each step, the slowest rank's), olympic mean over "
+                               "repetitions"),
+    "step_time_ms_p90": ("ms", "90th percentile of the job's step time, olympic mean over repetitions"),
+    "step_time_ms_p99": ("ms", "99th percentile of the job's step time, olympic mean over repetitions"),
+    "step_time_ms_mean": ("ms", "mean of the job's step time, olympic mean over repetitions"),
+    "step_time_cv": ("fraction", "standard deviation ÷ mean of the job's step times, olympic mean over repetitions"),
+    "step_time_ms_p50_rank<r>": ("ms", "rank r's own median step time, last repetition"),
+    "rank_imbalance": ("fraction", "(slowest rank's median step − fastest's) ÷ slowest's, last repetition; "
+                                   "only with more than one rank"),
+    "achieved_tflops": ("TFLOP/s", "model FLOPs per step (torch.utils.flop_counter, all ranks) × timed steps ÷ the "
+                                   "slowest rank's timed seconds, olympic mean over repetitions"),
+    "mfu": ("fraction", "achieved FLOP/s ÷ (peak FLOP/s per device × world size), the peak for the dtype the matmuls "
+                        "run in (tag `peak_flops_source`)"),
+    "peak_memory_mb": ("MiB", "largest over repetitions and ranks: the allocator's peak on accelerators, "
+                              "the process RSS peak on CPU"),
+    "loss": ("as the workload's loss", "the last finite training loss of the last repetition (rank 0)"),
+    "time_to_train_s": ("s", "from run_start to the quality target (or the end of the steps), olympic mean over "
+                             "repetitions"),
+    "quality_target_reached": ("0 or 1", "1 when every repetition reached the workload's quality target"),
+    "repetitions_completed": ("count", "repetitions with at least one timed step"),
+    "time_error_pct": ("%", "abs(replay step ÷ source step − 1) × 100: medians side by side in one process "
+                            "(`cobench trace fidelity`, suites, qualify), else replay p50 vs the capture's "
+                            "plain steps"),
+    "time_error_signed_pct": ("%", "(replay step ÷ source step − 1) × 100; positive: the replay is slower"),
+    "time_error_ci_low_pct": ("%", "lower end of the 95 % bootstrap interval of time_error_signed_pct "
+                                   "(resampling whole rounds)"),
+    "time_error_ci_high_pct": ("%", "upper end of that interval"),
+    "fidelity_valid": ("0 or 1", "1 when there were ≥ 5 rounds, the source's round-to-round cv ≤ 10 % and the "
+                                 "interval's half-width ≤ 5 %"),
+    "op_coverage_pct": ("%", "ops of the spec that ran ÷ ops of the spec × 100"),
+    "category_distance": ("0 … 1", "total variation distance between the source's and the replay's time shares per "
+                                   "op category: ½ Σ abs(share_replay − share_source)"),
+    "memory_error_pct": ("%", "(replay step peak − source step peak) ÷ (source step peak + what lives across steps) "
+                              "× 100, each side's peak from the allocator's accounting"),
+}
+
+
+def defines(metric: str) -> bool:
+    """Whether ``metric`` is one of :data:`METRIC_DEFINITIONS` (``…_rank3`` matches ``…_rank<r>``)."""
+    return metric in METRIC_DEFINITIONS or re.sub(r"_rank\d+$", "_rank<r>", metric) in METRIC_DEFINITIONS
+
+
+def metric_table() -> str:
+    """The metric definitions as the README's Markdown table (between its ``metrics`` markers)."""
+    lines = ["| metric | unit | definition |", "|---|---|---|"]
+    lines += [f"| `{name}` | {unit} | {definition} |" for name, (unit, definition) in METRIC_DEFINITIONS.items()]
+    return "\n".join(lines) + "\n"
