@@ -19,6 +19,8 @@ from mlperf_logging.mllog.mllog import MLLogger
 from harness.config import MLLogConfig
 from workloads.base import MLPerfInfo
 
+_CALLER = 2  # frames between mllog and the line that called this writer (mllog adds its own 2)
+
 
 class MLPerfLogWriter:
     """Writes one MLPerf log file; every method maps to one MLPerf event."""
@@ -35,37 +37,36 @@ class MLPerfLogWriter:
         self._mllog = MLLogger(logger=self._logger, default_stack_offset=2)
         self.run_stopped = False
 
-    def event(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
-        self._mllog.event(key=key, value=value, metadata=metadata)
+    # The call site in each line's metadata (file, lineno) is the caller of these methods: one frame
+    # above this class for event/start/end, two for the grouped writers below (``_CALLER``).
+    def event(self, key: str, value: Any = None, metadata: dict | None = None, *, _frames: int = 0) -> None:
+        self._mllog.event(key=key, value=value, metadata=metadata, stack_offset=_CALLER + _frames)
 
     def start(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
-        self._mllog.start(key=key, value=value, metadata=metadata)
+        self._mllog.start(key=key, value=value, metadata=metadata, stack_offset=_CALLER)
 
-    def end(self, key: str, value: Any = None, metadata: dict | None = None) -> None:
-        self._mllog.end(key=key, value=value, metadata=metadata)
+    def end(self, key: str, value: Any = None, metadata: dict | None = None, *, _frames: int = 0) -> None:
+        self._mllog.end(key=key, value=value, metadata=metadata, stack_offset=_CALLER + _frames)
 
     def submission(self, cfg: MLLogConfig, platform_name: str, benchmark: str) -> None:
-        self.event(C.SUBMISSION_ORG, cfg.org)
-        self.event(C.SUBMISSION_PLATFORM, platform_name)
-        self.event(C.SUBMISSION_DIVISION, cfg.division)
-        self.event(C.SUBMISSION_STATUS, cfg.status)
-        self.event(C.SUBMISSION_BENCHMARK, benchmark)
+        for key, value in ((C.SUBMISSION_ORG, cfg.org), (C.SUBMISSION_PLATFORM, platform_name),
+                           (C.SUBMISSION_DIVISION, cfg.division), (C.SUBMISSION_STATUS, cfg.status),
+                           (C.SUBMISSION_BENCHMARK, benchmark)):
+            self.event(key, value, _frames=1)
 
     def hyperparameters(self, info: MLPerfInfo, seed: int) -> None:
-        self.event(C.GLOBAL_BATCH_SIZE, info.global_batch_size)
-        self.event(C.GRADIENT_ACCUMULATION_STEPS, info.gradient_accumulation_steps)
-        self.event(C.SEED, seed)
-        self.event(C.TRAIN_SAMPLES, info.train_samples)
-        self.event(C.EVAL_SAMPLES, info.eval_samples)
-        for key, value in info.hyperparameters.items():
-            self.event(key, value)
+        for key, value in ((C.GLOBAL_BATCH_SIZE, info.global_batch_size),
+                           (C.GRADIENT_ACCUMULATION_STEPS, info.gradient_accumulation_steps), (C.SEED, seed),
+                           (C.TRAIN_SAMPLES, info.train_samples), (C.EVAL_SAMPLES, info.eval_samples),
+                           *info.hyperparameters.items()):
+            self.event(key, value, _frames=1)
 
     def run_stop(self, status: str, samples_count: int) -> None:
         """Exactly one run_stop per log, whatever path ended the run."""
         if self.run_stopped:
             return
         self.run_stopped = True
-        self.end(C.RUN_STOP, metadata={C.STATUS: status, C.SAMPLES_COUNT: samples_count})
+        self.end(C.RUN_STOP, metadata={C.STATUS: status, C.SAMPLES_COUNT: samples_count}, _frames=1)
 
     def close(self) -> None:
         self._handler.flush()

@@ -59,3 +59,11 @@ def test_eval_accuracy_and_run_stop_carry_the_metadata_checkers_need(mllog_lines
     (stop,) = [line for line in lines if line["key"] == "run_stop"]
     assert stop["metadata"]["status"] in ("success", "aborted")
     assert next(line["value"] for line in lines if line["key"] == "submission_benchmark") == "llama31_8b"
+
+
+def test_each_line_names_the_harness_line_that_logged_it(mllog_lines):
+    """The call site in the metadata is the caller's, never the log writer's own wrapper."""
+    for lines in mllog_lines:
+        files = {line["metadata"]["file"] for line in lines}
+        assert not any(f.endswith("mlperf_log.py") for f in files), files
+        assert any(f.endswith("loop.py") for f in files), files
