@@ -101,6 +101,13 @@ class MLPerfInfo:
     gradient_accumulation_steps: int = 1
     hyperparameters: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def of_batches(cls, benchmark: str, global_batch_size: int, train_batches: int, eval_batches: int,
+                   **rest: Any) -> MLPerfInfo:
+        """For a workload whose train and eval sets are whole global batches."""
+        return cls(benchmark, global_batch_size, train_batches * global_batch_size,
+                   eval_batches * global_batch_size, **rest)
+
 
 @runtime_checkable
 class Workload(Protocol):

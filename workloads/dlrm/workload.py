@@ -338,11 +338,8 @@ class DLRMWorkload(WorkloadBase):
 
     def mlperf_info(self) -> MLPerfInfo:
         cfg = self.config
-        return MLPerfInfo(
-            benchmark="dlrm_dcnv2",
-            global_batch_size=self.shape.batch_size,
-            train_samples=cfg.train_batches * self.shape.batch_size,
-            eval_samples=cfg.eval_batches * self.shape.batch_size,
+        return MLPerfInfo.of_batches(
+            "dlrm_dcnv2", self.shape.batch_size, cfg.train_batches, cfg.eval_batches,
             hyperparameters={
                 "opt_name": "adagrad",
                 "opt_base_learning_rate": cfg.lr,

@@ -223,11 +223,8 @@ class LlamaWorkload(WorkloadBase):
 
     def mlperf_info(self) -> MLPerfInfo:
         cfg = self.config
-        return MLPerfInfo(
-            benchmark="llama31_8b",
-            global_batch_size=cfg.batch_size,
-            train_samples=cfg.train_batches * cfg.batch_size,
-            eval_samples=cfg.eval_batches * cfg.batch_size,
+        return MLPerfInfo.of_batches(
+            "llama31_8b", cfg.batch_size, cfg.train_batches, cfg.eval_batches,
             gradient_accumulation_steps=cfg.grad_accum_steps,
             hyperparameters={
                 "opt_name": "adamw",

@@ -429,11 +429,8 @@ class SeqRecWorkload(WorkloadBase):
 
     def mlperf_info(self) -> MLPerfInfo:
         cfg = self.config
-        return MLPerfInfo(
-            benchmark="seqrec",
-            global_batch_size=cfg.batch_size,
-            train_samples=cfg.train_batches * cfg.batch_size,
-            eval_samples=cfg.eval_batches * cfg.batch_size,
+        return MLPerfInfo.of_batches(
+            "seqrec", cfg.batch_size, cfg.train_batches, cfg.eval_batches,
             hyperparameters={
                 "opt_name": "adamw",
                 "opt_base_learning_rate": cfg.lr,
