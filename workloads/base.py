@@ -217,6 +217,19 @@ def declare(name: str, module: str, description: str, *, replays_bundle: bool = 
     REGISTRY[name] = WorkloadSpec(name, module, description, replays_bundle)
 
 
+def lazy_attributes(package: str, exports: dict[str, list[str]]) -> Callable[[str], Any]:
+    """A package's ``__getattr__`` serving its public names from their modules, imported on first use
+    (``exports``: module → names), so importing the package (to :func:`declare` it) stays cheap."""
+    where = {name: module for module, names in exports.items() for name in names}
+
+    def attribute(name: str) -> Any:
+        if name not in where:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        return getattr(importlib.import_module(where[name]), name)
+
+    return attribute
+
+
 def register(name: str, config_class: type, description: str = "", *,
              replays_bundle: bool = False) -> Callable[[type], type]:
     """Class decorator: ``@register("llama", LlamaConfig)`` binds a workload's classes to its entry
