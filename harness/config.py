@@ -221,7 +221,7 @@ def to_run_config(cfg: DictConfig) -> CobenchConfig:
     if OmegaConf.is_missing(cfg, "workload"):
         raise ValueError(f"no workload selected: pass workload=<name>, one of {sorted(discover())}")
     run_cfg: CobenchConfig = OmegaConf.to_object(cfg)  # runs every __post_init__
-    if not hasattr(run_cfg.workload, "name"):
+    if not dataclasses.is_dataclass(run_cfg.workload):  # a plain mapping: no workload schema was selected
         raise ValueError("invalid config 'workload': it has no schema; pick one with workload=<name>")
     return run_cfg
 
