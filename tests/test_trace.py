@@ -17,6 +17,7 @@ import torch
 from conftest import clean_env, mlflow_runs
 
 from workloads.trace_bundle import ET_FILE, KINETO_FILE, META_FILE, TraceError, read_meta
+from workloads.trace_replay.records import RankRecord
 from workloads.trace_replay.replay import Replayer
 from workloads.trace_replay.spec import GenerateOptions, generate_spec, kineto_host_gaps, load_spec, write_spec
 
@@ -101,7 +102,7 @@ def test_user_program_replays_every_op_with_the_captured_layout(program_bundle: 
     assert {"aten::embedding_bag", "aten::index_select", "aten::gather", "aten::view", "aten::mul_"} <= names
     assert any("attention" in n for n in names) and any("backward" in n for n in names)
     assert all(op["dur_us"] is not None for op in rank["ops"])  # joined with Kineto on rf_id
-    replayer = Replayer(rank, torch.device("cpu"))
+    replayer = Replayer(RankRecord.from_json(rank), torch.device("cpu"))
     replayer.materialize()
     errors = replayer.dry_run().errors
     assert errors == {}, errors
@@ -162,7 +163,7 @@ def test_dlrm_replays_with_valid_indices(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert any((out / "et_resources").iterdir())  # integer data of index-reading ops
     spec = generate_spec(out)
-    replayer = Replayer(spec["ranks"][0], torch.device("cpu"))
+    replayer = Replayer(RankRecord.from_json(spec["ranks"][0]), torch.device("cpu"))
     replayer.materialize()
     assert replayer.dry_run().errors == {}  # embedding_bag would refuse an out-of-range index
 
@@ -197,7 +198,7 @@ def test_selection_repeat_and_obfuscation(program_bundle: Path):
     ops = only_mm["ranks"][0]["ops"]
     assert ops and all(op["name"] in ("aten::mm", "aten::addmm", "aten::linear") and op["step"] == 0 for op in ops)
     assert not only_mm["full_step"] and only_mm["options"]["repeat"] == 3
-    replayer = Replayer(only_mm["ranks"][0], torch.device("cpu"), repeat=3)
+    replayer = Replayer(RankRecord.from_json(only_mm["ranks"][0]), torch.device("cpu"), repeat=3)
     replayer.materialize()
     assert replayer.dry_run().errors == {}
     assert len(replayer.sequence[0]) == 3 * len(ops)

@@ -14,6 +14,8 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
+from workloads.trace_replay.records import SpecRecord
+
 FIDELITY_FILE = "fidelity.json"
 
 
@@ -54,27 +56,27 @@ def _cv_pct(values: list[float]) -> float:
     return 100.0 * statistics.stdev(values) / statistics.fmean(values) if len(values) > 1 else math.nan
 
 
-def _reference_times(spec: dict[str, Any], rank: int, reference_times_ms: list[float] | None) -> list[float]:
-    times = spec["source"]["step_times_ms"]
+def _reference_times(spec: SpecRecord, rank: int, reference_times_ms: list[float] | None) -> list[float]:
+    times = spec.source.step_times_ms
     return reference_times_ms or times[min(rank, len(times) - 1)]
 
 
-def reference_step_ms(spec: dict[str, Any], rank: int, reference_times_ms: list[float] | None = None) -> float:
+def reference_step_ms(spec: SpecRecord, rank: int, reference_times_ms: list[float] | None = None) -> float:
     """What one replayed step should take: the source's plain step time, scaled to the selection."""
     full = _median(_reference_times(spec, rank, reference_times_ms))
-    rank_spec = spec["ranks"][min(rank, len(spec["ranks"]) - 1)]
-    if spec.get("full_step", False):
+    rank_spec = spec.ranks[min(rank, len(spec.ranks) - 1)]
+    if spec.full_step:
         return full
-    captured = statistics.fmean(s.get("ops_dur_us", 0.0) for s in rank_spec["steps"]) or math.nan
+    captured = statistics.fmean(s.ops_dur_us for s in rank_spec.steps) or math.nan
     per_step: dict[int, float] = defaultdict(float)
-    for op in rank_spec["ops"]:
-        per_step[op["step"]] += op.get("dur_us") or 0.0
+    for op in rank_spec.ops:
+        per_step[op.step] += op.dur_us or 0.0
     selected = statistics.fmean(per_step.values()) if per_step else 0.0
-    return full * selected / captured * int(spec["options"].get("repeat", 1))
+    return full * selected / captured * spec.repeat
 
 
 def compute_fidelity(
-    spec: dict[str, Any],
+    spec: SpecRecord,
     rank: int,
     replay_step_times_s: list[float],
     op_times_s: dict[int, list[float]],
@@ -86,27 +88,27 @@ def compute_fidelity(
     host_gaps: bool = False,
 ) -> dict[str, Any]:
     """The fidelity record (``fidelity.json``) and its headline metrics."""
-    rank_spec = spec["ranks"][min(rank, len(spec["ranks"]) - 1)]
-    ops = rank_spec["ops"]
+    rank_spec = spec.ranks[min(rank, len(spec.ranks) - 1)]
+    ops = rank_spec.ops
     reference_ms = reference_step_ms(spec, rank, reference_times_ms)
     replay_ms = 1e3 * _median(replay_step_times_s)
     signed = 100.0 * (replay_ms - reference_ms) / reference_ms if reference_ms > 0 else math.nan
 
-    total_dur = sum(op.get("dur_us") or 0.0 for op in ops)
+    total_dur = sum(op.dur_us or 0.0 for op in ops)
     ran = [i for i in range(len(ops)) if i not in errors]
-    ran_dur = sum(ops[i].get("dur_us") or 0.0 for i in ran)
+    ran_dur = sum(ops[i].dur_us or 0.0 for i in ran)
 
     # Per category: share of the captured op time vs share of the replayed op time.
     orig_cat: dict[str, float] = defaultdict(float)
     replay_cat: dict[str, float] = defaultdict(float)
     pairs = []
     for i, op in enumerate(ops):
-        orig_cat[op["category"]] += op.get("dur_us") or 0.0
+        orig_cat[op.category] += op.dur_us or 0.0
         if i in op_times_s:
             replay_us = 1e6 * min(op_times_s[i])
-            replay_cat[op["category"]] += replay_us
-            if op.get("dur_us"):
-                pairs.append((op["dur_us"], replay_us))
+            replay_cat[op.category] += replay_us
+            if op.dur_us:
+                pairs.append((op.dur_us, replay_us))
     orig_total, replay_total = sum(orig_cat.values()) or 1.0, sum(replay_cat.values()) or 1.0
     categories = {
         c: {"source_share": orig_cat[c] / orig_total, "replay_share": replay_cat.get(c, 0.0) / replay_total,
@@ -116,7 +118,7 @@ def compute_fidelity(
     distance = 0.5 * sum(abs(v["source_share"] - v["replay_share"]) for v in categories.values())
     logs = [(math.log(a), math.log(max(b, 1e-3))) for a, b in pairs if a > 0]
 
-    source_peak = spec["source"].get("peak_memory_bytes", [0])
+    source_peak = spec.source.peak_memory_bytes
     source_peak = source_peak[min(rank, len(source_peak) - 1)] if source_peak else 0
     metrics = {
         "time_error_pct": abs(signed),
@@ -128,7 +130,7 @@ def compute_fidelity(
         "replay_step_cv_pct": _cv_pct(replay_step_times_s),
         "op_coverage_pct": 100.0 * len(ran) / len(ops),
         "time_coverage_pct": 100.0 * ran_dur / total_dur if total_dur > 0 else math.nan,
-        "ops_per_step": len(ops) / max(len(rank_spec["steps"]), 1),
+        "ops_per_step": len(ops) / max(len(rank_spec.steps), 1),
         "ops_failed": float(len(errors)),
         "category_distance": distance,
         "op_time_spearman": spearman([a for a, _ in logs], [b for _, b in logs]),
@@ -137,8 +139,8 @@ def compute_fidelity(
         "source_peak_memory_mb": source_peak / 2**20,
         "portability": float(portability),
         # the program's own host time per step the replay spent between ops (0: ops back to back)
-        "host_gap_ms": statistics.fmean(s.get("host_gap_us", 0.0) for s in rank_spec["steps"]) / 1e3
-        if host_gaps and rank_spec["steps"] else 0.0,
+        "host_gap_ms": statistics.fmean(s.host_gap_us for s in rank_spec.steps) / 1e3
+        if host_gaps and rank_spec.steps else 0.0,
     }
     if source_peak and replay_peak_memory_bytes:
         metrics["memory_error_pct"] = 100.0 * (replay_peak_memory_bytes - source_peak) / source_peak
@@ -149,9 +151,10 @@ def compute_fidelity(
         # reference bundle's); `cobench trace fidelity` judges side by side in one process instead
         "judgement": "portability" if portability else "cross_process",
         "categories": categories,
-        "failed_ops": [{"index": i, "name": ops[i]["name"], "schema": ops[i]["schema"], "error": err}
+        "failed_ops": [{"index": i, "name": ops[i].name, "schema": ops[i].schema, "error": err}
                        for i, err in sorted(errors.items())],
-        "source": {k: spec["source"].get(k) for k in ("workload", "run_id", "platform", "world_size")},
-        "options": spec.get("options", {}),
+        "source": {"workload": spec.source.workload, "run_id": spec.source.run_id,
+                   "platform": spec.source.platform, "world_size": spec.source.world_size},
+        "options": spec.options,
     }
     return record

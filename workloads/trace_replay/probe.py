@@ -50,13 +50,13 @@ def find_crashing_ops(spec_path: str, rank: int, timeout_s: float = 600.0, *, tr
 def _main(argv: list[str]) -> int:
     import torch
 
+    from workloads.trace_replay.records import SpecRecord
     from workloads.trace_replay.replay import Replayer
     from workloads.trace_replay.spec import load_spec
 
     spec_path, rank, trust, progress_path, *excluded = argv
-    spec = load_spec(spec_path)
-    replayer = Replayer(spec["ranks"][int(rank)], torch.device("cpu"),
-                        repeat=int(spec["options"].get("repeat", 1)), trust=trust == "1")
+    spec = SpecRecord.from_json(load_spec(spec_path))  # the parent checked this file before probing
+    replayer = Replayer(spec.ranks[int(rank)], torch.device("cpu"), repeat=spec.repeat, trust=trust == "1")
     replayer.exclude({int(i): "excluded" for i in excluded})
     replayer.materialize()
     with open(progress_path, "w", buffering=1) as progress:

@@ -49,6 +49,7 @@ from workloads.trace_replay.ops import (
     tensor_info,
     waited,
 )
+from workloads.trace_replay.records import OpRecord, RankRecord
 from workloads.trace_replay.safety import op_refusal
 from workloads.trace_replay.spec import STEP_ANNOTATION, _is_tensor_ref, kineto_host_gaps
 from workloads.trace_replay.tensors import copy_recorded, fill_view, recorded_view, stand_in
@@ -64,15 +65,15 @@ class ReplayStats:
 class Replayer:
     """Replays one rank's ops; :meth:`run_step` replays the next captured step."""
 
-    def __init__(self, rank_spec: dict[str, Any], device: torch.device, *, repeat: int = 1,
+    def __init__(self, rank_spec: RankRecord, device: torch.device, *, repeat: int = 1,
                  process_group: Any = None, seed: int = 0, host_gaps: bool = False, trust: bool = False):
         self.device, self.repeat, self.group = device, repeat, process_group
         self.trust = trust  # run ops the safety policy refuses (the user vouched for this spec)
         self.host_gaps = host_gaps
         self.generator = torch.Generator().manual_seed(seed)
-        self.ops_spec = rank_spec["ops"]
-        self.step_indices = sorted({op["step"] for op in self.ops_spec})
-        tails = {s["index"]: s.get("tail_gap_us", 0.0) for s in rank_spec.get("steps", [])}
+        self.ops_spec = rank_spec.ops
+        self.step_indices = sorted({op.step for op in self.ops_spec})
+        tails = {s.index: s.tail_gap_us for s in rank_spec.steps}
         self._tail_gaps_us = [tails.get(step, 0.0) for step in self.step_indices]
         self._slots: dict[tuple, int] = {}
         self._inputs_cache: dict[int, list[tuple[int, TensorInfo, int, str]]] = {}
@@ -96,38 +97,36 @@ class Replayer:
     def _slot(self, info: TensorInfo) -> int:
         return self._slots.setdefault(info.key, len(self._slots))
 
-    def _compile(self, index: int, op: dict[str, Any]) -> CompiledOp:
-        compiled = CompiledOp(index, op["name"], op["category"], op["step"], None, [], {}, [], [], [], [],
-                              op.get("dur_us"))
-        refusal = None if self.trust else op_refusal(op["name"], op["schema"])
+    def _compile(self, index: int, op: OpRecord) -> CompiledOp:
+        compiled = CompiledOp(index, op.name, op.category, op.step, None, [], {}, [], [], [], [], op.dur_us)
+        refusal = None if self.trust else op_refusal(op.name, op.schema)
         if refusal is not None:  # check_spec refuses such a spec first: this is the last line of defence
-            raise OpRefused(f"op #{index} {op['schema'].split('(', 1)[0]}: {refusal}")
+            raise OpRefused(f"op #{index} {op.schema.split('(', 1)[0]}: {refusal}")
         try:
             self._compile_outputs(op, compiled)
-            if op["name"].startswith("c10d::"):
-                compiled.fn = self._collective(op["name"])
+            if op.name.startswith("c10d::"):
+                compiled.fn = self._collective(op.name)
                 self._compile_args(op, compiled, schema_args=None)
                 compiled.out_slots = []  # collectives write into their (input) buffers in place
-            elif op["name"].startswith("_c10d_functional::") and op["name"] != "_c10d_functional::wait_tensor":
-                fn = resolve_op(op["schema"])
+            elif op.name.startswith("_c10d_functional::") and op.name != "_c10d_functional::wait_tensor":
+                fn = resolve_op(op.schema)
                 wait = torch.ops._c10d_functional.wait_tensor.default
                 # The program waited later, inside another op the trace shows only as a whole.
                 compiled.fn = lambda *args, _fn=fn, **kwargs: waited(_fn(*args, **kwargs), wait)
-                self._compile_args(op, compiled, torch._C.parse_schema(op["schema"]).arguments)
+                self._compile_args(op, compiled, torch._C.parse_schema(op.schema).arguments)
             else:
-                compiled.fn = resolve_op(op["schema"])
-                self._compile_args(op, compiled, torch._C.parse_schema(op["schema"]).arguments)
+                compiled.fn = resolve_op(op.schema)
+                self._compile_args(op, compiled, torch._C.parse_schema(op.schema).arguments)
         except Exception as err:  # noqa: BLE001 - an op this build cannot express is recorded, not fatal
             compiled.error = f"{type(err).__name__}: {err}"
             compiled.fn = None
         return compiled
 
-    def _compile_outputs(self, op: dict[str, Any], compiled: CompiledOp) -> None:
-        outputs = op["outputs"]
-        types = outputs.get("types", [])
-        compiled.single_output = len(types) == 1 and types[0].startswith("Tensor(")
-        for value, shape, stride, et_type in zip(outputs.get("values", []), outputs.get("shapes", []),
-                                                 outputs.get("strides", []), outputs.get("types", []), strict=False):
+    def _compile_outputs(self, op: OpRecord, compiled: CompiledOp) -> None:
+        outputs = op.outputs
+        compiled.single_output = len(outputs.types) == 1 and outputs.types[0].startswith("Tensor(")
+        for value, shape, stride, et_type in zip(outputs.values, outputs.shapes, outputs.strides, outputs.types,
+                                                 strict=False):
             if _is_tensor_ref(value) and et_type.startswith("Tensor("):
                 info = self._info_or_none(value, shape, stride, et_type)
                 compiled.out_slots.append(self._slot(info) if info else None)
@@ -151,14 +150,13 @@ class Replayer:
         except OpUnavailable:
             return None
 
-    def _compile_args(self, op: dict[str, Any], compiled: CompiledOp, schema_args: list | None) -> None:
-        inputs = op["inputs"]
-        values, types = inputs.get("values", []), inputs.get("types", [])
-        shapes, strides = inputs.get("shapes", []), inputs.get("strides", [])
+    def _compile_args(self, op: OpRecord, compiled: CompiledOp, schema_args: list | None) -> None:
+        values, types = op.inputs.values, op.inputs.types
+        shapes, strides = op.inputs.shapes, op.inputs.strides
         if schema_args is not None and len(values) != len(schema_args):
             raise OpUnavailable(f"the trace passes {len(values)} inputs, the schema takes {len(schema_args)}")
         tensor_index = [-1]  # counts tensor inputs as the trace does (list elements included)
-        data = op.get("tensor_data") or {}
+        data = op.tensor_data
         for i, (value, et_type) in enumerate(zip(values, types, strict=False)):
             arg = schema_args[i] if schema_args is not None else None
             arg_type = str(arg.type) if arg is not None else ""
@@ -267,9 +265,9 @@ class Replayer:
             for position in step:
                 op, spec = self.ops[position], self.ops_spec[position]
                 for slot, info, tensor_index, arg_name in self._inputs_of(position):
-                    rng = spec.get("tensor_range", {}).get(str(tensor_index))
+                    rng = spec.tensor_range.get(str(tensor_index))
                     rng = (int(rng[0]), int(rng[1])) if isinstance(rng, list) and len(rng) == 2 else None
-                    data = spec.get("tensor_data", {}).get(str(tensor_index))
+                    data = spec.tensor_data.get(str(tensor_index))
                     if (rng is not None or data) and not info.dtype.is_floating_point:
                         self._constraints.append((info, rng, arg_name == "offsets", data))
                     if slot not in produced and slot not in externals:
@@ -283,7 +281,7 @@ class Replayer:
         for op in self.ops:
             for slot, _info, tensor_index, _ in self._inputs_of(op.index):
                 maker = pending.pop(slot, None)
-                rng = self.ops_spec[op.index].get("tensor_range", {}).get(str(tensor_index))
+                rng = self.ops_spec[op.index].tensor_range.get(str(tensor_index))
                 if maker is not None and isinstance(rng, list) and len(rng) == 2:
                     maker.fills.append((slot, (int(rng[0]), int(rng[1]))))
             if re.fullmatch(r"aten::(empty|empty_strided|empty_like|new_empty|new_empty_strided)", op.name):
@@ -301,17 +299,17 @@ class Replayer:
         if position in self._inputs_cache:
             return self._inputs_cache[position]
         spec = self.ops_spec[position]
-        inputs = spec["inputs"]
+        inputs = spec.inputs
         names: list[str] = []
-        if not spec["name"].startswith("c10d::"):
+        if not spec.name.startswith("c10d::"):
             try:
-                names = [a.name for a in torch._C.parse_schema(spec["schema"]).arguments]
+                names = [a.name for a in torch._C.parse_schema(spec.schema).arguments]
             except RuntimeError:
                 names = []
         found = []
         tensor_index = -1
-        for i, (value, et_type) in enumerate(zip(inputs.get("values", []), inputs.get("types", []), strict=False)):
-            shape, stride = at(inputs.get("shapes", []), i), at(inputs.get("strides", []), i)
+        for i, (value, et_type) in enumerate(zip(inputs.values, inputs.types, strict=False)):
+            shape, stride = at(inputs.shapes, i), at(inputs.strides, i)
             items = [(value, shape, stride, et_type)]
             if et_type.startswith("GenericList[") and isinstance(value, list):
                 types = list_types(et_type)
@@ -362,11 +360,11 @@ class Replayer:
         live: dict[int, list[int]] = {}  # storage allocated in this step → the slots viewing it
         step_of = [self.ops[p].step for p in flat]
         for k, position in enumerate(flat):
-            op, allocated = self.ops[position], self.ops_spec[position].get("allocated", [])
+            op, allocated = self.ops[position], self.ops_spec[position].allocated
             for slot, info in zip(op.out_slots, op.out_infos, strict=False):
                 if slot is not None and info is not None and slot not in carried and info.storage_id in allocated:
                     live.setdefault(info.storage_id, []).append(slot)
-            for storage in self.ops_spec[position].get("released", []):
+            for storage in self.ops_spec[position].released:
                 for slot in live.pop(storage, []):
                     held[slot] = max(held.get(slot, k), k)
             if k + 1 == len(flat) or step_of[k + 1] != step_of[k]:  # kept past the step: to its end
@@ -505,7 +503,7 @@ class Replayer:
         offset = sum(len(s) for s in self.sequence[:k])
         gaps = None
         if self.host_gaps:
-            gaps = [0.0 if no_gap_time else seconds(self.ops_spec[p].get("gap_us")) for p in positions]
+            gaps = [0.0 if no_gap_time else seconds(self.ops_spec[p].gap_us) for p in positions]
         tail = seconds(self._tail_gaps_us[k]) if self.host_gaps and not no_gap_time else 0.0
         return generate_step(self.ops, positions, self._clears[offset:offset + len(positions)], gaps, tail,
                              call_s=0.0 if no_gap_time else self.call_s,

@@ -22,6 +22,7 @@ from workloads.base import MLPerfInfo, RunContext, StepResult, WorkloadBase, inv
 from workloads.trace_bundle import TraceError, rank_dirs, read_meta
 from workloads.trace_replay.fidelity import FIDELITY_FILE, compute_fidelity
 from workloads.trace_replay.probe import find_crashing_ops
+from workloads.trace_replay.records import SpecRecord
 from workloads.trace_replay.replay import Replayer
 from workloads.trace_replay.safety import available_memory_bytes, check_spec
 from workloads.trace_replay.spec import generate_spec, load_spec, write_spec
@@ -73,20 +74,21 @@ class GeneratedWorkload(WorkloadBase):
             raise invalid_config("memory_limit_mb",
                                  f"{config.memory_limit_mb} is negative (0: the device's available memory)")
         try:
-            self.spec = load_spec(config.spec)
+            raw = load_spec(config.spec)
         except TraceError as err:
             raise invalid_config("spec", str(err)) from None
-        ranks = len(self.spec["ranks"])
+        ranks = len(raw["ranks"])
         if ranks > 1 and ranks != ctx.world_size:
             raise invalid_config("spec", f"{config.spec} was captured on {ranks} ranks; replay it on {ranks} "
                                  f"(torchrun --nproc-per-node {ranks}), not {ctx.world_size}")
         self.rank_index = ctx.rank if ranks > 1 else 0
         limit = int(config.memory_limit_mb * 2**20) or available_memory_bytes(ctx.device)
         try:
-            checked = check_spec(self.spec, config.spec, trust=config.trust_spec, memory_limit_bytes=limit,
+            checked = check_spec(raw, config.spec, trust=config.trust_spec, memory_limit_bytes=limit,
                                  rank=self.rank_index)
         except TraceError as err:
             raise invalid_config("spec", str(err)) from None
+        self.spec = SpecRecord.from_json(raw)  # checked: typed from here on
         self.trusted_ops = checked.trusted_ops
         if self.trusted_ops and ctx.rank == 0:
             listed = "; ".join(f"{name}: {why}" for name, why in sorted(self.trusted_ops.items()))
@@ -122,14 +124,14 @@ class GeneratedWorkload(WorkloadBase):
 
     @property
     def portability(self) -> bool:
-        source = self.spec["source"]["platform"]
+        source = self.spec.source.platform
         return any(source.get(k) != self.platform[k] for k in _PLATFORM_KEYS if k in source)
 
     def setup(self) -> None:
-        rank_spec = self.spec["ranks"][self.rank_index]
-        self.replayer = Replayer(rank_spec, self.ctx.device, repeat=int(self.spec["options"].get("repeat", 1)),
+        rank_spec = self.spec.ranks[self.rank_index]
+        self.replayer = Replayer(rank_spec, self.ctx.device, repeat=self.spec.repeat,
                                  process_group=self.ctx.process_group, seed=self.ctx.seed + self.ctx.rank,
-                                 host_gaps=self.config.host_gaps and bool(self.spec.get("full_step")),
+                                 host_gaps=self.config.host_gaps and self.spec.full_step,
                                  trust=self.config.trust_spec)
         if self.config.probe and not self.ctx.distributed and self.ctx.device.type == "cpu":
             # a crash probe needs the ops to run alone: not with collectives, not on a shared device
@@ -155,11 +157,11 @@ class GeneratedWorkload(WorkloadBase):
                           eval_samples=0)
 
     def run_tags(self) -> dict[str, str]:
-        source = self.spec["source"]
-        platform = source.get("platform", {})
+        source = self.spec.source
+        platform = source.platform
         return {
-            "source_workload": str(source.get("workload", "")),
-            "source_run_id": str(source.get("run_id", "")),
+            "source_workload": source.workload,
+            "source_run_id": source.run_id,
             "source_platform": f"{platform.get('device_type', '?')}:{platform.get('device_name', '?')}"
                                f":{platform.get('num_threads', '?')}t:{platform.get('world_size', '?')}r",
             "portability": str(self.portability).lower(),

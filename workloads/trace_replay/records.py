@@ -1,0 +1,122 @@
+"""The spec as typed records: what a replay reads, once :func:`.safety.check_spec` has vetted the JSON.
+
+``spec.py`` writes a spec as JSON (the portable file); ``safety.py`` checks every field of an
+untrusted one; these records are the checked spec as the replay, the fidelity figures and the
+crash probe read it: fields with names and types instead of nested dictionaries, with the
+defaults an older spec may lack written down once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Values:
+    """An op's inputs or outputs as the execution trace records them, position by position: the value
+    (a tensor ``[id, storage, offset, numel, itemsize, device]``, a list, a scalar), shape, stride, type."""
+
+    values: list[Any] = field(default_factory=list)
+    shapes: list[Any] = field(default_factory=list)
+    strides: list[Any] = field(default_factory=list)
+    types: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Values:
+        return cls(list(raw.get("values", [])), list(raw.get("shapes", [])), list(raw.get("strides", [])),
+                   list(raw.get("types", [])))
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    """One captured op: what it is, what it read and wrote, when it ran and what the program spent around it."""
+
+    id: int
+    name: str
+    schema: str
+    step: int
+    category: str
+    inputs: Values
+    outputs: Values
+    tensor_range: dict[str, list[int]] = field(default_factory=dict)  # input position → [low, high] read
+    tensor_data: dict[str, Any] = field(default_factory=dict)  # input position → recorded integer data
+    dur_us: float | None = None  # captured duration (None: no Kineto event matched it)
+    gap_us: float = 0.0  # the program's host time before it
+    scopes: list[str] = field(default_factory=list)
+    deps: list[int] = field(default_factory=list)
+    allocated: list[int] = field(default_factory=list)  # new output storages seen allocated in it
+    released: list[int] = field(default_factory=list)  # storages the program freed right after it
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> OpRecord:
+        return cls(int(raw.get("id", -1)), raw["name"], raw["schema"], int(raw["step"]), raw["category"],
+                   Values.from_json(raw.get("inputs") or {}), Values.from_json(raw.get("outputs") or {}),
+                   dict(raw.get("tensor_range") or {}), dict(raw.get("tensor_data") or {}), raw.get("dur_us"),
+                   float(raw.get("gap_us") or 0.0), list(raw.get("scopes", [])), list(raw.get("deps", [])),
+                   list(raw.get("allocated", [])), list(raw.get("released", [])))
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One captured step: its index and the program's host time in it."""
+
+    index: int
+    tail_gap_us: float = 0.0  # host time after its last op
+    host_gap_us: float = 0.0  # host time per step, all gaps together
+    ops_dur_us: float = 0.0  # every captured op's time in it (the denominator of a partial spec)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> StepRecord:
+        return cls(int(raw["index"]), float(raw.get("tail_gap_us", 0.0)), float(raw.get("host_gap_us", 0.0)),
+                   float(raw.get("ops_dur_us", 0.0)))
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """One rank's captured steps and ops."""
+
+    ops: list[OpRecord]
+    steps: list[StepRecord] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> RankRecord:
+        return cls([OpRecord.from_json(op) for op in raw["ops"]],
+                   [StepRecord.from_json(s) for s in raw.get("steps", [])])
+
+
+@dataclass(frozen=True)
+class SourceRecord:
+    """Where the capture came from, and what its steps measured there (per rank)."""
+
+    workload: str = ""
+    run_id: str = ""
+    platform: dict[str, Any] = field(default_factory=dict)
+    world_size: int = 1
+    step_times_ms: list[list[float]] = field(default_factory=list)
+    peak_memory_bytes: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> SourceRecord:
+        return cls(str(raw.get("workload", "")), str(raw.get("run_id", "")), dict(raw.get("platform") or {}),
+                   int(raw.get("world_size", 1)), [list(t) for t in raw.get("step_times_ms", [])],
+                   [int(b) for b in raw.get("peak_memory_bytes", [])])
+
+
+@dataclass(frozen=True)
+class SpecRecord:
+    """A whole checked spec."""
+
+    source: SourceRecord
+    ranks: list[RankRecord]
+    options: dict[str, Any] = field(default_factory=dict)  # the selection it was generated with
+    full_step: bool = False  # every op of the captured steps, once: host time replays too
+
+    @property
+    def repeat(self) -> int:
+        return int(self.options.get("repeat", 1) or 1)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> SpecRecord:
+        return cls(SourceRecord.from_json(raw.get("source") or {}), [RankRecord.from_json(r) for r in raw["ranks"]],
+                   dict(raw.get("options") or {}), bool(raw.get("full_step", False)))
