@@ -75,7 +75,6 @@ INDEX_OPS = (
 
 TIMING_WARMUP = 2  # Kineto-alone steps run before the measured ones
 MIN_TIMING_STEPS = 5  # Kineto-alone steps measured: the host-gap estimate is their median
-BRACKET_STEPS = 5  # plain steps after them: the plain reference brackets the Kineto-alone phase
 
 
 def _data_ops() -> list[str]:
@@ -158,7 +157,6 @@ class Capture:
         self.memory = MemoryMeter(device)
         self.traced_times_s: list[float] = []
         self.timing_times_s: list[float] = []  # steps under Kineto alone (host-gap measurement)
-        self.bracket_times_s: list[float] = []  # plain steps right after those
         self._timing_profiler: profile | None = None
         self._profiler: profile | None = None
         self._observer: ExecutionTraceObserver | None = None
@@ -171,7 +169,7 @@ class Capture:
 
     @property
     def total_steps(self) -> int:
-        return self.warmup + self.baseline_steps + self.steps + TIMING_WARMUP + self.timing_steps + BRACKET_STEPS
+        return self.warmup + self.baseline_steps + self.steps + TIMING_WARMUP + self.timing_steps
 
     @property
     def done(self) -> bool:
@@ -188,7 +186,6 @@ class Capture:
         timing_index = index - self.steps - TIMING_WARMUP
         timing = self.steps <= index < self.steps + TIMING_WARMUP + self.timing_steps
         measured_timing = timing and timing_index >= 0
-        bracket = 0 <= timing_index - self.timing_steps < BRACKET_STEPS
         timed = self.warmup <= self.step_index < self.warmup + self.baseline_steps or traced
         if traced and self._profiler is None:
             self._start_profiler()
@@ -211,8 +208,6 @@ class Capture:
             (self.traced_times_s if traced else self.plain_times_s).append(elapsed)
         if measured_timing:
             self.timing_times_s.append(elapsed)
-        if bracket:
-            self.bracket_times_s.append(elapsed)
         if timed and not traced:
             self.memory.sample()
         self.step_index += 1
@@ -305,7 +300,7 @@ def capture(
         raise TraceError(
             f"capture into {target}: the loop ran {cap.step_index} step(s), but a bundle needs "
             f"{cap.total_steps} (warm-up {warmup}, timed baseline {baseline_steps}, traced {steps}, "
-            f"under Kineto alone {TIMING_WARMUP} + {cap.timing_steps}, plain after them {BRACKET_STEPS}); "
+            f"under Kineto alone {TIMING_WARMUP} + {cap.timing_steps}); "
             f"loop until `cap.done`"
         )
     meta = BundleMeta(
@@ -320,7 +315,6 @@ def capture(
         capture_wall_s=time.perf_counter() - started,
         peak_memory_bytes=cap.memory.read(),
         timing_step_times_s=cap.timing_times_s,
-        bracket_step_times_s=cap.bracket_times_s,
     )
     (target / META_FILE).write_text(json.dumps(meta.to_json(), indent=2))
 

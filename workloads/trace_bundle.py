@@ -56,17 +56,7 @@ class BundleMeta:
     # Peak memory over the plain timed steps: the allocator's peak on accelerators, else process RSS.
     peak_memory_bytes: int = 0
     timing_step_times_s: list[float] = field(default_factory=list)  # under Kineto alone
-    # plain steps right after the Kineto-alone ones: with the last plain steps before them, they bracket
-    # that phase, so a machine that sped up or slowed down meanwhile does not bias the profiler's cost
-    bracket_step_times_s: list[float] = field(default_factory=list)
     schema: str = META_SCHEMA
-
-    def plain_around_timing_s(self) -> float:
-        """The plain step time around the Kineto-alone steps: the median of the bracketing plain steps
-        (the last baseline steps and those after), or of every plain step for a bundle without them."""
-        if not self.bracket_step_times_s:
-            return _median(self.step_times_s)
-        return _median(self.step_times_s[-len(self.bracket_step_times_s):] + self.bracket_step_times_s)
 
     @property
     def capture_overhead_pct(self) -> float:
@@ -90,7 +80,6 @@ class BundleMeta:
             "capture_wall_s": self.capture_wall_s,
             "peak_memory_bytes": self.peak_memory_bytes,
             "timing_step_times_s": self.timing_step_times_s,
-            "bracket_step_times_s": self.bracket_step_times_s,
         }
 
 
@@ -152,7 +141,6 @@ def read_meta(bundle: Path) -> BundleMeta:
             capture_wall_s=float(raw.get("capture_wall_s", 0.0)),
             peak_memory_bytes=int(raw.get("peak_memory_bytes", 0)),
             timing_step_times_s=[float(t) for t in raw.get("timing_step_times_s", [])],
-            bracket_step_times_s=[float(t) for t in raw.get("bracket_step_times_s", [])],
         )
     except (KeyError, TypeError, ValueError) as err:
         raise TraceError(f"{path}: malformed metadata ({type(err).__name__}: {err})") from None
