@@ -8,6 +8,7 @@ and the workload's own checks before any MLflow run exists. Exit codes: 0 all ru
 
 from __future__ import annotations
 
+import shutil
 import signal
 import sys
 
@@ -66,16 +67,22 @@ def run_main(argv: list[str]) -> int:
     from harness.config import CONF_DIR, register_configs, to_run_config
     from harness.distributed import env_dist_info
     from harness.runner import STATUS_FINISHED, BenchmarkResult, run_benchmark
-    from harness.summary import print_summary
+    from harness.summary import print_summary, sweep_labels
     from harness.tracking import TrackingError
 
     results: list[BenchmarkResult] = []
+    job_overrides: list[list[str]] = []  # each job's own overrides: a sweep's rows are named by what differs
 
     def task(cfg: DictConfig) -> None:
+        from hydra.core.hydra_config import HydraConfig
+
         try:
             run_cfg = to_run_config(cfg)
+            job_overrides.append(list(HydraConfig.get().overrides.task))
             results.append(run_benchmark(run_cfg))
         except (ValueError, TrackingError) as err:
+            # refused before any run existed: leave no empty Hydra job folder behind
+            shutil.rmtree(HydraConfig.get().runtime.output_dir, ignore_errors=True)
             fail(str(err))
 
     hydra_flags = [a for a in argv if a.startswith("-") and a not in ("-m", "--multirun")]
@@ -92,5 +99,5 @@ def run_main(argv: list[str]) -> int:
     if not results:  # --help, --cfg job, ... : Hydra answered and ran nothing
         return EXIT_OK
     if env_dist_info().is_main:
-        print_summary(results)
+        print_summary(results, labels=sweep_labels(results, job_overrides))
     return EXIT_OK if all(r.status == STATUS_FINISHED for r in results) else EXIT_FAILED

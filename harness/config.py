@@ -11,6 +11,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,12 +76,17 @@ class RunnerConfig:
     eval_interval: int = 0  # evaluate every N timed steps; 0: once, at the end
     stop_at_target: bool = False  # stop a repetition once the quality target is reached
     progress: bool = True  # a progress bar on a terminal (always quiet otherwise)
+    # A run is marked noisy (warning, tag noisy=1) beyond these: its figures are not to be trusted.
+    noise_step_cv_max: float = 0.5  # step-time cv (fraction); variable-length workloads sit near 0.25
+    noise_rep_cv_max: float = 0.25  # cv of the repetitions' throughputs (fraction)
 
     def __post_init__(self) -> None:
         _require(self.warmup_steps >= 0, "runner.warmup_steps", f"got {self.warmup_steps}, must be >= 0")
         _require(self.steps >= 1, "runner.steps", f"got {self.steps}, must be >= 1")
         _require(self.repetitions >= 1, "runner.repetitions", f"got {self.repetitions}, must be >= 1")
         _require(self.eval_interval >= 0, "runner.eval_interval", f"got {self.eval_interval}, must be >= 0")
+        for key in ("noise_step_cv_max", "noise_rep_cv_max"):
+            _require(getattr(self, key) > 0, f"runner.{key}", f"got {getattr(self, key)}, must be > 0")
 
 
 @dataclass
@@ -223,7 +229,27 @@ def to_run_config(cfg: DictConfig) -> CobenchConfig:
     run_cfg: CobenchConfig = OmegaConf.to_object(cfg)  # runs every __post_init__
     if not dataclasses.is_dataclass(run_cfg.workload):  # a plain mapping: no workload schema was selected
         raise ValueError("invalid config 'workload': it has no schema; pick one with workload=<name>")
+    check_results_dir(run_cfg.results_dir)
     return run_cfg
+
+
+def check_results_dir(results_dir: str) -> None:
+    """A results folder this process can create and write, checked without creating anything."""
+    path = Path(results_dir).expanduser().resolve()
+    fix = "pass results_dir=DIR, a folder you can write"
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"invalid config 'results_dir': {path} is a file, not a folder; {fix}")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"invalid config 'results_dir': {existing} (on the way to {path}) is a file; {fix}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"invalid config 'results_dir': {existing} is not writable"
+                         + ("" if existing == path else f" (so {path} cannot be made)") + f"; {fix}")
+
+
+_NOT_MEASURED = ("progress", "noise_step_cv_max", "noise_rep_cv_max")  # how a run is shown or judged
 
 
 def benchmark_config_dict(cfg: CobenchConfig | DictConfig) -> dict[str, Any]:
@@ -235,7 +261,7 @@ def benchmark_config_dict(cfg: CobenchConfig | DictConfig) -> dict[str, Any]:
     node = cfg if isinstance(cfg, DictConfig) else OmegaConf.structured(cfg)
     container = OmegaConf.to_container(node, resolve=True)
     assert isinstance(container, dict)
-    runner = {k: v for k, v in container["runner"].items() if k != "progress"}
+    runner = {k: v for k, v in container["runner"].items() if k not in _NOT_MEASURED}
     return {"seed": container["seed"], "deterministic": container["deterministic"], "runner": runner,
             "workload": container["workload"]}
 

@@ -41,6 +41,7 @@ class RepetitionState:
     quality: dict[str, float] = field(default_factory=dict)  # last evaluation
     quality_history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     target_reached: bool | None = None  # None: the workload declares no target
+    target: QualityTarget | None = None  # the workload's quality target, when it has one
     time_to_train_s: float | None = None
     flops_per_step: float | None = None
     extras: dict[str, float] = field(default_factory=dict)  # the workload's own metrics
@@ -118,7 +119,7 @@ def run_repetition(
     seed_everything(ctx.seed, ctx.deterministic)
     workload.setup()
     state.flops_per_step = workload.flops_per_step()
-    target = workload.quality_target()
+    target = state.target = workload.quality_target()
     log.end(C.INIT_STOP)
     synchronize(ctx.device)
     log.start(C.RUN_START)

@@ -89,25 +89,44 @@ def benchmark_metrics(
             metrics["achieved_tflops"] = achieved / 1e12
             if peak_flops_per_device:
                 metrics["mfu"] = achieved / (peak_flops_per_device * world)
-        last = summaries[-1]
-        for rank, p50 in enumerate(last.rank_step_time_ms_p50):
+        # per rank, aggregated over repetitions like the job's figures (so one rank's equals the job's)
+        per_rank = [olympic_mean(list(p50s)) for p50s in zip(*(s.rank_step_time_ms_p50 for s in summaries),
+                                                             strict=True)]
+        for rank, p50 in enumerate(per_rank):
             metrics[f"step_time_ms_p50_rank{rank}"] = p50
         if world > 1:
-            slowest, fastest = max(last.rank_step_time_ms_p50), min(last.rank_step_time_ms_p50)
+            slowest, fastest = max(per_rank), min(per_rank)
             metrics["rank_imbalance"] = (slowest - fastest) / slowest if slowest > 0 else 0.0
-    final = repetitions[-1][0]
-    finite_losses = [x for x in final.losses if math.isfinite(x)]
+    # Loss, quality and the workload's own figures: repetition 0 (the configured seed), the run whose
+    # curves are logged beside them; how many repetitions reached the target says the rest.
+    first = repetitions[0][0]
+    finite_losses = [x for x in first.losses if math.isfinite(x)]
     if finite_losses:
         metrics["loss"] = finite_losses[-1]
-    metrics.update(final.extras)
-    metrics.update(final.quality)
-    times = [reps[0].time_to_train_s for reps in repetitions if reps[0].time_to_train_s is not None]
-    if times:
-        metrics["time_to_train_s"] = olympic_mean(times)
+    metrics.update(first.extras)
+    metrics.update(first.quality)
     reached = [reps[0].target_reached for reps in repetitions]
-    if all(r is not None for r in reached):
+    if first.target is not None and all(r is not None for r in reached):
+        metrics["quality_target_value"] = first.target.value
         metrics["quality_target_reached"] = float(all(reached))
+        metrics["quality_target_reps_reached"] = float(sum(bool(r) for r in reached))
+        times = [reps[0].time_to_train_s for reps in repetitions]
+        if all(reached) and all(t is not None for t in times):  # MLPerf: time to train exists only at the target
+            metrics["time_to_train_s"] = olympic_mean(times)  # type: ignore[arg-type]
     return metrics
+
+
+def noise_verdict(metrics: dict[str, float], step_cv_max: float, rep_cv_max: float) -> str | None:
+    """Why a run's figures are too noisy to trust (a sentence), or None."""
+    reasons = []
+    if metrics.get("step_time_cv", 0.0) > step_cv_max:
+        reasons.append(f"step-time cv {100 * metrics['step_time_cv']:.0f} % > {100 * step_cv_max:.0f} %")
+    if metrics.get("repetitions_completed", 0) > 1 and metrics.get("throughput_cv", 0.0) > rep_cv_max:
+        reasons.append(f"repetition cv {100 * metrics['throughput_cv']:.0f} % > {100 * rep_cv_max:.0f} %")
+    if not reasons:
+        return None
+    return (f"{' and '.join(reasons)}: the machine was busy or the steps differ; rerun on a quiet machine "
+            f"(limits: runner.noise_step_cv_max, runner.noise_rep_cv_max)")
 
 
 # Every metric a suite gates or reports: name → (unit, definition). The README's metric table is
@@ -126,8 +145,8 @@ METRIC_DEFINITIONS: dict[str, tuple[str, str]] = {
     "step_time_ms_p99": ("ms", "99th percentile of the job's step time, olympic mean over repetitions"),
     "step_time_ms_mean": ("ms", "mean of the job's step time, olympic mean over repetitions"),
     "step_time_cv": ("fraction", "standard deviation ÷ mean of the job's step times, olympic mean over repetitions"),
-    "step_time_ms_p50_rank<r>": ("ms", "rank r's own median step time, last repetition"),
-    "rank_imbalance": ("fraction", "(slowest rank's median step − fastest's) ÷ slowest's, last repetition; "
+    "step_time_ms_p50_rank<r>": ("ms", "rank r's own median step time, olympic mean over repetitions"),
+    "rank_imbalance": ("fraction", "(slowest rank's step_time_ms_p50_rank<r> − fastest's) ÷ slowest's; "
                                    "only with more than one rank"),
     "achieved_tflops": ("TFLOP/s", "model FLOPs per step (torch.utils.flop_counter, all ranks) × timed steps ÷ the "
                                    "slowest rank's timed seconds, olympic mean over repetitions"),
@@ -135,11 +154,19 @@ METRIC_DEFINITIONS: dict[str, tuple[str, str]] = {
                         "run in (tag `peak_flops_source`)"),
     "peak_memory_mb": ("MiB", "largest over repetitions and ranks: the allocator's peak on accelerators, "
                               "the process RSS peak on CPU"),
-    "loss": ("as the workload's loss", "the last finite training loss of the last repetition (rank 0)"),
-    "time_to_train_s": ("s", "from run_start to the quality target (or the end of the steps), olympic mean over "
-                             "repetitions"),
+    "loss": ("as the workload's loss", "the last finite training loss of repetition 0 (rank 0)"),
+    "time_to_train_s": ("s", "from run_start to the end of the repetition's training, olympic mean over "
+                             "repetitions; only when every repetition reached the quality target"),
     "quality_target_reached": ("0 or 1", "1 when every repetition reached the workload's quality target"),
+    "quality_target_reps_reached": ("count", "repetitions that reached the quality target"),
+    "quality_target_value": ("as the target metric", "the workload's quality target (e.g. eval_loss <= value)"),
+    "noisy": ("0 or 1", "1 when step_time_cv > runner.noise_step_cv_max or, with repetitions, throughput_cv > "
+                        "runner.noise_rep_cv_max: the figures are not to be trusted (tag `noise_reason`)"),
     "repetitions_completed": ("count", "repetitions with at least one timed step"),
+    "eval_loss": ("nats per token", "llama: mean cross-entropy on the held-out batches (repetition 0)"),
+    "auc": ("0 … 1", "dlrm: ROC AUC of the click predictions on the held-out batches (repetition 0)"),
+    "hr_at_10": ("0 … 1", "seqrec: share of held-out next items ranked in the top 10 (repetition 0)"),
+    "ndcg_at_10": ("0 … 1", "seqrec: normalised discounted cumulative gain of the next item at 10 (repetition 0)"),
     "time_error_pct": ("%", "abs(replay step ÷ source step − 1) × 100: medians side by side in one process "
                             "(`cobench trace fidelity`, suites, qualify), else replay p50 vs the capture's "
                             "plain steps"),

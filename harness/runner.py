@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from harness.config import CobenchConfig, config_hash, results_root
+from harness.config import CobenchConfig, RunnerConfig, config_hash, results_root
 from harness.distributed import (
     DistInfo,
     broadcast_from_main,
@@ -31,7 +31,7 @@ from harness.distributed import (
 )
 from harness.fingerprint import environment_fingerprint
 from harness.loop import RepetitionState, run_repetition
-from harness.metrics import benchmark_metrics
+from harness.metrics import benchmark_metrics, noise_verdict
 from harness.mlperf_log import MLPerfLogWriter
 from harness.platform import PeakFlops, Platform, discover_platform
 from harness.progress import step_progress
@@ -57,6 +57,7 @@ class BenchmarkResult:
     metrics: dict[str, float] = field(default_factory=dict)
     error: str | None = None
     losses: list[float] = field(default_factory=list)  # train loss per step: repetition 0, rank 0
+    noise: str | None = None  # why the figures are too noisy to trust (tag noisy=1), or None
 
 
 def new_run_dir(root: Path, name: str) -> str:
@@ -201,15 +202,16 @@ def run_benchmark(
                 repetitions.append(gather_to_all(state))
                 states = []
     except KeyboardInterrupt:
-        _finish(result, tracker, repetitions, states, peak, STATUS_KILLED, "KeyboardInterrupt: interrupted by the user")
+        _finish(result, tracker, repetitions, states, peak, STATUS_KILLED, "KeyboardInterrupt: interrupted by the user",
+                runner=cfg.runner)
         raise
     except Exception as err:  # noqa: BLE001 - any failure must end the run FAILED, with its reason
         reason = f"{type(err).__name__}: {err}"
         if main:
             (run_dir / "error.txt").write_text(traceback.format_exc())
-        _finish(result, tracker, repetitions, states, peak, STATUS_FAILED, reason)
+        _finish(result, tracker, repetitions, states, peak, STATUS_FAILED, reason, runner=cfg.runner)
         return result
-    _finish(result, tracker, repetitions, [], peak, STATUS_FINISHED, None, derived)
+    _finish(result, tracker, repetitions, [], peak, STATUS_FINISHED, None, derived, runner=cfg.runner)
     return result
 
 
@@ -222,6 +224,8 @@ def _finish(
     status: str,
     reason: str | None,
     derived: Callable[[dict[str, float]], dict[str, float]] | None = None,
+    *,
+    runner: RunnerConfig,
 ) -> None:
     """Compute metrics from whatever was measured, write them locally, close the MLflow run."""
     result.status, result.error = status, reason
@@ -231,6 +235,9 @@ def _finish(
         result.losses = list(measured[0][0].losses)  # the trajectory users (and qualify) compare
     if derived is not None and status == STATUS_FINISHED:
         result.metrics.update(derived(result.metrics))
+    if measured:
+        result.noise = noise_verdict(result.metrics, runner.noise_step_cv_max, runner.noise_rep_cv_max)
+        result.metrics["noisy"] = float(result.noise is not None)
     if not env_dist_info().is_main:
         return
     (result.run_dir / "metrics.json").write_text(
@@ -240,6 +247,8 @@ def _finish(
         return
     run_id = result.run_id
     tracker.log_metrics(run_id, result.metrics)
+    if result.noise:
+        tracker.set_tags(run_id, {"noisy": "1", "noise_reason": result.noise})
     if measured:
         first = measured[0][0]
         tracker.log_series(run_id, "train_loss", result.losses)

@@ -1,8 +1,15 @@
-"""The one-screen summary table printed at the end of a run, sweep or suite."""
+"""The summary table printed at the end of a run, sweep or suite: it fits the terminal it is printed on.
+
+Every figure says how it was aggregated: the headline (throughput, step times, MFU) is the olympic
+mean over the repetitions, ``± %`` their spread (cv); quality is repetition 0's (the configured
+seed), with the target and how many repetitions reached it. A narrow terminal gets the columns
+that matter; a wide one (or a log file) also gets the platform, tail latencies, memory and run id.
+"""
 
 from __future__ import annotations
 
 import math
+import os
 
 from rich.console import Console
 from rich.table import Table
@@ -10,6 +17,8 @@ from rich.table import Table
 from harness.runner import STATUS_FINISHED, STATUS_SKIPPED, BenchmarkResult
 
 QUALITY_KEYS = ("eval_loss", "auc", "hr_at_10", "ndcg_at_10", "time_error_pct")
+WIDE_FROM = 150  # columns: from this terminal width on, the wide table
+UNITS = {"tokens/s": "tok/s", "samples/s": "samples/s", "iterations/s": "it/s"}
 
 
 def _fmt(value: float | None, spec: str = ".1f") -> str:
@@ -18,47 +27,96 @@ def _fmt(value: float | None, spec: str = ".1f") -> str:
     return format(value, spec)
 
 
-def summary_table(
-    results: list[BenchmarkResult], title: str = "cobench results", extra_metrics: list[str] = ()
-) -> Table:
-    """One row per benchmark; ``extra_metrics`` adds a column per metric name (e.g. a suite's)."""
-    table = Table(title=title, title_justify="left")
-    for header in ("benchmark", "platform", "status", "throughput", "p50 ms", "p90 ms", "p99 ms",
-                   "step cv %", "rep cv %", "MFU %", "peak MB", "quality", *extra_metrics, "run id"):
-        table.add_column(header, justify="left" if header in ("benchmark", "platform", "status") else "right")
-    for r in results:
+def human(value: float | None, unit: str = "") -> str:
+    """``36942.1, "tokens/s"`` → ``36.9 k tok/s``: three significant digits and an SI prefix."""
+    if value is None or not math.isfinite(value):
+        return "-"
+    unit = UNITS.get(unit, unit)
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g} {prefix} {unit}".rstrip()
+    return f"{value:.3g} {unit}".rstrip()
+
+
+def quality_text(m: dict[str, float]) -> str:
+    """Repetition 0's quality figures; with a target, the target and how many repetitions reached it."""
+    figures = ", ".join(f"{k} {m[k]:.4g}" for k in QUALITY_KEYS if k in m)
+    if "quality_target_value" in m:
+        reps = int(m.get("repetitions_completed", 1))
+        reached = int(m.get("quality_target_reps_reached", 0))
+        mark = "✓" if reached == reps else "✗"
+        figures += f" (target {m['quality_target_value']:.4g}: {reached}/{reps} {mark})"
+    return figures or "-"
+
+
+def summary_table(results: list[BenchmarkResult], title: str = "cobench results", extra_metrics: list[str] = (),
+                  *, wide: bool = True, labels: dict[int, str] | None = None) -> Table:
+    """One row per benchmark; ``extra_metrics`` adds a column per metric name (e.g. a suite's);
+    ``labels``: a row's name by its index (e.g. a sweep's differing overrides)."""
+    table = Table(title=title, title_justify="left", caption="throughput, p50, MFU: olympic mean over the "
+                  "repetitions, ± their cv; quality: repetition 0", caption_justify="left")
+    columns = ["benchmark", *(["platform"] if wide else []), "status", "throughput", "±", "p50 ms",
+               *(["p90 ms", "p99 ms", "step cv"] if wide else []), "MFU", *(["peak MB", "reps"] if wide else []),
+               "quality", *extra_metrics, *(["run id"] if wide else [])]
+    for header in columns:
+        table.add_column(header, justify="left" if header in ("benchmark", "platform", "status", "quality")
+                         else "right", overflow="fold")
+    for i, r in enumerate(results):
         m = r.metrics
-        quality = ", ".join(f"{k}={m[k]:.4g}" for k in QUALITY_KEYS if k in m)
-        if "quality_target_reached" in m:
-            quality += " ✓" if m["quality_target_reached"] else " ✗"
         status = r.status if r.status in (STATUS_FINISHED, STATUS_SKIPPED) else f"[red]{r.status}[/red]"
-        table.add_row(
-            r.benchmark,
-            r.platform,
-            status,
-            f"{_fmt(m.get('throughput'), ',.0f')} {r.throughput_unit}" if "throughput" in m else "-",
-            _fmt(m.get("step_time_ms_p50"), ".2f"),
-            _fmt(m.get("step_time_ms_p90"), ".2f"),
-            _fmt(m.get("step_time_ms_p99"), ".2f"),
-            _fmt(100 * m["step_time_cv"] if "step_time_cv" in m else None),
-            _fmt(100 * m["throughput_cv"] if m.get("repetitions_completed", 0) > 1 else None),
-            _fmt(100 * m["mfu"] if "mfu" in m else None, ".2f"),
-            _fmt(m.get("peak_memory_mb"), ",.0f"),
-            quality or "-",
-            *(_fmt(m.get(name), ".4g") for name in extra_metrics),
-            (r.run_id or "-")[:8],
-        )
+        if m.get("noisy"):
+            status += " [yellow]noisy[/yellow]"
+        reps = int(m.get("repetitions_completed", 0))
+        cells = {
+            "benchmark": (labels or {}).get(i, r.benchmark),
+            "platform": r.platform,
+            "status": status,
+            "throughput": human(m.get("throughput"), r.throughput_unit),
+            "±": f"{100 * m['throughput_cv']:.0f} %" if reps > 1 and "throughput_cv" in m else "-",
+            "p50 ms": _fmt(m.get("step_time_ms_p50"), ".2f"),
+            "p90 ms": _fmt(m.get("step_time_ms_p90"), ".2f"),
+            "p99 ms": _fmt(m.get("step_time_ms_p99"), ".2f"),
+            "step cv": f"{100 * m['step_time_cv']:.0f} %" if "step_time_cv" in m else "-",
+            "MFU": f"{100 * m['mfu']:.2f} %" if "mfu" in m else "-",
+            "peak MB": _fmt(m.get("peak_memory_mb"), ",.0f"),
+            "reps": str(reps) if reps else "-",
+            "quality": quality_text(m),
+            "run id": (r.run_id or "-")[:8],
+        }
+        cells.update({name: _fmt(m.get(name), ".4g") for name in extra_metrics})
+        table.add_row(*(cells[c] for c in columns))
     return table
 
 
-def print_summary(
-    results: list[BenchmarkResult], title: str = "cobench results", extra_metrics: list[str] = ()
-) -> None:
+def print_summary(results: list[BenchmarkResult], title: str = "cobench results", extra_metrics: list[str] = (),
+                  labels: dict[int, str] | None = None) -> None:
+    """The table, then what needs saying: failures, noisy runs, and where the outputs went."""
     console = Console()
-    if not console.is_terminal:  # logs and pipes: don't squeeze the table into 80 columns
+    if not console.is_terminal and "COLUMNS" not in os.environ:  # logs and pipes: the wide table, unsqueezed
         console = Console(width=200)
-    console.print(summary_table(results, title, list(extra_metrics)))
+    wide = console.width >= WIDE_FROM
+    console.print(summary_table(results, title, list(extra_metrics), wide=wide, labels=labels))
     for r in results:
         if r.error:
             where = f" (details: {r.run_dir})" if r.run_dir else ""
             console.print(f"[red]{r.benchmark}: {r.status}: {r.error}[/red]{where}")
+        if r.noise:
+            console.print(f"[yellow]warning: {r.benchmark} is noisy: {r.noise}[/yellow]")
+    folders = sorted({r.run_dir.parent for r in results if r.run_dir is not None})
+    for folder in folders:
+        store = folder.parent / "mlflow.db"
+        console.print(f"outputs: {folder}/<run>/ (metrics.json, MLPerf logs, config)"
+                      + (f"; MLflow: mlflow ui --backend-store-uri sqlite:///{store}" if store.is_file() else ""),
+                      soft_wrap=True)
+
+
+def sweep_labels(results: list[BenchmarkResult], overrides: list[list[str]]) -> dict[int, str]:
+    """Rows of a sweep named by what differs between them: ``llama batch_size=2`` (``overrides``: each
+    run's command-line overrides, in the order of ``results``)."""
+    if len(results) < 2 or len(overrides) != len(results):
+        return {}
+    parsed = [dict(o.split("=", 1) for o in job if "=" in o) for job in overrides]
+    keys = sorted({k for job in parsed for k in job})
+    differing = [k for k in keys if len({job.get(k) for job in parsed}) > 1]
+    return {i: " ".join([r.benchmark, *(f"{k.split('.')[-1]}={parsed[i].get(k, '-')}" for k in differing)])
+            for i, r in enumerate(results)}

@@ -47,33 +47,60 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+MEASURED_PARAMS = ("workload.", "runner.", "seed", "deterministic")  # params that define what is measured
+
+
 def summarize(runs: list[RunRecord], metric: str) -> tuple[dict[tuple[str, str], dict[str, dict]], list[str]]:
-    """{(benchmark, config_hash): {platform: stats}} and the platforms, in order of first appearance."""
-    values: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    """{(benchmark, config_hash): {platform: stats}} and the platforms, in order of first appearance.
+
+    Per platform: the olympic mean over runs; ``cv``, ``min`` and ``max`` over every repetition the
+    runs measured when the metric is the throughput (each run logs its repetitions' spread), else
+    over the runs; the runs' world sizes and how many were marked noisy.
+    """
+    runs_of: dict[tuple[str, str], dict[str, list[RunRecord]]] = defaultdict(lambda: defaultdict(list))
     platforms: list[str] = []
     for run in runs:
         value = run.metrics.get(metric)
         if value is None or not math.isfinite(value):
             continue
-        key = (run.tags.get("benchmark", run.name), run.tags.get("config_hash", "?"))
-        values[key][run.platform].append(value)
+        runs_of[(run.tags.get("benchmark", run.name), run.tags.get("config_hash", "?"))][run.platform].append(run)
         if run.platform not in platforms:
             platforms.append(run.platform)
     table = {}
-    for key, by_platform in values.items():
+    for key, by_platform in runs_of.items():
         table[key] = {}
-        for platform, vals in by_platform.items():
+        for platform, group in by_platform.items():
+            vals = [r.metrics[metric] for r in group]
             mean = olympic_mean(vals)
             cv = statistics.pstdev(vals) / statistics.fmean(vals) if len(vals) > 1 and statistics.fmean(vals) else 0.0
-            table[key][platform] = {"value": mean, "cv": cv, "min": min(vals), "max": max(vals), "n": len(vals)}
+            low, high = min(vals), max(vals)
+            if metric == "throughput":  # each run's own repetitions count too
+                cv = max([cv, *(r.metrics.get("throughput_cv", 0.0) for r in group)])
+                low = min(r.metrics.get("throughput_min", r.metrics[metric]) for r in group)
+                high = max(r.metrics.get("throughput_max", r.metrics[metric]) for r in group)
+            table[key][platform] = {
+                "value": mean, "cv": cv, "min": low, "max": high, "n": len(vals),
+                "world_size": ",".join(sorted({r.tags.get("world_size", "?") for r in group})),
+                "noisy": sum(r.tags.get("noisy") == "1" for r in group),
+                "params": {k: v for k, v in group[0].params.items() if k.startswith(MEASURED_PARAMS)},
+            }
     return table, platforms
+
+
+def _label(benchmark: str, chash: str, table: dict) -> str:
+    """A benchmark run with several configurations: named by the settings that differ between them."""
+    configs = [next(iter(by_platform.values()))["params"] for (b, _), by_platform in table.items() if b == benchmark]
+    if len(configs) < 2:
+        return benchmark
+    mine = next(iter(table[(benchmark, chash)].values()))["params"]
+    differing = sorted(k for k in set().union(*configs) if len({c.get(k) for c in configs}) > 1)
+    if not differing:
+        return f"{benchmark} [{chash}]"
+    return " ".join([benchmark, *(f"{k.split('.')[-1]}={mine.get(k, '-')}" for k in differing)])
 
 
 def _rows(table: dict, platforms: list[str], baseline: str, unit: dict[str, str]) -> list[dict[str, Any]]:
     rows = []
-    multi = defaultdict(int)
-    for benchmark, _ in table:
-        multi[benchmark] += 1
     for (benchmark, chash), by_platform in sorted(table.items()):
         base = by_platform.get(baseline)
         for platform in platforms:
@@ -81,8 +108,9 @@ def _rows(table: dict, platforms: list[str], baseline: str, unit: dict[str, str]
             if stats is None:
                 continue
             rows.append({
-                "benchmark": benchmark if multi[benchmark] == 1 else f"{benchmark} [{chash}]",
-                "config_hash": chash, "platform": platform, "unit": unit.get(benchmark, ""), **stats,
+                "benchmark": _label(benchmark, chash, table),
+                "config_hash": chash, "platform": platform, "unit": unit.get(benchmark, ""),
+                **{k: v for k, v in stats.items() if k != "params"},
                 "ratio": stats["value"] / base["value"] if base and base["value"] else None,
             })
     return rows
@@ -129,12 +157,12 @@ def _write(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> None:
         writer.writeheader()
         writer.writerows(rows)
     lines = [f"# {meta['metric']} by platform (baseline `{meta['baseline']}`)", "",
-             "| benchmark | platform | value | unit | ratio | cv | min | max | runs |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| benchmark | platform | ranks | value | unit | ratio | cv % | min | max | runs | noisy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['ratio']:.3f}" if r["ratio"] is not None else "-"
-        lines.append(f"| {r['benchmark']} | {r['platform']} | {r['value']:.4g} | {r['unit']} | {ratio} | "
-                     f"{r['cv']:.3f} | {r['min']:.4g} | {r['max']:.4g} | {r['n']} |")
+        lines.append(f"| {r['benchmark']} | {r['platform']} | {r['world_size']} | {r['value']:.4g} | {r['unit']} | "
+                     f"{ratio} | {100 * r['cv']:.1f} | {r['min']:.4g} | {r['max']:.4g} | {r['n']} | {r['noisy']} |")
     (out / "compare.md").write_text("\n".join(lines) + "\n")
 
 
@@ -143,14 +171,24 @@ def _print(rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    table = Table(title=f"{meta['metric']}: {meta['runs']} runs, baseline {meta['baseline']}")
-    for column in ("benchmark", "platform", "value", "unit", "ratio", "cv %", "min-max", "runs"):
-        table.add_column(column, justify="left" if column in ("benchmark", "platform", "unit") else "right")
+    from harness.summary import human
+
+    table = Table(title=f"{meta['metric']}: {meta['runs']} runs, baseline {meta['baseline']}", caption=(
+        "value: olympic mean over runs; cv and range: over every repetition of them"), caption_justify="left")
+    for column in ("benchmark", "platform", "ranks", "value", "ratio", "cv", "range", "runs", "noisy"):
+        table.add_column(column, justify="left" if column in ("benchmark", "platform") else "right")
     for r in rows:
-        table.add_row(escape(r["benchmark"]), escape(r["platform"]), f"{r['value']:.4g}", r["unit"],
-                      f"{r['ratio']:.3f}" if r["ratio"] is not None else "-", f"{100 * r['cv']:.1f}",
-                      f"{r['min']:.4g}-{r['max']:.4g}", str(r["n"]))
-    Console(width=160).print(table)
+        table.add_row(escape(r["benchmark"]), escape(r["platform"]), r["world_size"], human(r["value"], r["unit"]),
+                      f"{r['ratio']:.3f}" if r["ratio"] is not None else "-", f"{100 * r['cv']:.1f} %",
+                      f"{human(r['min'])} – {human(r['max'])}", str(r["n"]),
+                      f"[yellow]{r['noisy']}[/yellow]" if r["noisy"] else "0")
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    console.print(table)
+    if any(r["noisy"] for r in rows):
+        console.print("[yellow]warning: rows with noisy runs (tag noisy=1) compare figures that are not to be "
+                      "trusted; rerun them on a quiet machine[/yellow]")
 
 
 def compare(ns: argparse.Namespace) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ class RunRecord:
     tags: dict[str, str]
     metrics: dict[str, float]
     parent_run_id: str | None
+    params: dict[str, str] = field(default_factory=dict)  # the resolved config, flattened (MLflow params)
 
     @property
     def platform(self) -> str:
@@ -79,7 +80,7 @@ def find_runs(client: Any, *, experiment: str = "cobench", suite: str | None = N
             records.append(RunRecord(
                 run.info.run_id, run.info.run_name or "", run.info.status,
                 dt.datetime.fromtimestamp(run.info.start_time / 1000, dt.UTC), dict(run.data.tags),
-                dict(run.data.metrics), run.data.tags.get("mlflow.parentRunId"),
+                dict(run.data.metrics), run.data.tags.get("mlflow.parentRunId"), dict(run.data.params),
             ))
         token = page.token
         if not token:

@@ -88,3 +88,17 @@ def test_plot_with_one_run_per_platform(tmp_path: Path):
                      "n": 1, "cv": 0.0, "ratio": value / 59319.690671274955})
     _plot(rows, ["a", "b"], "a", "throughput", tmp_path)
     assert (tmp_path / "compare.svg").stat().st_size > 0
+
+
+def test_configurations_are_named_by_what_differs(cobench, tmp_path: Path):
+    """Two configurations of one benchmark get one row each, named by the setting that differs (not a hash),
+    with the world size and the spread over every repetition."""
+    proc = cobench("run", "-m", "workload.batch_size=2,4", *TINY, "runner.repetitions=2", "platform.calibrate=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = cobench("compare", f"results_dir={tmp_path / 'results'}", "--out", str(tmp_path / "o"))
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((tmp_path / "o" / "compare.json").read_text())["rows"]
+    assert sorted(r["benchmark"] for r in rows) == ["llama batch_size=2", "llama batch_size=4"]
+    assert all(r["world_size"] == "1" and r["n"] == 1 and r["min"] <= r["value"] <= r["max"] for r in rows)
+    assert all(r["min"] < r["max"] for r in rows)  # one run, two repetitions: their spread, not min == max
+    assert "llama batch_size=2" in proc.stdout and "tok/s" in proc.stdout

@@ -108,3 +108,22 @@ def test_a_suite_skips_what_this_platform_cannot_run_and_refuses_a_bad_configura
     assert "needs >1 rank" in skipped["int8"] and "cannot run here: 'workload.comm_codec'" in skipped["int8"]
     with pytest.raises(ValueError, match="suite 'dlrm_codecs', benchmark .*codec_options are for codecs registered"):
         plan_suite("dlrm_codecs", ["+workload.codec_options.bogus=1"])
+
+
+def test_an_unusable_results_dir_is_bad_input_with_no_traceback(tmp_path):
+    """A results_dir that is a file, or under one, is refused before anything runs: exit 2, one line naming
+    the path and what to do; nothing is created."""
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    a_file = tmp_path / "results.txt"
+    a_file.write_text("not a folder")
+    for bad in (a_file, a_file / "sub"):
+        with pytest.raises(ValueError, match="results_dir.*pass results_dir=DIR"):
+            to_run_config(compose_config([f"results_dir={bad}"]))
+    proc = subprocess.run([sys.executable, "-m", "suite.cli", "run", "workload=llama", f"results_dir={a_file}"],
+                          capture_output=True, text=True, timeout=120, env=clean_env(), cwd=tmp_path)
+    assert proc.returncode == 2 and "is a file, not a folder" in proc.stderr and "Traceback" not in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.txt"]

@@ -12,7 +12,8 @@ from conftest import TINY, clean_env, mlflow_runs
 from harness.mlperf_log import read_mllog
 
 METRICS = ("throughput", "step_time_ms_p50", "step_time_ms_p90", "step_time_ms_p99", "mfu",
-           "peak_memory_mb", "loss", "eval_loss", "time_to_train_s", "quality_target_reached")
+           "peak_memory_mb", "loss", "eval_loss", "quality_target_reached", "quality_target_reps_reached",
+           "quality_target_value", "noisy")
 TAGS = ("platform", "device_name", "workload", "suite", "git_sha", "git_dirty", "torch_version",
         "config_hash", "throughput_unit")
 
@@ -38,8 +39,11 @@ def test_run_logs_a_finished_run_with_the_agreed_names(cobench, tmp_path):
     assert run.data.params["workload.batch_size"] == "8"
     assert {"config.yaml", "fingerprint.json", "mllog_rep0.txt", "metrics.json"} <= _artifacts(run)
     assert run.info.artifact_uri.startswith((results / "mlartifacts").as_uri())
-    # the one-screen summary
-    assert "llama" in proc.stdout and "tokens/s" in proc.stdout and "FINISHED" in proc.stdout
+    # MLPerf's time to train exists only when the target was reached
+    assert ("time_to_train_s" in run.data.metrics) == (run.data.metrics["quality_target_reached"] == 1.0)
+    # the summary, and where the outputs went
+    assert "llama" in proc.stdout and "tok/s" in proc.stdout and "FINISHED" in proc.stdout
+    assert f"outputs: {results / 'runs'}" in " ".join(proc.stdout.split())
     # the local copy survives independently of MLflow
     (run_dir,) = (results / "runs").iterdir()
     assert json.loads((run_dir / "metrics.json").read_text())["status"] == "FINISHED"
@@ -54,6 +58,7 @@ def test_multirun_sweep_makes_one_run_per_value(cobench, tmp_path):
     assert sorted(r.data.params["workload.batch_size"] for r in runs) == ["2", "4"]
     assert all(r.info.status == "FINISHED" for r in runs)
     assert len({r.data.tags["config_hash"] for r in runs}) == 2
+    assert "llama batch_size=2" in proc.stdout and "llama batch_size=4" in proc.stdout  # rows told apart
     assert not (tmp_path / "outputs").exists() and not (tmp_path / "multirun").exists()
 
 
@@ -134,3 +139,14 @@ def test_concurrent_runs_on_a_fresh_store_both_land(tmp_path, calibration_cache)
     assert [proc.returncode for proc in procs] == [0, 0], [err[-2000:] for _, err in outputs]
     runs = mlflow_runs(results)
     assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs)
+
+
+def test_a_run_too_noisy_to_trust_says_so(cobench, tmp_path):
+    """Beyond runner.noise_*_cv_max a run is marked noisy: a warning, the metric and the tag. (A limit so low
+    that any real run exceeds it stands in for a machine under load.)"""
+    proc = cobench("run", "workload=llama", *TINY, "runner.noise_step_cv_max=0.0001")
+    assert proc.returncode == 0, proc.stderr
+    assert "is noisy: step-time cv" in " ".join(proc.stdout.split())
+    (run,) = mlflow_runs(tmp_path / "results")
+    assert run.data.metrics["noisy"] == 1.0 and run.data.tags["noisy"] == "1"
+    assert "runner.noise_step_cv_max" in run.data.tags["noise_reason"]

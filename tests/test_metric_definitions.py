@@ -8,6 +8,7 @@ import yaml
 
 from harness.loop import RepetitionState
 from harness.metrics import METRIC_DEFINITIONS, benchmark_metrics, defines, metric_table
+from workloads.base import QualityTarget
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -23,10 +24,13 @@ def test_every_metric_a_run_reports_is_defined():
         return RepetitionState(rep, step_times_s=[0.01 * (1 + r + rep / 10)] * 5, losses=[2.0, 1.5, 1.2],
                                timed_samples=40, timed_tokens=400, steps_done=6, global_batch_size=16,
                                peak_memory_bytes=2**20, target_reached=True, time_to_train_s=1.0,
-                               flops_per_step=1e9)
+                               flops_per_step=1e9, target=QualityTarget("eval_loss", 1.0),
+                               quality={"eval_loss": 0.9})
 
     metrics = benchmark_metrics([[rank(0, rep), rank(1, rep)] for rep in range(3)], "tokens/s", 1e12)
-    assert {"mfu", "rank_imbalance", "step_time_ms_p50_rank1", "quality_target_reached"} <= set(metrics)
+    assert {"mfu", "rank_imbalance", "step_time_ms_p50_rank1", "quality_target_reached", "time_to_train_s",
+            "quality_target_reps_reached"} <= set(metrics)
+    metrics["noisy"] = 0.0  # set by the runner from noise_verdict
     assert [m for m in metrics if not defines(m)] == []
 
 
@@ -35,3 +39,26 @@ def test_every_metric_a_gates_file_bounds_is_defined():
         for name, bench in yaml.safe_load(path.read_text())["benchmarks"].items():
             for bound in bench.get("metrics") or []:
                 assert bound["metric"] in METRIC_DEFINITIONS, (path.name, name, bound["metric"])
+
+
+def test_the_summary_fits_a_100_column_terminal_and_names_sweep_rows():
+    from rich.console import Console
+
+    from harness.runner import BenchmarkResult
+    from harness.summary import summary_table, sweep_labels
+
+    metrics = {"throughput": 36942.1, "throughput_cv": 0.031, "repetitions_completed": 3.0, "step_time_ms_p50": 8.91,
+               "step_time_cv": 0.05, "mfu": 0.0213, "eval_loss": 0.6834, "quality_target_value": 0.7,
+               "quality_target_reps_reached": 2.0, "quality_target_reached": 0.0}
+    results = [BenchmarkResult("llama", "llama", "cpu", "FINISHED", "tokens/s", None, metrics=dict(metrics))
+               for _ in range(2)]
+    labels = sweep_labels(results, [["workload.batch_size=2", "runner.steps=5"],
+                                    ["workload.batch_size=4", "runner.steps=5"]])
+    console = Console(width=100, record=True)
+    console.print(summary_table(results, wide=False, labels=labels))
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert "…" not in text  # nothing cut
+    assert "llama batch_size=2" in text and "llama batch_size=4" in text and "steps" not in text
+    assert "36.9 k tok/s" in text and "3 %" in text  # people's numbers; cv in percent, said so
+    assert "(target" in text and "2/3 ✗" in text  # the target, and how many repetitions reached it
