@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import getpass
+import logging
 import os
 import time
 import urllib.error
@@ -101,6 +102,9 @@ class Tracker:
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
+        # the store's own chatter (creating and migrating its tables) is not the user's business
+        for name in ("mlflow.store.db.utils", "alembic"):
+            logging.getLogger(name).setLevel(logging.WARNING)
         is_local = uri.startswith("sqlite:")
         try:
             with _store_lock(results_dir) if is_local else nullcontext():

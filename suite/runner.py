@@ -157,6 +157,10 @@ def run_suite(base: CobenchConfig, plans: list[Plan]) -> SuiteOutcome:
         if parent_id and tracker is not None:
             tracker.end_run(parent_id, STATUS_KILLED, "KeyboardInterrupt: interrupted by the user")
         raise
+    except Exception as err:  # the parent never stays RUNNING: it ends FAILED with the reason, then the error goes on
+        if parent_id and tracker is not None:
+            tracker.end_run(parent_id, STATUS_FAILED, f"{type(err).__name__}: {err}")
+        raise
     wall_s = time.perf_counter() - started
     deltas = baseline_deltas(suite, results)
     if parent_id and tracker is not None:

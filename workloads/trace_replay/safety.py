@@ -185,6 +185,9 @@ class _Checker:
     def spec(self, spec: dict[str, Any]) -> None:
         source = self.dict_(spec.get("source"), "source")
         self.dict_(source.get("platform", {}), "source.platform")
+        for key in ("workload", "run_id"):
+            self.str_(source.get(key, ""), f"source.{key}")
+        self.int_(source.get("world_size", 1), "source.world_size", 1)
         ranks = spec["ranks"]
         for key in ("step_times_ms", "traced_step_times_ms"):
             per_rank = self.list_(source.get(key, []), f"source.{key}")
@@ -225,6 +228,7 @@ class _Checker:
         self.need(schema.split("(", 1)[0].split(".", 1)[0] == name.split(".", 1)[0], f"{where}.schema",
                   f"the schema names {schema.split('(', 1)[0][:80]!r}, the op {name!r}")
         self.int_(op.get("step"), f"{where}.step", 0)
+        self.int_(op.get("id", 0), f"{where}.id", 0)
         self.str_(op.get("category"), f"{where}.category")
         for key in ("dur_us", "gap_us"):
             if op.get(key) is not None:
