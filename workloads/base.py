@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -30,6 +32,28 @@ import torch
 def invalid_config(key: str, message: str) -> ValueError:
     """The error for a bad workload config value; ``key`` is relative to ``workload.``."""
     return ValueError(f"invalid config 'workload.{key}': {message}")
+
+
+@contextmanager
+def library_log_to(path: Path, *loggers: str) -> Iterator[None]:
+    """Send what these libraries' loggers say meanwhile (e.g. TorchRec's sharding-plan tables) to
+    ``path`` in the run's folder instead of the terminal."""
+    path.parent.mkdir(parents=True, exist_ok=True)  # another node's rank may not have the run folder yet
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    saved = []
+    for name in loggers:
+        logger = logging.getLogger(name)
+        saved.append((logger, logger.propagate, logger.handlers[:], logger.level))
+        logger.handlers, logger.propagate = [handler], False
+        logger.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        for logger, propagate, handlers, level in saved:
+            logger.handlers, logger.propagate = handlers, propagate
+            logger.setLevel(level)
+        handler.close()
 
 
 class PlatformUnsupported(ValueError):

@@ -33,6 +33,7 @@ from workloads.base import (
     RunContext,
     StepResult,
     WorkloadBase,
+    library_log_to,
     register,
     unsupported,
 )
@@ -274,7 +275,9 @@ class DLRMWorkload(WorkloadBase):
         planner = EmbeddingShardingPlanner(
             topology=topology, batch_size=self.local_batch, constraints=constraints, debug=False
         )
-        plan = planner.collective_plan(model, [sharder], ctx.process_group)
+        with library_log_to(ctx.work_dir / f"sharding_plan_rank{ctx.rank}.log",
+                            "torchrec.distributed.planner"):
+            plan = planner.collective_plan(model, [sharder], ctx.process_group)
         dmp = DistributedModelParallel(
             model, env=ShardingEnv.from_process_group(ctx.process_group), device=ctx.device, plan=plan,
             sharders=[sharder],

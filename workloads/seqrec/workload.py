@@ -44,7 +44,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
 
-from workloads.base import MLPerfInfo, QualityTarget, RunContext, StepResult, WorkloadBase, register
+from workloads.base import (
+    MLPerfInfo,
+    QualityTarget,
+    RunContext,
+    StepResult,
+    WorkloadBase,
+    library_log_to,
+    register,
+)
 from workloads.base import invalid_config as _invalid
 from workloads.seqrec.balance import (
     BALANCERS,
@@ -271,7 +279,9 @@ class SeqRecWorkload(WorkloadBase):
         )
         constraints = {name: ParameterConstraints(sharding_types=["table_wise"]) for name in ("item", "action")}
         planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints, debug=False)
-        plan = planner.collective_plan(model, [sharder], ctx.process_group)
+        with library_log_to(ctx.work_dir / f"sharding_plan_rank{ctx.rank}.log",
+                            "torchrec.distributed.planner"):
+            plan = planner.collective_plan(model, [sharder], ctx.process_group)
         # No DDP: the dense gradients are summed by DataParallelDense (the loss is pre-divided globally).
         return DistributedModelParallel(
             model, env=ShardingEnv.from_process_group(ctx.process_group), device=ctx.device, plan=plan,
