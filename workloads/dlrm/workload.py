@@ -365,6 +365,9 @@ class DLRMWorkload(WorkloadBase):
                     dims[shard.placement.rank()] += shard.shard_sizes[1]
         return dims
 
+    def root_module(self) -> nn.Module:
+        return self.model  # a capture names each op's module scope after it
+
     def extra_metrics(self) -> dict[str, float]:
         embedding_params, dense_params = count_params(self.shape)
         metrics = {

@@ -241,6 +241,9 @@ class LlamaWorkload(WorkloadBase):
             },
         )
 
+    def root_module(self) -> nn.Module:
+        return self.model  # a capture names each op's module scope after it
+
     def extra_metrics(self) -> dict[str, float]:
         return {
             "model_params": float(count_params(self.args)),

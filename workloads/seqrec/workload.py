@@ -449,6 +449,9 @@ class SeqRecWorkload(WorkloadBase):
             },
         )
 
+    def root_module(self) -> nn.Module:
+        return self.model  # a capture names each op's module scope after it
+
     def extra_metrics(self) -> dict[str, float]:
         metrics: dict[str, float] = {
             "oracle_hr_at_10": self.oracle_hr,
