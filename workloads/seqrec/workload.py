@@ -314,7 +314,9 @@ class SeqRecWorkload(WorkloadBase):
             return fit_cost_model(batches, times.tolist(), self.shape.max_len, cfg.cost_model_min_r2)
         except CostModelError as err:
             self.cost_model_error = str(err)
-            logger.warning("seqrec: cost-model fit rejected (%s); balancing on tokens instead (cost = L)", err)
+            # the seed tells repetitions apart (repetition i runs seed + i; MLflow holds repetition 0's figures)
+            logger.warning("seqrec (seed %d): cost-model fit rejected (%s); balancing on tokens instead (cost = L)",
+                           self.ctx.seed, err)
             return CostModel.tokens()
 
     # -- data -----------------------------------------------------------------------------------
