@@ -127,3 +127,17 @@ def test_an_unusable_results_dir_is_bad_input_with_no_traceback(tmp_path):
                           capture_output=True, text=True, timeout=120, env=clean_env(), cwd=tmp_path)
     assert proc.returncode == 2 and "is a file, not a folder" in proc.stderr and "Traceback" not in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.txt"]
+
+
+def test_run_help_shows_the_choices_and_the_config_not_internal_groups(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    proc = subprocess.run([sys.executable, "-m", "suite.cli", "run", "--help", "workload=dlrm"],
+                          capture_output=True, text=True, timeout=120, env=clean_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "workload=NAME" in proc.stdout and "comm_codec" in proc.stdout  # the chosen workload's keys
+    assert "gates:" not in proc.stdout and "schema/workload" not in proc.stdout
+    assert list(tmp_path.iterdir()) == []  # showing help writes nothing
