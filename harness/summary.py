@@ -110,13 +110,17 @@ def print_summary(results: list[BenchmarkResult], title: str = "cobench results"
                       soft_wrap=True)
 
 
+def named_by_differences(name: str, mine: dict[str, str], all_settings: list[dict[str, str]]) -> str:
+    """``name`` plus the settings (of ``mine``) whose values differ across ``all_settings``:
+    ``llama batch_size=2``; just ``name`` when nothing differs."""
+    differing = sorted(k for k in set().union(*all_settings) if len({s.get(k) for s in all_settings}) > 1)
+    return " ".join([name, *(f"{k.split('.')[-1]}={mine.get(k, '-')}" for k in differing)])
+
+
 def sweep_labels(results: list[BenchmarkResult], overrides: list[list[str]]) -> dict[int, str]:
-    """Rows of a sweep named by what differs between them: ``llama batch_size=2`` (``overrides``: each
-    run's command-line overrides, in the order of ``results``)."""
+    """Rows of a sweep named by what differs between them (``overrides``: each run's command-line
+    overrides, in the order of ``results``)."""
     if len(results) < 2 or len(overrides) != len(results):
         return {}
     parsed = [dict(o.split("=", 1) for o in job if "=" in o) for job in overrides]
-    keys = sorted({k for job in parsed for k in job})
-    differing = [k for k in keys if len({job.get(k) for job in parsed}) > 1]
-    return {i: " ".join([r.benchmark, *(f"{k.split('.')[-1]}={parsed[i].get(k, '-')}" for k in differing)])
-            for i, r in enumerate(results)}
+    return {i: named_by_differences(r.benchmark, parsed[i], parsed) for i, r in enumerate(results)}

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.cli import EXIT_OK
+from harness.summary import human, named_by_differences
 from harness.timing import olympic_mean
 from suite.results import RunRecord, find_runs, open_store, parse_date
 
@@ -92,11 +93,8 @@ def _label(benchmark: str, chash: str, table: dict) -> str:
     configs = [next(iter(by_platform.values()))["params"] for (b, _), by_platform in table.items() if b == benchmark]
     if len(configs) < 2:
         return benchmark
-    mine = next(iter(table[(benchmark, chash)].values()))["params"]
-    differing = sorted(k for k in set().union(*configs) if len({c.get(k) for c in configs}) > 1)
-    if not differing:
-        return f"{benchmark} [{chash}]"
-    return " ".join([benchmark, *(f"{k.split('.')[-1]}={mine.get(k, '-')}" for k in differing)])
+    label = named_by_differences(benchmark, next(iter(table[(benchmark, chash)].values()))["params"], configs)
+    return label if label != benchmark else f"{benchmark} [{chash}]"  # differing only where params don't show
 
 
 def _rows(table: dict, platforms: list[str], baseline: str, unit: dict[str, str]) -> list[dict[str, Any]]:
@@ -171,7 +169,6 @@ def _print(rows: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from harness.summary import human
 
     table = Table(title=f"{meta['metric']}: {meta['runs']} runs, baseline {meta['baseline']}", caption=(
         "value: olympic mean over runs; cv and range: over every repetition of them"), caption_justify="left")
