@@ -12,8 +12,9 @@ Wrap your own loop and mark its steps::
 The first ``warmup`` steps run plain (not timed), the next ``baseline_steps`` run plain and are
 timed — the reference the replay is judged against, since the profiler itself distorts time —,
 the next ``steps`` run under the PyTorch execution-trace observer and the Kineto profiler (the
-structure), and the last ``max(steps, 5)`` under Kineto alone, after 2 that are not measured
-(cheap enough to measure how much of a step is the program's own host time between ops). The
+structure), and the last ones measure how much of a step is the program's own host time between
+ops: 4 rounds of Kineto alone (2 steps to settle, 2 measured) then plain (4 to settle, 3 measured),
+so the profiler's cost is taken against plain steps of the same minutes, not of the baseline. The
 bundle (see :mod:`workloads.trace_bundle`) is written when the ``with`` block ends. Under
 ``torchrun`` every rank writes ``<out>/rank<i>/``.
 """
@@ -73,8 +74,14 @@ INDEX_OPS = (
 )
 
 
-TIMING_WARMUP = 2  # Kineto-alone steps run before the measured ones
-MIN_TIMING_STEPS = 5  # Kineto-alone steps measured: the host-gap estimate is their median
+# The host-time phase: rounds of Kineto alone then plain. Each block's first steps run slow and are
+# not measured: after the profiler starts (its buffers fill) and after it stops (caches, allocator).
+TIMING_ROUNDS = 4
+TIMING_WARMUP = 2  # Kineto-alone steps of a round not measured
+TIMING_MEASURED = 2  # Kineto-alone steps of a round measured: the host-gap estimate is their median
+PLAIN_SETTLE = 4  # plain steps after the profiler stopped, not measured
+PLAIN_MEASURED = 3  # plain steps of a round measured: the profiler's cost is taken against them
+_ROUND = TIMING_WARMUP + TIMING_MEASURED + PLAIN_SETTLE + PLAIN_MEASURED
 
 
 def _data_ops() -> list[str]:
@@ -157,19 +164,21 @@ class Capture:
         self.memory = MemoryMeter(device)
         self.traced_times_s: list[float] = []
         self.timing_times_s: list[float] = []  # steps under Kineto alone (host-gap measurement)
+        self.timing_plain_times_s: list[float] = []  # plain steps interleaved with those
         self._timing_profiler: profile | None = None
+        self._timing_parts: list[dict[str, Any]] = []  # each round's Kineto-alone trace
         self._profiler: profile | None = None
         self._observer: ExecutionTraceObserver | None = None
         self._scopes = _ModuleScopes(model)
 
     @property
     def timing_steps(self) -> int:
-        """Steps under Kineto alone that are measured (after TIMING_WARMUP that are not)."""
-        return max(self.steps, MIN_TIMING_STEPS)
+        """Steps under Kineto alone that are measured, over all rounds."""
+        return TIMING_ROUNDS * TIMING_MEASURED
 
     @property
     def total_steps(self) -> int:
-        return self.warmup + self.baseline_steps + self.steps + TIMING_WARMUP + self.timing_steps
+        return self.warmup + self.baseline_steps + self.steps + TIMING_ROUNDS * _ROUND
 
     @property
     def done(self) -> bool:
@@ -181,15 +190,16 @@ class Capture:
         """One step of the user's loop; steps past the last phase run plain."""
         index = self.step_index - self.warmup - self.baseline_steps
         traced = 0 <= index < self.steps
-        # Kineto alone: little overhead, for host gaps. Its first steps after the traced phase run slow
-        # (up to 2x here: caches and allocator refilling after the observer), so they are not measured.
-        timing_index = index - self.steps - TIMING_WARMUP
-        timing = self.steps <= index < self.steps + TIMING_WARMUP + self.timing_steps
-        measured_timing = timing and timing_index >= 0
+        round_, at = divmod(index - self.steps, _ROUND)
+        in_timing = index >= self.steps and round_ < TIMING_ROUNDS
+        kineto = in_timing and at < TIMING_WARMUP + TIMING_MEASURED
+        measured_kineto = kineto and at >= TIMING_WARMUP
+        measured_plain = in_timing and at >= _ROUND - PLAIN_MEASURED
+        timing_index = round_ * TIMING_MEASURED + at - TIMING_WARMUP
         timed = self.warmup <= self.step_index < self.warmup + self.baseline_steps or traced
         if traced and self._profiler is None:
             self._start_profiler()
-        if timing and self._timing_profiler is None:
+        if kineto and self._timing_profiler is None:
             self._timing_profiler = profile(activities=_profiler_activities(self.device))
             self._timing_profiler.start()
         synchronize(self.device)
@@ -197,7 +207,7 @@ class Capture:
         if traced:
             with record_function(f"{STEP_ANNOTATION}{index}"), self._scopes:
                 yield
-        elif measured_timing:
+        elif measured_kineto:
             with record_function(f"{STEP_ANNOTATION}{timing_index}"):
                 yield
         else:
@@ -206,17 +216,38 @@ class Capture:
         elapsed = time.perf_counter() - started
         if timed:
             (self.traced_times_s if traced else self.plain_times_s).append(elapsed)
-        if measured_timing:
+        if measured_kineto:
             self.timing_times_s.append(elapsed)
+        if measured_plain:
+            self.timing_plain_times_s.append(elapsed)
         if timed and not traced:
             self.memory.sample()
         self.step_index += 1
         if traced and index == self.steps - 1:
             self._stop_profiler()
-        if measured_timing and timing_index == self.timing_steps - 1 and self._timing_profiler is not None:
-            self._timing_profiler.stop()
-            self._timing_profiler.export_chrome_trace(str(self.out_dir / KINETO_TIMING_FILE))
-            self._timing_profiler = None
+        if measured_kineto and at == TIMING_WARMUP + TIMING_MEASURED - 1:
+            self._stop_timing_profiler()
+
+    def _stop_timing_profiler(self) -> None:
+        """End a round's Kineto-alone block; its trace joins the others (one time base per process)."""
+        if self._timing_profiler is None:
+            return
+        self._timing_profiler.stop()
+        part = self.out_dir / f".{KINETO_TIMING_FILE}.part"
+        self._timing_profiler.export_chrome_trace(str(part))
+        self._timing_profiler = None
+        self._timing_parts.append(json.loads(part.read_text()))
+        part.unlink()
+
+    def write_timing_trace(self) -> None:
+        """The rounds' Kineto-alone traces, as one chrome trace (``kineto_timing.json``)."""
+        self._stop_timing_profiler()
+        if not self._timing_parts:
+            return
+        merged = dict(self._timing_parts[0])
+        merged["traceEvents"] = [e for part in self._timing_parts for e in part.get("traceEvents", [])]
+        (self.out_dir / KINETO_TIMING_FILE).write_text(json.dumps(merged))
+        self._timing_parts = []
 
     def _start_profiler(self) -> None:
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -293,14 +324,12 @@ def capture(
         cap.abandon()
         raise
     cap._stop_profiler()
-    if cap._timing_profiler is not None:  # the loop ended inside the timing phase
-        cap._timing_profiler.stop()
-        cap._timing_profiler = None
+    cap.write_timing_trace()  # also when the loop ended inside the timing phase
     if not cap.traced_times_s or not cap.plain_times_s:
         raise TraceError(
             f"capture into {target}: the loop ran {cap.step_index} step(s), but a bundle needs "
             f"{cap.total_steps} (warm-up {warmup}, timed baseline {baseline_steps}, traced {steps}, "
-            f"under Kineto alone {TIMING_WARMUP} + {cap.timing_steps}); "
+            f"host-time rounds {TIMING_ROUNDS} x {_ROUND}); "
             f"loop until `cap.done`"
         )
     meta = BundleMeta(
@@ -315,6 +344,7 @@ def capture(
         capture_wall_s=time.perf_counter() - started,
         peak_memory_bytes=cap.memory.read(),
         timing_step_times_s=cap.timing_times_s,
+        timing_plain_step_times_s=cap.timing_plain_times_s,
     )
     (target / META_FILE).write_text(json.dumps(meta.to_json(), indent=2))
 

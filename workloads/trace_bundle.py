@@ -56,6 +56,8 @@ class BundleMeta:
     # Peak memory over the plain timed steps: the allocator's peak on accelerators, else process RSS.
     peak_memory_bytes: int = 0
     timing_step_times_s: list[float] = field(default_factory=list)  # under Kineto alone
+    # plain steps interleaved with the Kineto-alone ones (the same minutes): what the profiler added
+    timing_plain_step_times_s: list[float] = field(default_factory=list)
     schema: str = META_SCHEMA
 
     @property
@@ -80,6 +82,7 @@ class BundleMeta:
             "capture_wall_s": self.capture_wall_s,
             "peak_memory_bytes": self.peak_memory_bytes,
             "timing_step_times_s": self.timing_step_times_s,
+            "timing_plain_step_times_s": self.timing_plain_step_times_s,
         }
 
 
@@ -141,6 +144,7 @@ def read_meta(bundle: Path) -> BundleMeta:
             capture_wall_s=float(raw.get("capture_wall_s", 0.0)),
             peak_memory_bytes=int(raw.get("peak_memory_bytes", 0)),
             timing_step_times_s=[float(t) for t in raw.get("timing_step_times_s", [])],
+            timing_plain_step_times_s=[float(t) for t in raw.get("timing_plain_step_times_s", [])],
         )
     except (KeyError, TypeError, ValueError) as err:
         raise TraceError(f"{path}: malformed metadata ({type(err).__name__}: {err})") from None

@@ -360,7 +360,10 @@ def extract_rank(bundle: Path) -> tuple[BundleMeta, list[dict[str, Any]], list[d
     timing_path = bundle / KINETO_TIMING_FILE
     gap = None
     if timing_path.is_file():
-        plain_us = 1e6 * sorted(meta.step_times_s)[len(meta.step_times_s) // 2]
+        # plain steps of the same minutes as the Kineto ones where the bundle has them (older
+        # bundles: the baseline's, taken before the traced phase)
+        plain = meta.timing_plain_step_times_s or meta.step_times_s
+        plain_us = 1e6 * statistics.median(plain)
         names = {op["name"] for op in ops}
         gap = host_gap_us(read_json(timing_path, "Kineto timing trace"), timing_path, plain_us, names.__contains__)
     _place_host_gaps(ops, steps, gap)
