@@ -369,3 +369,39 @@ def test_two_ranks_agree_on_the_widest_width_through_torchrec(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_cpu_kernels_and_tensor_program_send_the_same_bytes():
+    """The C++ kernels (CPU) and the tensor program (every other device) are one format: same
+    message bytes, same verdict per block, same decoded floats, on ordinary and adversarial data."""
+    from workloads.dlrm import eb_kernels
+
+    kernels = eb_kernels.cpu_kernels()
+    assert kernels is not None, "the C++ kernels did not build here (see the warning above)"
+    g = torch.Generator().manual_seed(11)
+    ordinary = torch.randn(300, 40, generator=g) * 0.1
+    for x in (ordinary, adversarial_blocks(100, 40, seed=12).view(-1, 40)):
+        x = x.clone()
+        x[7, 3] = math.nan
+        x[8, 0] = math.inf
+        for bits in (0, 1, 3, 7, 8, 9, 13, 16):
+            factor = eb_kernels.float32_below(torch.full((x.shape[0],), 1.0 / (2**bits + 1), dtype=torch.float64))
+            for rel in (True, False):
+                cpp = kernels.encode(x, factor, rel, bits)
+                tensor = eb_kernels._encode_tensor(x, factor, rel, bits)
+                for a, b in zip(cpp, tensor, strict=True):
+                    assert torch.equal(a, b), (bits, rel)
+                assert int((cpp[1] == eb_kernels.STATUS_NONFINITE).sum()) == 2
+                ours = kernels.decode(cpp[0], bits, 40)
+                theirs = eb_kernels._decode_tensor(cpp[0], bits, 40)
+                assert torch.equal(ours.isnan(), theirs.isnan())
+                assert torch.equal(ours.nan_to_num(), theirs.nan_to_num())
+
+
+def test_ordinary_embeddings_take_the_fast_path():
+    x = torch.randn(256, 128, generator=torch.Generator().manual_seed(13)) * 0.1
+    c = codec(eb=1e-2)
+    decoded, _ = round_trip(c, x)
+    assert_within_bound(x, decoded, block_bounds(x, "rel", 1e-2))
+    assert c.stats.exact_path_blocks == 0 and c.stats.bound_violations == 0
+    assert c.stats.compression_ratio > 3.9  # 7-bit codes + 8-byte header per 64 floats: 4.0
