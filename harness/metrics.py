@@ -179,6 +179,14 @@ METRIC_DEFINITIONS: dict[str, tuple[str, str]] = {
     "op_coverage_pct": ("%", "ops of the spec that ran ÷ ops of the spec × 100"),
     "category_distance": ("0 … 1", "total variation distance between the source's and the replay's time shares per "
                                    "op category: ½ Σ abs(share_replay − share_source)"),
+    "a2a_compression_ratio": ("ratio", "dlrm: float32 bytes this rank's pooled-embedding all-to-alls would send per "
+                                       "step ÷ the bytes they sent"),
+    "codec_ms_per_step": ("ms", "dlrm: encode + decode time of the all-to-all codecs (forward and backward) per "
+                                "training step on this rank, first step excluded"),
+    "codec_break_even_gbps": ("GB/s", "dlrm: bytes the codec saves per step ÷ its time per step: on links slower than "
+                                      "this (per rank) compressing wins"),
+    "step_projected_ms_<bw>GBps": ("ms", "dlrm: the step with the measured all-to-all wait replaced by bytes sent ÷ "
+                                         "<bw> GB/s (codec time stays as measured)"),
     "memory_error_pct": ("%", "(replay step peak − source step peak) ÷ (source step peak + what lives across steps) "
                               "× 100, each side's peak from the allocator's accounting"),
 }

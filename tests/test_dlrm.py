@@ -40,7 +40,7 @@ def one_thread():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"preset": "huge"}, "'workload.preset'.*allowed values: tiny, mlperf_dcnv2"),
+        ({"preset": "huge"}, "'workload.preset'.*allowed values: tiny, a2a, mlperf_dcnv2"),
         ({"lr": -1.0}, "'workload.lr'"),
         ({"sharding": "diagonal"}, "'workload.sharding'.*allowed values: table_wise, column_wise, row_wise"),
         ({"comm_codec": "zstd"}, "'workload.comm_codec'.*allowed values: none, fp16, bf16, fp8, int8"),

@@ -30,3 +30,7 @@ def test_codec_suite_on_two_ranks(tmp_path, calibration_cache):
     assert eb["a2a_compression_ratio"] > runs["int8"].data.metrics["a2a_compression_ratio"]
     assert "auc_delta" in eb and "auc_delta" not in runs["none"].data.metrics
     assert eb["codec_block_size"] >= 16  # fitted to the sharding plan, not a fixed guess
+    for name in ("fp16", "int8", "eb_rel_fixed"):  # every codec timed the same way, FBGEMM's included
+        metrics = runs[name].data.metrics
+        assert metrics["codec_ms_per_step"] > 0 and metrics["codec_break_even_gbps"] > 0, name
+    assert "codec_break_even_gbps" not in runs["none"].data.metrics

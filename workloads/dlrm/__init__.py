@@ -8,7 +8,8 @@ declare("dlrm", "workloads.dlrm.workload",
 # the public names, imported on first use: the package itself stays cheap to import
 EXPORTS = {
     "workloads.dlrm.compression": ["CUSTOM_CODECS"],  # with comm_codec=eb registered
-    "workloads.dlrm.comm": ["PooledA2AMeter", "build_qcomm_registry"],
+    "workloads.dlrm.comm": ["build_qcomm_registry"],
+    "workloads.dlrm.a2a": ["PooledA2AMeter", "TimedCodec"],
     "workloads.dlrm.data": ["ClickBatch", "PlantedClickModel", "SyntheticCriteo"],
     "workloads.dlrm.model": ["PRESETS", "DLRMShape", "build_dlrm"],
     "workloads.dlrm.workload": ["DLRMConfig", "DLRMWorkload", "roc_auc"],

@@ -18,20 +18,19 @@ members of a codec are used when present (duck-typed, so FBGEMM's codecs need ne
 - ``stats.as_dict()``: flat numbers reported as ``codec_forward_<name>`` / ``codec_backward_<name>``
   metrics at the end of a run (non-finite values are left out).
 
-:class:`PooledA2AMeter` counts the bytes and times the collectives TorchRec really issues.
+:mod:`workloads.dlrm.a2a` counts the bytes and times the collectives TorchRec really issues, and
+times every codec the same way.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
+
+from workloads.dlrm.a2a import TimedCodec
 
 if TYPE_CHECKING:  # TorchRec is imported where used: registering the workload must stay cheap
     from torchrec.distributed.types import QuantizedCommCodecs
@@ -85,8 +84,12 @@ def build_qcomm_registry(
     device: torch.device,
     codec_options: dict[str, Any] | None = None,
     process_group: Any = None,
+    block_size: int | None = None,
 ) -> dict[str, QuantizedCommCodecs] | None:
     """The ``qcomm_codecs_registry`` for ``EmbeddingBagCollectionSharder``; None for ``none``.
+
+    Every codec is wrapped in a :class:`~workloads.dlrm.a2a.TimedCodec`. ``block_size``: what custom
+    codecs get when their options do not set one (:func:`auto_block_size`).
 
     Built-in codecs cover the pooled-embedding all-to-all (table/column-wise sharding) and, on
     accelerators, the reduce-scatter (row-wise), with TorchRec's fallbacks for the latter (no fp8
@@ -101,8 +104,11 @@ def build_qcomm_registry(
     from torchrec.distributed.types import CommOp
 
     if codec_name in CUSTOM_CODECS:
-        codecs = CUSTOM_CODECS[codec_name](dict(codec_options or {}), process_group)
-        return {CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name: codecs}
+        options = dict(codec_options or {})
+        if options.get("block_size") is None and block_size is not None:
+            options["block_size"] = block_size
+        codecs = CUSTOM_CODECS[codec_name](options, process_group)
+        return {CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name: _timed(codecs)}
     precisions = BUILTIN_CODECS[codec_name]
     if precisions is None:
         return None
@@ -111,32 +117,43 @@ def build_qcomm_registry(
         # Only the all-to-all runs on CPU (row-wise sharding, whose output is a reduce-scatter, is
         # CUDA-only). get_qcomm_codecs_registry would swap bf16 for fp16 here ("not supported on
         # GLOO"), yet gloo's all_to_all_single carries bf16 (torch 2.13), so build the codecs directly.
-        return {CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name: get_qcomm_codecs(config)}
-    return get_qcomm_codecs_registry(
+        return {CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name: _timed(get_qcomm_codecs(config))}
+    registry = get_qcomm_codecs_registry(
         config,
         comm_ops=[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL, CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER],
         device=device,
     )
+    return {name: _timed(codecs) for name, codecs in registry.items()}
+
+
+def _timed(codecs: QuantizedCommCodecs) -> QuantizedCommCodecs:
+    codecs.forward, codecs.backward = TimedCodec(codecs.forward), TimedCodec(codecs.backward)
+    return codecs
+
+
+MAX_AUTO_BLOCK = 256  # larger blocks amortise the 8-byte header, smaller ones track the range more tightly
+
+
+def auto_block_size(common_width: int) -> int:
+    """The largest block (<= MAX_AUTO_BLOCK values) dividing ``common_width``, the gcd of the ranks'
+    pooled-embedding widths under the sharding plan: every chunk of the all-to-all is whole blocks."""
+    return max(d for d in range(1, min(common_width, MAX_AUTO_BLOCK) + 1) if common_width % d == 0)
 
 
 def _all_to_all_codecs(registry: dict[str, QuantizedCommCodecs] | None) -> list[tuple[str, Any]]:
+    """(direction, codec) of the all-to-all, each still wrapped in its :class:`TimedCodec`."""
     codecs = (registry or {}).get("POOLED_EMBEDDINGS_ALL_TO_ALL")
     return [] if codecs is None else [("forward", codecs.forward), ("backward", codecs.backward)]
 
 
 class CustomCodec:
     """What cobench's own all-to-all codecs (``CUSTOM_CODECS``) add to TorchRec's ``QuantizedCommCodec``:
-    a per-step schedule, statistics, and a block size fitted to the sharding plan. TorchRec's built-in
-    codecs are not CustomCodecs and get none of these calls."""
-
-    auto_block = False  # True: block_size was not given and may be fitted to the sharding plan
+    a per-step schedule and statistics. TorchRec's built-in codecs are not CustomCodecs and get none
+    of these calls. A factory receives ``block_size`` (the largest block, at most 256 values, that
+    divides every rank's pooled-embedding width) among its options unless the user gave one."""
 
     def set_iteration(self, step: int, loss: float | None = None) -> None:
         """Called once per training step before it runs (``loss``: the previous step's)."""
-
-    def set_block_size(self, block_size: int) -> None:
-        """Re-block before the first message."""
-        raise NotImplementedError
 
     def stats_dict(self) -> dict[str, float]:
         """The codec's own statistics since it was built (metric name → value)."""
@@ -144,7 +161,8 @@ class CustomCodec:
 
 
 def _custom_codecs(registry: dict[str, QuantizedCommCodecs] | None) -> list[tuple[str, CustomCodec]]:
-    return [(direction, codec) for direction, codec in _all_to_all_codecs(registry) if isinstance(codec, CustomCodec)]
+    unwrapped = [(direction, getattr(codec, "inner", codec)) for direction, codec in _all_to_all_codecs(registry)]
+    return [(direction, codec) for direction, codec in unwrapped if isinstance(codec, CustomCodec)]
 
 
 def advance_codecs(registry: dict[str, QuantizedCommCodecs] | None, step: int, loss: torch.Tensor | None) -> None:
@@ -157,6 +175,12 @@ def advance_codecs(registry: dict[str, QuantizedCommCodecs] | None, step: int, l
         codec.set_iteration(step, previous)
 
 
+def codec_seconds(registry: dict[str, QuantizedCommCodecs] | None) -> float:
+    """Encode + decode seconds of every all-to-all codec so far (forward and backward)."""
+    return sum(codec.encode_seconds + codec.decode_seconds for _, codec in _all_to_all_codecs(registry)
+               if isinstance(codec, TimedCodec))
+
+
 def codec_metrics(registry: dict[str, QuantizedCommCodecs] | None) -> dict[str, float]:
     """Our all-to-all codecs' own statistics (:meth:`CustomCodec.stats_dict`)."""
     metrics = {}
@@ -164,193 +188,4 @@ def codec_metrics(registry: dict[str, QuantizedCommCodecs] | None) -> dict[str, 
         for name, value in codec.stats_dict().items():
             if math.isfinite(value):
                 metrics[f"codec_{direction}_{name}"] = float(value)
-    return metrics
-
-
-# -- measuring the all-to-all ------------------------------------------------------------------
-
-
-@dataclass
-class _Call:
-    """One all-to-all in flight: bytes sent to other ranks, and its start marks."""
-
-    bytes_sent: int
-    start_s: float
-    start_event: Any = None  # torch.Event on accelerators
-
-
-class _MeteredWork:
-    """Wraps a ``dist.Work``: ``wait()`` is where the meter learns the collective finished."""
-
-    def __init__(self, work: Any, meter: PooledA2AMeter, call: _Call):
-        self._work, self._meter, self._call = work, meter, call
-
-    def wait(self, *args: Any, **kwargs: Any) -> Any:
-        before = time.perf_counter()
-        result = self._work.wait(*args, **kwargs)
-        self._meter._finished(self._call, before)
-        return result
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._work, name)
-
-
-class _MeteredDist:
-    """Stands in for ``torch.distributed`` inside ``torchrec.distributed.comm_ops``."""
-
-    def __init__(self, meter: PooledA2AMeter):
-        self._meter = meter
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(dist, name)
-
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
-                          input_split_sizes=None, group=None, async_op: bool = False) -> Any:
-        return self._meter._issue(output, input, output_split_sizes, input_split_sizes, group, async_op)
-
-
-class PooledA2AMeter:
-    """Bytes and time of the pooled-embedding all-to-alls, per training step.
-
-    Within :meth:`step`, ``torchrec.distributed.comm_ops`` sees a stand-in for
-    ``torch.distributed`` whose ``all_to_all_single`` records each call: the forward all-to-all
-    (``All2All_Pooled_Req``) and the backward one (``All2All_Pooled_Wait.backward``). Nothing else
-    in a table- or column-wise DLRM step calls that function there (the sparse-feature exchange
-    lives in ``dist_data`` and is not counted; row-wise sharding uses a reduce-scatter instead).
-
-    What is measured, per call:
-
-    - bytes: the encoded buffer this rank sends to *other* ranks (its own chunk stays local), in
-      the codec's dtype, so compression shows up directly;
-    - time: from just before the collective is issued until its work handle's ``wait()`` returns
-      (on CPU, wall clock; on accelerators, device events around issue and wait, read at the next
-      step so no extra synchronisation enters the timed step). Any compute TorchRec overlaps with
-      the collective between issue and wait is included: this is the collective's latency as the
-      step sees it, encode and decode excluded;
-    - wait: CPU time blocked inside ``wait()`` (CPU only): the part of the collective not hidden.
-
-    Overhead: two ``perf_counter`` calls and two small Python objects per collective.
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._use_events = device.type != "cpu"
-        self._step_bytes: list[int] = []
-        self._step_time_s: list[float] = []
-        self._step_wait_s: list[float] = []
-        self._step_calls: list[int] = []
-        self._pending_events: list[tuple[int, Any, Any]] = []  # (step index, start, end)
-
-    @contextmanager
-    def step(self) -> Iterator[None]:
-        """Count the all-to-alls of one training step (forward and backward inside the block)."""
-        from torchrec.distributed import comm_ops
-
-        self._resolve_events()
-        self._step_bytes.append(0)
-        self._step_time_s.append(0.0)
-        self._step_wait_s.append(0.0)
-        self._step_calls.append(0)
-        original = comm_ops.dist
-        comm_ops.dist = _MeteredDist(self)  # type: ignore[assignment]
-        try:
-            yield
-        finally:
-            comm_ops.dist = original
-
-    def _issue(self, output, input_, output_split_sizes, input_split_sizes, group, async_op) -> Any:
-        world = dist.get_world_size(group)
-        me = dist.get_rank(group)
-        if input_split_sizes:
-            elements = sum(n for rank, n in enumerate(input_split_sizes) if rank != me)
-        else:
-            elements = input_.numel() // world * (world - 1)
-        call = _Call(elements * input_.element_size(), time.perf_counter())
-        if self._use_events:
-            call.start_event = torch.Event(device=self.device, enable_timing=True)
-            call.start_event.record()
-        work = dist.all_to_all_single(
-            output, input_, output_split_sizes, input_split_sizes, group=group, async_op=async_op
-        )
-        if work is None:  # synchronous call: it has finished
-            self._finished(call, time.perf_counter())
-            return None
-        return _MeteredWork(work, self, call)
-
-    def _finished(self, call: _Call, wait_started_s: float) -> None:
-        end_s = time.perf_counter()
-        self._step_bytes[-1] += call.bytes_sent
-        self._step_calls[-1] += 1
-        if self._use_events:
-            end_event = torch.Event(device=self.device, enable_timing=True)
-            end_event.record()
-            self._pending_events.append((len(self._step_time_s) - 1, call.start_event, end_event))
-        else:
-            self._step_time_s[-1] += end_s - call.start_s
-            self._step_wait_s[-1] += end_s - wait_started_s
-
-    def _resolve_events(self) -> None:
-        for step, start, end in self._pending_events:
-            end.synchronize()
-            self._step_time_s[step] += start.elapsed_time(end) / 1e3
-        self._pending_events.clear()
-
-    def summary(self) -> dict[str, float]:
-        """Per-step means; the first step is left out of times (it pays one-off set-up costs)."""
-        self._resolve_events()
-        if not self._step_calls or not any(self._step_calls):
-            return {}
-        timed = slice(1, None) if len(self._step_calls) > 1 else slice(None)
-        times, waits = self._step_time_s[timed], self._step_wait_s[timed]
-        metrics = {
-            "a2a_bytes_per_step": sum(self._step_bytes) / len(self._step_bytes),
-            "a2a_calls_per_step": sum(self._step_calls) / len(self._step_calls),
-            "a2a_time_ms": 1e3 * sum(times) / len(times),
-        }
-        if not self._use_events:
-            metrics["a2a_wait_ms"] = 1e3 * sum(waits) / len(waits)
-        return metrics
-
-
-def fp32_a2a_bytes_per_step(dim_per_rank: list[int], rank: int, batch_per_rank: list[int]) -> int:
-    """Bytes this rank would send to other ranks per step without compression (forward + backward).
-
-    Forward, rank r receives this rank's pooled columns for its own batch: B_r × D_rank. Backward,
-    this rank returns the gradient of rank r's columns for its own batch: B_rank × D_r.
-    """
-    forward = sum(b * dim_per_rank[rank] for r, b in enumerate(batch_per_rank) if r != rank)
-    backward = sum(batch_per_rank[rank] * d for r, d in enumerate(dim_per_rank) if r != rank)
-    return 4 * (forward + backward)
-
-
-MAX_AUTO_BLOCK = 256  # larger blocks amortise the 8-byte header, smaller ones track the range more tightly
-
-
-def fit_block_size(registry: dict[str, Any] | None, dim_per_rank: list[int]) -> int | None:
-    """Give codecs without an explicit block_size the largest block (≤ MAX_AUTO_BLOCK) dividing every
-    rank's pooled-embedding dim sum, so every chunk of the all-to-all is a whole number of blocks."""
-    codecs = [c for _, c in _custom_codecs(registry) if c.auto_block]
-    if not codecs:
-        return None
-    common = math.gcd(*dim_per_rank)
-    block = max(d for d in range(1, min(common, MAX_AUTO_BLOCK) + 1) if common % d == 0)
-    for codec in codecs:
-        codec.set_block_size(block)
-    return block
-
-
-def projected_a2a(bytes_per_step: float, a2a_wait_ms: float, step_ms: float,
-                  bandwidths_gbps: list[float]) -> dict[str, float]:
-    """All-to-all and step time this rank would see on links of ``bandwidths_gbps`` (GB/s per rank).
-
-    Loopback gloo is far faster than a real network, so the measured all-to-all hides what
-    compression buys. The projection replaces the measured blocking time with bytes ÷ bandwidth
-    (an all-to-all moves each rank's sent bytes over its own link); codec time stays as measured.
-    """
-    metrics = {}
-    for gbps in bandwidths_gbps:
-        label = f"{gbps:g}".replace(".", "p") + "GBps"
-        a2a_ms = 1e3 * bytes_per_step / (gbps * 1e9)
-        metrics[f"a2a_projected_ms_{label}"] = a2a_ms
-        metrics[f"step_projected_ms_{label}"] = max(step_ms - a2a_wait_ms, 0.0) + a2a_ms
     return metrics

@@ -248,11 +248,6 @@ class ErrorBoundedCodec(CustomCodec):
     def stats_dict(self) -> dict[str, float]:
         return self.stats.as_dict()
 
-    def set_block_size(self, block_size: int) -> None:
-        """Re-block before the first message, e.g. to divide every rank's embedding dim sum."""
-        self.config = dataclasses.replace(self.config, block_size=block_size)
-        self._fixed_bits = _fixed_width(self.config) if self.config.packing is Packing.FIXED else None
-
     # -- the bound in force --
 
     def set_iteration(self, step: int, loss: float | None = None) -> None:
@@ -491,45 +486,66 @@ class ErrorBoundedCodec(CustomCodec):
             torch.cuda.synchronize(tensor.device)  # time kernels, not launches
 
 
-_OPTION_DEFAULTS: dict[str, Any] = {
-    "mode": "rel", "eb": 1e-2, "packing": "fixed", "bits": None, "block_size": None, "schedule": "constant",
-    "schedule_decay_steps": 10_000, "schedule_min_factor": 0.1, "schedule_patience": 50, "schedule_tighten": 0.5,
-    "table_scales": None, "value_range": None, "measure_error": True,
-    "backward_mode": "rel", "backward_eb": 1e-2, "backward_bits": None, "backward_value_range": None,
-}
+@dataclass(frozen=True)
+class CodecOptions:
+    """``workload.codec_options`` of ``comm_codec=eb``: the forward codec's settings (pooled
+    embeddings), the schedule's, and the backward codec's own bound (gradients have their own scale).
+    Defaults are the fields'; unknown keys are refused by name."""
+
+    mode: str = BoundMode.REL.value
+    eb: float = 1e-2
+    packing: str = Packing.FIXED.value
+    bits: int | None = None
+    block_size: int | None = None  # None: 64, or what DLRM passes (comm.auto_block_size)
+    schedule: str = ScheduleKind.CONSTANT.value
+    schedule_decay_steps: int = BoundSchedule.decay_steps
+    schedule_min_factor: float = BoundSchedule.min_factor
+    schedule_patience: int = BoundSchedule.patience
+    schedule_tighten: float = BoundSchedule.tighten
+    table_scales: tuple[float, ...] | None = None  # forward only: column blocks of this rank's rows
+    value_range: tuple[float, float] | None = None
+    measure_error: bool = True
+    backward_mode: str = BoundMode.REL.value
+    backward_eb: float = 1e-2
+    backward_bits: int | None = None
+    backward_value_range: tuple[float, float] | None = None
+
+    @classmethod
+    def of(cls, options: Mapping[str, Any]) -> CodecOptions:
+        known = {f.name for f in fields(cls)}
+        unknown = set(options) - known
+        if unknown:
+            raise ValueError(f"unknown compression options {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**options)
+
+    def configs(self) -> tuple[ErrorBoundConfig, ErrorBoundConfig]:
+        """(forward, backward) codec configs."""
+        schedule = BoundSchedule(kind=self.schedule, decay_steps=self.schedule_decay_steps,
+                                 min_factor=self.schedule_min_factor, patience=self.schedule_patience,
+                                 tighten=self.schedule_tighten)
+        common = {"packing": self.packing, "block_size": self.block_size or ErrorBoundConfig.block_size,
+                  "schedule": schedule, "measure_error": self.measure_error}
+        forward = ErrorBoundConfig(mode=self.mode, eb=self.eb, bits=self.bits, table_scales=self.table_scales,
+                                   value_range=_pair(self.value_range), **common)
+        backward = ErrorBoundConfig(mode=self.backward_mode, eb=self.backward_eb, bits=self.backward_bits,
+                                    value_range=_pair(self.backward_value_range), **common)
+        return forward, backward
+
+
+def _pair(value: Sequence[float] | None) -> tuple[float, float] | None:
+    return tuple(value) if value is not None else None
 
 
 def make_error_bounded_codecs(options: Mapping[str, Any], process_group: dist.ProcessGroup | None
                               ) -> QuantizedCommCodecs:
-    """Forward (pooled embeddings) and backward (their gradients) codecs for TorchRec.
-
-    Keys (defaults in ``_OPTION_DEFAULTS``): mode, eb, packing, bits, block_size, schedule and its
-    ``schedule_*`` parameters, table_scales (forward only: column blocks of this rank's rows),
-    value_range, measure_error, and backward_mode / backward_eb / backward_bits /
-    backward_value_range (gradients have their own scale; a rel bound by default).
-    """
-    unknown = set(options) - set(_OPTION_DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown compression options {sorted(unknown)}; known: {sorted(_OPTION_DEFAULTS)}")
-    o = {**_OPTION_DEFAULTS, **options}
-    schedule = BoundSchedule(kind=o["schedule"], decay_steps=o["schedule_decay_steps"],
-                             min_factor=o["schedule_min_factor"], patience=o["schedule_patience"],
-                             tighten=o["schedule_tighten"])
-    # block_size None: "auto", fitted by the workload (fit_block_size) once the sharding plan is known
-    common = {"packing": o["packing"], "block_size": o["block_size"] or 64, "schedule": schedule,
-              "measure_error": o["measure_error"]}
-    value_range = tuple(o["value_range"]) if o["value_range"] is not None else None
-    backward_range = tuple(o["backward_value_range"]) if o["backward_value_range"] is not None else None
-    forward = ErrorBoundConfig(mode=o["mode"], eb=o["eb"], bits=o["bits"], table_scales=o["table_scales"],
-                               value_range=value_range, **common)
-    backward = ErrorBoundConfig(mode=o["backward_mode"], eb=o["backward_eb"], bits=o["backward_bits"],
-                                value_range=backward_range, **common)
+    """Forward (pooled embeddings) and backward (their gradients) codecs for TorchRec, from
+    :class:`CodecOptions` keys."""
+    forward, backward = CodecOptions.of(options).configs()
     from torchrec.distributed.types import QuantizedCommCodecs
 
     codecs = QuantizedCommCodecs()
     codecs.forward = ErrorBoundedCodec(forward, process_group, name="forward")
     codecs.backward = ErrorBoundedCodec(backward, process_group, name="backward")
-    codecs.forward.auto_block = codecs.backward.auto_block = o["block_size"] is None
     return codecs
 
 

@@ -90,6 +90,20 @@ PRESETS: dict[str, DLRMShape] = {
         dcn_low_rank_dim=32,
         batch_size=512,
     ),
+    # Where the embedding all-to-all is a real share of the step on this class of machine: MLPerf's 26
+    # tables and multi-hot sizes (215 ids per sample), rows capped at 50K (~0.6M rows, ~150 MB at dim 64),
+    # a small dense part, a large batch. For codec comparisons (conf/suite/dlrm_codecs.yaml); 2+ ranks.
+    "a2a": DLRMShape(
+        table_rows=tuple(min(rows, 50_000) for rows in MLPERF_TABLE_ROWS),
+        multi_hot_sizes=MLPERF_MULTI_HOT_SIZES,
+        embedding_dim=64,
+        num_dense=13,
+        bottom_mlp=(64, 64),
+        top_mlp=(64, 1),
+        dcn_num_layers=1,
+        dcn_low_rank_dim=16,
+        batch_size=4096,
+    ),
     # The MLPerf Training reference: 26 tables (~204M rows at the 40M cap), dim 128. Accelerators.
     "mlperf_dcnv2": DLRMShape(
         table_rows=MLPERF_TABLE_ROWS,

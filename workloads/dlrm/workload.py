@@ -38,7 +38,7 @@ from workloads.base import (
     unsupported,
 )
 from workloads.base import invalid_config as _invalid
-from workloads.dlrm import comm, compression  # noqa: F401 - compression registers comm_codec=eb
+from workloads.dlrm import a2a, comm, compression  # noqa: F401 - compression registers comm_codec=eb
 from workloads.dlrm.data import ClickBatch, SyntheticCriteo
 from workloads.dlrm.model import PRESETS, DLRMShape, build_dlrm, count_params, dense_training_flops
 
@@ -173,12 +173,13 @@ class DLRMWorkload(WorkloadBase):
         if problem:
             raise unsupported("comm_codec", problem)
         self._check_sharding()
-        self.a2a_meter = comm.PooledA2AMeter(ctx.device) if ctx.distributed else None
+        self.a2a_meter = a2a.PooledA2AMeter(ctx.device) if ctx.distributed else None
         self.qcomm_registry: dict[str, Any] | None = None  # the codecs the sharder got
         self.codec_block_size: int | None = None  # fitted to the sharding plan in setup (our codecs)
         self._cursor = 0
         self._previous_loss: torch.Tensor | None = None
         self._step_seconds: list[float] = []  # host time per step (CPU: the whole step), for projections
+        self._codec_seconds: list[float] = []  # encode + decode time within each training step
 
     def _check_sharding(self) -> None:
         cfg, ctx, shape = self.config, self.ctx, self.shape
@@ -218,8 +219,6 @@ class DLRMWorkload(WorkloadBase):
         self.train_set = self._make_batches(cfg.train_batches, stream=0)
         self.eval_set = self._make_batches(cfg.eval_batches, stream=1)
         self.model, self.plan = self._build_model()
-        if self.plan is not None:
-            self.codec_block_size = comm.fit_block_size(self.qcomm_registry, self._dim_per_rank())
         dense_params = [p for _, p in in_backward_optimizer_filter(self.model.named_parameters())]
         self.optimizer = torch.optim.Adagrad(dense_params, lr=cfg.lr, eps=cfg.adagrad_eps)
         oracle_scores = torch.cat([batch.planted_logits for batch in self.eval_set])
@@ -252,10 +251,6 @@ class DLRMWorkload(WorkloadBase):
         from torchrec.distributed.types import ShardingEnv
 
         cfg, ctx, shape = self.config, self.ctx, self.shape
-        self.qcomm_registry = comm.build_qcomm_registry(
-            cfg.comm_codec, ctx.device, cfg.codec_options, ctx.process_group
-        )
-        sharder = EmbeddingBagCollectionSharder(qcomm_codecs_registry=self.qcomm_registry)
         # Without min_partition the planner keeps column shards >= 128 wide: one shard, i.e. table-wise.
         min_partition = shape.embedding_dim // ctx.world_size if cfg.sharding == "column_wise" else None
         constraints = {
@@ -275,9 +270,18 @@ class DLRMWorkload(WorkloadBase):
         planner = EmbeddingShardingPlanner(
             topology=topology, batch_size=self.local_batch, constraints=constraints, debug=False
         )
+        # Planned without codecs: every codec is compared on the same placement, and our codecs are
+        # built once, knowing the rows they will carry (their block divides every rank's width).
         with library_log_to(ctx.work_dir / f"sharding_plan_rank{ctx.rank}.log",
                             "torchrec.distributed.planner"):
-            plan = planner.collective_plan(model, [sharder], ctx.process_group)
+            plan = planner.collective_plan(model, [EmbeddingBagCollectionSharder()], ctx.process_group)
+        self.plan = plan
+        if cfg.comm_codec in comm.CUSTOM_CODECS:
+            self.codec_block_size = comm.auto_block_size(math.gcd(*self._dim_per_rank()) or 64)
+        self.qcomm_registry = comm.build_qcomm_registry(
+            cfg.comm_codec, ctx.device, cfg.codec_options, ctx.process_group, self.codec_block_size
+        )
+        sharder = EmbeddingBagCollectionSharder(qcomm_codecs_registry=self.qcomm_registry)
         dmp = DistributedModelParallel(
             model, env=ShardingEnv.from_process_group(ctx.process_group), device=ctx.device, plan=plan,
             sharders=[sharder],
@@ -296,12 +300,14 @@ class DLRMWorkload(WorkloadBase):
         self._cursor += 1
         metered = self.a2a_meter.step() if self.a2a_meter is not None else contextlib.nullcontext()
         started = time.perf_counter()
+        codec_before = comm.codec_seconds(self.qcomm_registry)
         self.optimizer.zero_grad(set_to_none=True)
         with metered:  # forward and backward: both pooled-embedding all-to-alls
             loss = F.binary_cross_entropy_with_logits(self._logits(batch), batch.labels)
             loss.backward()  # the tables are updated here, by the fused in-backward Adagrad
         self.optimizer.step()
         self._step_seconds.append(time.perf_counter() - started)
+        self._codec_seconds.append(comm.codec_seconds(self.qcomm_registry) - codec_before)
         self._previous_loss = loss.detach()
         return StepResult(samples=self.local_batch, loss=self._previous_loss)
 
@@ -384,16 +390,21 @@ class DLRMWorkload(WorkloadBase):
         measured = self.a2a_meter.summary()
         metrics.update(measured)
         if measured and self.config.sharding != "row_wise":
-            fp32 = comm.fp32_a2a_bytes_per_step(
+            fp32 = a2a.fp32_a2a_bytes_per_step(
                 self._dim_per_rank(), self.ctx.rank, [self.local_batch] * self.ctx.world_size
             )
             metrics["a2a_fp32_bytes_per_step"] = float(fp32)
             metrics["a2a_compression_ratio"] = fp32 / measured["a2a_bytes_per_step"]
+            codec_timed = self._codec_seconds[1:] or self._codec_seconds
+            if codec_timed and sum(codec_timed) > 0:
+                per_step = sum(codec_timed) / len(codec_timed)
+                metrics["codec_ms_per_step"] = 1e3 * per_step
+                metrics["codec_break_even_gbps"] = a2a.break_even_gbps(fp32 - measured["a2a_bytes_per_step"], per_step)
         timed = self._step_seconds[1:] or self._step_seconds  # the first step pays one-off costs
         if measured and "a2a_wait_ms" in measured and timed:
             step_ms = 1e3 * sum(timed) / len(timed)
-            metrics.update(comm.projected_a2a(measured["a2a_bytes_per_step"], measured["a2a_wait_ms"], step_ms,
-                                              self.config.projection_bandwidths_gbps))
+            metrics.update(a2a.projected_a2a(measured["a2a_bytes_per_step"], measured["a2a_wait_ms"], step_ms,
+                                             self.config.projection_bandwidths_gbps))
         return metrics
 
     def teardown(self) -> None:
