@@ -65,15 +65,18 @@ def plan_suite(name: str, overrides: list[str]) -> tuple[CobenchConfig, list[Pla
     process group is joined here): a benchmark this platform cannot run is planned SKIPPED with the
     reason; any other error is bad input and raises ValueError naming the benchmark.
     """
-    base = to_run_config(compose_config([f"suite={name}", *overrides]))
+    # workload.* overrides are for the benchmarks' workloads, not the default one the suite's own
+    # config is composed with (`suite dlrm_codecs workload.preset=a2a` must not be read as llama's)
+    shared = [o for o in overrides if not o.lstrip("+~").startswith("workload")]
+    base = to_run_config(compose_config([f"suite={name}", *shared]))
     if base.suite is None:
         raise ValueError(f"suite {name!r} is empty: conf/suite/{name}.yaml needs name and benchmarks")
     joined = join(base)
     plans = []
     for bench in base.suite.benchmarks:
-        plan = _plan(name, bench, overrides, base)
-        checked = plan.source if plan.source is not None else plan.cfg
         try:
+            plan = _plan(name, bench, overrides, base)
+            checked = plan.source if plan.source is not None else plan.cfg
             open_workload(checked, results_root(base), joined).workload.teardown()
         except PlatformUnsupported as err:
             plan.skip = str(err)

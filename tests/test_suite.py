@@ -38,3 +38,13 @@ def test_suite_config_rejects_an_unknown_baseline_and_deltas_without_one():
         _suite(baseline="nope")
     with pytest.raises(ValueError, match="suite.delta_metrics"):
         _suite(delta_metrics=["auc"])
+
+
+def test_workload_overrides_reach_the_suites_workloads_not_the_default_one(tmp_path):
+    """`suite dlrm_codecs workload.preset=a2a`: a preset llama does not have is DLRM's to take."""
+    from suite.runner import plan_suite
+
+    base, plans = plan_suite("dlrm_codecs", ["workload.preset=a2a", f"results_dir={tmp_path}", "tracking=off"])
+    assert {plan.cfg.workload.preset for plan in plans} == {"a2a"}
+    with pytest.raises(ValueError, match="benchmark 'llama_tiny_train'.*preset"):
+        plan_suite("smoke", ["workload.preset=a2a", f"results_dir={tmp_path}", "tracking=off"])
