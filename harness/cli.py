@@ -9,7 +9,6 @@ and the workload's own checks before any MLflow run exists. Exit codes: 0 all ru
 from __future__ import annotations
 
 import shutil
-import signal
 import sys
 
 from omegaconf import DictConfig
@@ -21,15 +20,6 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
     """Leave a Hydra task with a message: Hydra reports other exceptions as its own crash."""
     print(f"cobench run: error: {message}", file=sys.stderr)
     raise SystemExit(code)
-
-
-def sigterm_as_interrupt() -> None:
-    """A scheduler's SIGTERM ends a run like Ctrl-C does: KILLED in MLflow, nothing lost."""
-
-    def handler(signum, frame):  # noqa: ARG001
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, handler)
 
 
 def validate_overrides(overrides: list[str]) -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,3 +79,42 @@ def broadcast_from_main(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def process_started(pid: int) -> float | None:
+    """When process ``pid`` of this host started (epoch seconds); None when there is no such process
+    (or only its zombie is left); 0.0 when it exists but its start time is not readable."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return None
+    except psutil.AccessDenied:
+        return 0.0
+
+
+def record_rank(work_dir: Path, rank: int) -> None:
+    """Note which process on which host is this rank (``<work_dir>/ranks/rank<r>.json``), so a
+    failure can say which rank died."""
+    folder = work_dir / "ranks"
+    folder.mkdir(parents=True, exist_ok=True)
+    me = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "started": process_started(os.getpid())}
+    (folder / f"rank{rank}.json").write_text(json.dumps(me))
+
+
+def lost_ranks(work_dir: Path) -> list[str]:
+    """Ranks of this host whose process is gone, e.g. ``rank 1 (pid 4242 on node3)``; other hosts'
+    ranks cannot be checked from here and are not listed."""
+    host, lost = socket.gethostname(), []
+    for path in sorted((work_dir / "ranks").glob("rank*.json")):
+        try:
+            rank = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if rank.get("host") != host or rank.get("pid") == os.getpid():
+            continue
+        started = process_started(int(rank["pid"]))
+        if started is None or (rank.get("started") and started > float(rank["started"]) + 1.0):
+            lost.append(f"rank {rank['rank']} (pid {rank['pid']} on {host})")
+    return lost

@@ -38,6 +38,7 @@ from harness.capture import capture, prepare_source
 from harness.config import CobenchConfig, config_hash, results_root
 from harness.distributed import broadcast_from_main, env_dist_info
 from harness.fingerprint import environment_fingerprint
+from harness.interrupts import deferred_interrupts, signal_name
 from harness.platform import device_name, synchronize
 from harness.runner import (
     STATUS_FAILED,
@@ -345,22 +346,23 @@ def judge_benchmark(cfg: CobenchConfig, *, benchmark: str | None = None, rounds:
         result.metrics["step_time_ms_p50"] = result.metrics["replay_step_ms"]
         if not record["side_by_side"]["fidelity_valid"] and tracker is not None and result.run_id:
             tracker.set_tags(result.run_id, {"fidelity_invalid_reason": record["side_by_side"]["invalid_reason"]})
-    except KeyboardInterrupt:
-        status, reason = STATUS_KILLED, "KeyboardInterrupt: interrupted by the user"
+    except KeyboardInterrupt as err:
+        status, reason = STATUS_KILLED, f"interrupted by {signal_name(err)}"
         raise
     except Exception as err:  # noqa: BLE001 - any failure ends the run FAILED, with its reason
         status, reason = STATUS_FAILED, f"{type(err).__name__}: {err}"
         if main:
             (run_dir / "error.txt").write_text(traceback.format_exc())
     finally:
-        source.workload.teardown()
-        result.status, result.error = status, reason
-        if main:
-            (run_dir / "metrics.json").write_text(json.dumps({"status": status, "error": reason,
-                                                              "metrics": result.metrics}, indent=2))
-            if tracker is not None and result.run_id:
-                tracker.log_metrics(result.run_id, result.metrics)
-                for path in sorted(p for p in run_dir.iterdir() if p.is_file()):
-                    tracker.log_artifact(result.run_id, path)
-                tracker.end_run(result.run_id, status, reason)
+        with deferred_interrupts():  # the run folder and the store tell one story
+            source.workload.teardown()
+            result.status, result.error = status, reason
+            if main:
+                (run_dir / "metrics.json").write_text(json.dumps({"status": status, "error": reason,
+                                                                  "metrics": result.metrics}, indent=2))
+                if tracker is not None and result.run_id:
+                    tracker.log_metrics(result.run_id, result.metrics)
+                    tracker.end_run(result.run_id, status, reason)
+                    for path in sorted(p for p in run_dir.iterdir() if p.is_file()):
+                        tracker.log_artifact(result.run_id, path)
     return result

@@ -28,8 +28,11 @@ from harness.distributed import (
     env_dist_info,
     gather_to_all,
     init_distributed,
+    lost_ranks,
+    record_rank,
 )
 from harness.fingerprint import environment_fingerprint
+from harness.interrupts import deferred_interrupts, signal_name
 from harness.loop import RepetitionState, run_repetition
 from harness.metrics import benchmark_metrics, noise_verdict
 from harness.mlperf_log import MLPerfLogWriter
@@ -152,6 +155,7 @@ def run_benchmark(
         run_dir.mkdir(parents=True)
     if dist_info.enabled:
         torch.distributed.barrier()  # ctx.work_dir exists before any rank uses it
+        record_rank(run_dir, dist_info.rank)
     c_hash = config_hash(cfg)
     result = BenchmarkResult(name, spec.name, platform.name, STATUS_FINISHED, workload.throughput_unit, run_dir)
 
@@ -201,12 +205,15 @@ def run_benchmark(
                         writer.close()
                 repetitions.append(gather_to_all(state))
                 states = []
-    except KeyboardInterrupt:
-        _finish(result, tracker, repetitions, states, peak, STATUS_KILLED, "KeyboardInterrupt: interrupted by the user",
+    except KeyboardInterrupt as err:
+        _finish(result, tracker, repetitions, states, peak, STATUS_KILLED, f"interrupted by {signal_name(err)}",
                 runner=cfg.runner)
         raise
     except Exception as err:  # noqa: BLE001 - any failure must end the run FAILED, with its reason
         reason = f"{type(err).__name__}: {err}"
+        lost = lost_ranks(run_dir) if dist_info.enabled else []
+        if lost:  # a collective failed because a peer died: say which, first
+            reason = f"{', '.join(lost)} died (no longer running) during the run; this rank saw: {reason}"
         if main:
             (run_dir / "error.txt").write_text(traceback.format_exc())
         _finish(result, tracker, repetitions, states, peak, STATUS_FAILED, reason, runner=cfg.runner)
@@ -227,7 +234,26 @@ def _finish(
     *,
     runner: RunnerConfig,
 ) -> None:
-    """Compute metrics from whatever was measured, write them locally, close the MLflow run."""
+    """Compute metrics from whatever was measured, write them locally, close the MLflow run.
+
+    Signals wait until this is done (the run folder and the store tell one story); the MLflow run
+    is closed before its artifacts are uploaded, the slow part."""
+    with deferred_interrupts():
+        _close(result, tracker, repetitions, unfinished, peak, status, reason, derived, runner=runner)
+
+
+def _close(
+    result: BenchmarkResult,
+    tracker: Tracker | None,
+    repetitions: list[list[RepetitionState]],
+    unfinished: list[RepetitionState],
+    peak: PeakFlops | None,
+    status: str,
+    reason: str | None,
+    derived: Callable[[dict[str, float]], dict[str, float]] | None,
+    *,
+    runner: RunnerConfig,
+) -> None:
     result.status, result.error = status, reason
     measured = repetitions + ([unfinished] if unfinished and unfinished[0].step_times_s else [])
     if measured:
@@ -254,6 +280,6 @@ def _finish(
         tracker.log_series(run_id, "train_loss", result.losses)
         for samples_count, quality in first.quality_history:
             tracker.log_metrics(run_id, {f"{k}_curve": v for k, v in quality.items()}, step=samples_count)
+    tracker.end_run(run_id, status, reason)
     for path in sorted(result.run_dir.iterdir()):
         tracker.log_artifact(run_id, path)
-    tracker.end_run(run_id, status, reason)

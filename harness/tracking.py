@@ -4,6 +4,12 @@ nested runs in one process never step on each other).
 Embedded default: ``sqlite:///<abs results_dir>/mlflow.db`` with artifacts in
 ``<results_dir>/mlartifacts``. A team server comes from ``tracking.uri`` or
 ``$MLFLOW_TRACKING_URI`` and is checked for reachability before any workload starts.
+
+One truth per run: every run records the host and process that own it (tags ``cobench.host``,
+``cobench.pid``, ``cobench.pid_started``); the runs a process has open are known
+(:func:`close_open_runs` closes what an interrupt or a crash left); and a run still ``RUNNING``
+whose process no longer exists is closed ``FAILED`` by the next :meth:`Tracker.connect` on that host
+(:meth:`Tracker.reap_stale`, also ``cobench reap``).
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import fcntl
 import getpass
 import logging
 import os
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -21,13 +28,48 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import TrackingConfig
+from harness.distributed import process_started
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit for a parameter value
 BATCH_LIMIT = 100  # MLflow's limit of params (and tags) per log_batch call
 
 
+logger = logging.getLogger(__name__)
+
+HOST_TAG, PID_TAG, PID_STARTED_TAG = "cobench.host", "cobench.pid", "cobench.pid_started"
+
+
 class TrackingError(RuntimeError):
     """The tracking store cannot be used; the message says what to do."""
+
+
+# Runs this process started and has not closed: (store URI, run id) → (tracker, run name). An
+# interrupt or a crash that escapes the run path closes them (close_open_runs): none stays RUNNING.
+_OPEN_RUNS: dict[tuple[str, str], tuple[Tracker, str]] = {}
+_CLOSED_RUNS: list[tuple[str, str, str | None]] = []  # (name, status, reason), in closing order
+
+
+def close_open_runs(status: str, reason: str) -> list[str]:
+    """Close every run this process still has open; returns their names."""
+    names = []
+    for (_, run_id), (tracker, name) in list(_OPEN_RUNS.items()):
+        try:
+            tracker.end_run(run_id, status, reason)
+        except Exception as err:  # noqa: BLE001 - the store may be what failed; say so, close the others
+            logger.warning("could not close MLflow run %s (%s) as %s: %s", name, run_id, status, err)
+        names.append(name)
+    return names
+
+
+def closed_runs(since: int = 0) -> list[tuple[str, str, str | None]]:
+    """(name, status, reason) of the runs this process closed, oldest first; ``since``: skip the
+    first ones (a command reports the runs it closed itself: pass ``len(closed_runs())`` from its start)."""
+    return list(_CLOSED_RUNS[since:])
+
+
+def _owner_tags() -> dict[str, str]:
+    started = process_started(os.getpid()) or time.time()
+    return {HOST_TAG: socket.gethostname(), PID_TAG: str(os.getpid()), PID_STARTED_TAG: f"{started:.3f}"}
 
 
 def resolve_tracking_uri(cfg: TrackingConfig, results_dir: Path) -> str:
@@ -95,8 +137,9 @@ class Tracker:
         self.client = MlflowClient(tracking_uri=uri)
 
     @classmethod
-    def connect(cls, cfg: TrackingConfig, results_dir: Path) -> Tracker:
-        """Open (and on first use create) the store and the experiment."""
+    def connect(cls, cfg: TrackingConfig, results_dir: Path, reap: bool = True) -> Tracker:
+        """Open (and on first use create) the store and the experiment; with ``reap``, close the
+        runs this host's dead processes left RUNNING (:meth:`reap_stale`), each with a warning."""
         uri = resolve_tracking_uri(cfg, results_dir)
         check_server_reachable(uri, cfg.connect_timeout_s)
         from mlflow.exceptions import MlflowException
@@ -117,14 +160,48 @@ class Tracker:
                     experiment_id = experiment.experiment_id
         except MlflowException as err:
             raise TrackingError(f"cannot use MLflow tracking store {uri}: {err.message}") from err
-        return cls(uri, experiment_id, results_dir)
+        tracker = cls(uri, experiment_id, results_dir)
+        for run_id, name, reason in tracker.reap_stale() if reap else []:
+            logger.warning("closed a stale MLflow run %s (%s) as FAILED: %s", name, run_id, reason)
+        return tracker
 
     def start_run(self, name: str, tags: Mapping[str, Any], parent_run_id: str | None = None) -> str:
-        all_tags = {"mlflow.user": getpass.getuser(), **{k: str(v) for k, v in tags.items()}}
+        all_tags = {"mlflow.user": getpass.getuser(), **_owner_tags(), **{k: str(v) for k, v in tags.items()}}
         if parent_run_id:
             all_tags["mlflow.parentRunId"] = parent_run_id
         run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
+        _OPEN_RUNS[(self.uri, run.info.run_id)] = (self, name)
         return run.info.run_id
+
+    def reap_stale(self) -> list[tuple[str, str, str]]:
+        """Close as FAILED the runs still RUNNING whose owner process on this host is gone.
+
+        A run is stale when its ``cobench.host`` is this host and its ``cobench.pid`` is no longer
+        running, or is a newer process that reused the pid. Runs of other hosts cannot be checked
+        from here and are left alone. Returns (run id, run name, reason) of those closed.
+        """
+        host = socket.gethostname()
+        runs = self.client.search_runs(
+            [self.experiment_id], filter_string=f"attributes.status = 'RUNNING' and tags.`{HOST_TAG}` = '{host}'",
+            max_results=1000,
+        )
+        closed = []
+        for run in runs:
+            tags = run.data.tags
+            try:
+                pid, owner_started = int(tags[PID_TAG]), float(tags.get(PID_STARTED_TAG, "0"))
+            except (KeyError, ValueError):
+                continue
+            if pid == os.getpid():
+                continue
+            started = process_started(pid)
+            if started is not None and (not owner_started or started <= owner_started + 1.0):
+                continue  # its process is still there
+            reason = (f"process {pid} on {host} ended without closing this run (killed, or the machine went "
+                      f"down); closed by cobench at {time.strftime('%Y-%m-%d %H:%M:%S')}")
+            self.end_run(run.info.run_id, "FAILED", reason)
+            closed.append((run.info.run_id, run.info.run_name, reason))
+        return closed
 
     def log_params(self, run_id: str, params: Mapping[str, Any]) -> None:
         from mlflow.entities import Param
@@ -165,4 +242,7 @@ class Tracker:
         if reason:
             self.set_tags(run_id, {"error": reason})
         self.client.set_terminated(run_id, status=status)
+        opened = _OPEN_RUNS.pop((self.uri, run_id), None)
+        if opened is not None:
+            _CLOSED_RUNS.append((opened[1], status, reason))
 

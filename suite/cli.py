@@ -18,7 +18,8 @@ import importlib
 import sys
 from collections.abc import Callable
 
-from harness.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, sigterm_as_interrupt
+from harness.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from harness.interrupts import deferred_interrupts, signal_name, sigterm_as_interrupt
 
 USAGE = """usage: cobench COMMAND [ARGS]
 
@@ -34,6 +35,9 @@ commands:
                            `cobench qualify --help`
   compare [OPTIONS]        platform x benchmark table from MLflow: `cobench compare --help`
   report [OPTIONS]         MLPerf-style submission folder + HTML report: `cobench report --help`
+  reap [SETTINGS]          close as FAILED the MLflow runs left RUNNING by processes of this host that
+                           are gone (every command does it when it connects), and list the RUNNING
+                           runs of other hosts, with their host and pid
 
 Shared settings, the same in every command: results_dir=DIR, tracking.uri=URI,
 tracking.experiment=NAME (`cobench compare results_dir=/data/res`).
@@ -50,6 +54,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "qualify": ("suite.qualify", "run"),
     "compare": ("suite.compare", "run"),
     "report": ("suite.report", "run"),
+    "reap": ("suite.cli", "reap_main"),
 }
 
 # key=value settings shared by every command → the flag of the commands that parse flags
@@ -81,6 +86,30 @@ def shared_settings_as_flags(command: str, args: list[str]) -> list[str]:
     return out
 
 
+def reap_main(args: list[str]) -> int:
+    """``cobench reap [results_dir=DIR] [tracking.uri=URI] [tracking.experiment=NAME]``."""
+    from harness.config import compose_config, results_root, to_run_config
+    from harness.tracking import HOST_TAG, PID_TAG, Tracker
+
+    unknown = [a for a in args if a.partition("=")[0] not in SHARED_SETTINGS]
+    if unknown:
+        raise ValueError(f"`cobench reap` takes {', '.join(k + '=' for k in SHARED_SETTINGS)} only, got {unknown}")
+    cfg = to_run_config(compose_config(list(args)))
+    tracker = Tracker.connect(cfg.tracking, results_root(cfg), reap=False)
+    closed = tracker.reap_stale()
+    for run_id, name, reason in closed:
+        print(f"closed {name} ({run_id}) as FAILED: {reason}")
+    elsewhere = tracker.client.search_runs([tracker.experiment_id], filter_string="attributes.status = 'RUNNING'",
+                                           max_results=1000)
+    for run in elsewhere:
+        tags = run.data.tags
+        print(f"still RUNNING: {run.info.run_name} ({run.info.run_id}) on {tags.get(HOST_TAG, '?')}, "
+              f"pid {tags.get(PID_TAG, '?')}: its process is alive, or on another host (run `cobench reap` there)")
+    if not closed and not elsewhere:
+        print(f"no RUNNING MLflow run in {tracker.uri} (experiment {cfg.tracking.experiment})")
+    return EXIT_OK
+
+
 def list_main(args: list[str]) -> int:
     """``cobench list``: what this checkout knows, without importing any workload's code."""
     from harness.config import CONF_DIR
@@ -99,9 +128,10 @@ def list_main(args: list[str]) -> int:
 
 def guarded(command: str, fn: Callable[[list[str]], int], args: list[str]) -> int:
     """Run a command's function with the one error path every command shares (see the module doc)."""
-    from harness.tracking import TrackingError
+    from harness.tracking import TrackingError, close_open_runs, closed_runs
 
     sigterm_as_interrupt()
+    already_closed = len(closed_runs())
     try:
         if command in FLAG_COMMANDS:
             args = shared_settings_as_flags(command, args)
@@ -111,15 +141,31 @@ def guarded(command: str, fn: Callable[[list[str]], int], args: list[str]) -> in
             return EXIT_OK
         return exit_.code if isinstance(exit_.code, int) else EXIT_BAD_INPUT
     except (ValueError, TrackingError) as err:  # config, gates, trace and store errors: nothing ran
+        close_open_runs("FAILED", f"{type(err).__name__}: {err}")
         print(f"cobench {command}: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except CommandFailed as err:
         print(f"cobench {command}: failed: {err}", file=sys.stderr)
         return EXIT_FAILED
-    except KeyboardInterrupt:
-        print(f"cobench {command}: interrupted; MLflow runs it had started were closed as KILLED",
-              file=sys.stderr)
+    except KeyboardInterrupt as err:
+        with deferred_interrupts():  # a second Ctrl-C while closing must not leave a run half-closed
+            close_open_runs("KILLED", f"interrupted by {signal_name(err)}")
+        print(f"cobench {command}: interrupted by {signal_name(err)}; {_runs_said(already_closed)}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BaseException as err:
+        close_open_runs("FAILED", f"{type(err).__name__}: {err}")  # a crash leaves no run RUNNING
+        raise
+
+
+def _runs_said(since: int) -> str:
+    """What happened to the MLflow runs this command started, for the interrupt message."""
+    from harness.tracking import closed_runs
+
+    runs = closed_runs(since)
+    if not runs:
+        return "no MLflow run had been started"
+    return "MLflow runs: " + ", ".join(f"{name} {status}" + (f" ({reason})" if status == "FAILED" and reason else "")
+                                       for name, status, reason in runs)
 
 
 def main(argv: list[str] | None = None) -> int:

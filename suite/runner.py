@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from harness.cli import EXIT_FAILED, EXIT_OK
 from harness.config import CobenchConfig, SuiteBenchmark, SuiteConfig, compose_config, results_root, to_run_config
 from harness.distributed import env_dist_info
+from harness.interrupts import deferred_interrupts, signal_name
 from harness.judge import judge_benchmark
 from harness.runner import (
     STATUS_FAILED,
@@ -156,18 +157,21 @@ def run_suite(base: CobenchConfig, plans: list[Plan]) -> SuiteOutcome:
     try:
         for plan in ordered:
             results.append(_run_one(plan, name, parent_id, tracker, deltas_of(plan.name)))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         if parent_id and tracker is not None:
-            tracker.end_run(parent_id, STATUS_KILLED, "KeyboardInterrupt: interrupted by the user")
+            with deferred_interrupts():
+                tracker.end_run(parent_id, STATUS_KILLED, f"interrupted by {signal_name(err)}")
         raise
     except Exception as err:  # the parent never stays RUNNING: it ends FAILED with the reason, then the error goes on
         if parent_id and tracker is not None:
-            tracker.end_run(parent_id, STATUS_FAILED, f"{type(err).__name__}: {err}")
+            with deferred_interrupts():
+                tracker.end_run(parent_id, STATUS_FAILED, f"{type(err).__name__}: {err}")
         raise
     wall_s = time.perf_counter() - started
     deltas = baseline_deltas(suite, results)
     if parent_id and tracker is not None:
-        _close_parent(tracker, parent_id, results, deltas, wall_s)
+        with deferred_interrupts():
+            _close_parent(tracker, parent_id, results, deltas, wall_s)
     return SuiteOutcome(results, wall_s, suite, parent_id, tracker)
 
 

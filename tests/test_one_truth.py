@@ -1,0 +1,119 @@
+"""One truth when something dies: the MLflow store, the run folder and the message agree.
+
+A rank killed mid-run leaves a FAILED run naming it (not RUNNING forever); a signal while a run is
+being closed waits until it is closed; an interrupt before any run exists says so; a run left
+RUNNING by a process that is gone is closed FAILED by the next connection and by `cobench reap`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import clean_env, mlflow_runs
+
+from harness.config import TrackingConfig
+from harness.interrupts import deferred_interrupts, sigterm_as_interrupt
+from harness.tracking import HOST_TAG, PID_STARTED_TAG, PID_TAG, Tracker
+
+
+def test_a_rank_killed_mid_run_leaves_a_failed_run_that_names_it(tmp_path, calibration_cache):
+    results = tmp_path / "results"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+        "-m", "suite.cli", "run", f"results_dir={results}", f"platform.calibration_cache={calibration_cache}",
+        "runner.warmup_steps=1", "runner.steps=100000", "runner.progress=false", "workload.train_batches=2",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+                            cwd=tmp_path)
+    try:
+        deadline, victim = time.monotonic() + 240, None
+        while time.monotonic() < deadline and proc.poll() is None:
+            runs = list((results / "runs").glob("*")) if (results / "runs").exists() else []
+            log = runs[0] / "mllog_rep0.txt" if runs else None
+            if log is not None and log.exists() and "block_start" in log.read_text():
+                victim = json.loads((runs[0] / "ranks" / "rank1.json").read_text())["pid"]
+                break
+            time.sleep(0.2)
+        assert victim is not None, "the run never reached its timed steps"
+        time.sleep(1.0)
+        os.kill(victim, signal.SIGKILL)
+        _, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    (run,) = mlflow_runs(results)
+    assert run.info.status == "FAILED", stderr[-3000:]
+    assert f"rank 1 (pid {victim}" in run.data.tags["error"] and "died" in run.data.tags["error"]
+    assert run.info.end_time is not None
+    folder = json.loads(next((results / "runs").glob("*/metrics.json")).read_text())
+    assert folder["status"] == "FAILED" and folder["error"] == run.data.tags["error"]
+
+
+def test_a_signal_while_closing_waits_until_the_records_are_closed():
+    sigterm_as_interrupt()
+    done = []
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        with deferred_interrupts():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            done.append("closed")  # not cut short by the signal
+    assert done == ["closed"]
+
+
+def _store(tmp_path) -> Tracker:
+    return Tracker.connect(TrackingConfig(), tmp_path)
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_run_left_running_by_a_dead_process_is_closed_failed(tmp_path):
+    tracker = _store(tmp_path)
+    stale = tracker.start_run("orphan", {})
+    tracker.set_tags(stale, {PID_TAG: str(_dead_pid()), PID_STARTED_TAG: "1"})
+    alive = tracker.start_run("mine", {})  # this process: alive, left alone
+    elsewhere = tracker.start_run("remote", {})
+    tracker.set_tags(elsewhere, {HOST_TAG: "another-host", PID_TAG: "1"})
+
+    _store(tmp_path)  # the next cobench connection to the store reaps
+    runs = {r.info.run_name: r for r in mlflow_runs(tmp_path)}
+    assert runs["orphan"].info.status == "FAILED"
+    assert "ended without closing this run" in runs["orphan"].data.tags["error"]
+    assert runs["mine"].info.status == "RUNNING" and runs["remote"].info.status == "RUNNING"
+
+    proc = subprocess.run([sys.executable, "-m", "suite.cli", "reap", f"results_dir={tmp_path}"],
+                          capture_output=True, text=True, timeout=120, env=clean_env())
+    assert proc.returncode == 0, proc.stderr
+    assert f"still RUNNING: remote ({elsewhere}) on another-host, pid 1" in proc.stdout
+    assert "mine" in proc.stdout  # this test's process is alive: listed, not closed
+    tracker.end_run(alive, "FINISHED")
+    tracker.end_run(elsewhere, "FINISHED")
+
+
+def test_an_interrupt_says_which_runs_it_closed_and_when_there_were_none(tmp_path, capsys):
+    from suite.cli import guarded
+
+    def interrupted_before_any_run(_args):
+        raise KeyboardInterrupt
+
+    assert guarded("run", interrupted_before_any_run, []) == 130
+    assert "interrupted by Ctrl-C (SIGINT); no MLflow run had been started" in capsys.readouterr().err
+
+    def interrupted_while_starting(_args):
+        tracker = _store(tmp_path)
+        tracker.start_run("starting", {})
+        raise KeyboardInterrupt("SIGTERM")  # e.g. between creating the run and logging its params
+
+    assert guarded("run", interrupted_while_starting, []) == 130
+    assert "interrupted by SIGTERM; MLflow runs: starting KILLED" in capsys.readouterr().err
+    (run,) = [r for r in mlflow_runs(tmp_path) if r.info.run_name == "starting"]
+    assert run.info.status == "KILLED" and run.data.tags["error"] == "interrupted by SIGTERM"
