@@ -143,7 +143,7 @@ void encode_blocks(const float* xp, const float* bp, uint8_t* mp, int8_t* sp, fl
       const uint32_t nan = bits_of(std::numeric_limits<float>::quiet_NaN());
       std::memcpy(out, &nan, 4);
       sp[r] = 2;
-      wp[r] = 0.0f;
+      wp[3 * r] = wp[3 * r + 1] = wp[3 * r + 2] = 0.0f;
       continue;
     }
     const float span = hi - lo;
@@ -154,7 +154,7 @@ void encode_blocks(const float* xp, const float* bp, uint8_t* mp, int8_t* sp, fl
     if (!(limit >= 0x1p-100f)) limit = 0.0f;  // only an exact block passes a bound this small
     int32_t* block_codes = codes.data();
     iv bad_v = {};
-    fv max_v = splat(0.0f);
+    fv max_v = splat(0.0f), sum_v = splat(0.0f);
     const fv lo_s = splat(lo), inverse4 = splat(inverse), step4 = splat(step), top4 = splat(top_code);
     const fv limit4 = splat(limit), zero4 = splat(0.0f), magic4 = splat(0x1p23f);
     for (i = 0; i + LANES <= block; i += LANES) {
@@ -167,12 +167,14 @@ void encode_blocks(const float* xp, const float* bp, uint8_t* mp, int8_t* sp, fl
       const fv error = absv(a - decoded);
       bad_v |= ~((error == zero4) | (error < limit4));
       max_v = error > max_v ? error : max_v;
+      sum_v += error;
       const iv c = __builtin_convertvector(code, iv);
       std::memcpy(block_codes + i, &c, sizeof c);
     }
     int bad = 0;
     for (int j = 0; j < LANES; ++j) bad |= bad_v[j];
-    float max_error = 0.0f;
+    float max_error = 0.0f, error_sum = 0.0f;
+    for (int j = 0; j < LANES; ++j) error_sum += sum_v[j];
     for (int j = 0; j < LANES; ++j) max_error = max_v[j] > max_error ? max_v[j] : max_error;
     for (; i < block; ++i) {
       float t = (v[i] - lo) * inverse;
@@ -183,13 +185,14 @@ void encode_blocks(const float* xp, const float* bp, uint8_t* mp, int8_t* sp, fl
       const float error = std::fabs(v[i] - decoded);
       bad |= !(error == 0.0f || error < limit);
       max_error = error > max_error ? error : max_error;
+      error_sum += error;
       block_codes[i] = static_cast<int32_t>(code);
     }
     bad |= !std::isfinite(step);
     const bool ok = !bad;
     if (!ok) {
       sp[r] = 1;
-      wp[r] = 0.0f;
+      wp[3 * r] = wp[3 * r + 1] = wp[3 * r + 2] = 0.0f;
       continue;
     }
     for (int64_t i = block; i < 8 * groups; ++i) codes[i] = 0;
@@ -197,14 +200,17 @@ void encode_blocks(const float* xp, const float* bp, uint8_t* mp, int8_t* sp, fl
     std::memcpy(out, header, HEADER);
     pack_block(codes.data(), groups, static_cast<int>(bits), out + HEADER, scratch.data());
     sp[r] = 0;
-    wp[r] = max_error;
+    wp[3 * r] = max_error;
+    wp[3 * r + 1] = max_error > 0.0f ? max_error / limit : 0.0f;
+    wp[3 * r + 2] = error_sum;
   }
 }
 
 // x: (n, block) float32; bound: (n,) float32 — the absolute bound (abs) or the fraction of the block's
 // range (rel), already rounded down. Returns (message (n, 8 + bits * groups) uint8, status (n,) int8:
 // 0 sent on the float32 grid, 1 not sent (the exact float64 path must take it), 2 non-finite (NaN block),
-// worst (n,) float32: the largest error of the block, from the decoder's own arithmetic).
+// errors (n, 3) float32: per block the largest error (from the decoder's own arithmetic), it ÷ the
+// bound, and the sum of the errors).
 std::vector<torch::Tensor> encode(torch::Tensor x, torch::Tensor bound, bool rel, int64_t bits) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous (n, block) float32");
   TORCH_CHECK(bound.dtype() == torch::kFloat32 && bound.numel() == x.size(0), "bound: (n,) float32");
@@ -213,7 +219,7 @@ std::vector<torch::Tensor> encode(torch::Tensor x, torch::Tensor bound, bool rel
   const int64_t width = HEADER + bits * groups;
   auto message = torch::empty({n, width}, x.options().dtype(torch::kUInt8));
   auto status = torch::empty({n}, x.options().dtype(torch::kInt8));
-  auto worst = torch::empty({n}, x.options());
+  auto worst = torch::empty({n, 3}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* bp = bound.contiguous().data_ptr<float>();
   uint8_t* mp = message.data_ptr<uint8_t>();

@@ -87,10 +87,12 @@ def kernel_name(device: torch.device) -> str:
 
 def encode_fast(x: torch.Tensor, factor: torch.Tensor, rel: bool, bits: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(message rows, status, worst error) of ``x`` (n, block) float32 on the float32 grid.
+    """(message rows, status, errors) of ``x`` (n, block) float32 on the float32 grid.
 
     ``factor``: per block, float32 rounded down — the bound as a fraction of the block's range
     (``rel``) or absolute. Status 0: sent; 1: the exact path must take the block; 2: non-finite.
+    ``errors`` (n, 3): per sent block its largest error — computed with the decoder's arithmetic,
+    so it is the receiver's —, that ÷ the bound, and the sum of its errors (0 for the others).
     """
     x = x.contiguous()
     if x.device.type == "cpu" and (kernels := cpu_kernels()) is not None:
@@ -169,8 +171,11 @@ def _encode_tensor(x: torch.Tensor, factor: torch.Tensor, rel: bool, bits: int
     header = torch.stack([origin.view(torch.int32), torch.where(sent, step, 0.0).view(torch.int32)], 1)
     codes = torch.where(sent.unsqueeze(1), codes, 0.0).to(torch.int32)
     message = torch.cat([header.view(torch.uint8).view(n, HEADER_BYTES), pack(codes, bits)], 1)
-    worst = torch.where(sent, error.amax(1) if error.shape[1] else 0.0, 0.0)
-    return message, status.to(torch.int8), worst
+    largest = error.amax(1) if error.shape[1] else torch.zeros_like(span)
+    largest = torch.where(sent, largest, 0.0)
+    ratio = torch.where(largest > 0, largest / limit, 0.0)
+    errors = torch.stack([largest, ratio, torch.where(sent, error.sum(1), 0.0)], 1)
+    return message, status.to(torch.int8), errors
 
 
 def _decode_tensor(message: torch.Tensor, bits: int, block: int) -> torch.Tensor:
