@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import platform as pyplatform
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -54,6 +55,9 @@ from workloads.trace_bundle import (
     BundleMeta,
     TraceError,
 )
+
+# Kineto's own lines (profiler_start/stop, stages) are not the user's business; set it to see them
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 # Ask the ET observer to record the value range of integer tensors (index validity on replay) and,
 # for the ops that read indices, lengths and offsets, their integer inputs' data (raw bytes in
@@ -305,10 +309,13 @@ def capture(
     source: str = "program",
     source_run_id: str = "",
     model: torch.nn.Module | None = None,
+    announce: bool = True,
 ) -> Iterator[Capture]:
     """Capture a trace bundle of the steps marked with ``cap.step()``; see the module docstring.
 
     ``model``: your root module, to name module scopes by their path (``layers.0.attention``).
+    ``announce``: when done, rank 0 prints where the bundle is, the overhead and the next command
+    (stderr), as ``cobench trace capture`` does.
 
     Raises :class:`TraceError` when the loop ends before a traced step completed.
     """
@@ -347,6 +354,15 @@ def capture(
         timing_plain_step_times_s=cap.timing_plain_times_s,
     )
     (target / META_FILE).write_text(json.dumps(meta.to_json(), indent=2))
+    if announce and rank == 0:
+        print(capture_summary(meta, Path(out_dir)), file=sys.stderr)
+
+
+def capture_summary(meta: BundleMeta, out_dir: Path) -> str:
+    """What a capture says when it is done: where the bundle is, what it cost, what to run next."""
+    plain_ms = meta.to_json()["step_time_ms_median"]
+    return (f"captured {meta.source}: {out_dir}\n  step {plain_ms:.2f} ms plain, capture overhead "
+            f"{meta.capture_overhead_pct:+.0f} %\nnext: cobench trace generate {out_dir}")
 
 
 @dataclass
@@ -358,12 +374,12 @@ class SourceWorkload:
     platform: Platform
     cfg: CobenchConfig
 
-    def capture(self, out_dir: Path, *, steps: int, warmup: int, baseline_steps: int) -> Path:
+    def capture(self, out_dir: Path, *, steps: int, warmup: int, baseline_steps: int, announce: bool = True) -> Path:
         """Capture this rank's bundle into ``out_dir``; returns the rank's bundle folder."""
         config = OmegaConf.to_container(OmegaConf.structured(self.cfg.workload), resolve=True)
         with capture(out_dir, steps=steps, warmup=warmup, baseline_steps=baseline_steps, device=self.ctx.device,
                      config={"workload": config, "platform": self.platform.name}, source=self.cfg.workload.name,
-                     model=self.workload.root_module()) as cap:
+                     model=self.workload.root_module(), announce=announce) as cap:
             while not cap.done:
                 with cap.step():
                     self.workload.step()

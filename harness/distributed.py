@@ -87,7 +87,10 @@ def process_started(pid: int) -> float | None:
     import psutil
 
     try:
-        return psutil.Process(pid).create_time()
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:  # killed; its parent has not collected it yet
+            return None
+        return process.create_time()
     except (psutil.NoSuchProcess, psutil.ZombieProcess):
         return None
     except psutil.AccessDenied:

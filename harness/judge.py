@@ -282,7 +282,7 @@ def judge(step: Callable[[], Any], out_dir: str | Path, *, device: torch.device 
     device = torch.device(device) if device is not None else torch.device("cpu")
     out_dir = Path(out_dir)
     with capture(out_dir, steps=capture_steps, warmup=warmup, baseline_steps=baseline_steps, device=device,
-                 source=source, model=model) as cap:
+                 source=source, model=model, announce=False) as cap:
         while not cap.done:
             with cap.step():
                 step()
@@ -334,7 +334,7 @@ def judge_benchmark(cfg: CobenchConfig, *, benchmark: str | None = None, rounds:
         torch.distributed.barrier()
     status, reason = STATUS_FINISHED, None
     try:
-        source.capture(bundle, steps=capture_steps, warmup=warmup, baseline_steps=baseline_steps)
+        source.capture(bundle, steps=capture_steps, warmup=warmup, baseline_steps=baseline_steps, announce=False)
         if ctx.distributed:
             torch.distributed.barrier()  # every rank's bundle is written
         record = judge_bundle(source.workload.step, bundle, ctx, rounds=rounds, steps_per_round=steps_per_round,

@@ -182,11 +182,13 @@ METRIC_DEFINITIONS: dict[str, tuple[str, str]] = {
     "a2a_compression_ratio": ("ratio", "dlrm: float32 bytes this rank's pooled-embedding all-to-alls would send per "
                                        "step ÷ the bytes they sent"),
     "codec_ms_per_step": ("ms", "dlrm: encode + decode time of the all-to-all codecs (forward and backward) per "
-                                "training step on this rank, first step excluded"),
+                                "training step on this rank, first step excluded; agreed packing's size exchange "
+                                "is not in it (codec_exchange_ms_per_step: waiting for the slowest rank)"),
     "codec_break_even_gbps": ("GB/s", "dlrm: bytes the codec saves per step ÷ its time per step: on links slower than "
                                       "this (per rank) compressing wins"),
-    "step_projected_ms_<bw>GBps": ("ms", "dlrm: the step with the measured all-to-all wait replaced by bytes sent ÷ "
-                                         "<bw> GB/s (codec time stays as measured)"),
+    "step_projected_ms_<bw>GBps": ("ms", "dlrm: the step with the measured all-to-all wait (and a codec's size "
+                                         "exchange) replaced by bytes sent ÷ <bw> GB/s (codec work stays as "
+                                         "measured)"),
     "memory_error_pct": ("%", "(replay step peak − source step peak) ÷ (source step peak + what lives across steps) "
                               "× 100, each side's peak from the allocator's accounting"),
 }

@@ -51,8 +51,9 @@ def quality_text(m: dict[str, float]) -> str:
 
 def summary_table(results: list[BenchmarkResult], title: str = "cobench results", extra_metrics: list[str] = (),
                   *, wide: bool = True, labels: dict[int, str] | None = None) -> Table:
-    """One row per benchmark; ``extra_metrics`` adds a column per metric name (e.g. a suite's);
-    ``labels``: a row's name by its index (e.g. a sweep's differing overrides)."""
+    """One row per benchmark; ``extra_metrics`` adds a column per metric name (printed apart, as
+    :func:`metric_tables`, by :func:`print_summary`); ``labels``: a row's name by its index (e.g. a
+    sweep's differing overrides)."""
     table = Table(title=title, title_justify="left", caption="throughput, p50, MFU: olympic mean over the "
                   "repetitions, ± their cv; quality: repetition 0", caption_justify="left")
     columns = ["benchmark", *(["platform"] if wide else []), "status", "throughput", "±", "p50 ms",
@@ -88,14 +89,44 @@ def summary_table(results: list[BenchmarkResult], title: str = "cobench results"
     return table
 
 
+def metric_tables(results: list[BenchmarkResult], metrics: list[str], width: int,
+                  labels: dict[int, str] | None = None) -> list[Table]:
+    """``metrics`` of every benchmark (a suite's own figures), as as many tables as it takes for
+    each to fit ``width`` columns: one column per metric, whole names, none cut."""
+    names = [(labels or {}).get(i, r.benchmark) for i, r in enumerate(results)]
+    first = max((len(n) for n in names), default=9) + 3
+    chunks: list[list[str]] = [[]]
+    used = first
+    for metric in metrics:
+        need = max(len(metric), 9) + 3
+        if chunks[-1] and used + need > width:
+            chunks.append([])
+            used = first
+        chunks[-1].append(metric)
+        used += need
+    tables = []
+    for chunk in (c for c in chunks if c):
+        table = Table(title_justify="left")
+        table.add_column("benchmark", no_wrap=True)
+        for metric in chunk:
+            table.add_column(metric, justify="right", no_wrap=True)
+        for name, r in zip(names, results, strict=True):
+            table.add_row(name, *(_fmt(r.metrics.get(metric), ".4g") for metric in chunk))
+        tables.append(table)
+    return tables
+
+
 def print_summary(results: list[BenchmarkResult], title: str = "cobench results", extra_metrics: list[str] = (),
                   labels: dict[int, str] | None = None) -> None:
-    """The table, then what needs saying: failures, noisy runs, and where the outputs went."""
+    """The table (and a suite's own metrics below it), then what needs saying: failures, noisy runs,
+    and where the outputs went."""
     console = Console()
     if not console.is_terminal and "COLUMNS" not in os.environ:  # logs and pipes: the wide table, unsqueezed
         console = Console(width=200)
     wide = console.width >= WIDE_FROM
-    console.print(summary_table(results, title, list(extra_metrics), wide=wide, labels=labels))
+    console.print(summary_table(results, title, wide=wide, labels=labels))
+    for table in metric_tables(results, list(extra_metrics), console.width, labels):
+        console.print(table)
     for r in results:
         if r.error:
             where = f" (details: {r.run_dir})" if r.run_dir else ""

@@ -15,6 +15,7 @@ flags keep them (``--results-dir DIR`` is the same as ``results_dir=DIR`` for ``
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Callable
 
@@ -170,6 +171,7 @@ def _runs_said(since: int) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # the profiler's start/stop lines; set it to see them
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE)
         return EXIT_OK

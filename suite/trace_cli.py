@@ -63,23 +63,14 @@ def _parser() -> argparse.ArgumentParser:
 def _capture(args: argparse.Namespace) -> int:
     from harness.capture import capture_benchmark
     from harness.config import compose_config, to_run_config
-    from harness.distributed import env_dist_info, shutdown_distributed
+    from harness.distributed import shutdown_distributed
 
     cfg = to_run_config(compose_config(args.overrides))
     try:
-        bundle = capture_benchmark(cfg, args.out, steps=args.steps, warmup=args.warmup,
-                                   baseline_steps=args.baseline_steps)
+        capture_benchmark(cfg, args.out, steps=args.steps, warmup=args.warmup,  # it says where, cost, next
+                          baseline_steps=args.baseline_steps)
     finally:
         shutdown_distributed()
-    if env_dist_info().is_main:
-        from workloads.trace_bundle import read_meta
-
-        meta = read_meta(bundle)
-        where = bundle.parent if meta.world_size > 1 else bundle
-        plain_ms = meta.to_json()["step_time_ms_median"]
-        print(f"captured {cfg.workload.name}: {where}\n  step {plain_ms:.2f} ms plain, capture overhead "
-              f"{meta.capture_overhead_pct:+.0f} %\n"
-              f"next: cobench trace generate {where}")
     return EXIT_OK
 
 

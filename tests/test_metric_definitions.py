@@ -62,3 +62,23 @@ def test_the_summary_fits_a_100_column_terminal_and_names_sweep_rows():
     assert "llama batch_size=2" in text and "llama batch_size=4" in text and "steps" not in text
     assert "36.9 k tok/s" in text and "3 %" in text  # people's numbers; cv in percent, said so
     assert "(target" in text and "2/3 ✗" in text  # the target, and how many repetitions reached it
+
+
+def test_a_suites_own_metrics_fit_the_terminal_in_as_many_tables_as_it_takes():
+    from rich.console import Console
+
+    from harness.runner import BenchmarkResult
+    from harness.summary import metric_tables
+
+    metrics = ["auc_delta", "a2a_compression_ratio", "codec_forward_max_error_over_bound", "codec_ms_per_step",
+               "codec_break_even_gbps", "step_projected_ms_12p5GBps", "step_projected_ms_25GBps"]
+    results = [BenchmarkResult(name, "dlrm", "cpu", "FINISHED", "samples/s", None,
+                               metrics={m: 1234.5678 for m in metrics}) for name in ("none", "eb_rel_agreed")]
+    tables = metric_tables(results, metrics, 100)
+    assert len(tables) > 1
+    console = Console(width=100, record=True)
+    for table in tables:
+        console.print(table)
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert all(m in text for m in metrics) and "1235" in text  # whole names, numbers not cut

@@ -37,7 +37,8 @@ def invalid_config(key: str, message: str) -> ValueError:
 @contextmanager
 def library_log_to(path: Path, *loggers: str) -> Iterator[None]:
     """Send what these libraries' loggers say meanwhile (e.g. TorchRec's sharding-plan tables) to
-    ``path`` in the run's folder instead of the terminal."""
+    ``path`` in the run's folder instead of the terminal. ``py.warnings`` among them: Python warnings
+    raised meanwhile go there too (deprecation notices of the libraries being set up)."""
     path.parent.mkdir(parents=True, exist_ok=True)  # another node's rank may not have the run folder yet
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
@@ -47,9 +48,13 @@ def library_log_to(path: Path, *loggers: str) -> Iterator[None]:
         saved.append((logger, logger.propagate, logger.handlers[:], logger.level))
         logger.handlers, logger.propagate = [handler], False
         logger.setLevel(logging.DEBUG)
+    if "py.warnings" in loggers:
+        logging.captureWarnings(True)
     try:
         yield
     finally:
+        if "py.warnings" in loggers:
+            logging.captureWarnings(False)
         for logger, propagate, handlers, level in saved:
             logger.handlers, logger.propagate = handlers, propagate
             logger.setLevel(level)

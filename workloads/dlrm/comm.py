@@ -175,10 +175,18 @@ def advance_codecs(registry: dict[str, QuantizedCommCodecs] | None, step: int, l
         codec.set_iteration(step, previous)
 
 
-def codec_seconds(registry: dict[str, QuantizedCommCodecs] | None) -> float:
-    """Encode + decode seconds of every all-to-all codec so far (forward and backward)."""
-    return sum(codec.encode_seconds + codec.decode_seconds for _, codec in _all_to_all_codecs(registry)
-               if isinstance(codec, TimedCodec))
+def codec_seconds(registry: dict[str, QuantizedCommCodecs] | None) -> tuple[float, float]:
+    """(codec work, waiting in collectives of its own) seconds of every all-to-all codec so far,
+    forward and backward: encode + decode time less what our codecs spent in their size exchange
+    (``stats.exchange_seconds``, the wait for the slowest rank that the all-to-all would otherwise
+    have had), and that exchange time."""
+    work = waiting = 0.0
+    for _, codec in _all_to_all_codecs(registry):
+        if isinstance(codec, TimedCodec):
+            exchange = getattr(getattr(codec.inner, "stats", None), "exchange_seconds", 0.0)
+            work += codec.encode_seconds + codec.decode_seconds - exchange
+            waiting += exchange
+    return work, waiting
 
 
 def codec_metrics(registry: dict[str, QuantizedCommCodecs] | None) -> dict[str, float]:
