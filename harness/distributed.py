@@ -30,6 +30,14 @@ class DistInfo:
         return self.world_size > 1
 
 
+def node_count() -> int:
+    """Nodes of this launch: torchrun's agents (``GROUP_WORLD_SIZE``), else world ÷ local world."""
+    if os.environ.get("GROUP_WORLD_SIZE"):
+        return int(os.environ["GROUP_WORLD_SIZE"])
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    return max(1, world // local) if local else 1
+
+
 def env_dist_info() -> DistInfo:
     """What torchrun told this process (a single process when it did not)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

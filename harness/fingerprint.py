@@ -14,6 +14,7 @@ from typing import Any
 import psutil
 import torch
 
+from harness.distributed import node_count
 from harness.platform import Platform, cpu_model_name
 
 LIBRARIES = (
@@ -88,6 +89,8 @@ def environment_fingerprint(platform: Platform, config_hash: str, world_size: in
         "platform_fingerprint": platform.fingerprint(),
         "accelerator": accelerator_info(platform),
         "world_size": world_size,
+        "nodes": node_count(),
+        "ranks_per_node": world_size // node_count(),
         "libraries": library_versions(),
         "git_sha": sha,
         "git_dirty": dirty,

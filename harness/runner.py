@@ -177,6 +177,7 @@ def run_benchmark(
             "config_hash": c_hash,
             "throughput_unit": workload.throughput_unit,
             "world_size": dist_info.world_size,
+            "nodes": fingerprint["nodes"],
             "peak_flops_source": peak.source if peak else "unknown",
         }
         tags.update(workload.run_tags())  # e.g. a replay's source and portability

@@ -93,3 +93,74 @@ def mlflow_server(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def _postgres_binary(name: str) -> str | None:
+    import glob
+    import shutil
+
+    found = shutil.which(name) or sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
+    return found if isinstance(found, str) else (found[-1] if found else None)
+
+
+@pytest.fixture(scope="session")
+def postgres_uri():
+    """A scratch PostgreSQL cluster for the whole test session (Debian's `postgresql`; .ci/run installs
+    it): initdb into a temporary folder, the server on a free loopback port, one database `mlflow`."""
+    import shutil
+    import tempfile
+
+    initdb, postgres, createdb = (_postgres_binary(n) for n in ("initdb", "postgres", "createdb"))
+    if not (initdb and postgres and createdb):
+        pytest.skip("PostgreSQL is not installed here (Debian: apt-get install postgresql)")
+    base = Path(tempfile.mkdtemp(prefix="cobench-pg-"))
+    as_user: list[str] = []
+    if os.geteuid() == 0:  # initdb refuses root: run the cluster as the package's postgres user
+        as_user = ["runuser", "-u", "postgres", "--"]
+        shutil.chown(base, "postgres")
+    data, port = base / "data", _free_port()
+    subprocess.run([*as_user, initdb, "-D", str(data), "-U", "cobench", "--auth=trust", "-E", "UTF8"],
+                   check=True, capture_output=True)
+    server = subprocess.Popen([*as_user, postgres, "-D", str(data), "-p", str(port), "-k", str(base),
+                               "-c", "listen_addresses=127.0.0.1", "-c", "max_connections=200"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while subprocess.run([createdb, "-h", "127.0.0.1", "-p", str(port), "-U", "cobench", "mlflow"],
+                             capture_output=True).returncode != 0:
+            if time.monotonic() > deadline or server.poll() is not None:
+                pytest.fail("the scratch PostgreSQL server did not come up")
+            time.sleep(0.5)
+        yield f"postgresql://cobench@127.0.0.1:{port}/mlflow"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def postgres_mlflow_server(postgres_uri, tmp_path_factory):
+    """`mlflow server` on that PostgreSQL database with a file artifact store, for the whole session."""
+    port = _free_port()
+    artifacts = tmp_path_factory.mktemp("pg-artifacts")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", postgres_uri, "--artifacts-destination", str(artifacts), "--workers", "2"],
+        cwd=artifacts, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("mlflow server on PostgreSQL did not come up within 120 s")
+        yield uri
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -427,11 +427,12 @@ class ErrorBoundedCodec(CustomCodec):
         ``b <= 14``; beyond, or should the kernel's check refuse a block, the exact path's uniform grid
         (step near ``2 · bound``) fits the same width. The other blocks get the exact float64 answer
         (:func:`eb_grid.needed_bits`). The encoder checks every block either way."""
-        finite = torch.isfinite(x).all(1)
-        if not bool(finite.any()):
-            return 0
-        x, factor = x[finite], factor[finite]
         lo, hi = torch.aminmax(x, dim=1)
+        finite = torch.isfinite(lo) & torch.isfinite(hi)  # a NaN anywhere makes the block's min/max NaN
+        if not bool(finite.all()):
+            if not bool(finite.any()):
+                return 0
+            x, factor, lo, hi = x[finite], factor[finite], lo[finite], hi[finite]
         span = hi.double() - lo.double()
         bound = factor * span if self._rel else factor
         top = torch.maximum(lo.abs(), hi.abs()).double()

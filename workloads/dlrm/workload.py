@@ -268,14 +268,14 @@ class DLRMWorkload(WorkloadBase):
             TrainerConfig(world_size=ctx.world_size), hardware_config=hardware,
             kernel_config=KernelConfig(compute_device=ctx.device.type),
         )
-        planner = EmbeddingShardingPlanner(
-            topology=topology, batch_size=self.local_batch, constraints=constraints, debug=False
-        )
         # Planned without codecs: every codec is compared on the same placement, and our codecs are
         # built once, knowing the rows they will carry (their block divides every rank's width).
         # The planner's tables and the libraries' deprecation notices go to the run's folder.
         with library_log_to(ctx.work_dir / f"sharding_plan_rank{ctx.rank}.log", "torchrec.distributed.planner",
                             "torch.fx._symbolic_trace", "py.warnings"):
+            planner = EmbeddingShardingPlanner(
+                topology=topology, batch_size=self.local_batch, constraints=constraints, debug=False
+            )
             plan = planner.collective_plan(model, [EmbeddingBagCollectionSharder()], ctx.process_group)
             self.plan = plan
             if cfg.comm_codec in comm.CUSTOM_CODECS:
