@@ -90,4 +90,5 @@ def run_main(argv: list[str]) -> int:
         return EXIT_OK
     if env_dist_info().is_main:
         print_summary(results, labels=sweep_labels(results, job_overrides))
-    return EXIT_OK if all(r.status == STATUS_FINISHED for r in results) else EXIT_FAILED
+    # a run the store did not get is not done yet (`cobench upload` finishes it): exit 1 says so
+    return EXIT_OK if all(r.status == STATUS_FINISHED and not r.upload_error for r in results) else EXIT_FAILED

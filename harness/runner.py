@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 import traceback
 import uuid
@@ -42,6 +43,8 @@ from harness.tracking import Tracker, TrackingError
 from workloads import discover
 from workloads.base import RunContext, Workload, WorkloadSpec
 
+logger = logging.getLogger(__name__)
+
 STATUS_FINISHED, STATUS_FAILED, STATUS_KILLED = "FINISHED", "FAILED", "KILLED"
 STATUS_SKIPPED = "SKIPPED"  # a suite's benchmark this platform cannot run; no MLflow run is made
 
@@ -61,6 +64,7 @@ class BenchmarkResult:
     error: str | None = None
     losses: list[float] = field(default_factory=list)  # train loss per step: repetition 0, rank 0
     noise: str | None = None  # why the figures are too noisy to trust (tag noisy=1), or None
+    upload_error: str | None = None  # the store could not take the run: it waits in run_dir (cobench upload)
 
 
 def new_run_dir(root: Path, name: str) -> str:
@@ -267,20 +271,42 @@ def _close(
         result.metrics["noisy"] = float(result.noise is not None)
     if not env_dist_info().is_main:
         return
-    (result.run_dir / "metrics.json").write_text(
-        json.dumps({"status": status, "error": reason, "metrics": result.metrics}, indent=2)
-    )
+    first = measured[0][0] if measured else None
+    record = {"status": status, "error": reason, "metrics": result.metrics, "losses": result.losses,
+              "quality_history": [[n, q] for n, q in first.quality_history] if first else [],
+              "noise": result.noise}
+    if tracker is not None and result.run_id is not None:
+        record["mlflow"] = {"uri": tracker.uri, "experiment_id": tracker.experiment_id, "run_id": result.run_id}
+    (result.run_dir / "metrics.json").write_text(json.dumps(record, indent=2))
     if tracker is None or result.run_id is None:
         return
-    run_id = result.run_id
-    tracker.log_metrics(run_id, result.metrics)
-    if result.noise:
-        tracker.set_tags(run_id, {"noisy": "1", "noise_reason": result.noise})
-    if measured:
-        first = measured[0][0]
-        tracker.log_series(run_id, "train_loss", result.losses)
-        for samples_count, quality in first.quality_history:
-            tracker.log_metrics(run_id, {f"{k}_curve": v for k, v in quality.items()}, step=samples_count)
-    tracker.end_run(run_id, status, reason)
-    for path in sorted(result.run_dir.iterdir()):
-        tracker.log_artifact(run_id, path)
+    try:
+        publish(tracker, result.run_dir)
+    except Exception as err:  # noqa: BLE001 - the store went away: the run folder keeps everything
+        result.upload_error = f"{type(err).__name__}: {err}"
+        (result.run_dir / UPLOAD_PENDING).write_text(json.dumps({"error": result.upload_error}, indent=2))
+        logger.warning("could not record %s in MLflow (%s); everything is in %s: upload it later with "
+                       "`cobench upload %s`", result.benchmark, result.upload_error, result.run_dir, result.run_dir)
+
+
+UPLOAD_PENDING = "upload_pending.json"  # in a run folder: the store did not get the run; `cobench upload`
+
+
+def publish(tracker: Tracker, run_dir: Path) -> None:
+    """Record a closed run folder in its MLflow run: metrics, curves, tags, the end status, then the
+    files (the run is closed before its artifacts are uploaded, the slow part). Used at the end of
+    every run and by ``cobench upload`` for runs whose store was away."""
+    record = json.loads((run_dir / "metrics.json").read_text())
+    run_id = record["mlflow"]["run_id"]
+    tracker.log_metrics(run_id, record["metrics"])
+    if record.get("noise"):
+        tracker.set_tags(run_id, {"noisy": "1", "noise_reason": record["noise"]})
+    if record.get("losses"):
+        tracker.log_series(run_id, "train_loss", record["losses"])
+    for samples_count, quality in record.get("quality_history", []):
+        tracker.log_metrics(run_id, {f"{k}_curve": v for k, v in quality.items()}, step=samples_count)
+    tracker.end_run(run_id, record["status"], record.get("error"))
+    for path in sorted(run_dir.iterdir()):
+        if path.name != UPLOAD_PENDING:
+            tracker.log_artifact(run_id, path)
+    (run_dir / UPLOAD_PENDING).unlink(missing_ok=True)

@@ -133,6 +133,9 @@ def print_summary(results: list[BenchmarkResult], title: str = "cobench results"
             console.print(f"[red]{r.benchmark}: {r.status}: {r.error}[/red]{where}")
         if r.noise:
             console.print(f"[yellow]warning: {r.benchmark} is noisy: {r.noise}[/yellow]")
+        if r.upload_error:
+            console.print(f"[yellow]{r.benchmark}: not recorded in MLflow ({r.upload_error}); everything is in "
+                          f"{r.run_dir}: `cobench upload {r.run_dir}` once the store is back[/yellow]", soft_wrap=True)
     folders = sorted({r.run_dir.parent for r in results if r.run_dir is not None})
     for folder in folders:
         store = folder.parent / "mlflow.db"

@@ -142,6 +142,11 @@ class Tracker:
         runs this host's dead processes left RUNNING (:meth:`reap_stale`), each with a warning."""
         uri = resolve_tracking_uri(cfg, results_dir)
         check_server_reachable(uri, cfg.connect_timeout_s)
+        if uri.startswith(("http://", "https://")):
+            # MLflow's client retries a lost server for minutes by default; a run that ends while the
+            # server is away should say so soon and keep its record locally (cobench upload)
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(10, int(cfg.connect_timeout_s))))
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 

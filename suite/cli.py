@@ -36,6 +36,8 @@ commands:
                            `cobench qualify --help`
   compare [OPTIONS]        platform x benchmark table from MLflow: `cobench compare --help`
   report [OPTIONS]         MLPerf-style submission folder + HTML report: `cobench report --help`
+  upload RUN_DIR...        record run folders whose MLflow store was away when they ended
+                           (they hold upload_pending.json) in their MLflow runs
   reap [SETTINGS]          close as FAILED the MLflow runs left RUNNING by processes of this host that
                            are gone (every command does it when it connects), and list the RUNNING
                            runs of other hosts, with their host and pid
@@ -56,6 +58,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("suite.compare", "run"),
     "report": ("suite.report", "run"),
     "reap": ("suite.cli", "reap_main"),
+    "upload": ("suite.cli", "upload_main"),
 }
 
 # key=value settings shared by every command → the flag of the commands that parse flags
@@ -85,6 +88,43 @@ def shared_settings_as_flags(command: str, args: list[str]) -> list[str]:
                              f"{', '.join(k + '=' for k in SHARED_SETTINGS)} as key=value, and its own options "
                              f"as flags (`cobench {command} --help`)")
     return out
+
+
+def upload_main(args: list[str]) -> int:
+    """``cobench upload RUN_DIR [RUN_DIR ...] [tracking.uri=URI]``: exit 0 when every folder is recorded."""
+    import json
+    from pathlib import Path
+
+    from harness.runner import UPLOAD_PENDING, publish
+    from harness.tracking import Tracker, check_server_reachable
+
+    uri = next((a.partition("=")[2] for a in args if a.startswith("tracking.uri=")), None)
+    folders = [Path(a) for a in args if "=" not in a]
+    if not folders:
+        raise ValueError("`cobench upload` needs run folders, e.g. `cobench upload results/runs/<run>`")
+    failed = []
+    for folder in folders:
+        record_path = folder / "metrics.json"
+        if not record_path.is_file():
+            raise ValueError(f"{folder} is not a run folder (no metrics.json)")
+        mlflow = json.loads(record_path.read_text()).get("mlflow")
+        if not mlflow:
+            raise ValueError(f"{folder}: this run was made without MLflow tracking; there is nothing to upload")
+        if not (folder / UPLOAD_PENDING).exists():
+            print(f"{folder}: already recorded in MLflow run {mlflow['run_id']}")
+            continue
+        target = uri or mlflow["uri"]
+        check_server_reachable(target, 10.0)
+        try:
+            publish(Tracker(target, mlflow["experiment_id"], folder.parent.parent), folder)
+        except Exception as err:  # noqa: BLE001 - say which folder, keep going with the others
+            failed.append(folder)
+            print(f"{folder}: still not recorded ({type(err).__name__}: {err})", file=sys.stderr)
+            continue
+        print(f"{folder}: recorded in MLflow run {mlflow['run_id']} at {target}")
+    if failed:
+        raise CommandFailed(f"{len(failed)} run folder(s) not recorded; they keep upload_pending.json")
+    return EXIT_OK
 
 
 def reap_main(args: list[str]) -> int:

@@ -199,5 +199,5 @@ def suite_main(args: list[str]) -> int:
     if env_dist_info().is_main:
         print_summary(outcome.results, title=f"suite {args[0]}: {outcome.wall_s:.1f} s wall",
                       extra_metrics=outcome.suite.summary_metrics)
-    ok = all(r.status in (STATUS_FINISHED, STATUS_SKIPPED) for r in outcome.results)
+    ok = all(r.status in (STATUS_FINISHED, STATUS_SKIPPED) and not r.upload_error for r in outcome.results)
     return EXIT_OK if ok else EXIT_FAILED

@@ -67,29 +67,33 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture
-def mlflow_server(tmp_path):
-    port = _free_port()
-    server_dir = tmp_path / "server"
-    server_dir.mkdir()
+def start_mlflow_server(server_dir: Path, port: int) -> subprocess.Popen:
+    """`mlflow server` on a sqlite store in ``server_dir`` (artifacts there too), answering its health check."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
          "--backend-store-uri", f"sqlite:///{server_dir / 'server.db'}", "--workers", "1"],
         cwd=server_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
-    uri = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.5)
+    proc.terminate()
+    pytest.fail("mlflow server did not come up within 90 s")
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    port = _free_port()
+    server_dir = tmp_path / "server"
+    server_dir.mkdir()
+    proc = start_mlflow_server(server_dir, port)
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"{uri}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("mlflow server did not come up within 90 s")
-        yield uri
+        yield f"http://127.0.0.1:{port}"
     finally:
         proc.terminate()
         proc.wait(timeout=30)

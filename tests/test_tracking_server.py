@@ -52,3 +52,57 @@ def test_eight_concurrent_runs_into_a_server_on_postgresql(tmp_path, calibration
         assert run.info.status == "FINISHED" and run.data.metrics["throughput"] > 0
         assert len(client.get_metric_history(run.info.run_id, "train_loss")) >= 4
         assert "fingerprint.json" in {a.path for a in client.list_artifacts(run.info.run_id)}
+
+
+def test_a_server_that_goes_away_mid_run_loses_nothing(tmp_path, calibration_cache):
+    """The server dies while a run trains: the run still finishes, its folder keeps everything and says
+    it was not uploaded, exit 1 says so; with the server back, `cobench upload` records it."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from conftest import _free_port, clean_env, start_mlflow_server
+    from mlflow.tracking import MlflowClient
+
+    port, server_dir = _free_port(), tmp_path / "server"
+    server_dir.mkdir()
+    uri = f"http://127.0.0.1:{port}"
+    server = start_mlflow_server(server_dir, port)
+    results = tmp_path / "results"
+    cmd = [sys.executable, "-m", "suite.cli", "run", "tracking=server", f"tracking.uri={uri}",
+           f"results_dir={results}", f"platform.calibration_cache={calibration_cache}",
+           "runner.warmup_steps=1", "runner.steps=300", "runner.progress=false", "workload.train_batches=2"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(),
+                            cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not list(results.glob("runs/*/mllog_rep0.txt")):
+            time.sleep(0.2)
+        server.terminate()  # mid-run: the run was created, its end cannot be recorded
+        server.wait(timeout=30)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        for p in (proc, server):
+            if p.poll() is None:
+                p.kill()
+    assert proc.returncode == 1, stderr[-3000:]
+    (folder,) = list((results / "runs").iterdir())
+    assert "cobench upload" in stdout + stderr and (folder / "upload_pending.json").exists()
+    record = json.loads((folder / "metrics.json").read_text())
+    assert record["status"] == "FINISHED" and record["metrics"]["throughput"] > 0 and record["losses"]
+
+    server = start_mlflow_server(server_dir, port)  # the same store comes back
+    try:
+        up = subprocess.run([sys.executable, "-m", "suite.cli", "upload", str(folder)], capture_output=True,
+                            text=True, timeout=300, env=clean_env())
+        assert up.returncode == 0, up.stderr[-3000:]
+        assert not (folder / "upload_pending.json").exists()
+        client = MlflowClient(tracking_uri=uri)
+        run = client.get_run(record["mlflow"]["run_id"])
+        assert run.info.status == "FINISHED" and run.data.metrics["throughput"] == record["metrics"]["throughput"]
+        assert len(client.get_metric_history(run.info.run_id, "train_loss")) == len(record["losses"])
+        assert "mllog_rep0.txt" in {a.path for a in client.list_artifacts(run.info.run_id)}
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
