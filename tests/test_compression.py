@@ -395,6 +395,7 @@ def test_cpu_kernels_and_tensor_program_send_the_same_bytes():
                 assert torch.equal(cpp[0], tensor[0]) and torch.equal(cpp[1], tensor[1]), (bits, rel)
                 assert torch.equal(cpp[2][:, :2], tensor[2][:, :2]), (bits, rel)  # largest error, ÷ bound
                 assert torch.allclose(cpp[2][:, 2], tensor[2][:, 2], rtol=1e-5, atol=0), (bits, rel)  # sums
+                assert torch.allclose(cpp[3], tensor[3], rtol=1e-5, atol=0), (bits, rel)
                 assert int((cpp[1] == eb_kernels.STATUS_NONFINITE).sum()) == 2
                 ours = kernels.decode(cpp[0], bits, 40)
                 theirs = eb_kernels._decode_tensor(cpp[0], bits, 40)

@@ -210,7 +210,7 @@ void encode_blocks(const float* xp, const float* bp, uint8_t* mp, int8_t* sp, fl
 // range (rel), already rounded down. Returns (message (n, 8 + bits * groups) uint8, status (n,) int8:
 // 0 sent on the float32 grid, 1 not sent (the exact float64 path must take it), 2 non-finite (NaN block),
 // errors (n, 3) float32: per block the largest error (from the decoder's own arithmetic), it ÷ the
-// bound, and the sum of the errors).
+// bound, and the sum of the errors; summary (6,) float64: see below).
 std::vector<torch::Tensor> encode(torch::Tensor x, torch::Tensor bound, bool rel, int64_t bits) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x: contiguous (n, block) float32");
   TORCH_CHECK(bound.dtype() == torch::kFloat32 && bound.numel() == x.size(0), "bound: (n,) float32");
@@ -228,7 +228,17 @@ std::vector<torch::Tensor> encode(torch::Tensor x, torch::Tensor bound, bool rel
   at::parallel_for(0, n, GRAIN, [&](int64_t begin, int64_t end) {
     encode_blocks(xp, bp, mp, sp, wp, begin, end, block, bits, rel);
   });
-  return {message, status, worst};
+  // the message's figures in one small tensor (one read for the caller): blocks sent, for the exact
+  // path, non-finite; the largest error, the largest error ÷ bound, the sum of errors (sent blocks)
+  auto summary = torch::zeros({6}, x.options().dtype(torch::kFloat64));
+  double* f = summary.data_ptr<double>();
+  for (int64_t r = 0; r < n; ++r) {
+    f[sp[r]] += 1.0;
+    f[3] = std::max(f[3], static_cast<double>(wp[3 * r]));
+    f[4] = std::max(f[4], static_cast<double>(wp[3 * r + 1]));
+    f[5] += wp[3 * r + 2];
+  }
+  return {message, status, worst, summary};
 }
 
 // One thread's share of decode (AVX2 or baseline, as encode_blocks).

@@ -86,18 +86,19 @@ def kernel_name(device: torch.device) -> str:
 
 
 def encode_fast(x: torch.Tensor, factor: torch.Tensor, rel: bool, bits: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(message rows, status, errors) of ``x`` (n, block) float32 on the float32 grid.
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(message rows, status, errors, summary) of ``x`` (n, block) float32 on the float32 grid.
 
     ``factor``: per block, float32 rounded down — the bound as a fraction of the block's range
     (``rel``) or absolute. Status 0: sent; 1: the exact path must take the block; 2: non-finite.
     ``errors`` (n, 3): per sent block its largest error — computed with the decoder's arithmetic,
-    so it is the receiver's —, that ÷ the bound, and the sum of its errors (0 for the others).
+    so it is the receiver's —, that ÷ the bound, and the sum of its errors (0 for the others);
+    ``summary``: :func:`summarise` of those, read once by the caller.
     """
     x = x.contiguous()
     if x.device.type == "cpu" and (kernels := cpu_kernels()) is not None:
-        message, status, worst = kernels.encode(x, factor.contiguous(), rel, bits)
-        return message, status, worst
+        message, status, errors, summary = kernels.encode(x, factor.contiguous(), rel, bits)
+        return message, status, errors, summary
     compiled = _compiled() if x.device.type != "cpu" else None
     return (compiled[0] if compiled else _encode_tensor)(x, factor, rel, bits)
 
@@ -175,7 +176,17 @@ def _encode_tensor(x: torch.Tensor, factor: torch.Tensor, rel: bool, bits: int
     largest = torch.where(sent, largest, 0.0)
     ratio = torch.where(largest > 0, largest / limit, 0.0)
     errors = torch.stack([largest, ratio, torch.where(sent, error.sum(1), 0.0)], 1)
-    return message, status.to(torch.int8), errors
+    status = status.to(torch.int8)
+    return message, status, errors, summarise(status, errors)
+
+
+def summarise(status: torch.Tensor, errors: torch.Tensor) -> torch.Tensor:
+    """(6,) float64: blocks sent, for the exact path, non-finite; largest error, largest error ÷
+    bound, sum of errors."""
+    counts = torch.bincount(status.view(torch.uint8).long(), minlength=3)[:3].double()
+    if not errors.numel():
+        return torch.cat([counts, counts.new_zeros(3)])
+    return torch.cat([counts, errors[:, :2].amax(0).double(), errors[:, 2:].double().sum(0)])
 
 
 def _decode_tensor(message: torch.Tensor, bits: int, block: int) -> torch.Tensor:
