@@ -8,14 +8,18 @@
     nox -s perf               the performance benchmarks (pytest-benchmark), not part of tests
     nox -s lint               ruff
 
-Each session gets its own virtualenv under .nox/, reused between calls. torch is pinned to the
-build this project is verified with (the CPU wheel on this machine); set COBENCH_TORCH to
-install another, e.g. COBENCH_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128".
+bench, qualify, report, tests and perf share one virtualenv, .nox/cobench: made by whichever
+runs first, each adding only the extras it needs (so the quickstart installs torch and TorchRec
+once); lint has its own. torch is pinned to the build this project is verified with (the CPU wheel
+on this machine); set COBENCH_TORCH to install another, e.g.
+COBENCH_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128".
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+from pathlib import Path
 
 import nox
 
@@ -31,50 +35,70 @@ TORCHREC = ["torchrec==1.8.0"]
 TORCHREC_DEPS = ["tensordict", "torchmetrics==1.0.3", "pyre-extensions", "tqdm"]
 
 
-def install(session: nox.Session, extras: str = "") -> None:
-    """torch first (pinned, so nothing pulls a multi-GB CUDA build), TorchRec, then the project."""
-    session.install(*TORCH.split())
-    session.install(*FBGEMM.split())
-    session.install("--no-deps", *TORCHREC)
-    session.install(*TORCHREC_DEPS)
-    session.install("-e", f".[{extras}]" if extras else ".")
+SHARED = Path(".nox") / "cobench"  # the one environment the project's sessions share
 
 
-@nox.session(python=PYTHON)
+def install(session: nox.Session, extras: str = "") -> dict[str, str]:
+    """The shared environment with the project and ``extras`` in it; returns the ``env`` that puts
+    its commands first on PATH (for what they start: torchrun, mlflow). torch first (pinned, so
+    nothing pulls a multi-GB CUDA build), TorchRec, then the project. A stamp per (pins,
+    pyproject.toml, extras) skips what is already there."""
+    python = SHARED / "bin" / "python"
+    if not python.exists():
+        session.run(f"python{PYTHON}", "-m", "venv", str(SHARED), external=True)
+        session.run(str(python), "-m", "pip", "install", "--quiet", "--upgrade", "pip", external=True)
+    key = hashlib.sha256("\n".join([TORCH, FBGEMM, *TORCHREC, *TORCHREC_DEPS, extras,
+                                    Path("pyproject.toml").read_text()]).encode()).hexdigest()[:16]
+    stamp = SHARED / f".installed-{key}"
+    if not stamp.exists():
+        pip = [str(python), "-m", "pip", "install"]
+        session.run(*pip, *TORCH.split(), external=True)
+        session.run(*pip, *FBGEMM.split(), external=True)
+        session.run(*pip, "--no-deps", *TORCHREC, external=True)
+        session.run(*pip, *TORCHREC_DEPS, external=True)
+        session.run(*pip, "-e", f".[{extras}]" if extras else ".", external=True)
+        stamp.touch()
+    home = SHARED.resolve()
+    return {"PATH": str(home / "bin") + os.pathsep + os.environ.get("PATH", ""), "VIRTUAL_ENV": str(home)}
+
+
+def _bin(command: str) -> str:
+    """A command of the shared environment, by its full path."""
+    return str(SHARED.resolve() / "bin" / command)
+
+
+@nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
     """The main job: the smoke suite on this platform; Hydra overrides after `--`."""
-    install(session)
-    session.run("cobench", "suite", "smoke", *session.posargs)
+    session.run(_bin("cobench"), "suite", "smoke", *session.posargs, env=install(session), external=True)
 
 
-@nox.session(python=PYTHON)
+@nox.session(venv_backend="none")
 def qualify(session: nox.Session) -> None:
     """Hardware qualification: the qualify suite judged against conf/gates/<platform>.yaml; exit 0 = PASS.
     `nox -s qualify -- platform=cpu`; `nox -s qualify -- --record-golden platform=cpu` records references."""
-    install(session)
-    session.run("cobench", "qualify", *session.posargs)
+    session.run(_bin("cobench"), "qualify", *session.posargs, env=install(session), external=True)
 
 
-@nox.session(python=PYTHON)
+@nox.session(venv_backend="none")
 def report(session: nox.Session) -> None:
     """Submission folder + HTML report of the latest suite run: `nox -s report -- --suite smoke --org acme`."""
-    install(session)
-    session.run("cobench", "report", *session.posargs)
+    session.run(_bin("cobench"), "report", *session.posargs, env=install(session), external=True)
 
 
-@nox.session(python=PYTHON)
+@nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
     """The test suite; pytest arguments after `--`."""
-    install(session, "test,chakra")
-    session.run("pytest", *(session.posargs or ["-q"]))
+    env = install(session, "test,chakra")
+    session.run(_bin("pytest"), *(session.posargs or ["-q"]), env=env, external=True)
 
 
-@nox.session(python=PYTHON)
+@nox.session(venv_backend="none")
 def perf(session: nox.Session) -> None:
     """Performance benchmarks (pytest-benchmark): figures to report, never pass/fail gates."""
-    install(session, "test")
-    session.run("pytest", "benchmarks", "--benchmark-only", "-p", "no:cacheprovider",
-                "--benchmark-columns=min,median,max,stddev,rounds", *session.posargs)
+    env = install(session, "test")
+    session.run(_bin("pytest"), "benchmarks", "--benchmark-only", "-p", "no:cacheprovider",
+                "--benchmark-columns=min,median,max,stddev,rounds", *session.posargs, env=env, external=True)
 
 
 @nox.session(python=PYTHON)

@@ -278,15 +278,16 @@ class SeqRecWorkload(WorkloadBase):
             TrainerConfig(world_size=ctx.world_size), kernel_config=KernelConfig(compute_device=ctx.device.type)
         )
         constraints = {name: ParameterConstraints(sharding_types=["table_wise"]) for name in ("item", "action")}
-        planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints, debug=False)
-        with library_log_to(ctx.work_dir / f"sharding_plan_rank{ctx.rank}.log",
-                            "torchrec.distributed.planner"):
+        # the planner's tables and the libraries' set-up notices go to the run's folder
+        with library_log_to(ctx.work_dir / f"sharding_plan_rank{ctx.rank}.log", "torchrec.distributed.planner",
+                            "torch.fx._symbolic_trace", "py.warnings"):
+            planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints, debug=False)
             plan = planner.collective_plan(model, [sharder], ctx.process_group)
-        # No DDP: the dense gradients are summed by DataParallelDense (the loss is pre-divided globally).
-        return DistributedModelParallel(
-            model, env=ShardingEnv.from_process_group(ctx.process_group), device=ctx.device, plan=plan,
-            sharders=[sharder], init_data_parallel=False,
-        )
+            # No DDP: the dense gradients are summed by DataParallelDense (the loss is pre-divided globally).
+            return DistributedModelParallel(
+                model, env=ShardingEnv.from_process_group(ctx.process_group), device=ctx.device, plan=plan,
+                sharders=[sharder], init_data_parallel=False,
+            )
 
     def _make_pipeline(self) -> Any:
         from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
