@@ -157,18 +157,33 @@ class Tracker:
         try:
             with _store_lock(results_dir) if is_local else nullcontext():
                 client = MlflowClient(tracking_uri=uri)
-                experiment = client.get_experiment_by_name(cfg.experiment)
-                if experiment is None:
-                    location = (results_dir / "mlartifacts").as_uri() if is_local else None
-                    experiment_id = client.create_experiment(cfg.experiment, artifact_location=location)
-                else:
-                    experiment_id = experiment.experiment_id
+                experiment_id = cls._experiment_id(client, cfg.experiment,
+                                                   (results_dir / "mlartifacts").as_uri() if is_local else None)
         except MlflowException as err:
             raise TrackingError(f"cannot use MLflow tracking store {uri}: {err.message}") from err
         tracker = cls(uri, experiment_id, results_dir)
         for run_id, name, reason in tracker.reap_stale() if reap else []:
             logger.warning("closed a stale MLflow run %s (%s) as FAILED: %s", name, run_id, reason)
         return tracker
+
+    @staticmethod
+    def _experiment_id(client: Any, name: str, location: str | None) -> str:
+        """The experiment's id, creating it on first use. Several processes may start at once against
+        one server (a fleet, a sweep): the ones that lose the race to create it take the winner's."""
+        from mlflow.exceptions import MlflowException
+
+        experiment = client.get_experiment_by_name(name)
+        if experiment is not None:
+            return experiment.experiment_id
+        try:
+            return client.create_experiment(name, artifact_location=location)
+        except MlflowException as err:
+            if err.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+            experiment = client.get_experiment_by_name(name)
+            if experiment is None:
+                raise
+            return experiment.experiment_id
 
     def start_run(self, name: str, tags: Mapping[str, Any], parent_run_id: str | None = None) -> str:
         all_tags = {"mlflow.user": getpass.getuser(), **_owner_tags(), **{k: str(v) for k, v in tags.items()}}

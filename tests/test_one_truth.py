@@ -117,3 +117,23 @@ def test_an_interrupt_says_which_runs_it_closed_and_when_there_were_none(tmp_pat
     assert "interrupted by SIGTERM; MLflow runs: starting KILLED" in capsys.readouterr().err
     (run,) = [r for r in mlflow_runs(tmp_path) if r.info.run_name == "starting"]
     assert run.info.status == "KILLED" and run.data.tags["error"] == "interrupted by SIGTERM"
+
+
+def test_processes_racing_to_create_the_experiment_all_get_it(tmp_path):
+    """Eight runs starting at once against one server: the losers of the race to create the
+    experiment take the winner's instead of failing with RESOURCE_ALREADY_EXISTS."""
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    winner = MlflowClient(tracking_uri=uri).create_experiment("fleet")
+
+    class LateClient(MlflowClient):  # looked before the winner created it, creates after
+        looked = False
+
+        def get_experiment_by_name(self, name):
+            if not self.looked:
+                self.looked = True
+                return None
+            return super().get_experiment_by_name(name)
+
+    assert Tracker._experiment_id(LateClient(tracking_uri=uri), "fleet", None) == winner
