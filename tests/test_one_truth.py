@@ -56,13 +56,17 @@ def test_a_rank_killed_mid_run_leaves_a_failed_run_that_names_it(tmp_path, calib
 
 
 def test_a_signal_while_closing_waits_until_the_records_are_closed():
+    previous = signal.getsignal(signal.SIGTERM)
     sigterm_as_interrupt()
     done = []
-    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
-        with deferred_interrupts():
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(0.05)
-            done.append("closed")  # not cut short by the signal
+    try:
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            with deferred_interrupts():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)
+                done.append("closed")  # not cut short by the signal
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     assert done == ["closed"]
 
 
