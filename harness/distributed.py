@@ -114,11 +114,21 @@ def record_rank(work_dir: Path, rank: int) -> None:
     (folder / f"rank{rank}.json").write_text(json.dumps(me))
 
 
+def record_rank_exit(work_dir: Path, rank: int, how: str) -> None:
+    """Note that this rank is leaving on purpose (a signal it handled), so that no other rank reports
+    it as died (``<work_dir>/ranks/rank<r>.exit``)."""
+    folder = work_dir / "ranks"
+    if folder.is_dir():
+        (folder / f"rank{rank}.exit").write_text(how)
+
+
 def lost_ranks(work_dir: Path) -> list[str]:
-    """Ranks of this host whose process is gone, e.g. ``rank 1 (pid 4242 on node3)``; other hosts'
-    ranks cannot be checked from here and are not listed."""
+    """Ranks of this host whose process is gone without saying it was leaving, e.g. ``rank 1 (pid
+    4242 on node3)``: killed, crashed. Other hosts' ranks cannot be checked from here."""
     host, lost = socket.gethostname(), []
     for path in sorted((work_dir / "ranks").glob("rank*.json")):
+        if path.with_suffix(".exit").exists():
+            continue
         try:
             rank = json.loads(path.read_text())
         except (OSError, ValueError):

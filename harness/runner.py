@@ -31,6 +31,7 @@ from harness.distributed import (
     init_distributed,
     lost_ranks,
     record_rank,
+    record_rank_exit,
 )
 from harness.fingerprint import environment_fingerprint
 from harness.interrupts import deferred_interrupts, signal_name
@@ -211,8 +212,14 @@ def run_benchmark(
                 repetitions.append(gather_to_all(state))
                 states = []
     except KeyboardInterrupt as err:
-        _finish(result, tracker, repetitions, states, peak, STATUS_KILLED, f"interrupted by {signal_name(err)}",
-                runner=cfg.runner)
+        status, reason = STATUS_KILLED, f"interrupted by {signal_name(err)}"
+        if dist_info.enabled:
+            record_rank_exit(run_dir, dist_info.rank, reason)
+            lost = lost_ranks(run_dir)
+            if lost:  # torchrun stops the survivors of a rank that died: the run failed, it was not cancelled
+                status = STATUS_FAILED
+                reason = f"{', '.join(lost)} died (no longer running) during the run; then this rank was {reason}"
+        _finish(result, tracker, repetitions, states, peak, status, reason, runner=cfg.runner)
         raise
     except Exception as err:  # noqa: BLE001 - any failure must end the run FAILED, with its reason
         reason = f"{type(err).__name__}: {err}"

@@ -22,7 +22,10 @@ from harness.interrupts import deferred_interrupts, sigterm_as_interrupt
 from harness.tracking import HOST_TAG, PID_STARTED_TAG, PID_TAG, Tracker
 
 
-def test_a_rank_killed_mid_run_leaves_a_failed_run_that_names_it(tmp_path, calibration_cache):
+@pytest.mark.parametrize("how", ["kill_rank1", "kill_rank1_then_sigterm_rank0", "sigterm_both"])
+def test_a_rank_killed_mid_run_leaves_a_failed_run_that_names_it(tmp_path, calibration_cache, how):
+    """rank 1 SIGKILLed: rank 0 either sees its collective fail or is stopped by torchrun's SIGTERM
+    first; FAILED, naming rank 1, both ways. Both ranks stopped by a scheduler's SIGTERM: KILLED."""
     results = tmp_path / "results"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
@@ -38,16 +41,26 @@ def test_a_rank_killed_mid_run_leaves_a_failed_run_that_names_it(tmp_path, calib
             log = runs[0] / "mllog_rep0.txt" if runs else None
             if log is not None and log.exists() and "block_start" in log.read_text():
                 victim = json.loads((runs[0] / "ranks" / "rank1.json").read_text())["pid"]
+                survivor = json.loads((runs[0] / "ranks" / "rank0.json").read_text())["pid"]
                 break
             time.sleep(0.2)
         assert victim is not None, "the run never reached its timed steps"
         time.sleep(1.0)
-        os.kill(victim, signal.SIGKILL)
+        if how == "sigterm_both":
+            os.kill(victim, signal.SIGTERM)
+            os.kill(survivor, signal.SIGTERM)
+        else:
+            os.kill(victim, signal.SIGKILL)
+            if how == "kill_rank1_then_sigterm_rank0":
+                os.kill(survivor, signal.SIGTERM)
         _, stderr = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             proc.kill()
     (run,) = mlflow_runs(results)
+    if how == "sigterm_both":
+        assert run.info.status == "KILLED" and run.data.tags["error"] == "interrupted by SIGTERM", stderr[-3000:]
+        return
     assert run.info.status == "FAILED", stderr[-3000:]
     assert f"rank 1 (pid {victim}" in run.data.tags["error"] and "died" in run.data.tags["error"]
     assert run.info.end_time is not None
