@@ -234,6 +234,7 @@ def run_benchmark(
     return result
 
 
+@deferred_interrupts()  # signals wait until the run folder and the store tell one story
 def _finish(
     result: BenchmarkResult,
     tracker: Tracker | None,
@@ -246,26 +247,8 @@ def _finish(
     *,
     runner: RunnerConfig,
 ) -> None:
-    """Compute metrics from whatever was measured, write them locally, close the MLflow run.
-
-    Signals wait until this is done (the run folder and the store tell one story); the MLflow run
-    is closed before its artifacts are uploaded, the slow part."""
-    with deferred_interrupts():
-        _close(result, tracker, repetitions, unfinished, peak, status, reason, derived, runner=runner)
-
-
-def _close(
-    result: BenchmarkResult,
-    tracker: Tracker | None,
-    repetitions: list[list[RepetitionState]],
-    unfinished: list[RepetitionState],
-    peak: PeakFlops | None,
-    status: str,
-    reason: str | None,
-    derived: Callable[[dict[str, float]], dict[str, float]] | None,
-    *,
-    runner: RunnerConfig,
-) -> None:
+    """Compute metrics from whatever was measured, write them locally, close the MLflow run (before
+    its artifacts are uploaded, the slow part)."""
     result.status, result.error = status, reason
     measured = repetitions + ([unfinished] if unfinished and unfinished[0].step_times_s else [])
     if measured:
