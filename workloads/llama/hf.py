@@ -1,7 +1,12 @@
 """Load Hugging Face Llama configs and weights into :mod:`workloads.llama.model`.
 
-HF stores q/k projections already permuted for the rotate-half RoPE our model uses, so every
-tensor copies over unchanged; only the names differ.
+Llama 3 (``LlamaForCausalLM``): HF stores q/k projections already permuted for the rotate-half
+RoPE our model uses, so every tensor copies over unchanged; only the names differ.
+
+Llama 4 text (``Llama4ForCausalLM``): HF rotates *interleaved* channel pairs ``(2i, 2i+1)``, our
+model rotate-half pairs ``(i, i + head_dim/2)``; the q/k rows of RoPE layers are permuted on load
+so both compute the same scores (QK norm and attention are invariant to a permutation shared by q
+and k). Expert weights keep HF's layout (``gate_up_proj [E, D, 2F]``, ``down_proj [E, F, D]``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,17 @@ _LAYER_NAMES = {
     "input_layernorm.weight": "attention_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
 }
+_LLAMA4_LAYER_NAMES = {
+    **{k: v for k, v in _LAYER_NAMES.items() if not k.startswith("mlp.")},
+    "feed_forward.gate_proj.weight": "feed_forward.w1.weight",  # dense (non-MoE) layers
+    "feed_forward.up_proj.weight": "feed_forward.w3.weight",
+    "feed_forward.down_proj.weight": "feed_forward.w2.weight",
+    **{name: name for name in (
+        "feed_forward.router.weight", "feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj",
+        "feed_forward.shared_expert.gate_proj.weight", "feed_forward.shared_expert.up_proj.weight",
+        "feed_forward.shared_expert.down_proj.weight",
+    )},
+}
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
     "model.norm.weight": "norm.weight",
@@ -37,13 +53,17 @@ _GLOBAL_NAMES = {
 
 
 def from_hf_config(hf_config: Any) -> ModelArgs:
-    """Translate a transformers ``LlamaConfig`` (or the dict in a ``config.json``) to ModelArgs.
+    """Translate a transformers ``LlamaConfig`` or ``Llama4TextConfig`` (or the dict in a
+    ``config.json``) to ModelArgs.
 
     Reads RoPE settings from ``rope_parameters`` (transformers 5) or from ``rope_theta`` plus
     ``rope_scaling`` (transformers 4). ``max_seq_len`` becomes ``max_position_embeddings``; use
     ``dataclasses.replace`` to shrink it when the RoPE tables for 128k positions are not needed.
     """
     config = _as_dict(hf_config)
+    if "text_config" in config:
+        raise ValueError("got a multimodal Llama4Config; pass its text part (config.text_config)")
+    is_llama4 = config.get("model_type") == "llama4_text" or "num_local_experts" in config
     for flag in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
         if config.get(flag, False):
             raise ValueError(
@@ -68,13 +88,47 @@ def from_hf_config(hf_config: Any) -> ModelArgs:
         n_heads=n_heads,
         n_kv_heads=config.get("num_key_value_heads") or n_heads,
         vocab_size=config["vocab_size"],
-        ffn_hidden_dim=config["intermediate_size"],
+        ffn_hidden_dim=config["intermediate_size_mlp" if is_llama4 else "intermediate_size"],
         norm_eps=config.get("rms_norm_eps", 1e-6),
         max_seq_len=max_positions,
         **_rope_args(config, max_positions),
+        **(_llama4_args(config) if is_llama4 else {}),
     )
     args.validate()
     return args
+
+
+def _llama4_args(config: Mapping[str, Any]) -> dict[str, Any]:
+    """Llama 4's attention and MoE settings. HF allows arbitrary per-layer lists; this model
+    derives them from two intervals, so lists that no interval produces are rejected."""
+    n_layers = config["num_hidden_layers"]
+    if config.get("router_jitter_noise", 0.0):
+        raise ValueError("HF config router_jitter_noise != 0 is not implemented; set it to 0.0")
+    step = config.get("interleave_moe_layer_step", 1)
+    moe_layers = config.get("moe_layers")
+    if moe_layers is not None and list(moe_layers) != list(range(step - 1, n_layers, step)):
+        raise ValueError(f"HF config moe_layers={moe_layers} is not every {step}-th layer; only "
+                         "interleave_moe_layer_step spacing is supported")
+    interval = config.get("no_rope_layer_interval", 4)
+    no_rope_layers = config.get("no_rope_layers")  # 1 = RoPE layer, 0 = NoPE layer (HF's naming)
+    derived = [int((i + 1) % interval != 0) for i in range(n_layers)]
+    if no_rope_layers and list(no_rope_layers)[:n_layers] != derived:
+        raise ValueError(f"HF config no_rope_layers={no_rope_layers} is not a NoPE layer every "
+                         f"{interval}-th layer; only no_rope_layer_interval spacing is supported")
+    return {
+        "nope_layer_interval": interval,
+        "attention_chunk_size": config.get("attention_chunk_size"),
+        "use_qk_norm": config.get("use_qk_norm", True),
+        "attn_temperature_tuning": config.get("attn_temperature_tuning", True),
+        "attn_floor_scale": config.get("floor_scale", 8192),
+        "attn_scale": config.get("attn_scale", 0.1),
+        "n_routed_experts": config["num_local_experts"],
+        "moe_top_k": config.get("num_experts_per_tok", 1),
+        "interleave_moe_layer_step": step,
+        "moe_hidden_dim": config["intermediate_size"],
+        "shared_expert": True,
+        "router_score_function": "sigmoid",
+    }
 
 
 def _as_dict(hf_config: Any) -> dict[str, Any]:
@@ -111,33 +165,50 @@ def _rope_args(config: Mapping[str, Any], max_positions: int) -> dict[str, Any]:
     }
 
 
-def _our_name(hf_name: str) -> str | None:
+def _our_name(hf_name: str, llama4: bool) -> str | None:
     if hf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf_name]
     match = _LAYER_KEY.fullmatch(hf_name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    names = _LLAMA4_LAYER_NAMES if llama4 else _LAYER_NAMES
+    if match and match.group(2) in names:
+        return f"layers.{match.group(1)}.{names[match.group(2)]}"
     return None
 
 
-def load_hf_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Copy an HF ``LlamaForCausalLM`` state dict into ``model`` in place.
+def interleaved_to_rotate_half(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Reorder each head's output rows of a q/k projection from interleaved RoPE pairs
+    ``(2i, 2i+1)`` to rotate-half pairs ``(i, i + head_dim/2)``."""
+    order = torch.cat([torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)])
+    return weight.unflatten(0, (-1, head_dim))[:, order].flatten(0, 1)
 
-    RoPE ``inv_freq`` buffers are ignored (we recompute them). Anything else that does not line
-    up -- a key missing on either side or a shape that differs -- raises ``ValueError`` listing
-    every problem before any weight is touched, so a model is never left half loaded.
+
+def load_hf_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Copy an HF ``LlamaForCausalLM`` or ``Llama4ForCausalLM`` state dict into ``model`` in place.
+
+    RoPE ``inv_freq`` buffers are ignored (we recompute them); the experts' balancing bias, which
+    HF does not have, is set to zero (HF's routing). Anything else that does not line up -- a key
+    missing on either side or a shape that differs -- raises ``ValueError`` listing every problem
+    before any weight is touched, so a model is never left half loaded.
     """
+    args = model.args
+    llama4 = args.n_routed_experts > 0 or args.nope_layer_interval is not None
     expected = model.state_dict()
-    mapped: dict[str, torch.Tensor] = {}
+    mapped: dict[str, torch.Tensor] = {
+        name: torch.zeros_like(tensor) for name, tensor in expected.items() if name.endswith(".expert_bias")
+    }
     unexpected: list[str] = []
     for hf_name, tensor in state_dict.items():
         if hf_name.endswith("rotary_emb.inv_freq"):
             continue
-        name = _our_name(hf_name)
+        name = _our_name(hf_name, llama4)
         if name is None or name not in expected:
             unexpected.append(hf_name)
-        else:
-            mapped[name] = tensor
+            continue
+        layer = _LAYER_KEY.fullmatch(hf_name)
+        if (llama4 and layer and name.endswith(("attention.wq.weight", "attention.wk.weight"))
+                and args.uses_rope(int(layer.group(1))) and tensor.shape == expected[name].shape):
+            tensor = interleaved_to_rotate_half(tensor, args.head_dim)
+        mapped[name] = tensor
 
     missing = sorted(set(expected) - set(mapped))
     mismatched = [
@@ -162,4 +233,4 @@ def load_hf_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor])
     model.load_state_dict(mapped, strict=True)
 
 
-__all__ = ["SUPPORTED_ROPE_TYPES", "from_hf_config", "load_hf_state_dict"]
+__all__ = ["SUPPORTED_ROPE_TYPES", "from_hf_config", "interleaved_to_rotate_half", "load_hf_state_dict"]

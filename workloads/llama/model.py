@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from workloads.llama.moe import ROUTER_SCORE_FUNCTIONS, MoE
+
 
 @dataclass(kw_only=True)
 class ModelArgs:
@@ -39,6 +41,20 @@ class ModelArgs:
     rope_high_freq_factor: float = 4.0
     rope_original_max_seq_len: int = 8192
     max_seq_len: int = 8192
+    # -- Llama 4 attention (all off: Llama 3) --
+    nope_layer_interval: int | None = None  # every N-th layer is global attention without RoPE
+    attention_chunk_size: int | None = None  # RoPE layers attend only within chunks of this size
+    use_qk_norm: bool = False  # weightless L2 (RMS) norm of q and k after RoPE, on RoPE layers
+    attn_temperature_tuning: bool = False  # NoPE layers: scale q by 1 + attn_scale*log1p(floor((pos+1)/floor))
+    attn_floor_scale: int = 8192
+    attn_scale: float = 0.1
+    # -- Llama 4 mixture of experts (n_routed_experts 0: dense) --
+    n_routed_experts: int = 0
+    moe_top_k: int = 1
+    interleave_moe_layer_step: int = 1  # every N-th layer is MoE (layers N-1, 2N-1, ...)
+    moe_hidden_dim: int | None = None  # each expert's (and the shared expert's) SwiGLU width
+    shared_expert: bool = True
+    router_score_function: str = "sigmoid"  # or "softmax"
 
     @property
     def head_dim(self) -> int:
@@ -58,6 +74,17 @@ class ModelArgs:
         if self.ffn_dim_multiplier is not None:
             hidden = int(self.ffn_dim_multiplier * hidden)
         return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.n_routed_experts > 0 and (layer_id + 1) % self.interleave_moe_layer_step == 0
+
+    def uses_rope(self, layer_id: int) -> bool:
+        """False on Llama 4's interleaved global NoPE layers."""
+        return self.nope_layer_interval is None or (layer_id + 1) % self.nope_layer_interval != 0
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the offending field and what it may be."""
@@ -100,19 +127,51 @@ class ModelArgs:
                 raise ValueError(
                     f"ModelArgs.rope_scale_factor must be >= 1, got {self.rope_scale_factor}"
                 )
-            if not 0 < self.rope_low_freq_factor < self.rope_high_freq_factor:
+            if not 0 < self.rope_low_freq_factor <= self.rope_high_freq_factor:
                 raise ValueError(
-                    "Llama 3 RoPE scaling needs 0 < rope_low_freq_factor < rope_high_freq_factor, "
+                    "Llama 3 RoPE scaling needs 0 < rope_low_freq_factor <= rope_high_freq_factor, "
                     f"got {self.rope_low_freq_factor} and {self.rope_high_freq_factor}"
                 )
+        self._validate_llama4()
+
+    def _validate_llama4(self) -> None:
+        for name in ("nope_layer_interval", "attention_chunk_size", "attn_floor_scale",
+                     "interleave_moe_layer_step", "moe_top_k"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"ModelArgs.{name} must be >= 1, got {value}")
+        if self.n_routed_experts < 0:
+            raise ValueError(f"ModelArgs.n_routed_experts must be >= 0 (0: dense), got {self.n_routed_experts}")
+        if not self.n_routed_experts:
+            return
+        if self.router_score_function not in ROUTER_SCORE_FUNCTIONS:
+            raise ValueError(f"ModelArgs.router_score_function must be one of {ROUTER_SCORE_FUNCTIONS}, "
+                             f"got {self.router_score_function!r}")
+        if self.moe_top_k > self.n_routed_experts:
+            raise ValueError(f"ModelArgs.moe_top_k ({self.moe_top_k}) exceeds n_routed_experts "
+                             f"({self.n_routed_experts}): a token cannot pick more experts than exist")
+        if self.moe_hidden_dim is None or self.moe_hidden_dim < 1:
+            raise ValueError(f"ModelArgs.moe_hidden_dim must be a positive integer for an MoE model, "
+                             f"got {self.moe_hidden_dim}")
+        # grouped_mm wants every row stride a multiple of 16 bytes (8 bf16 elements)
+        for name in ("dim", "moe_hidden_dim"):
+            if getattr(self, name) % 8:
+                raise ValueError(f"ModelArgs.{name} ({getattr(self, name)}) must be a multiple of 8 in an MoE "
+                                 "model: the grouped expert GEMM needs 16-byte aligned rows")
 
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-# "tiny" is a CPU smoke-test size; the rest are Llama 3.1's published shapes (Meta's
+# "tiny" is a CPU smoke-test size; the llama3_* are Llama 3.1's published shapes (Meta's
 # params.json). All keep the scaled-RoPE defaults above, as Llama 3.1 does.
+_LLAMA4_ATTENTION = dict(nope_layer_interval=4, attention_chunk_size=8192, use_qk_norm=True,
+                         attn_temperature_tuning=True, attn_floor_scale=8192, attn_scale=0.1)
+_LLAMA4_TRUNK = dict(dim=5120, n_layers=48, n_heads=40, n_kv_heads=8, vocab_size=202048,
+                     ffn_hidden_dim=16384, moe_hidden_dim=8192, moe_top_k=1, rope_theta=500000.0,
+                     rope_scale_factor=16.0, rope_low_freq_factor=1.0, rope_high_freq_factor=1.0,
+                     max_seq_len=131072)
 PRESETS: dict[str, ModelArgs] = {
     "tiny": ModelArgs(
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=512, multiple_of=32,
@@ -130,6 +189,19 @@ PRESETS: dict[str, ModelArgs] = {
         dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
         ffn_dim_multiplier=1.2, multiple_of=4096, rope_theta=500000.0,
     ),
+    # Llama 4 on CPU: every feature on at a size a CPU trains in seconds. With seq_len 64 the
+    # RoPE layers (0-2) attend in chunks of 32; layer 3 is global NoPE with temperature tuning
+    # active (floor 16, not 8192); layers 1 and 3 are MoE (8 experts, top-1 + shared).
+    "tiny_moe": ModelArgs(
+        dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=512, ffn_hidden_dim=128,
+        max_seq_len=256, **{**_LLAMA4_ATTENTION, "attention_chunk_size": 32, "attn_floor_scale": 16},
+        n_routed_experts=8, moe_top_k=1, interleave_moe_layer_step=2, moe_hidden_dim=64,
+    ),
+    # transformers' Llama4TextConfig defaults (Scout: 16 experts top-1 + shared, MoE every layer)
+    "llama4_scout": ModelArgs(**_LLAMA4_TRUNK, **_LLAMA4_ATTENTION, n_routed_experts=16),
+    # ... with 128 experts on every 2nd layer (Maverick); its checkpoint has no QK norm
+    "llama4_maverick": ModelArgs(**_LLAMA4_TRUNK, **{**_LLAMA4_ATTENTION, "use_qk_norm": False},
+                                 n_routed_experts=128, interleave_moe_layer_step=2),
 }  # fmt: skip
 
 
@@ -169,7 +241,8 @@ def rope_inverse_frequencies(args: ModelArgs, device: torch.device | None = None
     low, high = args.rope_low_freq_factor, args.rope_high_freq_factor
     original = args.rope_original_max_seq_len
     wavelength = 2 * math.pi / inv_freq
-    smooth = (original / wavelength - low) / (high - low)
+    # low == high (Llama 4 Scout's setting) leaves no band to blend
+    smooth = (original / wavelength - low) / (high - low) if high > low else torch.zeros_like(inv_freq)
     blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     scaled = torch.where(wavelength > original / low, inv_freq / factor, blended)
     return torch.where(wavelength < original / high, inv_freq, scaled)
@@ -204,15 +277,27 @@ def apply_rope(x_bhse: torch.Tensor, cos_se: torch.Tensor, sin_se: torch.Tensor)
 
 class Attention(nn.Module):
     """Causal grouped-query self-attention: ``n_kv_heads`` key/value heads, each shared by
-    ``n_heads / n_kv_heads`` query heads, which shrinks the KV projections and cache."""
+    ``n_heads / n_kv_heads`` query heads, which shrinks the KV projections and cache.
 
-    def __init__(self, args: ModelArgs) -> None:
+    Llama 4 adds, per layer: RoPE layers may attend only within chunks of
+    ``attention_chunk_size`` tokens (local attention) and may L2-normalise q and k after RoPE;
+    the interleaved NoPE layers attend globally without positions and, with temperature tuning,
+    sharpen queries at long positions by ``1 + attn_scale * log1p(floor((pos + 1) / floor_scale))``
+    (the identity below ``floor_scale - 1`` positions).
+    """
+
+    def __init__(self, args: ModelArgs, layer_id: int = 0) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
         self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        self.use_rope = args.uses_rope(layer_id)
+        self.chunk_size = args.attention_chunk_size if self.use_rope else None
+        self.qk_norm_eps = args.norm_eps if (args.use_qk_norm and self.use_rope) else None
+        self.temperature = ((args.attn_floor_scale, args.attn_scale)
+                            if (args.attn_temperature_tuning and not self.use_rope) else None)
 
     def forward(
         self, x_bsd: torch.Tensor, cos_se: torch.Tensor, sin_se: torch.Tensor
@@ -221,10 +306,18 @@ class Attention(nn.Module):
         q_bhse = self.wq(x_bsd).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
         k_bgse = self.wk(x_bsd).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v_bgse = self.wv(x_bsd).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q_bhse, k_bgse = apply_rope(q_bhse, cos_se, sin_se), apply_rope(k_bgse, cos_se, sin_se)
-        out_bhse = F.scaled_dot_product_attention(
-            q_bhse, k_bgse, v_bgse, is_causal=True, enable_gqa=True
-        )
+        if self.use_rope:
+            q_bhse, k_bgse = apply_rope(q_bhse, cos_se, sin_se), apply_rope(k_bgse, cos_se, sin_se)
+        if self.qk_norm_eps is not None:
+            q_bhse, k_bgse = l2_norm(q_bhse, self.qk_norm_eps), l2_norm(k_bgse, self.qk_norm_eps)
+        if self.temperature is not None:
+            q_bhse = q_bhse * attention_temperature(s, *self.temperature, x_bsd.device)[:, None].to(q_bhse.dtype)
+        if self.chunk_size is not None and s > self.chunk_size:
+            out_bhse = chunked_causal_attention(q_bhse, k_bgse, v_bgse, self.chunk_size)
+        else:
+            out_bhse = F.scaled_dot_product_attention(
+                q_bhse, k_bgse, v_bgse, is_causal=True, enable_gqa=True
+            )
         return self.wo(out_bhse.transpose(1, 2).reshape(b, s, -1))
 
     def init_weights(
@@ -233,6 +326,42 @@ class Attention(nn.Module):
         for linear in (self.wq, self.wk, self.wv):
             _trunc_normal(linear.weight, init_std, generator)
         _trunc_normal(self.wo.weight, out_std, generator)
+
+
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Weightless RMS normalisation of the last dim, in float32 (Llama 4's QK norm)."""
+    x_fp32 = x.float()
+    return (x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
+def attention_temperature(seq_len: int, floor_scale: int, attn_scale: float,
+                          device: torch.device | None = None) -> torch.Tensor:
+    """Per-position query scale of Llama 4's NoPE layers, shape ``(seq_len,)``."""
+    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    return torch.log1p(torch.floor((positions + 1.0) / floor_scale)) * attn_scale + 1.0
+
+
+def chunked_causal_attention(q_bhse: torch.Tensor, k_bgse: torch.Tensor, v_bgse: torch.Tensor,
+                             chunk: int) -> torch.Tensor:
+    """Causal attention where a token sees only earlier tokens of its own ``chunk``-long block.
+
+    The blocks become a batch dimension of one causal SDPA call, so the work is
+    ``seq * chunk`` rather than ``seq^2``. A ragged tail is padded to a whole block: padding sits
+    after every real token of its block, so causality keeps it out of their results.
+    """
+    b, h, s, e = q_bhse.shape
+    pad = -s % chunk
+    if pad:
+        q_bhse, k_bgse, v_bgse = (F.pad(t, (0, 0, 0, pad)) for t in (q_bhse, k_bgse, v_bgse))
+    n = (s + pad) // chunk
+
+    def blocks(t: torch.Tensor) -> torch.Tensor:  # (b, heads, n*c, e) -> (b, n, heads, c, e)
+        return t.unflatten(2, (n, chunk)).transpose(1, 2)
+
+    out_bnhce = F.scaled_dot_product_attention(
+        blocks(q_bhse), blocks(k_bgse), blocks(v_bgse), is_causal=True, enable_gqa=True
+    )
+    return out_bnhce.transpose(1, 2).flatten(2, 3)[:, :, :s]
 
 
 class FeedForward(nn.Module):
@@ -256,14 +385,20 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm residual block: ``h = x + attn(norm(x))``, ``out = h + ffn(norm(h))``."""
+    """Pre-norm residual block: ``h = x + attn(norm(x))``, ``out = h + ffn(norm(h))``; the
+    feed-forward is a mixture of experts on Llama 4's MoE layers."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer_id: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = Attention(args, layer_id)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.hidden_dim)
+        self.feed_forward: nn.Module
+        if args.is_moe_layer(layer_id):
+            self.feed_forward = MoE(args.dim, args.moe_hidden_dim, args.n_routed_experts, args.moe_top_k,
+                                    args.router_score_function, args.shared_expert)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.hidden_dim)
 
     def forward(
         self, x_bsd: torch.Tensor, cos_se: torch.Tensor, sin_se: torch.Tensor
@@ -288,7 +423,7 @@ class Transformer(nn.Module):
         args.validate()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Non-persistent: derived from args, so checkpoints stay free of them. Under a meta
@@ -353,37 +488,65 @@ def build_model(args: ModelArgs, device: torch.device | str, seed: int) -> Trans
 
 
 def count_params(model_or_args: Transformer | ModelArgs, include_embedding: bool = True) -> int:
-    """Parameter count. From ``ModelArgs`` it is analytic (no module needed); from a model it sums
-    the real tensors (meta tensors count too). ``include_embedding=False`` drops only the token
-    embedding table, which is a lookup and costs no FLOPs; the output head stays in."""
+    """Parameter count (every expert included). From ``ModelArgs`` it is analytic (no module
+    needed); from a model it sums the real tensors (meta tensors count too).
+    ``include_embedding=False`` drops only the token embedding table, which is a lookup and costs
+    no FLOPs; the output head stays in."""
     if isinstance(model_or_args, nn.Module):
         total = sum(p.numel() for p in model_or_args.parameters())
         if not include_embedding:
             total -= model_or_args.tok_embeddings.weight.numel()
         return total
+    return _count(model_or_args, include_embedding, routed_share=1.0)
 
-    args = model_or_args
+
+def count_active_params(args: ModelArgs, include_embedding: bool = True) -> int:
+    """Parameters one token passes through: attention, dense layers, routers, shared experts and
+    ``top_k / n_routed_experts`` of the routed experts (all of them for a dense model)."""
+    share = args.moe_top_k / args.n_routed_experts if args.n_routed_experts else 1.0
+    return _count(args, include_embedding, routed_share=share)
+
+
+def _count(args: ModelArgs, include_embedding: bool, routed_share: float) -> int:
     q_width, kv_width = args.n_heads * args.head_dim, args.kv_heads * args.head_dim
     attention = args.dim * q_width + 2 * args.dim * kv_width + q_width * args.dim
-    feed_forward = 3 * args.dim * args.hidden_dim
     norms = 2 * args.dim
-    per_layer = attention + feed_forward + norms
+    dense_ffn = 3 * args.dim * args.hidden_dim
+    total = 0.0
+    for layer_id in range(args.n_layers):
+        total += attention + norms
+        if args.is_moe_layer(layer_id):
+            expert = 3 * args.dim * args.moe_hidden_dim
+            total += args.dim * args.n_routed_experts  # router
+            total += expert if args.shared_expert else 0
+            total += routed_share * args.n_routed_experts * expert
+        else:
+            total += dense_ffn
     embedding = args.vocab_size * args.dim
     head = args.dim * args.vocab_size + args.dim  # output projection plus the final norm
-    return args.n_layers * per_layer + head + (embedding if include_embedding else 0)
+    return round(total + head + (embedding if include_embedding else 0))
 
 
 def training_flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """Model FLOPs for one trained token (forward plus backward), the usual MFU convention.
 
-    ``6 * N`` for the weights (2 forward, 4 backward per parameter per token; ``N`` excludes
-    the embedding table but includes the output head) plus ``12 * n_layers * n_heads * head_dim
-    * seq_len`` for the two attention matmuls (scores and weighted values). Attention is counted
-    in full, as if not causal, matching PaLM's appendix and most published MFU numbers; a
-    causal kernel does about half of that work.
+    ``6 * N_active`` for the weights (2 forward, 4 backward per parameter per token), where
+    ``N_active`` (:func:`count_active_params`, embedding table excluded, output head included)
+    is attention + dense feed-forwards + routers + shared experts + ``top_k / n_routed_experts``
+    of the routed experts -- for a dense model simply every parameter. Plus, per layer,
+    ``12 * n_heads * head_dim * span`` for the two attention matmuls (scores and weighted
+    values), where ``span`` is ``seq_len``, or ``min(seq_len, attention_chunk_size)`` on chunked
+    (local) RoPE layers. Attention is counted in full, as if not causal, matching PaLM's
+    appendix and most published MFU numbers; a causal kernel does about half of that work.
+    Routing's own work (top-k, sort, gather/scatter) is not counted: it is not model FLOPs.
     """
-    weights = 6 * count_params(args, include_embedding=False)
-    attention = 6 * args.n_layers * args.n_heads * args.head_dim * 2 * seq_len
+    weights = 6 * count_active_params(args, include_embedding=False)
+    attention = 0
+    for layer_id in range(args.n_layers):
+        span = seq_len
+        if args.attention_chunk_size is not None and args.uses_rope(layer_id):
+            span = min(seq_len, args.attention_chunk_size)
+        attention += 6 * args.n_heads * args.head_dim * 2 * span
     return float(weights + attention)
 
 
@@ -392,6 +555,7 @@ __all__ = [
     "ModelArgs",
     "Transformer",
     "build_model",
+    "count_active_params",
     "count_params",
     "training_flops_per_token",
 ]

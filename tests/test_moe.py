@@ -1,0 +1,183 @@
+"""Llama 4-style MoE in the llama workload: routing, grouped experts, Llama 4 attention, HF parity,
+presets, load balancing and expert parallelism."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from workloads.llama import PRESETS, Transformer, from_hf_config, load_hf_state_dict
+from workloads.llama.model import (
+    ModelArgs,
+    build_model,
+    chunked_causal_attention,
+    count_active_params,
+    count_params,
+)
+from workloads.llama.moe import GroupedExperts, MoE, update_expert_bias
+
+# Every Llama 4 feature at once, small: NoPE every 2nd layer, MoE every 2nd layer (top-2 of 4, so
+# the sum over a token's experts is exercised), a 16-token attention chunk (sequences of 40 cross
+# two chunk boundaries), temperature tuning from position 7 on (floor 8), QK norm, Llama 3 RoPE.
+HF_LLAMA4 = {
+    "vocab_size": 128, "hidden_size": 64, "intermediate_size": 32, "intermediate_size_mlp": 96,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+    "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "num_local_experts": 4, "num_experts_per_tok": 2,
+    "interleave_moe_layer_step": 2, "no_rope_layer_interval": 2, "attention_chunk_size": 16,
+    "floor_scale": 8, "attn_scale": 0.1, "attn_temperature_tuning": True, "use_qk_norm": True,
+    "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+}  # fmt: skip
+
+
+def _hf_llama4(**overrides):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Llama4TextConfig(**{**HF_LLAMA4, **overrides})
+    hf = transformers.Llama4ForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in hf.parameters():
+            if param.ndim == 1:  # norm gains start at 1, which would hide swapped norms
+                param.uniform_(0.5, 1.5)
+            elif param.ndim == 3:  # experts start at zero in HF: give them something to compute
+                param.normal_(0.0, 0.1)
+    return hf
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "sdpa"])
+def test_logits_match_transformers_llama4_beyond_the_attention_chunk(attn_implementation):
+    hf = _hf_llama4(attn_implementation=attn_implementation)
+    args = from_hf_config(hf.config)
+    assert (args.n_routed_experts, args.moe_top_k, args.n_moe_layers) == (4, 2, 2)
+    assert [args.uses_rope(i) for i in range(4)] == [True, False, True, False]
+    model = Transformer(args).eval()
+    load_hf_state_dict(model, hf.state_dict())
+
+    tokens_bs = torch.randint(0, HF_LLAMA4["vocab_size"], (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = hf(tokens_bs).logits
+        actual = model(tokens_bs)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_hf_score_on_the_expert_input_is_what_parity_needs():
+    """Scaling the expert *output* by the gate instead (a common MoE convention) is not Llama 4:
+    parity catches it, so the test above checks the routing convention, not only shapes."""
+    hf = _hf_llama4()
+    model = Transformer(from_hf_config(hf.config)).eval()
+    load_hf_state_dict(model, hf.state_dict())
+    moe = model.layers[1].feed_forward
+    x_td = torch.randn(12, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, _ = hf.model.layers[1].feed_forward(x_td)
+        torch.testing.assert_close(moe(x_td[None])[0], expected, atol=1e-5, rtol=1e-5)
+        experts_tk, gates_tk, _ = moe.route(x_td)
+        on_output = moe.shared_expert(x_td)
+        for slot in range(moe.top_k):
+            for token in range(x_td.shape[0]):
+                e = int(experts_tk[token, slot])
+                one = x_td[token : token + 1]
+                out = moe.experts(one, F.one_hot(torch.tensor(e), 4)) * gates_tk[token, slot]
+                on_output[token] += out[0]
+    assert (on_output - expected).abs().max() > 1e-3
+
+
+def test_from_hf_config_rejects_llama4_layouts_it_cannot_represent():
+    with pytest.raises(ValueError, match="moe_layers"):
+        from_hf_config({**HF_LLAMA4, "moe_layers": [0, 3]})
+    with pytest.raises(ValueError, match="no_rope_layers"):
+        from_hf_config({**HF_LLAMA4, "no_rope_layers": [1, 1, 1, 0]})
+    with pytest.raises(ValueError, match="text_config"):
+        from_hf_config({"text_config": HF_LLAMA4})
+    with pytest.raises(ValueError, match="router_jitter_noise"):
+        from_hf_config({**HF_LLAMA4, "router_jitter_noise": 0.1})
+
+
+def test_grouped_experts_equal_a_loop_over_experts_forward_and_backward():
+    experts = GroupedExperts(n_experts=4, dim=16, hidden_dim=8)
+    generator = torch.Generator().manual_seed(0)
+    experts.init_weights(0.5, 0.5, generator)
+    tokens_per_expert = torch.tensor([3, 0, 6, 1])  # an idle expert is fine
+    x_nd = torch.randn(10, 16, generator=generator, requires_grad=True)
+    # sum() sends back a stride-0 gradient, which grouped_mm's backward rejects unless made contiguous
+    experts(x_nd, tokens_per_expert).sum().backward()
+    grads = (x_nd.grad, experts.gate_up_proj.grad, experts.down_proj.grad)
+
+    x_ref = x_nd.detach().clone().requires_grad_()
+    gate_up = experts.gate_up_proj.detach().clone().requires_grad_()
+    down = experts.down_proj.detach().clone().requires_grad_()
+    outs = []
+    for e, x_md in enumerate(x_ref.split(tokens_per_expert.tolist())):
+        gate, up = (x_md @ gate_up[e]).chunk(2, dim=-1)
+        outs.append((F.silu(gate) * up) @ down[e])
+    torch.cat(outs).sum().backward()
+    for actual, expected in zip(grads, (x_ref.grad, gate_up.grad, down.grad), strict=True):
+        torch.testing.assert_close(actual, expected)
+    assert torch.count_nonzero(experts.gate_up_proj.grad[1]) == 0
+
+
+def test_chunked_attention_equals_sdpa_with_the_chunked_causal_mask():
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 37, 8, generator=generator) for heads in (4, 2, 2))
+    positions = torch.arange(37)
+    mask = (positions[:, None] >= positions) & (positions[:, None] // 10 == positions // 10)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(chunked_causal_attention(q, k, v, 10), expected)
+
+
+def test_moe_training_counts_every_routed_token_and_drops_none():
+    args = PRESETS["tiny_moe"]
+    model = build_model(args, "cpu", seed=0).train()
+    tokens_bs = torch.randint(0, args.vocab_size, (3, 64), generator=torch.Generator().manual_seed(0))
+    model(tokens_bs).sum().backward()
+    loads = update_expert_bias(model, coeff=0.0)
+    assert len(loads) == args.n_moe_layers == 2
+    assert all(int(load.sum()) == 3 * 64 * args.moe_top_k for load in loads)  # dropless
+    assert all(layer.feed_forward.experts.gate_up_proj.grad is not None
+               for layer in model.layers if isinstance(layer.feed_forward, MoE))
+
+
+@pytest.mark.parametrize(("preset", "total", "active"),
+                         [("llama4_scout", 107.8e9, 17.17e9), ("llama4_maverick", 400.7e9, 17.18e9)])
+def test_llama4_presets_have_transformers_sizes_and_build_on_meta(preset, total, active):
+    args = PRESETS[preset]
+    assert count_params(args) == pytest.approx(total, rel=1e-3)
+    assert count_active_params(args) == pytest.approx(active, rel=1e-3)
+    with torch.device("meta"):
+        model = Transformer(args)
+    assert count_params(model) == count_params(args)
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_active_params_of_a_dense_model_are_all_params():
+    assert count_active_params(PRESETS["tiny"]) == count_params(PRESETS["tiny"])
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ({"moe_top_k": 9}, r"moe_top_k \(9\) exceeds n_routed_experts \(8\)"),
+    ({"moe_hidden_dim": 60}, r"moe_hidden_dim \(60\) must be a multiple of 8"),
+    ({"router_score_function": "relu"}, "router_score_function"),
+    ({"attention_chunk_size": 0}, "attention_chunk_size must be >= 1"),
+])  # fmt: skip
+def test_validate_rejects_bad_moe_settings(override, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(PRESETS["tiny_moe"], **override).validate()
+
+
+def test_softmax_router_gates_sum_to_at_most_one():
+    args = dataclasses.replace(PRESETS["tiny_moe"], router_score_function="softmax", moe_top_k=2)
+    model = build_model(args, "cpu", seed=0)
+    moe = model.layers[1].feed_forward
+    _, gates_tk, scores_tx = moe.route(torch.randn(5, args.dim))
+    torch.testing.assert_close(scores_tx.sum(-1), torch.ones(5))
+    assert bool((gates_tk.sum(-1) <= 1 + 1e-6).all())
+
+
+def test_tiny_moe_model_args_are_llama4_shaped():
+    args: ModelArgs = PRESETS["tiny_moe"]
+    assert [args.uses_rope(i) for i in range(4)] == [True, True, True, False]
+    assert [args.is_moe_layer(i) for i in range(4)] == [False, True, False, True]

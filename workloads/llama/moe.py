@@ -1,0 +1,197 @@
+"""Llama 4's mixture-of-experts feed-forward: a router, grouped routed experts and a shared expert.
+
+Shape suffixes as in :mod:`workloads.llama.model`, plus ``t`` tokens (batch x sequence flattened),
+``k`` experts per token, ``n`` routed token copies (``t * k``), ``x`` experts, ``f`` an expert's
+hidden dim.
+
+Routing is token-choice and dropless: every token goes to its ``top_k`` experts, however uneven the
+load, so no token is ever dropped (``tokens_dropped`` is 0 by construction). The routed copies are
+sorted by expert so each expert's tokens are one contiguous slice, and the experts run as one
+grouped GEMM (``torch.nn.functional.grouped_mm``) over those slices: the work is proportional to
+the tokens routed, not to ``tokens x experts`` as in transformers' dense ``Llama4TextMoe``.
+
+Load balancing follows DeepSeek-V3's auxiliary-loss-free scheme (as torchtitan does): a per-expert
+bias is added to the scores for *selection only*; between optimiser steps
+:func:`update_expert_bias` nudges it by ``coeff * sign(mean_load - load)`` and re-centres it, so
+overloaded experts become less likely to be picked. The gate values that scale the tokens always
+come from the raw scores. An optional switch-style auxiliary loss is available too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROUTER_SCORE_FUNCTIONS = ("sigmoid", "softmax")
+
+
+class GroupedExperts(nn.Module):
+    """``n_experts`` SwiGLU experts stored as stacked weights in transformers' layout:
+    ``gate_up_proj [x, d, 2f]`` (gate columns first, then up) and ``down_proj [x, f, d]``."""
+
+    def __init__(self, n_experts: int, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, dim, 2 * hidden_dim))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+
+    def forward(self, x_nd: torch.Tensor, tokens_per_expert_x: torch.Tensor) -> torch.Tensor:
+        """``x_nd`` holds each expert's tokens as consecutive slices of the given sizes."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if torch.is_autocast_enabled(x_nd.device.type):  # grouped_mm has no autocast rule
+            dtype = torch.get_autocast_dtype(x_nd.device.type)
+            x_nd, gate_up, down = x_nd.to(dtype), gate_up.to(dtype), down.to(dtype)
+        offsets_x = tokens_per_expert_x.cumsum(0).to(torch.int32)
+        gate_nf, up_nf = F.grouped_mm(x_nd, gate_up, offs=offsets_x).chunk(2, dim=-1)
+        out_nd = F.grouped_mm(F.silu(gate_nf) * up_nf, down, offs=offsets_x)
+        if out_nd.requires_grad:
+            # grouped_mm's backward rejects a stride-0 gradient (what `out.sum()` sends back)
+            out_nd.register_hook(torch.Tensor.contiguous)
+        return out_nd
+
+    def init_weights(self, init_std: float, out_std: float, generator: torch.Generator | None) -> None:
+        _trunc_normal(self.gate_up_proj, init_std, generator)
+        _trunc_normal(self.down_proj, out_std, generator)
+
+
+class SharedExpert(nn.Module):
+    """The dense SwiGLU expert every token also passes through (transformers' names)."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x_td: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x_td)) * self.up_proj(x_td))
+
+    def init_weights(self, init_std: float, out_std: float, generator: torch.Generator | None) -> None:
+        _trunc_normal(self.gate_proj.weight, init_std, generator)
+        _trunc_normal(self.up_proj.weight, init_std, generator)
+        _trunc_normal(self.down_proj.weight, out_std, generator)
+
+
+class MoE(nn.Module):
+    """Router + grouped routed experts + shared expert: ``shared(x) + sum_k expert_k(g_k * x)``.
+
+    As in Llama 4 (and transformers' ``Llama4TextMoe``) the gate value ``g_k`` scales the token
+    *before* its expert, not the expert's output. ``tokens_per_expert`` counts, while training,
+    the routed copies each expert received since the last :func:`update_expert_bias`; it feeds
+    the bias update and the load metrics.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, n_experts: int, top_k: int,
+                 score_function: str = "sigmoid", shared_expert: bool = True) -> None:
+        super().__init__()
+        if score_function not in ROUTER_SCORE_FUNCTIONS:
+            raise ValueError(f"router score function {score_function!r}; allowed: {ROUTER_SCORE_FUNCTIONS}")
+        self.n_experts, self.top_k, self.score_function = n_experts, top_k, score_function
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.experts = GroupedExperts(n_experts, dim, hidden_dim)
+        self.shared_expert = SharedExpert(dim, hidden_dim) if shared_expert else None
+        self.register_buffer("expert_bias", torch.zeros(n_experts, dtype=torch.float32))
+        self.register_buffer("tokens_per_expert", torch.zeros(n_experts, dtype=torch.float32), persistent=False)
+        self.aux_loss: torch.Tensor | None = None  # set by forward when training; see aux_loss_weight
+        self.aux_loss_weight = 0.0
+        self.dispatcher: ExpertDispatcher = LocalDispatcher()
+
+    def route(self, x_td: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Top-k experts per token, their gate values, and the float32 scores of every expert."""
+        scores_tx = self.router(x_td).float()
+        scores_tx = scores_tx.sigmoid() if self.score_function == "sigmoid" else scores_tx.softmax(dim=-1)
+        _, experts_tk = torch.topk(scores_tx + self.expert_bias, self.top_k, dim=-1)
+        return experts_tk, scores_tx.gather(-1, experts_tk), scores_tx
+
+    def forward(self, x_bsd: torch.Tensor) -> torch.Tensor:
+        x_td = x_bsd.reshape(-1, x_bsd.shape[-1])
+        experts_tk, gates_tk, scores_tx = self.route(x_td)
+        # sort the t*k routed copies by expert: each expert's tokens become one slice
+        experts_n = experts_tk.flatten()
+        order_n = torch.argsort(experts_n, stable=True)
+        tokens_n = order_n // self.top_k
+        tokens_per_expert_x = torch.bincount(experts_n, minlength=self.n_experts)
+        routed_nd = x_td[tokens_n] * gates_tk.flatten()[order_n, None].to(x_td.dtype)
+        routed_nd = self.dispatcher(routed_nd, tokens_per_expert_x, self.experts)
+
+        out_td = self.shared_expert(x_td) if self.shared_expert is not None else torch.zeros_like(x_td)
+        out_td = out_td.index_add(0, tokens_n, routed_nd.to(out_td.dtype))
+        if self.training:
+            self.tokens_per_expert += tokens_per_expert_x.detach().float()
+            self.aux_loss = self._switch_aux_loss(scores_tx, tokens_per_expert_x) if self.aux_loss_weight else None
+        return out_td.view_as(x_bsd)
+
+    def _switch_aux_loss(self, scores_tx: torch.Tensor, tokens_per_expert_x: torch.Tensor) -> torch.Tensor:
+        """Switch Transformer's balance loss ``E * sum_i f_i * p_i``: ``f_i`` the share of routed
+        copies expert ``i`` received, ``p_i`` its mean normalised score; 1.0 when balanced."""
+        share_x = tokens_per_expert_x.float() / tokens_per_expert_x.sum()
+        probs_x = (scores_tx / scores_tx.sum(dim=-1, keepdim=True)).mean(dim=0)
+        return self.aux_loss_weight * self.n_experts * (share_x * probs_x).sum()
+
+    def init_weights(self, init_std: float, out_std: float, generator: torch.Generator | None) -> None:
+        _trunc_normal(self.router.weight, init_std, generator)
+        self.experts.init_weights(init_std, out_std, generator)
+        if self.shared_expert is not None:
+            self.shared_expert.init_weights(init_std, out_std, generator)
+        self.expert_bias.zero_()
+        self.tokens_per_expert.zero_()
+
+
+class ExpertDispatcher:
+    """Carries the expert-sorted token copies to the experts and back: locally, or over ranks
+    (:class:`workloads.llama.expert_parallel.AllToAllDispatcher`)."""
+
+    def __call__(self, routed_nd: torch.Tensor, tokens_per_expert_x: torch.Tensor,
+                 experts: GroupedExperts) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class LocalDispatcher(ExpertDispatcher):
+    """Every expert lives in this process: run them in place."""
+
+    def __call__(self, routed_nd: torch.Tensor, tokens_per_expert_x: torch.Tensor,
+                 experts: GroupedExperts) -> torch.Tensor:
+        return experts(routed_nd, tokens_per_expert_x)
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """The model's MoE feed-forwards, in layer order."""
+    return [module for module in model.modules() if isinstance(module, MoE)]
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, coeff: float, process_group=None) -> list[torch.Tensor]:
+    """The aux-loss-free balancing step, run between optimiser steps.
+
+    For each MoE layer: the load (routed copies per expert since the last call, summed over the
+    ranks of ``process_group`` so every rank moves its bias alike) is compared with the mean
+    load; ``bias += coeff * sign(mean - load)``, then the bias is re-centred to mean zero (only
+    differences between experts matter to the top-k). Counters reset. Returns each layer's load.
+    With ``coeff == 0`` it only collects and resets the loads.
+    """
+    layers = moe_layers(model)
+    if not layers:
+        return []
+    loads_lx = torch.stack([layer.tokens_per_expert for layer in layers])
+    if process_group is not None:
+        torch.distributed.all_reduce(loads_lx, group=process_group)
+    for layer, load_x in zip(layers, loads_lx, strict=True):
+        if coeff:
+            layer.expert_bias += coeff * torch.sign(load_x.mean() - load_x)
+            layer.expert_bias -= layer.expert_bias.mean()
+        layer.tokens_per_expert.zero_()
+    return list(loads_lx)
+
+
+def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """Sum of the MoE layers' auxiliary losses from the last training forward (None if off)."""
+    losses = [layer.aux_loss for layer in moe_layers(model) if layer.aux_loss is not None]
+    return torch.stack(losses).sum() if losses else None
+
+
+def _trunc_normal(weight: torch.Tensor, std: float, generator: torch.Generator | None) -> None:
+    nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
+
+
+__all__ = ["ROUTER_SCORE_FUNCTIONS", "MoE", "GroupedExperts", "SharedExpert", "ExpertDispatcher",
+           "LocalDispatcher", "moe_layers", "update_expert_bias", "moe_aux_loss"]
