@@ -20,6 +20,16 @@ travel as they are): never silently finite; they are counted (:attr:`ErrorBounde
 
 One width per message: table scales tighten the bound of chosen tables, but the tightest table sets
 the width (the others get the spare precision), so bytes fall only when all bounds loosen.
+
+Table-wise bounds from the data (``table_bounds="spread"``, abs mode, agreed packing): the codec
+measures each column block's spread (the standard deviation of its values in the message: a table's
+pooled embeddings, when the block is the table's dim) and scales that block's absolute bound by it,
+normalised to a geometric mean of 1, so ``eb`` stays the bound of a table of typical spread. A
+uniform absolute bound is needlessly tight on wide tables and the width follows the widest; bounds
+in proportion to each table's spread ask every table for the same relative precision, and the one
+width follows the typical table. Measured at the first message and every ``table_bounds_refresh``
+iterations (the iteration-wise schedule multiplies on top). Each rank measures the tables it sends;
+the receiver reads every block's grid from its header, so nothing else needs to agree.
 """
 
 from __future__ import annotations
@@ -56,6 +66,11 @@ class BoundMode(StrEnum):
 class Packing(StrEnum):
     AGREED = "agreed"
     FIXED = "fixed"
+
+
+class TableBounds(StrEnum):
+    UNIFORM = "uniform"  # eb (times any declared table_scales) for every table
+    SPREAD = "spread"  # eb times each table's measured spread over the geometric mean of all (abs mode)
 
 
 class ScheduleKind(StrEnum):
@@ -112,10 +127,22 @@ class ErrorBoundConfig:
     table_scales: tuple[float, ...] | None = None
     value_range: tuple[float, float] | None = None
     measure_error: bool = False  # also decode every message again and check each element (slow)
+    table_bounds: TableBounds = TableBounds.UNIFORM
+    table_bounds_refresh: int = 50  # iterations between measurements of the tables' spread
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _parse(BoundMode, self.mode, "mode"))
         object.__setattr__(self, "packing", _parse(Packing, self.packing, "packing"))
+        object.__setattr__(self, "table_bounds", _parse(TableBounds, self.table_bounds, "table_bounds"))
+        if self.table_bounds is TableBounds.SPREAD:
+            if self.mode is not BoundMode.ABS or self.packing is not Packing.AGREED:
+                raise ValueError("table_bounds='spread' scales absolute bounds by each table's measured spread: it "
+                                 "needs mode='abs' and packing='agreed' (a rel bound already follows each block's "
+                                 "range; a fixed width cannot follow measured data)")
+            if self.table_scales is not None:
+                raise ValueError("table_bounds='spread' measures the table scales: do not also set table_scales")
+            if self.table_bounds_refresh < 1:
+                raise ValueError(f"table_bounds_refresh must be >= 1, got {self.table_bounds_refresh}")
         if not (math.isfinite(self.eb) and self.eb > 0):
             raise ValueError(f"eb must be a finite number > 0, got {self.eb}")
         if self.mode is BoundMode.REL and self.eb > 0.5:
@@ -241,6 +268,9 @@ class ErrorBoundedCodec(CustomCodec):
         self._best_loss: float | None = None
         self._stalled = 0
         self._scales = torch.tensor(config.table_scales or (1.0,), dtype=torch.float64)
+        self._scales_version = 0  # bumped whenever the scales change: the factor cache follows
+        self._iteration = 0
+        self._measured_at: int | None = None  # table_bounds='spread': iteration of the last measurement
         self._factor_cache: tuple[Any, torch.Tensor, torch.Tensor] | None = None
         self.stats = CompressionStats()
         self.nonfinite_count = 0  # lifetime count of NaN/Inf elements given to encode; never reset
@@ -251,13 +281,17 @@ class ErrorBoundedCodec(CustomCodec):
                             "messages go as raw float32 (lossless)")
 
     def stats_dict(self) -> dict[str, float]:
-        return self.stats.as_dict()
+        values = self.stats.as_dict()
+        if self.config.table_bounds is TableBounds.SPREAD and self._measured_at is not None:
+            values["table_scale_min"], values["table_scale_max"] = (float(v) for v in torch.aminmax(self._scales))
+        return values
 
     # -- the bound in force --
 
     def set_iteration(self, step: int, loss: float | None = None) -> None:
         """Advance the per-iteration schedule, once per training step. Ranks may disagree (e.g. local
         losses): the width is agreed or fixed, and the receiver reads each block's grid from its header."""
+        self._iteration = step
         schedule = self.config.schedule
         if schedule.kind is ScheduleKind.LINEAR_DECAY:
             decayed = 1 - (1 - schedule.min_factor) * min(step / schedule.decay_steps, 1.0)
@@ -272,8 +306,7 @@ class ErrorBoundedCodec(CustomCodec):
 
     def bound_in_force(self, column_block: int = 0) -> float:
         """The bound now for a column block: absolute (abs) or the fraction of the block range (rel)."""
-        scales = self.config.table_scales or (1.0,)
-        return self.config.eb * self._factor * scales[column_block % len(scales)]
+        return self.config.eb * self._factor * float(self._scales[column_block % len(self._scales)])
 
     def set_table_scales(self, table_scales: Sequence[float]) -> None:
         """Replace the per-column-block multipliers (e.g. from fresh table statistics)."""
@@ -282,7 +315,7 @@ class ErrorBoundedCodec(CustomCodec):
             raise ValueError(f"these scales need more than the {self._fixed_bits} bits the codec was built with; "
                              "every rank sizes messages with that width, so it cannot change mid-run")
         self.config, self._scales = config, torch.tensor(config.table_scales, dtype=torch.float64)
-        self._factor_cache = None
+        self._scales_version += 1
 
     def reset_stats(self) -> None:
         self.stats = CompressionStats()
@@ -318,6 +351,8 @@ class ErrorBoundedCodec(CustomCodec):
         start, exchanged = time.perf_counter(), self.stats.exchange_seconds
         x = input_tensor.reshape(self._num_blocks(input_tensor.numel()), self.config.block_size)
         self._check_value_range(x)
+        if self.config.table_bounds is TableBounds.SPREAD:
+            self._measure_spread(input_tensor, ctx)
         factor, factor32 = self._block_factors(x.shape[0], input_tensor, ctx)
         bits = self._message_bits(x, factor, ctx)
         counts = exact_lattice = None
@@ -389,6 +424,24 @@ class ErrorBoundedCodec(CustomCodec):
     def _rel(self) -> bool:
         return self.config.mode is BoundMode.REL
 
+    def _measure_spread(self, input_tensor: torch.Tensor, ctx: ErrorBoundedContext | None) -> None:
+        """table_bounds='spread': every column block's scale from its values' standard deviation in this
+        message over the geometric mean of all (blocks with no spread: 1), at the first message and every
+        ``table_bounds_refresh`` iterations. A message without rows (1-D, no row length) keeps the scales."""
+        due = self._measured_at is None or self._iteration - self._measured_at >= self.config.table_bounds_refresh
+        row_len = input_tensor.shape[1] if input_tensor.ndim == 2 else (ctx.row_len if ctx is not None else None)
+        if not due or not row_len or input_tensor.numel() < 2 * row_len:
+            return
+        columns = input_tensor.reshape(-1, row_len // self.config.block_size, self.config.block_size)
+        spread = columns.transpose(0, 1).reshape(columns.shape[1], -1).double().std(dim=1)
+        positive = torch.isfinite(spread) & (spread > 0)
+        if not bool(positive.any()):
+            return
+        mean = spread[positive].log().mean().exp()
+        self._scales = torch.where(positive, spread / mean, 1.0).cpu()
+        self._scales_version += 1
+        self._measured_at = self._iteration
+
     def _block_factors(self, blocks: int, x: torch.Tensor, ctx: ErrorBoundedContext | None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every block's bound factor, float64 and float32 rounded down: eb · schedule factor · its
@@ -400,7 +453,7 @@ class ErrorBoundedCodec(CustomCodec):
             if row_len != len(self._scales) * self.config.block_size:
                 raise ValueError(f"{len(self._scales)} table scales (column blocks) do not match rows of "
                                  f"{row_len} values")
-        key = (blocks, self._factor, x.device)
+        key = (blocks, self._factor, self._scales_version, x.device)
         if self._factor_cache is None or self._factor_cache[0] != key:
             scales = self._scales.to(x.device)
             factor = self.config.eb * self._factor * scales[torch.arange(blocks, device=x.device) % len(scales)]
@@ -560,6 +613,8 @@ class CodecOptions:
     table_scales: tuple[float, ...] | None = None  # forward only: column blocks of this rank's rows
     value_range: tuple[float, float] | None = None
     measure_error: bool = False  # also decode every message again and check each element (slow)
+    table_bounds: str = TableBounds.UNIFORM.value  # forward only: 'spread' = bounds from each table's spread
+    table_bounds_refresh: int = ErrorBoundConfig.table_bounds_refresh
     backward_mode: str = BoundMode.REL.value
     backward_eb: float = 1e-2
     backward_bits: int | None = None
@@ -581,7 +636,8 @@ class CodecOptions:
         common = {"packing": self.packing, "block_size": self.block_size or ErrorBoundConfig.block_size,
                   "schedule": schedule, "measure_error": self.measure_error}
         forward = ErrorBoundConfig(mode=self.mode, eb=self.eb, bits=self.bits, table_scales=self.table_scales,
-                                   value_range=_pair(self.value_range), **common)
+                                   value_range=_pair(self.value_range), table_bounds=self.table_bounds,
+                                   table_bounds_refresh=self.table_bounds_refresh, **common)
         backward = ErrorBoundConfig(mode=self.backward_mode, eb=self.backward_eb, bits=self.backward_bits,
                                     value_range=_pair(self.backward_value_range), **common)
         return forward, backward
