@@ -9,6 +9,7 @@ the model, not a synthetic data generator.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass, replace
 
 import torch
@@ -19,7 +20,16 @@ from torch import nn
 from workloads.base import MLPerfInfo, QualityTarget, RunContext, StepResult, WorkloadBase, register
 from workloads.base import invalid_config as _invalid
 from workloads.llama.data import MarkovTokenSource
-from workloads.llama.model import PRESETS, ModelArgs, build_model, count_params, training_flops_per_token
+from workloads.llama.expert_parallel import AllToAllMeter, shard_experts
+from workloads.llama.model import (
+    PRESETS,
+    ModelArgs,
+    build_model,
+    count_active_params,
+    count_params,
+    training_flops_per_token,
+)
+from workloads.llama.moe import moe_aux_loss, moe_layers, update_expert_bias
 
 DTYPES = ("auto", "float32", "bfloat16")
 PARALLELISMS = ("auto", "ddp", "fsdp2")
@@ -55,6 +65,12 @@ class LlamaConfig:
     train_batches: int = 64  # size of the training set, in global batches
     eval_batches: int = 4
     eval_loss_target: float | None = None  # None: halfway from ln(vocab) to the entropy rate
+    compile: bool = False  # torch.compile the model (the first steps then include compilation)
+    # -- mixture of experts (MoE presets only) --
+    moe_bias_update_coeff: float = 1e-3  # aux-loss-free balancing: bias step per optimiser step; 0 = off
+    moe_aux_loss_weight: float = 0.0  # Switch-style balance loss added to the training loss; 0 = off
+    router_init_skew: float = 0.0  # in [0, 1): tilt the initial routers towards few experts (balance tests)
+    expert_parallel: bool = True  # with >1 rank: shard the experts over the ranks (all-to-all)
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -71,6 +87,11 @@ class LlamaConfig:
             raise _invalid("lr_warmup_steps", f"got {self.lr_warmup_steps}, must be >= 0")
         if self.dtype not in DTYPES:
             raise _invalid("dtype", f"got {self.dtype!r}, allowed values: {', '.join(DTYPES)}")
+        for key in ("moe_bias_update_coeff", "moe_aux_loss_weight"):
+            if not (math.isfinite(getattr(self, key)) and getattr(self, key) >= 0):
+                raise _invalid(key, f"got {getattr(self, key)}, must be a number >= 0 (0 switches it off)")
+        if not 0 <= self.router_init_skew < 1:
+            raise _invalid("router_init_skew", f"got {self.router_init_skew}, must be in [0, 1)")
         if self.parallelism not in PARALLELISMS:
             raise _invalid("parallelism", f"got {self.parallelism!r}, allowed values: {', '.join(PARALLELISMS)}")
         args = self.model_args()
@@ -107,6 +128,20 @@ class LlamaWorkload(WorkloadBase):
             )
         self.config, self.ctx = config, ctx
         self.args = config.model_args()
+        self.is_moe = self.args.n_routed_experts > 0
+        self.expert_parallel = ctx.distributed and self.is_moe and config.expert_parallel
+        if self.expert_parallel and self.args.n_routed_experts % ctx.world_size:
+            raise _invalid(
+                "expert_parallel",
+                f"{self.args.n_routed_experts} experts cannot be shared evenly by {ctx.world_size} ranks; "
+                f"use a rank count that divides {self.args.n_routed_experts} or set workload.expert_parallel=false",
+            )
+        if self.expert_parallel and config.parallelism == "fsdp2":
+            raise _invalid(
+                "parallelism",
+                "fsdp2 does not combine with expert parallelism here (the dense part runs under DDP); "
+                "use workload.parallelism=ddp (or auto), or workload.expert_parallel=false",
+            )
         use_bf16 = config.dtype == "bfloat16" or (config.dtype == "auto" and ctx.is_accelerator)
         self.compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
         self.parallelism = self._choose_parallelism()
@@ -115,6 +150,8 @@ class LlamaWorkload(WorkloadBase):
     def _choose_parallelism(self) -> str:
         if not self.ctx.distributed:
             return "none"
+        if self.expert_parallel:
+            return "ep+ddp"
         if self.config.parallelism == "auto":
             try:
                 from torch.distributed.fsdp import fully_shard  # noqa: F401
@@ -132,22 +169,41 @@ class LlamaWorkload(WorkloadBase):
         self.train_set = self._make_batches(cfg.train_batches, stream=0)
         self.eval_set = self._make_batches(cfg.eval_batches, stream=1)
         model = build_model(self.args, ctx.device, seed=ctx.seed)
+        if cfg.router_init_skew:
+            _skew_routers(model, cfg.router_init_skew, seed=ctx.seed)
+        self.a2a_meter = AllToAllMeter(ctx.device)
+        self.expert_param_names: list[str] = []
+        if self.expert_parallel:
+            # the token exchange gets its own group, so it never queues behind DDP's all-reduces
+            self.ep_group = dist.new_group(list(range(ctx.world_size)))
+            self.expert_param_names = shard_experts(model, self.ep_group, self.a2a_meter)
+        self.raw_model = model
         self.model = self._parallelize(model)
+        if cfg.compile:
+            self.model = torch.compile(self.model)
+        # fused AdamW: one kernel for all parameters' updates (CPU and CUDA kernels in torch >= 2.4);
+        # FSDP2's sharded DTensor parameters take the multi-tensor (foreach) path
+        fused = self.parallelism != "fsdp2"
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-            weight_decay=cfg.weight_decay,
+            weight_decay=cfg.weight_decay, fused=fused, foreach=None if fused else True,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self._loads: deque[torch.Tensor] = deque(maxlen=4096)  # per step: routed copies per layer and expert
+        self._a2a_seconds: deque[float] = deque(maxlen=4096)  # per step: time in the all-to-alls
+        self._a2a_bytes: deque[int] = deque(maxlen=4096)
+        self._timed_steps = 0
 
     def _make_batches(self, count: int, stream: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Per-rank batches; ``stream`` 1 is held out (never seen in training)."""
-        generator = torch.Generator().manual_seed(
-            ((self.ctx.seed * 1_000_003 + stream) * 1009 + self.ctx.rank) % 2**63
-        )
+        """This rank's slices of the global batches; ``stream`` 1 is held out (never seen in
+        training). Every rank draws the same global batches, so N ranks train on exactly the
+        data one rank would, and their losses can be compared."""
+        generator = torch.Generator().manual_seed(((self.ctx.seed * 1_000_003 + stream) * 1009) % 2**63)
+        mine = slice(self.ctx.rank * self.local_batch, (self.ctx.rank + 1) * self.local_batch)
         batches = []
         for _ in range(count):
-            inputs, targets = self.source.batch(self.local_batch, self.config.seq_len, generator)
-            batches.append((inputs.to(self.ctx.device), targets.to(self.ctx.device)))
+            inputs, targets = self.source.batch(self.config.batch_size, self.config.seq_len, generator)
+            batches.append((inputs[mine].to(self.ctx.device), targets[mine].to(self.ctx.device)))
         return batches
 
     def _parallelize(self, model: nn.Module) -> nn.Module:
@@ -156,6 +212,15 @@ class LlamaWorkload(WorkloadBase):
 
             device_ids = [self.ctx.device.index] if self.ctx.is_accelerator else None
             return DistributedDataParallel(model, device_ids=device_ids, process_group=self.ctx.process_group)
+        if self.parallelism == "ep+ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            # the rank-local experts are not replicas: DDP must not average them
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, self.expert_param_names)
+            device_ids = [self.ctx.device.index] if self.ctx.is_accelerator else None
+            # buffers stay per rank: the expert counters differ by design, the bias moves alike everywhere
+            return DistributedDataParallel(model, device_ids=device_ids, process_group=self.ctx.process_group,
+                                           broadcast_buffers=False)
         if self.parallelism == "fsdp2":
             from torch.distributed.fsdp import fully_shard
 
@@ -181,20 +246,51 @@ class LlamaWorkload(WorkloadBase):
             logits_bsv = self.model(inputs_bs)
         return F.cross_entropy(logits_bsv.flatten(0, 1).float(), targets_bs.flatten())
 
+    def _train_loss(self, inputs_bs: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
+        loss = self._loss(inputs_bs, targets_bs)
+        aux = moe_aux_loss(self.raw_model) if self.config.moe_aux_loss_weight else None
+        return loss if aux is None else loss + aux
+
+    def _clip_gradients(self) -> None:
+        """Clip to ``grad_clip`` by the norm of the *whole* model's gradient: under expert
+        parallelism each rank holds only its experts' gradients, so their squared norms are summed
+        over the ranks. The experts' gradients are also averaged like DDP's: each is the sum of
+        every rank's contribution (they arrive through the all-to-all's backward)."""
+        if not self.expert_parallel:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+            return
+        named = dict(self.raw_model.named_parameters())
+        experts = [named[name] for name in self.expert_param_names if named[name].grad is not None]
+        for param in experts:
+            param.grad.div_(self.ctx.world_size)
+        dense = [p for name, p in named.items() if name not in set(self.expert_param_names) and p.grad is not None]
+        dense_sq = nn.utils.get_total_norm([p.grad for p in dense]) ** 2
+        expert_sq = nn.utils.get_total_norm([p.grad for p in experts]) ** 2
+        dist.all_reduce(expert_sq, group=self.ctx.process_group)
+        total = (dense_sq + expert_sq).sqrt()
+        nn.utils.clip_grads_with_norm_(dense + experts, self.config.grad_clip, total)
+
     def step(self) -> StepResult:
         self.model.train()
         inputs_bs, targets_bs = self.train_set[self._cursor % len(self.train_set)]
         self._cursor += 1
         micro = self.config.grad_accum_steps
         total = torch.zeros((), device=self.ctx.device)
+        a2a_seconds, a2a_bytes = self.a2a_meter.seconds, self.a2a_meter.bytes_sent
         for inputs, targets in zip(inputs_bs.chunk(micro), targets_bs.chunk(micro), strict=True):
-            loss = self._loss(inputs, targets) / micro
+            loss = self._train_loss(inputs, targets) / micro
             loss.backward()
             total += loss.detach()
-        nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        self._clip_gradients()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.is_moe:
+            group = self.ctx.process_group if self.ctx.distributed else None
+            loads = update_expert_bias(self.raw_model, self.config.moe_bias_update_coeff, group)
+            self._loads.append(torch.stack(loads).cpu())
+            self._a2a_seconds.append(self.a2a_meter.seconds - a2a_seconds)
+            self._a2a_bytes.append(self.a2a_meter.bytes_sent - a2a_bytes)
         return StepResult(samples=self.local_batch, tokens=self.local_batch * self.config.seq_len, loss=total)
 
     @torch.no_grad()
@@ -242,15 +338,63 @@ class LlamaWorkload(WorkloadBase):
         )
 
     def root_module(self) -> nn.Module:
-        return self.model  # a capture names each op's module scope after it
+        return self.raw_model  # a capture names each op's module scope after it
+
+    def observe_step_times(self, step_times_s: list[float]) -> None:
+        self._timed_steps = len(step_times_s)
+        self._timed_seconds = sum(step_times_s)
 
     def extra_metrics(self) -> dict[str, float]:
-        return {
+        metrics = {
             "model_params": float(count_params(self.args)),
+            "active_params": float(count_active_params(self.args)),
             "data_entropy_nats": self.entropy_rate,
             "eval_loss_target": self.target_eval_loss(),
         }
+        if self.is_moe:
+            metrics.update(self._moe_metrics())
+        return metrics
+
+    def _moe_metrics(self) -> dict[str, float]:
+        """Expert load over the timed steps: per MoE layer, the busiest expert's routed copies
+        over the mean, taken per step and averaged over the steps (a step waits for its busiest
+        expert); ``expert_load_max_over_mean`` is the worst layer. ``tokens_dropped`` counts
+        routed copies that reached no expert (dropless routing: 0). All-to-all figures are this
+        rank's, over the same steps."""
+        steps = min(self._timed_steps or len(self._loads), len(self._loads))
+        if not steps:
+            return {}
+        loads_tle = torch.stack(list(self._loads)[-steps:])
+        ratio_tl = loads_tle.amax(dim=-1) / loads_tle.mean(dim=-1)
+        per_layer = ratio_tl.mean(dim=0)
+        moe_ids = [i for i in range(self.args.n_layers) if self.args.is_moe_layer(i)]
+        routed_per_step = self.config.batch_size * self.config.seq_len * self.args.moe_top_k * len(moe_ids)
+        metrics = {f"expert_load_max_over_mean_layer{i}": float(r) for i, r in zip(moe_ids, per_layer, strict=True)}
+        metrics["expert_load_max_over_mean"] = float(per_layer.max())
+        metrics["tokens_dropped"] = float(steps * routed_per_step - loads_tle.sum())
+        if self.expert_parallel:
+            a2a_s = sum(list(self._a2a_seconds)[-steps:])
+            metrics["a2a_bytes_per_step"] = sum(list(self._a2a_bytes)[-steps:]) / steps
+            metrics["a2a_time_ms_per_step"] = 1e3 * a2a_s / steps
+            if self._timed_steps:
+                metrics["a2a_share"] = a2a_s / self._timed_seconds
+        return metrics
 
     def teardown(self) -> None:
-        for name in ("model", "optimizer", "scheduler", "train_set", "eval_set"):
+        for name in ("model", "raw_model", "optimizer", "scheduler", "train_set", "eval_set"):
             self.__dict__.pop(name, None)
+
+
+@torch.no_grad()
+def _skew_routers(model: nn.Module, skew: float, seed: int) -> None:
+    """Tilt every router towards few experts: blend its weights with a rank-one matrix
+    ``a_e * u`` (one shared direction ``u``, expert strengths ``a_e`` spread from -1 to 1), so the
+    top-1 choice mostly depends on which side of ``u`` a token lies, and the experts at the ends
+    of ``a`` get most tokens. ``skew`` is the blend's weight of the tilt."""
+    generator = torch.Generator().manual_seed(seed + 17)
+    for layer in moe_layers(model):
+        weight = layer.router.weight
+        direction_d = torch.randn(weight.shape[1], generator=generator)
+        strength_x = torch.linspace(-1.0, 1.0, weight.shape[0])
+        tilt = torch.outer(strength_x, direction_d / direction_d.norm()).to(weight)
+        weight.mul_(1 - skew).add_(skew * tilt * weight.norm() / tilt.norm())
