@@ -38,6 +38,8 @@ commands:
   report [OPTIONS]         MLPerf-style submission folder + HTML report: `cobench report --help`
   upload RUN_DIR...        record run folders whose MLflow store was away when they ended
                            (they hold upload_pending.json) in their MLflow runs
+  ft-scale [OPTIONS]       effective training time vs cluster size, synchronous vs replica-level
+                           recovery (a model; runs nothing): `cobench ft-scale --help`
   reap [SETTINGS]          close as FAILED the MLflow runs left RUNNING by processes of this host that
                            are gone (every command does it when it connects), and list the RUNNING
                            runs of other hosts, with their host and pid
@@ -59,6 +61,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("suite.report", "run"),
     "reap": ("suite.cli", "reap_main"),
     "upload": ("suite.cli", "upload_main"),
+    "ft-scale": ("suite.ft_scale", "run"),
 }
 
 # key=value settings shared by every command → the flag of the commands that parse flags
