@@ -181,3 +181,95 @@ def test_tiny_moe_model_args_are_llama4_shaped():
     args: ModelArgs = PRESETS["tiny_moe"]
     assert [args.uses_rope(i) for i in range(4)] == [True, True, True, False]
     assert [args.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+
+
+def _balance_run(coeff: float, steps: int = 150) -> tuple[float, float]:
+    """Route fresh random tokens through a frozen MoE layer whose router starts tilted towards a few
+    experts, updating only the balancing bias: the load max/mean of the first step and the mean of
+    the last 20."""
+    from workloads.llama.workload import _skew_routers
+
+    generator = torch.Generator().manual_seed(0)
+    moe = MoE(dim=32, hidden_dim=16, n_experts=8, top_k=1)
+    moe.init_weights(0.02, 0.02, generator)
+    _skew_routers(moe, skew=0.8, seed=0)
+    ratios = []
+    with torch.no_grad():
+        for _ in range(steps):
+            moe.train()(torch.randn(1, 512, 32, generator=generator))
+            (load,) = update_expert_bias(moe, coeff)
+            ratios.append(float(load.max() / load.mean()))
+    return ratios[0], sum(ratios[-20:]) / 20
+
+
+def test_expert_bias_balances_a_skewed_router_and_nothing_else_does():
+    start, with_bias = _balance_run(coeff=1e-3)
+    _, without_bias = _balance_run(coeff=0.0)
+    assert start > 2.0, "the skewed router must start unbalanced for this test to mean anything"
+    assert with_bias <= 1.6
+    assert without_bias > 2.0
+
+
+def test_expert_bias_is_recentred_and_selection_only():
+    moe = MoE(dim=16, hidden_dim=8, n_experts=4, top_k=1)
+    moe.init_weights(0.02, 0.02, torch.Generator().manual_seed(0))
+    moe.tokens_per_expert.copy_(torch.tensor([9.0, 0.0, 0.0, 3.0]))  # mean 3: expert 3 stays
+    update_expert_bias(moe, coeff=0.1)
+    assert float(moe.expert_bias.sum()) == pytest.approx(0.0, abs=1e-7)
+    assert moe.expert_bias[0] < moe.expert_bias[3] < moe.expert_bias[1]
+    assert int(moe.tokens_per_expert.sum()) == 0
+    # the bias changes which expert is picked, never the gate value that scales the token
+    moe.expert_bias.copy_(torch.tensor([5.0, 0.0, 0.0, 0.0]))
+    x_td = torch.randn(6, 16)
+    experts_tk, gates_tk, scores_tx = moe.route(x_td)
+    assert bool((experts_tk == 0).all())
+    torch.testing.assert_close(gates_tk[:, 0], scores_tx[:, 0])
+    assert bool((gates_tk < 1).all())
+
+
+def test_aux_loss_reaches_the_router_and_is_one_when_balanced():
+    from workloads.llama.moe import moe_aux_loss
+
+    moe = MoE(dim=16, hidden_dim=8, n_experts=4, top_k=1)
+    moe.init_weights(0.02, 0.02, torch.Generator().manual_seed(0))
+    moe.aux_loss_weight = 1.0
+    moe.train()(torch.randn(1, 64, 16))
+    aux = moe_aux_loss(moe)
+    assert aux is not None and 0.5 < float(aux.detach()) < 2.0
+    aux.backward()
+    assert moe.router.weight.grad is not None and moe.router.weight.grad.abs().sum() > 0
+    moe.aux_loss_weight = 0.0
+    moe(torch.randn(1, 8, 16))
+    assert moe_aux_loss(moe) is None
+
+
+@pytest.mark.slow
+def test_two_rank_expert_parallel_matches_one_rank(tmp_path):
+    """Experts sharded over 2 gloo ranks under torchrun, tokens over all_to_all_single: the same
+    global losses and load figures as one process training the same global batches."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from conftest import clean_env
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from moe_ep_worker import train
+
+    from workloads.base import RunContext
+
+    worker = Path(__file__).parent / "moe_ep_worker.py"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", str(worker),
+         str(tmp_path)], capture_output=True, text=True, timeout=300, env=clean_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    two = json.loads((tmp_path / "result.json").read_text())
+    one = train(RunContext(device=torch.device("cpu"), seed=0))
+    assert two["parallelism"] == "ep+ddp" and one["parallelism"] == "none"
+    assert two["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert two["losses"][-1] < two["losses"][0]
+    for key in ("expert_load_max_over_mean", "tokens_dropped"):
+        assert two["metrics"][key] == pytest.approx(one["metrics"][key])
+    assert two["metrics"]["tokens_dropped"] == 0
+    assert two["metrics"]["a2a_bytes_per_step"] > 0 and 0 < two["metrics"]["a2a_share"]

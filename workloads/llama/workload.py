@@ -166,7 +166,9 @@ class LlamaWorkload(WorkloadBase):
         cfg, ctx = self.config, self.ctx
         self.source = MarkovTokenSource(self.args.vocab_size, seed=cfg.data_seed, branching=cfg.data_branching)
         self.entropy_rate = self.source.entropy_rate()
-        self.train_set = self._make_batches(cfg.train_batches, stream=0)
+        # replica groups of a fault-tolerant job each train on their own data (their gradients are averaged)
+        replica = ctx.fault_tolerance.replica if ctx.fault_tolerance is not None else None
+        self.train_set = self._make_batches(cfg.train_batches, stream=0 if replica is None else 2 + replica)
         self.eval_set = self._make_batches(cfg.eval_batches, stream=1)
         model = build_model(self.args, ctx.device, seed=ctx.seed)
         if cfg.router_init_skew:
@@ -189,6 +191,9 @@ class LlamaWorkload(WorkloadBase):
             weight_decay=cfg.weight_decay, fused=fused, foreach=None if fused else True,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        if ctx.fault_tolerance is not None:  # torchft across replica groups: workloads/fault_tolerance.py
+            self.model, self.optimizer = ctx.fault_tolerance.attach(self.model, self.optimizer, self._training_state,
+                                                                    self._load_training_state)
         self._loads: deque[torch.Tensor] = deque(maxlen=4096)  # per step: routed copies per layer and expert
         self._a2a_seconds: deque[float] = deque(maxlen=4096)  # per step: time in the all-to-alls
         self._a2a_bytes: deque[int] = deque(maxlen=4096)
@@ -218,9 +223,10 @@ class LlamaWorkload(WorkloadBase):
             # the rank-local experts are not replicas: DDP must not average them
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, self.expert_param_names)
             device_ids = [self.ctx.device.index] if self.ctx.is_accelerator else None
-            # buffers stay per rank: the expert counters differ by design, the bias moves alike everywhere
+            # buffers are synced once at start, then stay per rank: the expert counters differ by
+            # design, and the bias moves alike everywhere (it follows the all-reduced loads)
             return DistributedDataParallel(model, device_ids=device_ids, process_group=self.ctx.process_group,
-                                           broadcast_buffers=False)
+                                           forward_sync_buffers=False)
         if self.parallelism == "fsdp2":
             from torch.distributed.fsdp import fully_shard
 
@@ -228,6 +234,17 @@ class LlamaWorkload(WorkloadBase):
                 fully_shard(block)
             fully_shard(model)
         return model
+
+    def _training_state(self) -> dict:
+        """All a restarted replica (healing from a peer) or job (from a checkpoint) needs to go on exactly."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "cursor": self._cursor}
+
+    def _load_training_state(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self._cursor = state["cursor"]
 
     def _lr_factor(self, step: int) -> float:
         cfg = self.config
@@ -396,5 +413,6 @@ def _skew_routers(model: nn.Module, skew: float, seed: int) -> None:
         weight = layer.router.weight
         direction_d = torch.randn(weight.shape[1], generator=generator)
         strength_x = torch.linspace(-1.0, 1.0, weight.shape[0])
-        tilt = torch.outer(strength_x, direction_d / direction_d.norm()).to(weight)
-        weight.mul_(1 - skew).add_(skew * tilt * weight.norm() / tilt.norm())
+        tilt = torch.outer(strength_x, direction_d).to(weight)
+        tilt *= weight.norm() / tilt.norm()  # as strong as the initial weights
+        weight.mul_(1 - skew).add_(skew * tilt)
