@@ -22,6 +22,7 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
+from harness.cost import PlatformCost
 from workloads import discover
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -53,6 +54,7 @@ class PlatformConfig:
     peak_flops: dict[str, float] = field(default_factory=dict)
     calibrate: bool = True  # measure an unknown part's peak (else MFU is reported unknown)
     calibration_cache: str = "~/.cache/cobench/calibration.json"
+    cost: PlatformCost = field(default_factory=PlatformCost)  # one host's capex and power (harness/cost.py)
 
     def __post_init__(self) -> None:
         _require_choice(self.device.split(":")[0], "platform.device", DEVICE_CHOICES)

@@ -23,6 +23,7 @@ import torch
 from omegaconf import OmegaConf
 
 from harness.config import CobenchConfig, RunnerConfig, config_hash, results_root
+from harness.cost import with_serving_cost
 from harness.distributed import (
     DistInfo,
     broadcast_from_main,
@@ -149,6 +150,7 @@ def run_benchmark(
     KeyboardInterrupt propagates after the MLflow run is closed as KILLED.
     """
     name = benchmark or cfg.workload.name
+    derived = with_serving_cost(derived, cfg.platform.cost)  # cost per token, where the platform declares it
     joined = join(cfg)
     run_dir = Path(broadcast_from_main(new_run_dir(results_root(cfg), name) if joined[1].is_main else None))
     opened = open_workload(cfg, run_dir, joined)  # validates against the context before any run exists
