@@ -3,8 +3,8 @@
 The latency limits are never typed in here: :func:`official_limits` reads them from the
 ``mlperf.conf`` compiled into LoadGen for the benchmark mirrored (``llama3_1-8b``: TTFT p99 2000 ms,
 TPOT p99 100 ms; ``llama3_1-8b-interactive``: 500 / 30 ms). A model that is not the real size
-declares ``latency_scale``, the factor both limits are multiplied by (the tiny CPU model: 0.1,
-i.e. 200 ms and 10 ms). Run length is ours to choose (mlperf.conf asks 10 minutes and 13,368
+declares ``latency_scale``, the factor both limits are multiplied by (the tiny CPU model: 0.2,
+i.e. 400 ms and 20 ms). Run length is ours to choose (mlperf.conf asks 10 minutes and 13,368
 samples of a real submission): at least ``min_queries`` queries, enough for LoadGen's early
 stopping to judge the 99th percentiles.
 """
