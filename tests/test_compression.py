@@ -208,8 +208,8 @@ def test_calc_quantized_size_matches_encode(block, rows, packing, eb):
     ({"packing": "zip"}, "unknown packing"), ({"block_size": 0}, "block_size"),
     ({"packing": "agreed", "bits": 8}, "set by the exchange"), ({"packing": "fixed", "bits": 17}, "bits must be"),
     ({"table_scales": (1.0, 0.0)}, "table_scales"), ({"table_bounds": "size"}, "unknown table_bounds"),
-    ({"table_bounds": "spread"}, "needs mode='abs' and packing='agreed'"),
-    ({"table_bounds": "spread", "mode": "abs", "packing": "agreed", "table_scales": (1.0,)}, "do not also set"),
+    ({"table_bounds": "range"}, "needs mode='abs' and packing='agreed'"),
+    ({"table_bounds": "range", "mode": "abs", "packing": "agreed", "table_scales": (1.0,)}, "do not also set"),
 ])
 def test_invalid_config_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -301,13 +301,15 @@ def test_table_scales_give_each_table_its_own_bound():
         fixed.set_table_scales([1.0, 0.01])
 
 
-def test_spread_bounds_ask_every_table_for_the_same_relative_precision_in_fewer_bits():
+def test_range_bounds_ask_every_table_for_the_same_relative_precision_in_fewer_bits():
     """Tables whose pooled embeddings spread 160x apart: a uniform absolute bound tight enough for the
-    narrowest table spends its width on the widest; bounds from each table's measured spread need
-    fewer bits for the same precision relative to each table's spread (the table-wise level)."""
+    narrowest table spends its width on the widest; bounds from each table's measured range need
+    fewer bits for the same precision relative to each table's range (the table-wise level)."""
     stds = torch.tensor([0.05, 0.2, 1.0, 3.0, 0.5, 8.0])
     x = torch.randn(512, 6, BS, generator=torch.Generator().manual_seed(5)) * stds[None, :, None]
     x = x.reshape(512, 6 * BS)
+    lo, hi = torch.aminmax(x.reshape(512, 6, BS), dim=2)
+    ranges = (hi - lo).amax(dim=0).double()
 
     def relative_errors(c: ErrorBoundedCodec) -> tuple[torch.Tensor, int]:
         ctx = c.create_context()
@@ -316,28 +318,28 @@ def test_spread_bounds_ask_every_table_for_the_same_relative_precision_in_fewer_
         decoded = c.decode(message, ctx).view_as(x)
         assert c.stats.bound_violations == 0
         worst = (decoded - x).abs().reshape(512, 6, BS).amax(dim=(0, 2))
-        return worst / stds, ctx.bits
+        return worst / ranges, ctx.bits
 
-    spread = codec(mode="abs", eb=1e-2, packing="agreed", table_bounds="spread")
-    relative, spread_bits = relative_errors(spread)
-    geomean = float(stds.log().mean().exp())
-    # each table's bound is eb times its spread over the typical one: wide tables loosen, narrow tighten
-    measured = torch.tensor([spread.bound_in_force(i) for i in range(6)])
-    assert torch.allclose(measured, 1e-2 * stds / geomean, rtol=0.1)
-    assert spread.stats_dict()["table_scale_max"] / spread.stats_dict()["table_scale_min"] > 100
-    # a uniform bound giving the narrowest table the precision the spread bounds give it
-    uniform = codec(mode="abs", eb=float(relative[0] * stds[0]), packing="agreed")
+    table_wise = codec(mode="abs", eb=1e-2, packing="agreed", table_bounds="range", table_bounds_refresh=50)
+    relative, table_wise_bits = relative_errors(table_wise)
+    # each table's bound is eb times its range over the typical one: wide tables loosen, narrow tighten
+    measured = torch.tensor([table_wise.bound_in_force(i) for i in range(6)], dtype=torch.float64)
+    assert torch.allclose(measured, 1e-2 * ranges / ranges.log().mean().exp())
+    stats = table_wise.stats_dict()
+    assert stats["table_scale_max"] / stats["table_scale_min"] == pytest.approx(float(ranges.max() / ranges.min()))
+    # a uniform bound giving the narrowest table the precision the table-wise bounds give it
+    uniform = codec(mode="abs", eb=float(relative[0] * ranges[0]), packing="agreed")
     uniform_relative, uniform_bits = relative_errors(uniform)
     assert float(uniform_relative[0]) <= float(relative[0]) * 1.01
-    assert spread_bits <= uniform_bits - 4, (spread_bits, uniform_bits)
+    assert table_wise_bits <= uniform_bits - 4, (table_wise_bits, uniform_bits)
     # measured again only every table_bounds_refresh iterations
-    version = spread._scales_version
-    spread.set_iteration(10)
-    relative_errors(spread)
-    assert spread._scales_version == version
-    spread.set_iteration(50)
-    relative_errors(spread)
-    assert spread._scales_version == version + 1
+    version = table_wise._scales_version
+    table_wise.set_iteration(10)
+    relative_errors(table_wise)
+    assert table_wise._scales_version == version
+    table_wise.set_iteration(50)
+    relative_errors(table_wise)
+    assert table_wise._scales_version == version + 1
 
 
 def test_stats_report_ratio_error_and_throughput():

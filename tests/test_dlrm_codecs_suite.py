@@ -21,8 +21,10 @@ def test_codec_suite_on_two_ranks(tmp_path, calibration_cache):
     runs = {r.info.run_name: r for r in mlflow_runs(results)}
     assert runs["suite-dlrm_codecs"].info.status == "FINISHED"
     assert "fp8" not in runs and "fp8: SKIPPED" in proc.stdout  # CUDA-only codec: said, not crashed
-    for name in ("none", "fp16", "bf16", "int8", "eb_rel_fixed", "eb_rel_agreed", "eb_abs_agreed"):
+    for name in ("none", "fp16", "bf16", "int8", "eb_rel_fixed", "eb_rel_agreed", "eb_abs_agreed", "eb_abs_range"):
         assert runs[name].info.status == "FINISHED", name
+    table_wise = runs["eb_abs_range"].data.metrics  # table-wise bounds: measured, within their own bounds
+    assert table_wise["codec_forward_bound_violations"] == 0 and "codec_forward_table_scale_max" in table_wise
     eb = runs["eb_rel_agreed"].data.metrics
     assert eb["codec_forward_bound_violations"] == 0 and eb["codec_backward_bound_violations"] == 0
     assert 0 < eb["codec_forward_max_error_over_bound"] <= 1

@@ -21,15 +21,17 @@ travel as they are): never silently finite; they are counted (:attr:`ErrorBounde
 One width per message: table scales tighten the bound of chosen tables, but the tightest table sets
 the width (the others get the spare precision), so bytes fall only when all bounds loosen.
 
-Table-wise bounds from the data (``table_bounds="spread"``, abs mode, agreed packing): the codec
-measures each column block's spread (the standard deviation of its values in the message: a table's
-pooled embeddings, when the block is the table's dim) and scales that block's absolute bound by it,
-normalised to a geometric mean of 1, so ``eb`` stays the bound of a table of typical spread. A
-uniform absolute bound is needlessly tight on wide tables and the width follows the widest; bounds
-in proportion to each table's spread ask every table for the same relative precision, and the one
-width follows the typical table. Measured at the first message and every ``table_bounds_refresh``
-iterations (the iteration-wise schedule multiplies on top). Each rank measures the tables it sends;
-the receiver reads every block's grid from its header, so nothing else needs to agree.
+Table-wise bounds from the data (``table_bounds="range"``, abs mode, agreed packing): the codec
+measures each column block's value range (the widest range of its blocks in the message: of a
+table's pooled embeddings, when the block is the table's dim) and scales that block's absolute
+bound by it, normalised to a geometric mean of 1, so ``eb`` stays the bound of a table of typical
+range. A uniform absolute bound is needlessly tight on wide tables and the width follows the
+widest; bounds in proportion to each table's range ask every table for the same relative precision,
+and the one width follows the typical table (log2(widest / geometric mean) bits fewer). Measured
+at every message by default (from the blocks' min and max, which the width needs anyway), or every
+``table_bounds_refresh`` iterations (the iteration-wise schedule multiplies on top). Each rank
+measures the tables it sends; the receiver reads every block's grid from its header, so nothing else
+needs to agree.
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ class Packing(StrEnum):
 
 class TableBounds(StrEnum):
     UNIFORM = "uniform"  # eb (times any declared table_scales) for every table
-    SPREAD = "spread"  # eb times each table's measured spread over the geometric mean of all (abs mode)
+    RANGE = "range"  # eb times each table's measured value range over the geometric mean of all (abs mode)
 
 
 class ScheduleKind(StrEnum):
@@ -128,19 +130,19 @@ class ErrorBoundConfig:
     value_range: tuple[float, float] | None = None
     measure_error: bool = False  # also decode every message again and check each element (slow)
     table_bounds: TableBounds = TableBounds.UNIFORM
-    table_bounds_refresh: int = 50  # iterations between measurements of the tables' spread
+    table_bounds_refresh: int = 1  # iterations between measurements of the tables' ranges (1: every one)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", _parse(BoundMode, self.mode, "mode"))
         object.__setattr__(self, "packing", _parse(Packing, self.packing, "packing"))
         object.__setattr__(self, "table_bounds", _parse(TableBounds, self.table_bounds, "table_bounds"))
-        if self.table_bounds is TableBounds.SPREAD:
+        if self.table_bounds is TableBounds.RANGE:
             if self.mode is not BoundMode.ABS or self.packing is not Packing.AGREED:
-                raise ValueError("table_bounds='spread' scales absolute bounds by each table's measured spread: it "
+                raise ValueError("table_bounds='range' scales absolute bounds by each table's measured range: it "
                                  "needs mode='abs' and packing='agreed' (a rel bound already follows each block's "
                                  "range; a fixed width cannot follow measured data)")
             if self.table_scales is not None:
-                raise ValueError("table_bounds='spread' measures the table scales: do not also set table_scales")
+                raise ValueError("table_bounds='range' measures the table scales: do not also set table_scales")
             if self.table_bounds_refresh < 1:
                 raise ValueError(f"table_bounds_refresh must be >= 1, got {self.table_bounds_refresh}")
         if not (math.isfinite(self.eb) and self.eb > 0):
@@ -270,7 +272,7 @@ class ErrorBoundedCodec(CustomCodec):
         self._scales = torch.tensor(config.table_scales or (1.0,), dtype=torch.float64)
         self._scales_version = 0  # bumped whenever the scales change: the factor cache follows
         self._iteration = 0
-        self._measured_at: int | None = None  # table_bounds='spread': iteration of the last measurement
+        self._measured_at: int | None = None  # table_bounds='range': iteration of the last measurement
         self._factor_cache: tuple[Any, torch.Tensor, torch.Tensor] | None = None
         self.stats = CompressionStats()
         self.nonfinite_count = 0  # lifetime count of NaN/Inf elements given to encode; never reset
@@ -282,7 +284,7 @@ class ErrorBoundedCodec(CustomCodec):
 
     def stats_dict(self) -> dict[str, float]:
         values = self.stats.as_dict()
-        if self.config.table_bounds is TableBounds.SPREAD and self._measured_at is not None:
+        if self.config.table_bounds is TableBounds.RANGE and self._measured_at is not None:
             values["table_scale_min"], values["table_scale_max"] = (float(v) for v in torch.aminmax(self._scales))
         return values
 
@@ -351,10 +353,11 @@ class ErrorBoundedCodec(CustomCodec):
         start, exchanged = time.perf_counter(), self.stats.exchange_seconds
         x = input_tensor.reshape(self._num_blocks(input_tensor.numel()), self.config.block_size)
         self._check_value_range(x)
-        if self.config.table_bounds is TableBounds.SPREAD:
-            self._measure_spread(input_tensor, ctx)
+        minmax = torch.aminmax(x, dim=1) if self._fixed_bits is None else None  # agreed packing reads it
+        if self.config.table_bounds is TableBounds.RANGE:
+            self._measure_ranges(minmax, input_tensor, ctx)
         factor, factor32 = self._block_factors(x.shape[0], input_tensor, ctx)
-        bits = self._message_bits(x, factor, ctx)
+        bits = self._message_bits(x, factor, ctx, minmax)
         counts = exact_lattice = None
         if bits == RAW_BITS:
             message = x.reshape(-1).view(torch.uint8)
@@ -424,21 +427,22 @@ class ErrorBoundedCodec(CustomCodec):
     def _rel(self) -> bool:
         return self.config.mode is BoundMode.REL
 
-    def _measure_spread(self, input_tensor: torch.Tensor, ctx: ErrorBoundedContext | None) -> None:
-        """table_bounds='spread': every column block's scale from its values' standard deviation in this
-        message over the geometric mean of all (blocks with no spread: 1), at the first message and every
-        ``table_bounds_refresh`` iterations. A message without rows (1-D, no row length) keeps the scales."""
+    def _measure_ranges(self, minmax: tuple[torch.Tensor, torch.Tensor], input_tensor: torch.Tensor,
+                        ctx: ErrorBoundedContext | None) -> None:
+        """table_bounds='range': every column block's scale from the widest range (max - min) of its blocks
+        in this message over the geometric mean of all (blocks with no range: 1), at the first message and
+        every ``table_bounds_refresh`` iterations. A message without rows (no row length) keeps the scales."""
         due = self._measured_at is None or self._iteration - self._measured_at >= self.config.table_bounds_refresh
         row_len = input_tensor.shape[1] if input_tensor.ndim == 2 else (ctx.row_len if ctx is not None else None)
         if not due or not row_len or input_tensor.numel() < 2 * row_len:
             return
-        columns = input_tensor.reshape(-1, row_len // self.config.block_size, self.config.block_size)
-        spread = columns.transpose(0, 1).reshape(columns.shape[1], -1).double().std(dim=1)
-        positive = torch.isfinite(spread) & (spread > 0)
+        lo, hi = (v.reshape(-1, row_len // self.config.block_size) for v in minmax)  # (rows, column blocks)
+        widest = (hi.double() - lo.double()).nan_to_num(nan=0.0, posinf=0.0).amax(dim=0)
+        positive = widest > 0
         if not bool(positive.any()):
             return
-        mean = spread[positive].log().mean().exp()
-        self._scales = torch.where(positive, spread / mean, 1.0).cpu()
+        mean = widest[positive].log().mean().exp()
+        self._scales = torch.where(positive, widest / mean, 1.0).cpu()
         self._scales_version += 1
         self._measured_at = self._iteration
 
@@ -475,7 +479,8 @@ class ErrorBoundedCodec(CustomCodec):
                 raise ValueError(f"{self.name}: values outside the declared value_range {self.config.value_range}; "
                                  "the fixed width cannot guarantee the bound for them")
 
-    def _local_bits(self, x: torch.Tensor, factor: torch.Tensor) -> int:
+    def _local_bits(self, x: torch.Tensor, factor: torch.Tensor,
+                    minmax: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
         """The widest width a finite block of ``x`` needs (agreed packing), cheaply: where float32
         rounding is far below the bound (under 2**-10 of it: all but a few blocks), ``b =
         ceil(log2(range / (2 · bound · (1 - 2**-7)) + 1))`` bits give the float32 grid a step of at most
@@ -483,8 +488,9 @@ class ErrorBoundedCodec(CustomCodec):
         ``2**(b - 22)`` steps, a float32 rounding of ``2**-11 · bound``) stays under the bound for
         ``b <= 14``; beyond, or should the kernel's check refuse a block, the exact path's uniform grid
         (step near ``2 · bound``) fits the same width. The other blocks get the exact float64 answer
-        (:func:`eb_grid.needed_bits`). The encoder checks every block either way."""
-        lo, hi = torch.aminmax(x, dim=1)
+        (:func:`eb_grid.needed_bits`). The encoder checks every block either way. ``minmax``: the
+        blocks' min and max, when the caller has them."""
+        lo, hi = minmax if minmax is not None else torch.aminmax(x, dim=1)
         finite = torch.isfinite(lo) & torch.isfinite(hi)  # a NaN anywhere makes the block's min/max NaN
         if not bool(finite.all()):
             if not bool(finite.any()):
@@ -502,12 +508,13 @@ class ErrorBoundedCodec(CustomCodec):
             needed = max(needed, int(eb_grid.needed_bits(x[hard], bound[hard]).max()))
         return RAW_BITS if needed > MAX_PACKED_BITS else needed
 
-    def _message_bits(self, x: torch.Tensor, factor: torch.Tensor, ctx: ErrorBoundedContext | None) -> int:
+    def _message_bits(self, x: torch.Tensor, factor: torch.Tensor, ctx: ErrorBoundedContext | None,
+                      minmax: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
         if self._fixed_bits is not None:
             return self._fixed_bits
         if ctx is None:
             raise ValueError("packing='agreed' stores the agreed width in the context: pass create_context()")
-        bits = self._local_bits(x, factor)
+        bits = self._local_bits(x, factor, minmax)
         group = self._group if self._group is not None else (dist.group.WORLD if dist.is_initialized() else None)
         if group is not None:
             # The one size exchange: every rank must size every chunk with the same width.
@@ -613,7 +620,7 @@ class CodecOptions:
     table_scales: tuple[float, ...] | None = None  # forward only: column blocks of this rank's rows
     value_range: tuple[float, float] | None = None
     measure_error: bool = False  # also decode every message again and check each element (slow)
-    table_bounds: str = TableBounds.UNIFORM.value  # forward only: 'spread' = bounds from each table's spread
+    table_bounds: str = TableBounds.UNIFORM.value  # forward only: 'range' = bounds from each table's range
     table_bounds_refresh: int = ErrorBoundConfig.table_bounds_refresh
     backward_mode: str = BoundMode.REL.value
     backward_eb: float = 1e-2
