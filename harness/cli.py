@@ -69,7 +69,12 @@ def run_main(argv: list[str]) -> int:
         try:
             run_cfg = to_run_config(cfg)
             job_overrides.append(list(HydraConfig.get().overrides.task))
-            results.append(run_benchmark(run_cfg))
+            if run_cfg.ft.name != "none":  # the failure scenario launches its own processes (harness/ft.py)
+                from harness.ft import run_ft
+
+                results.append(run_ft(run_cfg))
+            else:
+                results.append(run_benchmark(run_cfg))
         except (ValueError, TrackingError) as err:
             # refused before any run existed: leave no empty Hydra job folder behind
             shutil.rmtree(HydraConfig.get().runtime.output_dir, ignore_errors=True)

@@ -162,6 +162,43 @@ class SuiteConfig:
         _require(not self.delta_metrics or self.baseline is not None, "suite.delta_metrics", "needs suite.baseline")
 
 
+FT_MODES = ("none", "torchft")
+
+
+@dataclass
+class FTConfig:
+    """Fault tolerance (config group ``ft``): the failure scenario of harness/ft.py, or none."""
+
+    name: str = "none"  # none: a plain run | torchft: R replica groups under torchft, one killed and restarted
+    replicas: int = 2  # replica groups (at least 2: one must survive)
+    procs_per_replica: int = 1  # ranks in each group (FSDP2 inside a group when > 1)
+    max_processes: int = 0  # processes this machine may run at once; 0: its CPU count
+    kill_at_step: int = 20  # SIGKILL one replica group once it has committed this step
+    kill_replica: int = 1  # which group
+    restart_delay_s: float = 2.0  # from the kill to the group's restart
+    lighthouse_port: int = 29510
+    heartbeat_timeout_ms: int = 1000  # the lighthouse declares a silent replica dead after this
+    quorum_tick_ms: int = 100
+    join_timeout_ms: int = 1000  # how long a quorum waits for stragglers
+    checkpoint_interval: int = 8  # the baseline without torchft: a checkpoint every N steps
+    baseline: bool = True  # also run the same failure without torchft (whole-job restart from checkpoint)
+    timeout_s: float = 900.0  # the whole scenario; replicas still running then are killed
+
+    def __post_init__(self) -> None:
+        _require_choice(self.name, "ft.name", FT_MODES)
+        _require(self.replicas >= 2, "ft.replicas", f"got {self.replicas}, must be >= 2 (one replica must survive)")
+        _require(self.procs_per_replica >= 1, "ft.procs_per_replica", f"got {self.procs_per_replica}, must be >= 1")
+        _require(0 <= self.kill_replica < self.replicas, "ft.kill_replica",
+                 f"got {self.kill_replica}, must be a replica group in [0, {self.replicas - 1}]")
+        _require(self.kill_at_step >= 1, "ft.kill_at_step", f"got {self.kill_at_step}, must be >= 1")
+        _require(self.restart_delay_s >= 0, "ft.restart_delay_s", f"got {self.restart_delay_s}, must be >= 0")
+        _require(1 <= self.lighthouse_port <= 65535, "ft.lighthouse_port", f"got {self.lighthouse_port}")
+        _require(self.checkpoint_interval >= 1, "ft.checkpoint_interval",
+                 f"got {self.checkpoint_interval}, must be >= 1")
+        for key in ("heartbeat_timeout_ms", "quorum_tick_ms", "join_timeout_ms", "timeout_s", "max_processes"):
+            _require(getattr(self, key) >= 0, f"ft.{key}", f"got {getattr(self, key)}, must be >= 0")
+
+
 @dataclass
 class CobenchConfig:
     """The whole composed configuration of one run."""
@@ -176,6 +213,7 @@ class CobenchConfig:
     mllog: MLLogConfig = field(default_factory=MLLogConfig)
     workload: Any = MISSING
     suite: SuiteConfig | None = None
+    ft: FTConfig = field(default_factory=FTConfig)
 
     def __post_init__(self) -> None:
         _require(bool(self.results_dir), "results_dir", "must not be empty")

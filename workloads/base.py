@@ -84,6 +84,8 @@ class RunContext:
     deterministic: bool = False
     work_dir: Path = Path(".")  # per-run scratch/output folder, already created
     device_name: str = ""  # what the hardware calls itself, e.g. "NVIDIA H100 80GB HBM3"
+    # one replica group of a fault-tolerant job (workloads/fault_tolerance.py: FaultTolerance), else None
+    fault_tolerance: Any = None
 
     @property
     def distributed(self) -> bool:

@@ -1,0 +1,109 @@
+"""ft=torchft: the failure scenario's checks, its metric definitions, and the real thing (lighthouse, two
+replica groups under torchrun, a SIGKILL, a restart that heals from its peer, the baseline beside it)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+
+import pytest
+from conftest import clean_env, mlflow_runs
+
+from harness.config import compose_config, to_run_config
+from harness.ft import Side, check_scenario, scenario_metrics
+
+
+def _cfg(*overrides: str):
+    return to_run_config(compose_config(["workload=llama", "ft=torchft", *overrides]))
+
+
+def test_bad_scenarios_are_refused_before_anything_starts():
+    with pytest.raises(ValueError, match=r"3 replica groups × 1 process\(es\) = 3 processes, but only 2 are available"):
+        check_scenario(_cfg("ft.replicas=3", "ft.max_processes=2"))
+    with pytest.raises(ValueError, match=r"'ft.kill_at_step': 700 is beyond the run: it has 603 steps"):
+        check_scenario(_cfg("ft.kill_at_step=700"))
+    with pytest.raises(ValueError, match="'ft.checkpoint_interval': 30 >= ft.kill_at_step"):
+        check_scenario(_cfg("ft.checkpoint_interval=30"))
+    with pytest.raises(ValueError, match="ft.replicas.*must be >= 2"):
+        _cfg("ft.replicas=1")
+    with socket.socket(socket.AF_INET6) as busy:
+        busy.bind(("::", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ValueError, match=f"port {port} is in use.*pass a free one"):
+            check_scenario(_cfg(f"ft.lighthouse_port={port}"))
+
+
+def test_a_bad_scenario_exits_2_and_leaves_no_run(cobench, tmp_path):
+    proc = cobench("run", "workload=llama", "ft=torchft", "ft.kill_at_step=5000", "runner.progress=false")
+    assert proc.returncode == 2
+    assert "ft.kill_at_step" in proc.stderr and "beyond the run" in proc.stderr
+    assert mlflow_runs(tmp_path / "results") == []
+
+
+def _attempt(step, start, seconds, committed=True, participants=2, incarnation=0, samples=8):
+    return {"step": step, "start": start, "end": start + seconds, "committed": committed,
+            "participants": participants, "incarnation": incarnation, "samples": samples}
+
+
+def test_metric_definitions_on_a_known_timeline():
+    """Replica 1 dies at t=10 after step 10; replica 0 waits 1 s for the quorum, trains alone, and replica 1
+    is back (healed) at step 30, t=14.1."""
+    survivor = [_attempt(s, 0.1 * (s - 1), 0.1) for s in range(1, 11)]  # steps 1-10, t 0-1
+    survivor += [_attempt(10, 10.0, 1.0, committed=False, participants=1)]  # the failed step + quorum wait
+    survivor += [_attempt(s, 11.0 + 0.1 * (s - 11), 0.1, participants=1) for s in range(11, 31)]
+    survivor += [_attempt(s, 13.0 + 0.1 * (s - 31), 0.1) for s in range(31, 41)]
+    for entry in survivor[:10]:
+        entry["start"] += 9.0  # steps 1-10 run from t=9 to t=10
+        entry["end"] += 9.0
+    victim = [dict(e) for e in survivor[:10]]
+    victim += [_attempt(s, 13.0 + 0.1 * (s - 31), 0.1, incarnation=1) for s in range(31, 41)]
+    side = Side("torchft", kill_time=10.0, logs={(0, 0): survivor, (1, 0): victim},
+                hashes={(0, 0): "abc", (1, 0): "abc"})
+    m = scenario_metrics(side)
+    assert m["stall_s"] == pytest.approx(0.9)  # the longest step (1 s) beyond the median (0.1 s)
+    assert m["recovery_s"] == pytest.approx(3.1)  # kill → the restarted group's first committed step ends
+    assert m["steps_lost"] == 0 and m["steps_retried"] == 1 and m["steps"] == 40
+    assert m["wall_s"] == pytest.approx(5.0)  # t 9 → 14
+    assert m["effective_training_time_pct"] == pytest.approx(100 * 4.0 / 5.0)  # 1 s of 5 lost
+    # committed samples: 40 steps by the survivor + 20 by the other group, over 5 s, vs 2 groups × 8 / 0.1 s
+    assert m["goodput"] == pytest.approx((60 * 8 / 5.0) / (2 * 8 / 0.1))
+    assert m["weights_identical"] == 1.0
+    side.hashes[(1, 0)] = "abd"
+    assert scenario_metrics(side)["weights_identical"] == 0.0
+
+
+@pytest.mark.slow
+def test_replica_killed_restarted_and_healed_beside_a_whole_job_restart(tmp_path, calibration_cache):
+    pytest.importorskip("torchft")
+    results = tmp_path / "results"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "suite.cli", "run", "workload=llama", "ft=torchft", "ft.replicas=2",
+           "ft.kill_at_step=20", "runner.steps=300", "runner.progress=false", f"ft.lighthouse_port={port}",
+           "ft.restart_delay_s=1", f"results_dir={results}", f"platform.calibration_cache={calibration_cache}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=clean_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run,) = mlflow_runs(results)
+    assert run.info.status == "FINISHED" and run.data.tags["ft"] == "torchft"
+    m = run.data.metrics
+    assert m["weights_identical"] == 1.0  # healed from its peer: the same weights, bit for bit
+    assert m["steps_lost"] == 0 and m["steps"] >= 303
+    assert 0.5 < m["stall_s"] < 10  # the survivor waits ~ the 1 s heartbeat timeout, once
+    assert m["recovery_s"] > 1.0  # the restart delay, then a process start and the heal
+    assert 0 < m["goodput"] < 1 and 0 < m["effective_training_time_pct"] <= 100
+    assert m["baseline_steps_lost"] == 4  # killed after step 20, restarted from the checkpoint of step 16
+    assert m["baseline_recovery_s"] >= m["baseline_restart_s"] > 1.0
+    assert m["effective_training_time_pct"] > m["baseline_effective_training_time_pct"]
+    run_dir = next((results / "runs").iterdir())
+    assert (run_dir / "ft_lighthouse.log").stat().st_size > 0
+    assert not list(run_dir.glob("*.pt"))  # the baseline's checkpoints are not results
+
+    from suite.ft_scale import ScaleInputs, measured_inputs  # the scale model reads what was measured here
+
+    inputs = measured_inputs(ScaleInputs(), [run_dir / "metrics.json"])
+    recorded = json.loads((run_dir / "metrics.json").read_text())["metrics"]
+    assert inputs.stall_ft_s == recorded["stall_s"] and inputs.stall_sync_s == recorded["baseline_restart_s"]
