@@ -40,6 +40,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from omegaconf import OmegaConf
 
@@ -94,6 +95,7 @@ def lighthouse_binary() -> str | None:
 
 def port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server binds: TIME_WAIT is no user
         try:
             sock.bind(("::" if socket.has_ipv6 else "", port))
         except OSError:
@@ -155,7 +157,10 @@ def replica_main(argv: list[str]) -> int:
                           lighthouse_addr=f"http://localhost:{ft.lighthouse_port}", rank=dist_info.rank,
                           world_size=dist_info.world_size, timeout=timedelta(seconds=30),
                           quorum_timeout=timedelta(seconds=60), connect_timeout=timedelta(seconds=60),
-                          hostname="localhost")
+                          hostname="localhost",
+                          # FSDP2 inside a group: every rank heals before its forward (an asynchronous heal
+                          # on one rank while another all-gathers mismatches the group's collectives)
+                          use_async_quorum=dist_info.world_size == 1)
     tolerance = FaultTolerance(replica=args.replica, replicas=ft.replicas if manager else 1, manager=manager)
     ctx = RunContext(device=platform.device, seed=cfg.seed, rank=dist_info.rank, world_size=dist_info.world_size,
                      process_group=torch.distributed.group.WORLD if dist_info.enabled else None,
@@ -175,7 +180,12 @@ def replica_main(argv: list[str]) -> int:
     victim = args.incarnation == 0 and args.replica == (ft.kill_replica if manager else 0)
     # with torchft, training goes on past the last step until every group is back (at most ft.timeout_s): a
     # restart takes seconds, and a group that came back after the others had finished could heal from no one
-    while step < total_steps(cfg) or (manager is not None and manager.num_participants() < ft.replicas):
+    def others_done() -> bool:  # every other group wrote its final state: nobody left to wait for
+        finals = args.run_dir.glob(f"ft_{args.side}_replica*_rank{dist_info.rank}.final.json")
+        return len([p for p in finals if f"_replica{args.replica}_" not in p.name]) == ft.replicas - 1
+
+    while step < total_steps(cfg) or (manager is not None and manager.num_participants() < ft.replicas
+                                      and not others_done()):
         before = manager.current_step() if manager else step
         start = time.time()
         result = workload.step()
@@ -201,7 +211,7 @@ def replica_main(argv: list[str]) -> int:
             # the failure, at exactly this step: SIGKILL to the whole group (torchrun's agent and every rank)
             log.write(json.dumps({"killed_at": time.time(), "step": step}) + "\n")
             log.close()
-            os.killpg(os.getpgid(0), signal.SIGKILL)
+            kill_tree(os.getppid())  # torchrun's agent for this group, then its ranks, this one last
     (args.run_dir / f"{name}.final.json").write_text(json.dumps({"step": step,
                                                                   "hash": state_hash(tolerance.state_dict())}))
     log.close()
@@ -243,7 +253,7 @@ def _spawn(cfg: CobenchConfig, run_dir: Path, side: str, replica: int, incarnati
            "--incarnation", str(incarnation)]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     return subprocess.Popen(cmd, stdout=out.open("a"), stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
-                            start_new_session=True)  # its own process group: the kill takes torchrun and its ranks
+                            start_new_session=True)  # apart from ours: a Ctrl-C here is the launcher's to handle
 
 
 def _kill_record(run_dir: Path, side: str, replica: int) -> float | None:
@@ -254,11 +264,24 @@ def _kill_record(run_dir: Path, side: str, replica: int) -> float | None:
     return last.get("killed_at")
 
 
-def _kill(proc: subprocess.Popen) -> None:
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and all its descendants (torchrun puts its ranks in sessions of their own, so a
+    process group kill would leave them running); the caller, if among them, dies last."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        root = psutil.Process(pid)
+        victims = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    me = os.getpid()
+    for victim in sorted(victims, key=lambda p: p.pid == me):
+        try:
+            victim.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    kill_tree(proc.pid)
     proc.wait()
 
 

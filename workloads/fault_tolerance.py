@@ -46,7 +46,8 @@ class FaultTolerance:
         from torchft.optim import OptimizerWrapper
 
         manager = self.manager
-        manager.register_state_dict_fn("workload", load_state_dict, state_dict)
+        manager.register_state_dict_fn("workload", lambda peer: load_state_dict(_as_own(peer, state_dict())),
+                                       state_dict)
         sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
         if sharded:
             for module in sharded:  # after FSDP2's reduce-scatter inside the group, on each rank's shard
@@ -56,6 +57,21 @@ class FaultTolerance:
         optimizer = OptimizerWrapper(manager, optimizer)
         optimizer.zero_grad(set_to_none=True)  # starts the first quorum (a new replica heals here)
         return model, optimizer
+
+
+def _as_own(peer: Any, own: Any) -> Any:
+    """A peer's training state shaped like ours: tensors that arrive as plain local shards where ours
+    are DTensors (FSDP2) become DTensors on our mesh with our placements (same group rank, same shard)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(own, DTensor) and isinstance(peer, torch.Tensor) and not isinstance(peer, DTensor):
+        return DTensor.from_local(peer.to(own.device), own.device_mesh, own.placements, run_check=False,
+                                  shape=own.shape, stride=own.stride())
+    if isinstance(own, dict) and isinstance(peer, dict):
+        return {k: _as_own(v, own[k]) if k in own else v for k, v in peer.items()}
+    if isinstance(own, list | tuple) and isinstance(peer, list | tuple) and len(own) == len(peer):
+        return type(peer)(_as_own(p, o) for p, o in zip(peer, own, strict=True))
+    return peer
 
 
 def cross_replica_average(manager: Any, grad: torch.Tensor) -> None:
