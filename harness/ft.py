@@ -325,7 +325,19 @@ def run_side(cfg: CobenchConfig, run_dir: Path, side: str) -> Side:
     return result
 
 
-def scenario_metrics(side: Side, prefix: str = "") -> dict[str, float]:
+def _failure_free_step_s(logs: list[list[dict]], skip: int) -> float:
+    """The median committed step with every group taking part, leaving out each process start's first
+    ``skip`` steps (the harness's warm-up: allocations, first-touch)."""
+    full = max(e["participants"] for log in logs for e in log)
+    durations = []
+    for log in logs:
+        for incarnation in {e["incarnation"] for e in log}:
+            mine = [e for e in log if e["incarnation"] == incarnation][skip:]
+            durations += [e["end"] - e["start"] for e in mine if e["committed"] and e["participants"] == full]
+    return statistics.median(durations)
+
+
+def scenario_metrics(side: Side, prefix: str = "", skip: int = 0) -> dict[str, float]:
     """The side's figures (names below; the baseline's carry ``prefix`` ``baseline_``):
 
     - ``stall_s``: the survivors' longest step beyond their median step (for the baseline, whose
@@ -339,15 +351,16 @@ def scenario_metrics(side: Side, prefix: str = "") -> dict[str, float]:
       in steps that count (committed and never redone) ÷ the wall time from the first step's start to
       the last step's end, × 100: stalls, restarts and redone steps are what is lost (time-based like
       the seed's figure, so the survivors training faster alone on a shared CPU does not inflate it);
-    - ``goodput``: committed samples per second ÷ failure-free samples per second (every group training
-      at its mean step time before the kill);
+    - ``goodput``: committed samples per second ÷ failure-free samples per second: every group training
+      at the median committed step with all groups taking part (warm-up steps left out). On a shared
+      CPU a group training alone steps faster than beside its peers, which lifts torchft's figure;
+      on separate devices it does not;
     - ``weights_identical``: 1 when every replica group ends with the same training state (torchft).
     """
     rank0 = {r: log for (r, k), log in side.logs.items() if k == 0}
     victims = {r for r, log in rank0.items() if any(e["incarnation"] == 1 for e in log)}
     survivors = [log for r, log in rank0.items() if r not in victims] or list(rank0.values())
-    before = [e["end"] - e["start"] for log in survivors for e in log if e["end"] <= side.kill_time]
-    clean_step_s = statistics.fmean(before)  # the mean, as a rate over time is
+    clean_step_s = _failure_free_step_s(survivors, skip)
     every = [e for log in side.logs.values() for e in log]
     steps = max(e["step"] for e in every)  # torchft trains on until the restarted group is back
     wall = max(e["end"] for e in every) - min(e["start"] for e in every)
@@ -427,9 +440,10 @@ def run_ft(cfg: CobenchConfig) -> BenchmarkResult:
              "--quorum_tick_ms", str(cfg.ft.quorum_tick_ms), "--join_timeout_ms", str(cfg.ft.join_timeout_ms),
              "--heartbeat_timeout_ms", str(cfg.ft.heartbeat_timeout_ms)],
             stdout=(run_dir / "ft_lighthouse.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-        result.metrics = scenario_metrics(run_side(cfg, run_dir, "torchft"))
+        skip = cfg.runner.warmup_steps
+        result.metrics = scenario_metrics(run_side(cfg, run_dir, "torchft"), skip=skip)
         if cfg.ft.baseline:
-            result.metrics |= scenario_metrics(run_side(cfg, run_dir, "baseline"), prefix="baseline_")
+            result.metrics |= scenario_metrics(run_side(cfg, run_dir, "baseline"), prefix="baseline_", skip=skip)
     except Exception as err:  # noqa: BLE001 - the run ends FAILED with the reason, the logs kept
         result.status, result.error = STATUS_FAILED, f"{type(err).__name__}: {err}"
         (run_dir / "error.txt").write_text(traceback.format_exc())
