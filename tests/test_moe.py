@@ -273,3 +273,20 @@ def test_two_rank_expert_parallel_matches_one_rank(tmp_path):
         assert two["metrics"][key] == pytest.approx(one["metrics"][key])
     assert two["metrics"]["tokens_dropped"] == 0
     assert two["metrics"]["a2a_bytes_per_step"] > 0 and 0 < two["metrics"]["a2a_share"]
+
+
+@pytest.mark.slow
+def test_cobench_run_tiny_moe_reports_the_moe_metrics(cobench, tmp_path):
+    from conftest import TINY, mlflow_runs
+
+    proc = cobench("run", "workload=llama", "workload.preset=tiny_moe", *TINY)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (run,) = mlflow_runs(tmp_path / "results")
+    metrics = run.data.metrics
+    assert run.info.status == "FINISHED"
+    assert metrics["throughput"] > 0 and 0 < metrics["mfu"] < 1
+    assert metrics["active_params"] < metrics["model_params"]
+    assert metrics["tokens_dropped"] == 0
+    layers = [metrics[f"expert_load_max_over_mean_layer{i}"] for i in (1, 3)]
+    assert all(ratio >= 1 for ratio in layers) and metrics["expert_load_max_over_mean"] == max(layers)
+    assert "eval_loss" in metrics
