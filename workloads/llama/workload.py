@@ -216,6 +216,9 @@ class LlamaWorkload(WorkloadBase):
             from torch.nn.parallel import DistributedDataParallel
 
             device_ids = [self.ctx.device.index] if self.ctx.is_accelerator else None
+            if self.is_moe:  # each rank's expert counters are its own (see ep+ddp below)
+                return DistributedDataParallel(model, device_ids=device_ids, process_group=self.ctx.process_group,
+                                               forward_sync_buffers=False)
             return DistributedDataParallel(model, device_ids=device_ids, process_group=self.ctx.process_group)
         if self.parallelism == "ep+ddp":
             from torch.nn.parallel import DistributedDataParallel
