@@ -16,9 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import nn
 
-from workloads.llama.model import ModelArgs
+from workloads.llama.model import ModelArgs, Transformer
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
@@ -182,7 +181,7 @@ def interleaved_to_rotate_half(weight: torch.Tensor, head_dim: int) -> torch.Ten
     return weight.unflatten(0, (-1, head_dim))[:, order].flatten(0, 1)
 
 
-def load_hf_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+def load_hf_state_dict(model: Transformer, state_dict: Mapping[str, torch.Tensor]) -> None:
     """Copy an HF ``LlamaForCausalLM`` or ``Llama4ForCausalLM`` state dict into ``model`` in place.
 
     RoPE ``inv_freq`` buffers are ignored (we recompute them); the experts' balancing bias, which
@@ -190,7 +189,7 @@ def load_hf_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor])
     missing on either side or a shape that differs -- raises ``ValueError`` listing every problem
     before any weight is touched, so a model is never left half loaded.
     """
-    args = model.args
+    args = model.args  # they say whether the Llama 4 names apply
     llama4 = args.n_routed_experts > 0 or args.nope_layer_interval is not None
     expected = model.state_dict()
     mapped: dict[str, torch.Tensor] = {
