@@ -290,3 +290,26 @@ def test_cobench_run_tiny_moe_reports_the_moe_metrics(cobench, tmp_path):
     layers = [metrics[f"expert_load_max_over_mean_layer{i}"] for i in (1, 3)]
     assert all(ratio >= 1 for ratio in layers) and metrics["expert_load_max_over_mean"] == max(layers)
     assert "eval_loss" in metrics
+
+
+def test_active_parameter_flops_match_the_flop_counter():
+    """The MFU numerator for an MoE model (active parameters, chunked attention span) against
+    torch's FlopCounterMode, taught the grouped GEMM it has no formula for: 2 x rows x inner x
+    columns, both for the forward ``[m, k] x [e, k, n]`` and the weight gradient ``[k, m] x [m, n]``."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from workloads.llama.model import training_flops_per_token
+
+    def grouped_mm_flops(a_shape, b_shape, *args, **kwargs) -> int:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+
+    args = PRESETS["tiny_moe"]
+    model = build_model(args, "cpu", seed=0)
+    batch, seq_len = 2, 128  # 4 chunks of 32 on the RoPE layers
+    tokens_bs = torch.randint(0, args.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(0))
+    counter = FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: grouped_mm_flops})
+    with sdpa_kernel(SDPBackend.MATH), counter:
+        model(tokens_bs).sum().backward()
+    analytic = training_flops_per_token(args, seq_len) * batch * seq_len
+    assert counter.get_total_flops() == pytest.approx(analytic, rel=0.01)
