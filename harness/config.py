@@ -171,9 +171,7 @@ class FTConfig:
 
     name: str = "none"  # none: a plain run | torchft: R replica groups under torchft, one killed and restarted
     replicas: int = 2  # replica groups (at least 2: one must survive)
-    # ranks in each group; > 1: FSDP2 inside a group (experimental: trains and heals, but the survivors can
-    # finish before the healed group commits a step, and the run then ends FAILED saying so)
-    procs_per_replica: int = 1
+    procs_per_replica: int = 1  # ranks in each group; > 1: FSDP2 inside a group (shards healed rank by rank)
     max_processes: int = 0  # processes this machine may run at once; 0: its CPU count
     kill_at_step: int = 20  # SIGKILL one replica group once it has committed this step
     kill_replica: int = 1  # which group

@@ -179,13 +179,25 @@ def replica_main(argv: list[str]) -> int:
     log = (args.run_dir / f"{name}.jsonl").open("a")
     victim = args.incarnation == 0 and args.replica == (ft.kill_replica if manager else 0)
     # with torchft, training goes on past the last step until every group is back (at most ft.timeout_s): a
-    # restart takes seconds, and a group that came back after the others had finished could heal from no one
-    def others_done() -> bool:  # every other group wrote its final state: nobody left to wait for
-        finals = args.run_dir.glob(f"ft_{args.side}_replica*_rank{dist_info.rank}.final.json")
-        return len([p for p in finals if f"_replica{args.replica}_" not in p.name]) == ft.replicas - 1
+    # restart takes seconds, and a group that came back after the others had finished could heal from no one.
+    # A group stops after step S once it and every other group committed S - 1 since their (re)start: groups
+    # that trained together stop together, at the same step (each rank asks its counterparts: a group agrees)
+    def peers_caught_up(at: int) -> bool:
+        if at - 1 not in committed_here:  # a healed group first trains one step beside the others
+            return False
+        for other in range(ft.replicas):
+            path = args.run_dir / f"ft_{args.side}_replica{other}_rank{dist_info.rank}.jsonl"
+            if other == args.replica or path.with_name(path.name.replace(".jsonl", ".final.json")).exists():
+                continue
+            entries = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+            entries = [e for e in entries if "killed_at" not in e]
+            latest = max((e["incarnation"] for e in entries), default=0)
+            if max((e["step"] for e in entries if e["incarnation"] == latest and e["committed"]), default=-1) < at - 1:
+                return False
+        return True
 
-    while step < total_steps(cfg) or (manager is not None and manager.num_participants() < ft.replicas
-                                      and not others_done()):
+    committed_here: set[int] = set()
+    while step < total_steps(cfg) or (manager is not None and not peers_caught_up(step)):
         before = manager.current_step() if manager else step
         start = time.time()
         result = workload.step()
@@ -193,6 +205,8 @@ def replica_main(argv: list[str]) -> int:
         if manager is not None:  # waiting for the next quorum (a dead peer's heartbeat timeout) is in the step
             step = manager.current_step()
             committed = step > before
+            if committed:
+                committed_here.add(step)
             participants = manager.num_participants()
             end = time.time()
         else:  # the plain job: its checkpoints' cost is in its steps

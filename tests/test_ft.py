@@ -107,3 +107,26 @@ def test_replica_killed_restarted_and_healed_beside_a_whole_job_restart(tmp_path
     inputs = measured_inputs(ScaleInputs(), [run_dir / "metrics.json"])
     recorded = json.loads((run_dir / "metrics.json").read_text())["metrics"]
     assert inputs.stall_ft_s == recorded["stall_s"] and inputs.stall_sync_s == recorded["baseline_restart_s"]
+
+
+@pytest.mark.slow
+def test_fsdp2_inside_each_group_heals_every_shard(tmp_path, calibration_cache):
+    """Two groups of two ranks (FSDP2 inside a group, torchft across): the restarted group's ranks each heal
+    their own shard from their counterpart, and every shard ends equal to its counterpart's."""
+    pytest.importorskip("torchft")
+    results = tmp_path / "results"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "suite.cli", "run", "workload=llama", "ft=torchft", "ft.replicas=2",
+           "ft.procs_per_replica=2", "ft.max_processes=4", "ft.kill_at_step=20", "runner.steps=200",
+           "ft.baseline=false", "ft.restart_delay_s=1", "runner.progress=false", f"ft.lighthouse_port={port}",
+           f"results_dir={results}", f"platform.calibration_cache={calibration_cache}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=clean_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run,) = mlflow_runs(results)
+    m = run.data.metrics
+    assert m["weights_identical"] == 1.0 and m["steps_lost"] == 0
+    run_dir = next((results / "runs").iterdir())
+    finals = sorted(p.name for p in run_dir.glob("ft_torchft_replica*_rank*.final.json"))
+    assert len(finals) == 4  # both groups' two ranks reached the end
