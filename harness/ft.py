@@ -64,6 +64,9 @@ def check_scenario(cfg: CobenchConfig) -> None:
     if cfg.workload.name not in SUPPORTING_WORKLOADS:
         raise ValueError(f"invalid config 'ft': workload {cfg.workload.name!r} does not support fault tolerance; "
                          f"use one of {', '.join(SUPPORTING_WORKLOADS)} or ft=none")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ValueError("ft=torchft starts its own replica groups (one torchrun each): run `cobench run ... "
+                         "ft=torchft` once, without torchrun; ft.procs_per_replica sets the ranks per group")
     available = ft.max_processes or os.cpu_count() or 1
     needed = ft.replicas * ft.procs_per_replica
     if needed > available:
