@@ -81,15 +81,23 @@ def test_corpus_program_replays_completely_judged_side_by_side(name: str, tmp_pa
     assert record["failed_ops"] == [] and metrics["op_coverage_pct"] == 100.0, record["failed_ops"][:3]
     assert record["judgement"] == "side_by_side"
     assert metrics["time_error_ci_low_pct"] <= metrics["time_error_signed_pct"] <= metrics["time_error_ci_high_pct"]
-    # a loose bound: the replay does the same work; the table of figures is measured outside the tests
-    assert abs(metrics["time_error_signed_pct"]) < 100.0
+    # a loose bound where the figure means something (a busy machine makes it invalid, with the reason):
+    # the replay does the same work; the table of figures is measured outside the tests
+    if metrics["fidelity_valid"]:
+        assert abs(metrics["time_error_signed_pct"]) < 100.0
+    else:
+        assert record["side_by_side"]["invalid_reason"]
     # memory side by side: each side's step peak from the allocator's own accounting, same static part
     assert metrics["source_step_peak_mb"] > 0 and metrics["replay_step_peak_mb"] > 0
     assert metrics["replay_peak_memory_mb"] - metrics["replay_step_peak_mb"] == pytest.approx(
         metrics["source_peak_memory_mb"] - metrics["source_step_peak_mb"])
-    # buffers live as long as the program kept them (allocator events): the peak is the program's
-    # (measured 0 ... -2.3 % on seven of the eight, -11 % on the torch.compile one; 15 % catches a regression)
-    assert abs(metrics["memory_error_pct"]) <= 15.0, metrics["memory_error_pct"]
+    # buffers live as long as the program kept them (allocator events): the peak is the program's, within
+    # the 10 % the issue asks (measured 0 ... -6 %), the torch.compile one's included: inductor makes
+    # the activations it saves for backward without an op, and the replay makes them where it did
+    assert abs(metrics["memory_error_pct"]) <= 10.0, metrics["memory_error_pct"]
+    if name == "compiled_mlp":
+        ops = json.loads((tmp_path / "bundle" / "spec.json").read_text())["ranks"][0]["ops"]
+        assert any(op["born"] for op in ops)
     saved = json.loads((tmp_path / "bundle" / "fidelity.json").read_text())
     assert saved["side_by_side"]["source_ms"] and saved["metrics"]["fidelity_valid"] in (0.0, 1.0)
 

@@ -28,13 +28,15 @@ def seconds(gap_us: Any) -> float:
 
 def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: Sequence[list[int]],
                   gaps_s: Sequence[float] | None, tail_s: float, *, call_s: float = 0.0,
-                  stand_in: Callable[[int], None], fill: Callable[[int], None],
+                  births: Sequence[int | None] | None = None, stand_in: Callable[[int], None],
+                  fill: Callable[[int], None], born: Callable[[int], None] | None = None,
                   name: str) -> tuple[Callable[[list[Any]], None], int]:
     """The step running ``ops[p]`` for each p in ``positions``; returns it and how many ops it runs.
 
     ``clears[j]``: slots to release after the j-th op (their last use). ``gaps_s[j]``: the
     program's own host time before the j-th op, spent busy as the program did (None: ops back to
-    back). The program's gap before an op includes its own cost of calling the op (Python binding,
+    back). ``births[j]``: a key for ``born``, which makes the storages the program made right after
+    the j-th op (None: none). The program's gap before an op includes its own cost of calling the op (Python binding,
     argument parsing); the replay pays its own instead, ``call_s`` per op (measured by the replayer
     on its own steps), so that much of each gap counts as spent, and a negative balance (the
     replay's calls cost more) carries to later gaps.
@@ -88,6 +90,8 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
                 lines.append(f"    {call}")
             if op.fills:
                 lines.append(f"    fill({int(position)})")
+        if births is not None and births[j] is not None:
+            lines.append(f"    born({int(births[j])})")
         lines.extend(f"    v[{int(slot)}] = None" for slot in clears[j])
         if gaps_s is not None:
             lines.append("    t = pc()")
@@ -95,6 +99,6 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
     if tail > SPIN_MIN_S:
         lines.append(f"    while pc() < t + {float(tail)!r}: pass")
     namespace: dict[str, Any] = {"f": fns, "c": consts, "flat": flatten_tensors, "pc": time.perf_counter,
-                                 "standin": stand_in, "fill": fill}
+                                 "standin": stand_in, "fill": fill, "born": born}
     exec(compile("\n".join([*lines, "    return None"]), f"<cobench replay {name}>", "exec"), namespace)
     return namespace["step"], ran

@@ -47,6 +47,7 @@ class OpRecord:
     deps: list[int] = field(default_factory=list)
     allocated: list[int] = field(default_factory=list)  # new output storages seen allocated in it
     released: list[int] = field(default_factory=list)  # storages the program freed right after it
+    born: list[int] = field(default_factory=list)  # storages it made right after it, outside any op
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> OpRecord:
@@ -54,7 +55,8 @@ class OpRecord:
                    Values.from_json(raw.get("inputs") or {}), Values.from_json(raw.get("outputs") or {}),
                    dict(raw.get("tensor_range") or {}), dict(raw.get("tensor_data") or {}), raw.get("dur_us"),
                    float(raw.get("gap_us") or 0.0), list(raw.get("scopes", [])), list(raw.get("deps", [])),
-                   list(raw.get("allocated", [])), list(raw.get("released", [])))
+                   list(raw.get("allocated", [])), list(raw.get("released", [])),
+                   list(raw.get("born", [])))
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,9 @@
 - Here: the dataflow. An op's outputs feed later ops (views share storage, in-place ops mutate what
   later ops read). Tensors the steps read but never produced (parameters, optimiser state, inputs)
   are synthesised once, before timing: one buffer per captured storage, sized from the true extent
-  of every view of it, each view laid over it; tensors are released after their last use.
+  of every view of it, each view laid over it; tensors are released after their last use. A
+  storage the program made itself between ops (a compiled graph's buffers) and the step reads is
+  made at that point of each step instead (the spec's ``born``), and freed when the program freed it.
 - :mod:`.tensors` gives every synthesised tensor defined contents: recorded integer data where the
   trace has it (data-dependent indices and shapes replay as captured), values in the reading op's
   recorded range otherwise, finite floats; stand-ins for ops that could not run.
@@ -85,6 +87,7 @@ class Replayer:
             self.sequence.append(members * repeat)
         self.vals: list[Any] = [None] * len(self._slots)
         self._externals = self._find_externals()
+        self._births = self._find_births()  # flat position → storages made right after it
         self._find_uninitialised_fills()
         self._clears = self._liveness()
         self._next = 0
@@ -275,6 +278,45 @@ class Replayer:
                 produced.update(s for s in op.out_slots if s is not None)
         return externals
 
+    def _find_births(self) -> dict[int, list[tuple[tuple[int, torch.dtype], list[int]]]]:
+        """Flat position → the (storage, slots viewing it) the program made right after that op, outside
+        any op (the spec's ``born``), among the externals.
+
+        Such a storage is made in each step at that point (:meth:`_give_birth`) rather than held from
+        the start. A slot qualifies only if every step that reads it makes it first; else it stays a
+        buffer that lives across steps.
+        """
+        births: dict[int, dict[tuple[int, torch.dtype], list[int]]] = {}
+        verdict: dict[int, bool] = {}  # external slot → made before its first read in every step so far
+        flat = 0
+        for step in self.sequence:
+            pending: dict[int, int] = {}  # storage id → the flat position it was made after
+            first: set[int] = set()
+            for position in step:
+                for slot, info, _, _ in self._inputs_of(position):
+                    if slot not in self._externals or slot in first:
+                        continue
+                    first.add(slot)
+                    made = pending.get(info.storage_id)
+                    verdict[slot] = verdict.get(slot, True) and made is not None
+                    if made is not None:
+                        births.setdefault(made, {}).setdefault((info.storage_id, info.dtype), []).append(slot)
+                for storage in self.ops_spec[position].born:
+                    pending[storage] = flat
+                flat += 1
+        # A storage is made only with all its views; a view that does not qualify keeps its storage (in
+        # every step) a buffer that lives across steps, and with it the storage's other views.
+        born = {slot for slot, ok in verdict.items() if ok}
+        while True:
+            dropped = {slot for groups in births.values() for slots in groups.values()
+                       if not all(s in born for s in slots) for slot in slots} & born
+            if not dropped:
+                break
+            born -= dropped
+        self._born_slots = born
+        return {k: [(key, slots) for key, slots in groups.items() if all(s in born for s in slots)]
+                for k, groups in births.items()}
+
     def _find_uninitialised_fills(self) -> None:
         """Integer ``aten::empty*`` outputs whose first reader recorded a value range get values in it."""
         pending: dict[int, CompiledOp] = {}
@@ -338,7 +380,7 @@ class Replayer:
         past the step. Other slots (and every slot of a spec without that record) are freed at last use.
         """
         flat = [p for step in self.sequence for p in step]
-        carried = set(self._externals)  # read before written: live across steps and cycles
+        carried = set(self._externals) - self._born_slots  # read before written: live across steps and cycles
         last_use: dict[int, int] = {}
         for k, position in enumerate(flat):
             for slot, *_ in self._inputs_of(position):
@@ -350,9 +392,33 @@ class Replayer:
         held = self._source_lifetimes(flat, carried)
         clears: list[list[int]] = [[] for _ in flat]
         for slot, k in last_use.items():
-            if slot not in carried:
+            if slot not in carried and slot not in self._born_slots:
                 clears[max(k, held.get(slot, k))].append(slot)
+        self._born_lifetimes(flat, clears)
         return clears
+
+    def _born_lifetimes(self, flat: list[int], clears: list[list[int]]) -> None:
+        """Add to ``clears`` the end of every lifetime of a storage made between ops (:meth:`_find_births`):
+        made again in each step, it lives to its last read in that step, or later to the op the program
+        freed it after, or to the step's end when the program kept it past the step."""
+        start = 0
+        for step in self.sequence:
+            end = start + len(step) - 1
+            born: dict[int, tuple[int, int]] = {}  # slot → (made after, storage)
+            last: dict[int, int] = {}
+            freed: dict[int, int] = {}  # storage → the first position after its making it was freed after
+            for k in range(start, end + 1):
+                for slot, *_ in self._inputs_of(flat[k]):
+                    if slot in born:
+                        last[slot] = k
+                for storage in self.ops_spec[flat[k]].released:
+                    if any(sid == storage for _, sid in born.values()):
+                        freed.setdefault(storage, k)
+                for (storage, _), slots in self._births.get(k, []):
+                    born.update((slot, (k, storage)) for slot in slots)
+            for slot, (made, storage) in born.items():
+                clears[max(last.get(slot, made), freed.get(storage, end))].append(slot)
+            start = end + 1
 
     def _source_lifetimes(self, flat: list[int], carried: set[int]) -> dict[int, int]:
         """Slot → the last flat position the program held its storage (see :meth:`_liveness`)."""
@@ -375,21 +441,32 @@ class Replayer:
         return held
 
     def materialize(self) -> None:
-        """Synthesise every external tensor: one buffer per captured storage, views laid over it."""
+        """Synthesise every external tensor that lives across steps: one buffer per captured storage,
+        views laid over it (those the program makes during a step are made there: :meth:`_give_birth`)."""
+        static = {slot: entry for slot, entry in self._externals.items() if slot not in self._born_slots}
+        self.static_bytes = self._lay_out(static)  # what lives across steps
+
+    def _give_birth(self, k: int) -> None:
+        """Make the storages the program made right after flat position ``k``, with defined contents."""
+        for _, slots in self._births.get(k, []):
+            self._lay_out({slot: self._externals[slot] for slot in slots})
+
+    def _lay_out(self, externals: dict[int, tuple[TensorInfo, tuple[int, int] | None, bool]]) -> int:
+        """Buffers for these external slots, their views in :attr:`vals` with defined contents; returns
+        the bytes allocated."""
         # Keyed by storage and dtype: the observer's storage ids come from data addresses, reused after
         # frees, so a step counter (int64) and a bias correction (float64) freed and made in turn can
         # arrive with one id; views of one storage in two dtypes are otherwise rare.
         nbytes: dict[tuple[int, torch.dtype], int] = {}
-        for info, _, _ in self._externals.values():
+        for info, _, _ in externals.values():
             end = (info.offset + info.extent) * info.itemsize
             key = (info.storage_id, info.dtype)
             nbytes[key] = max(nbytes.get(key, 0), end)
         storages = {sid: torch.empty(max(n, 1), dtype=torch.uint8, device=self.device).untyped_storage()
                     for sid, n in nbytes.items()}
-        self.static_bytes = sum(max(n, 1) for n in nbytes.values())  # what lives across steps
         # Wide views first: a narrower view of the same storage (e.g. one table's slice of a
         # jagged batch's offsets) carries its own reader's range, so it is written last and wins.
-        ordered = sorted(self._externals.items(), key=lambda item: -item[1][0].extent)
+        ordered = sorted(externals.items(), key=lambda item: -item[1][0].extent)
         for slot, (info, rng, is_offsets) in ordered:
             view = torch.empty(0, dtype=info.dtype, device=self.device)
             view.set_(storages[(info.storage_id, info.dtype)], info.offset, info.shape, info.stride)
@@ -403,6 +480,7 @@ class Replayer:
                 view.set_(storages[(info.storage_id, info.dtype)], info.offset, info.shape, info.stride)
                 if data is None or not copy_recorded(view, data):
                     fill_view(view, rng, is_offsets, self.generator)
+        return sum(max(n, 1) for n in nbytes.values())
 
     def nonfinite_tensors(self) -> int:
         """How many of the tensors carried across steps (parameters, optimiser state, inputs) now hold an
@@ -438,7 +516,8 @@ class Replayer:
         integer_stand_ins: dict[int, int] = {}  # slot → the failed op whose output it stands in for
         with torch.no_grad():
             for k in range(len(self.sequence)) if steps is None else steps:
-                for position in self.sequence[k]:
+                offset = sum(len(s) for s in self.sequence[:k])
+                for j, position in enumerate(self.sequence[k]):
                     op = self.ops[position]
                     if op.error is None:
                         # Index-like inputs invented for a failed op could send an unchecked kernel out
@@ -461,6 +540,7 @@ class Replayer:
                         integer_stand_ins.update(
                             (slot, op.index) for slot, info in zip(op.out_slots, op.out_infos, strict=False)
                             if slot is not None and info is not None and not info.dtype.is_floating_point)
+                    self._give_birth(offset + j)
         if steps is None:
             self._next = 0
         self._steps = [None] * len(self.sequence)  # regenerate: ops that failed are stood in for now
@@ -505,10 +585,12 @@ class Replayer:
         if self.host_gaps:
             gaps = [0.0 if no_gap_time else seconds(self.ops_spec[p].gap_us) for p in positions]
         tail = seconds(self._tail_gaps_us[k]) if self.host_gaps and not no_gap_time else 0.0
+        births = [offset + j if offset + j in self._births else None for j in range(len(positions))]
         return generate_step(self.ops, positions, self._clears[offset:offset + len(positions)], gaps, tail,
-                             call_s=0.0 if no_gap_time else self.call_s,
+                             call_s=0.0 if no_gap_time else self.call_s, births=births,
                              stand_in=lambda i: self._stand_in(self.ops[i]),
-                             fill=lambda i: self.ops[i].store_fills(self.vals, self.generator), name=f"step {k}")
+                             fill=lambda i: self.ops[i].store_fills(self.vals, self.generator),
+                             born=self._give_birth, name=f"step {k}")
 
     def calibrate_host_cost(self, synchronize: Callable[[], None], rounds: int = 4) -> float:
         """Measure the replay's own host time per op call (seconds; kept in :attr:`call_s`).
@@ -569,14 +651,14 @@ class Replayer:
                         started = time.perf_counter()
                         try:
                             op.store(op.call(vals), vals, self.generator)
+                            synchronize()
+                            times.setdefault(op.index, []).append(time.perf_counter() - started)
                         except Exception as err:  # noqa: BLE001 - recorded like a dry-run failure
                             op.error = self.errors[op.index] = describe(err)
                             self._stand_in(op)
-                            continue
-                        synchronize()
-                        times.setdefault(op.index, []).append(time.perf_counter() - started)
                     else:
                         self._stand_in(op)
+                    self._give_birth(offset + j)
                     for slot in self._clears[offset + j]:
                         vals[slot] = None
         self._next = 0

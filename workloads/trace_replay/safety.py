@@ -237,7 +237,7 @@ class _Checker:
             self.str_(scope, f"{where}.scopes[{s}]")
         for d, dep in enumerate(self.list_(op.get("deps", []), f"{where}.deps")):
             self.int_(dep, f"{where}.deps[{d}]")
-        for key in ("allocated", "released"):  # storage ids (lifetimes)
+        for key in ("allocated", "released", "born"):  # storage ids (lifetimes)
             for d, storage in enumerate(self.list_(op.get(key, []), f"{where}.{key}")):
                 self.int_(storage, f"{where}.{key}[{d}]")
         for key, rng in self.dict_(op.get("tensor_range", {}), f"{where}.tensor_range").items():

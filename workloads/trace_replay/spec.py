@@ -370,6 +370,9 @@ def extract_rank(bundle: Path) -> tuple[BundleMeta, list[dict[str, Any]], list[d
     return meta, ops, steps
 
 
+BORN_MIN_BYTES = 1024  # smaller buffers a program makes outside any op are held by the replay throughout
+
+
 def _mark_source_releases(ops: list[dict[str, Any]], kineto: dict[str, Any]) -> None:
     """``allocated`` on each op: its new output storages seen allocated; ``released``: the storages the
     program freed after it and before the next op.
@@ -381,6 +384,17 @@ def _mark_source_releases(ops: list[dict[str, Any]], kineto: dict[str, Any]) -> 
     names until they are rebound): the replay frees each buffer when the program did, so the peak is
     the program's. Bundles captured without memory events get no ``released`` (the replay frees at
     last use).
+
+    ``born`` on an op: storages the program allocated after it and before the next op, outside every
+    replayed op (a compiled graph's own buffers: inductor allocates them without an op), that a later
+    op of the step reads before any op writes them. Without it the replay would hold such a buffer
+    (e.g. an activation a compiled forward saves for its backward) from the start as if it lived
+    across steps; with it the replay makes the buffer when the program did. An allocation is matched
+    to the first storage of its exact size that the step reads without having made or read it, and
+    kept only if the program freed it within the traced steps and after that read (a temporary of the
+    same size freed at once is not it; what lives on is state). Below
+    :data:`BORN_MIN_BYTES` (scalars wrapped from Python numbers) the memory is immaterial and making it
+    each step would cost the replay host time the program did not spend: those stay held throughout.
     """
     memory = sorted((e for e in kineto.get("traceEvents", []) if isinstance(e, dict) and e.get("name") == "[memory]"
                      and isinstance(e.get("args"), dict) and isinstance(e["args"].get("Bytes"), int)
@@ -390,11 +404,18 @@ def _mark_source_releases(ops: list[dict[str, Any]], kineto: dict[str, Any]) -> 
     if not memory or not timed:
         return
     starts = [op["ts_us"] for op in timed]
-    seen: set[int] = set()  # storages that existed before an op: its inputs, earlier outputs
+    seen: set[int] = set()  # storages that existed before an op in its step: its inputs, earlier outputs
     fresh: list[dict[int, int]] = []  # per timed op: new output storage → bytes
-    for op in timed:
+    orphans: list[tuple[int, int, int]] = []  # (first reader, storage, bytes): read before made or read in a step
+    for k, op in enumerate(timed):
+        if k and op["step"] != timed[k - 1]["step"]:
+            seen.clear()
+        read: dict[int, int] = {}
         for ref in _tensor_refs(op["inputs"].get("values", [])):
-            seen.add(ref[1])
+            if ref[1] not in seen and ref[3] > 0:
+                read[ref[1]] = max(read.get(ref[1], 0), (ref[2] + ref[3]) * ref[4])
+        orphans.extend((k, sid, size) for sid, size in read.items())
+        seen.update(ref[1] for ref in _tensor_refs(op["inputs"].get("values", [])))
         new: dict[int, int] = {}
         for ref in _tensor_refs(op["outputs"].get("values", [])):
             if ref[1] not in seen and ref[3] > 0:
@@ -402,8 +423,9 @@ def _mark_source_releases(ops: list[dict[str, Any]], kineto: dict[str, Any]) -> 
             seen.add(ref[1])
         fresh.append(new)
     for op in ops:
-        op["allocated"], op["released"] = [], []
+        op["allocated"], op["released"], op["born"] = [], [], []
     owner: dict[int, int] = {}  # address → the storage allocated there, while it lives
+    unconfirmed: dict[int, tuple[dict[str, Any], tuple[int, int, int]]] = {}  # address → (op, orphan) made between ops
     for event in memory:
         ts, addr, nbytes = float(event["ts"]), event["args"]["Addr"], event["args"]["Bytes"]
         at = bisect.bisect_right(starts, ts) - 1  # the last op that began before the event
@@ -417,6 +439,19 @@ def _mark_source_releases(ops: list[dict[str, Any]], kineto: dict[str, Any]) -> 
                     del fresh[at][storage]
                     owner[addr] = storage
                     op["allocated"].append(storage)
+                continue
+            # between ops: the first storage of this size the step reads later without having made it
+            match = None if nbytes < BORN_MIN_BYTES else next((i for i, (reader, _, size) in enumerate(orphans)
+                          if reader > at and size == nbytes and timed[reader]["step"] == op["step"]), None)
+            if match is not None:
+                unconfirmed[addr] = (op, orphans.pop(match))
+        elif nbytes < 0 and addr in unconfirmed:
+            made, orphan = unconfirmed.pop(addr)
+            if at >= orphan[0]:  # alive when read and freed within the steps: the step's buffer, not state
+                made["born"].append(orphan[1])
+                timed[at]["released"].append(orphan[1])
+            else:  # a temporary of that size, gone before the read: the storage may still match a later one
+                bisect.insort(orphans, orphan)
         elif nbytes < 0 and addr in owner:
             timed[at]["released"].append(owner.pop(addr))
 
