@@ -48,6 +48,7 @@ from harness.runner import (
     connect_tracker,
     join,
     new_run_dir,
+    write_and_publish,
 )
 from harness.tracking import Tracker
 from workloads import discover
@@ -358,11 +359,5 @@ def judge_benchmark(cfg: CobenchConfig, *, benchmark: str | None = None, rounds:
             source.workload.teardown()
             result.status, result.error = status, reason
             if main:
-                (run_dir / "metrics.json").write_text(json.dumps({"status": status, "error": reason,
-                                                                  "metrics": result.metrics}, indent=2))
-                if tracker is not None and result.run_id:
-                    tracker.log_metrics(result.run_id, result.metrics)
-                    tracker.end_run(result.run_id, status, reason)
-                    for path in sorted(p for p in run_dir.iterdir() if p.is_file()):
-                        tracker.log_artifact(result.run_id, path)
+                write_and_publish(result, tracker, {"status": status, "error": reason, "metrics": result.metrics})
     return result

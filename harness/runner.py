@@ -267,6 +267,13 @@ def _finish(
     record = {"status": status, "error": reason, "metrics": result.metrics, "losses": result.losses,
               "quality_history": [[n, q] for n, q in first.quality_history] if first else [],
               "noise": result.noise}
+    write_and_publish(result, tracker, record)
+
+
+def write_and_publish(result: BenchmarkResult, tracker: Tracker | None, record: dict) -> None:
+    """Write the run folder's ``metrics.json`` (``record``: status, error, metrics ...), then record it in
+    the MLflow run (:func:`publish`); if the store is away, the folder says so and keeps everything for
+    ``cobench upload``. Every kind of run ends here, the fidelity judgement's included."""
     if tracker is not None and result.run_id is not None:
         record["mlflow"] = {"uri": tracker.uri, "experiment_id": tracker.experiment_id, "run_id": result.run_id}
     (result.run_dir / "metrics.json").write_text(json.dumps(record, indent=2))
@@ -298,7 +305,7 @@ def publish(tracker: Tracker, run_dir: Path) -> None:
     for samples_count, quality in record.get("quality_history", []):
         tracker.log_metrics(run_id, {f"{k}_curve": v for k, v in quality.items()}, step=samples_count)
     tracker.end_run(run_id, record["status"], record.get("error"))
-    for path in sorted(run_dir.iterdir()):
-        if path.name != UPLOAD_PENDING:
+    for path in sorted(run_dir.iterdir()):  # files; folders (a fidelity run's trace bundle) stay local
+        if path.is_file() and path.name != UPLOAD_PENDING:
             tracker.log_artifact(run_id, path)
     (run_dir / UPLOAD_PENDING).unlink(missing_ok=True)
