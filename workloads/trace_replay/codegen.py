@@ -36,10 +36,11 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
     ``clears[j]``: slots to release after the j-th op (their last use). ``gaps_s[j]``: the
     program's own host time before the j-th op, spent busy as the program did (None: ops back to
     back). ``births[j]``: a key for ``born``, which makes the storages the program made right after
-    the j-th op (None: none). The program's gap before an op includes its own cost of calling the op (Python binding,
-    argument parsing); the replay pays its own instead, ``call_s`` per op (measured by the replayer
-    on its own steps), so that much of each gap counts as spent, and a negative balance (the
-    replay's calls cost more) carries to later gaps.
+    the j-th op (None: none), within the gap that follows it: the program's host time there includes
+    its making them (a compiled graph's own kernels). The program's gap before an op includes its
+    own cost of calling the op (Python binding, argument parsing); the replay pays its own instead,
+    ``call_s`` per op (measured by the replayer on its own steps), so that much of each gap counts as
+    spent, and a negative balance (the replay's calls cost more) carries to later gaps.
     """
     consts: list[Any] = []
     fns: list[Callable[..., Any]] = []
@@ -90,11 +91,11 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
                 lines.append(f"    {call}")
             if op.fills:
                 lines.append(f"    fill({int(position)})")
-        if births is not None and births[j] is not None:
-            lines.append(f"    born({int(births[j])})")
         lines.extend(f"    v[{int(slot)}] = None" for slot in clears[j])
         if gaps_s is not None:
             lines.append("    t = pc()")
+        if births is not None and births[j] is not None:  # inside the next gap: the program made them there
+            lines.append(f"    born({int(births[j])})")
     tail = owed_s + tail_s
     if tail > SPIN_MIN_S:
         lines.append(f"    while pc() < t + {float(tail)!r}: pass")

@@ -88,6 +88,7 @@ class Replayer:
         self.vals: list[Any] = [None] * len(self._slots)
         self._externals = self._find_externals()
         self._births = self._find_births()  # flat position → storages made right after it
+        self._birth_plans: dict[int, tuple[dict, list]] = {}
         self._find_uninitialised_fills()
         self._clears = self._liveness()
         self._next = 0
@@ -448,12 +449,31 @@ class Replayer:
 
     def _give_birth(self, k: int) -> None:
         """Make the storages the program made right after flat position ``k``, with defined contents."""
-        for _, slots in self._births.get(k, []):
-            self._lay_out({slot: self._externals[slot] for slot in slots})
+        if k not in self._birth_plans:  # each step pays for the buffers, not for working out their layout
+            externals = {slot: self._externals[slot] for _, slots in self._births.get(k, []) for slot in slots}
+            keys = {(info.storage_id, info.dtype) for info, _, _ in externals.values()}
+            constraints = [c for c in self._constraints if (c[0].storage_id, c[0].dtype) in keys]
+            # floating storages without recorded constraints (on the CPU, where the generator lives): one
+            # buffer each, filled whole in one call, views laid over it; else the general path
+            fast = [(max(self._externals[s][0].offset + self._externals[s][0].extent for s in slots), dtype,
+                     [(s, self._externals[s][0]) for s in slots]) for (_, dtype), slots in self._births.get(k, [])]
+            if constraints or self.device.type != "cpu" or any(not dtype.is_floating_point for _, dtype, _ in fast):
+                fast = []
+            self._birth_plans[k] = (externals, constraints, fast)
+        externals, constraints, fast = self._birth_plans[k]
+        if not fast:
+            self._lay_out(externals, constraints)
+            return
+        for numel, dtype, views in fast:
+            whole = torch.empty(max(numel, 1), dtype=dtype, device=self.device)
+            whole.uniform_(0.1, 1.0, generator=self.generator)  # see tensors.fill_view: positive, defined
+            for slot, info in views:
+                self.vals[slot] = whole.as_strided(info.shape, info.stride, info.offset)
 
-    def _lay_out(self, externals: dict[int, tuple[TensorInfo, tuple[int, int] | None, bool]]) -> int:
-        """Buffers for these external slots, their views in :attr:`vals` with defined contents; returns
-        the bytes allocated."""
+    def _lay_out(self, externals: dict[int, tuple[TensorInfo, tuple[int, int] | None, bool]],
+                 constraints: list[tuple[TensorInfo, tuple[int, int] | None, bool, str | None]] | None = None) -> int:
+        """Buffers for these external slots, their views in :attr:`vals` with defined contents (``constraints``:
+        the readers' recorded ranges and data that may apply, default all); returns the bytes allocated."""
         # Keyed by storage and dtype: the observer's storage ids come from data addresses, reused after
         # frees, so a step counter (int64) and a bias correction (float64) freed and made in turn can
         # arrive with one id; views of one storage in two dtypes are otherwise rare.
@@ -474,7 +494,8 @@ class Replayer:
             self.vals[slot] = view
         # Then what the readers recorded, on every view of a synthesised storage: ranges from the
         # widest view to the narrowest, recorded data last (it is the program's own values).
-        for info, rng, is_offsets, data in sorted(self._constraints, key=lambda c: (c[3] is not None, -c[0].extent)):
+        constraints = self._constraints if constraints is None else constraints
+        for info, rng, is_offsets, data in sorted(constraints, key=lambda c: (c[3] is not None, -c[0].extent)):
             if (info.storage_id, info.dtype) in storages:
                 view = torch.empty(0, dtype=info.dtype, device=self.device)
                 view.set_(storages[(info.storage_id, info.dtype)], info.offset, info.shape, info.stride)
