@@ -53,7 +53,7 @@ from harness.runner import (
 from harness.tracking import Tracker
 from workloads import discover
 from workloads.base import RunContext
-from workloads.trace_bundle import rank_dirs, read_meta
+from workloads.trace_bundle import KINETO_FILE, STEP_ANNOTATION, rank_dirs, read_json, read_meta
 
 FIDELITY_FILE = "fidelity.json"
 # The figure means something only when the source itself is steady: its round medians' spread (cv)
@@ -196,9 +196,15 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
     try:
         side = interleave(source_step, replay.step, ctx.device, rounds=rounds, steps_per_round=steps_per_round,
                           warmup=warmup, seed=ctx.seed)
-        dirs = rank_dirs(bundle)  # each captured step once, on each side
-        memory_steps = len(read_meta(dirs[min(ctx.rank, len(dirs) - 1)]).traced_step_times_s)
-        source_peak = step_memory_peak_bytes(source_step, ctx.device, memory_steps)
+        rank_dir = rank_dirs(bundle)[min(ctx.rank, len(rank_dirs(bundle)) - 1)]
+        memory_steps = len(read_meta(rank_dir).traced_step_times_s)  # each captured step once
+        # The source's peak over the very steps the replay replays (the capture's allocator events, same
+        # process, same batches): a program whose batches differ (jagged, data-dependent) would otherwise
+        # be judged against other batches. Bundles without memory events: the source's next steps.
+        source_peak = captured_step_peak_bytes(rank_dir, ctx.device)
+        source_peak_from = "captured steps"
+        if source_peak is None:
+            source_peak, source_peak_from = step_memory_peak_bytes(source_step, ctx.device, memory_steps), "next steps"
         replay_peak = step_memory_peak_bytes(replay.step, ctx.device, memory_steps)
         replay.observe_step_times([t / 1e3 for r in side.replay_ms for t in r])
         replay.extra_metrics()  # coverage, categories, per-op timing: writes the replay's fidelity.json
@@ -225,6 +231,7 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
         "memory_error_pct": 100.0 * (replay_peak - source_peak) / (static + source_peak)
         if static + source_peak > 0 else math.nan,
     })
+    record["source_step_peak_from"] = source_peak_from
     record["judgement"] = "side_by_side"
     record["side_by_side"] = {k: v for k, v in asdict(side).items() if k not in ("source_ms", "replay_ms")}
     record["side_by_side"]["source_ms"], record["side_by_side"]["replay_ms"] = side.source_ms, side.replay_ms
@@ -233,6 +240,33 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
     tmp.write_text(json.dumps(record, indent=2))
     tmp.replace(path)
     return record
+
+
+def _memory_totals(events: list, device: torch.device) -> list[tuple[float, float, float]]:
+    """(time, bytes, the allocator's running total after it) of the profiler's memory events for ``device``."""
+    device_type = _C10_DEVICE_TYPES.get(device.type)
+    return [(float(e["ts"]), float(e["args"].get("Bytes", 0)), float(e["args"]["Total Allocated"])) for e in events
+            if isinstance(e, dict) and e.get("name") == "[memory]" and isinstance(e.get("args"), dict)
+            and "Total Allocated" in e["args"] and isinstance(e.get("ts"), int | float)
+            and (e["args"].get("Device Type") == device_type if device_type is not None
+                 else e["args"].get("Device Type") != 0)]
+
+
+def captured_step_peak_bytes(rank_dir: Path, device: torch.device) -> int | None:
+    """The most memory one captured step held beyond what it started with, from the capture's own allocator
+    events (its Kineto trace); None when the bundle has none."""
+    events = read_json(rank_dir / KINETO_FILE, "Kineto trace").get("traceEvents", [])
+    totals = _memory_totals(events, device)
+    steps = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+             if isinstance(e, dict) and e.get("ph") == "X" and str(e.get("name", "")).startswith(STEP_ANNOTATION)
+             and isinstance(e.get("ts"), int | float) and isinstance(e.get("dur"), int | float)]
+    peaks = []
+    for start, end in steps:
+        inside = [(b, t) for ts, b, t in totals if start <= ts <= end]
+        if inside:
+            before = inside[0][1] - inside[0][0]  # the running total when the step began
+            peaks.append(max(0.0, max(t for _, t in inside) - before))
+    return int(max(peaks)) if peaks else None
 
 
 def step_memory_peak_bytes(step: Callable[[], Any], device: torch.device, steps: int = 1) -> int:
@@ -254,12 +288,7 @@ def step_memory_peak_bytes(step: Callable[[], Any], device: torch.device, steps:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
-    device_type = _C10_DEVICE_TYPES.get(device.type)
-    totals = [float(e["args"]["Total Allocated"]) for e in events
-              if e.get("name") == "[memory]" and isinstance(e.get("args"), dict) and "Total Allocated" in e["args"]
-              and (e["args"].get("Device Type") == device_type if device_type is not None
-                   else e["args"].get("Device Type") != 0)]
-    return int(max([0.0, *totals]))
+    return int(max([0.0, *(total for _, _, total in _memory_totals(events, device))]))
 
 
 def _cv_pct(values: list[float]) -> float:
