@@ -39,6 +39,10 @@ CODECS: dict[str, Callable[[], object]] = {
     "eb-rel-1e-2": lambda: ErrorBoundedCodec(ErrorBoundConfig(eb=1e-2, measure_error=False)),
     "eb-rel-1e-3": lambda: ErrorBoundedCodec(ErrorBoundConfig(eb=1e-3, measure_error=False)),
     "eb-rel-1e-2+measure": lambda: ErrorBoundedCodec(ErrorBoundConfig(eb=1e-2, measure_error=True)),
+    # agreed packing (one process: no exchange) and the table-wise bounds measured on every message
+    "eb-abs-1e-3-agreed": lambda: ErrorBoundedCodec(ErrorBoundConfig(mode="abs", eb=1e-3, packing="agreed")),
+    "eb-abs-1e-3-range": lambda: ErrorBoundedCodec(ErrorBoundConfig(mode="abs", eb=1e-3, packing="agreed",
+                                                                    table_bounds="range")),
 }
 
 

@@ -446,6 +446,32 @@ def test_cpu_kernels_and_tensor_program_send_the_same_bytes():
                 assert torch.equal(ours.nan_to_num(), theirs.nan_to_num())
 
 
+def test_cpu_width_kernels_agree_with_the_tensor_code(monkeypatch):
+    """Agreed packing sizes a message from the blocks' min and max; on CPU a C++ loop does it. Same
+    min/max as torch.aminmax (NaN blocks included) and the same width as the tensor code, on ordinary,
+    wide, nearly constant, subnormal and non-finite blocks, rel and abs."""
+    from workloads.dlrm import eb_kernels
+
+    assert eb_kernels.cpu_kernels() is not None
+    g = torch.Generator().manual_seed(21)
+    blocks = torch.cat([torch.randn(64, BS, generator=g) * 0.1, torch.randn(64, BS, generator=g) * 1e4,
+                        1.0 + torch.randn(64, BS, generator=g) * 1e-7, torch.randn(64, BS, generator=g) * 1e-40,
+                        adversarial_blocks(64, BS, seed=22).view(-1, BS)])
+    blocks[3, 5], blocks[4, 0], blocks[5, 9] = math.nan, math.inf, -math.inf
+    lo, hi = eb_kernels.block_minmax(blocks)
+    want_lo, want_hi = torch.aminmax(blocks, dim=1)
+    assert torch.equal(lo, want_lo) or torch.allclose(lo, want_lo, equal_nan=True, rtol=0, atol=0)
+    assert torch.allclose(hi, want_hi, equal_nan=True, rtol=0, atol=0)
+    for mode, eb in (("rel", 1e-2), ("rel", 1e-4), ("abs", 1e-3), ("abs", 1e-6)):
+        c = codec(mode=mode, eb=eb, packing="agreed", measure_error=False)
+        factor, _ = c._block_factors(blocks.shape[0], blocks, None)
+        cpp = c._local_bits(blocks, factor)
+        monkeypatch.setattr(eb_kernels, "cpu_kernels", lambda: None)
+        tensor = c._local_bits(blocks, factor)
+        monkeypatch.undo()
+        assert cpp == tensor, (mode, eb, cpp, tensor)
+
+
 def test_ordinary_embeddings_take_the_fast_path():
     x = torch.randn(256, 128, generator=torch.Generator().manual_seed(13)) * 0.1
     c = codec(eb=1e-2)

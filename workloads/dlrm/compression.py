@@ -353,7 +353,7 @@ class ErrorBoundedCodec(CustomCodec):
         start, exchanged = time.perf_counter(), self.stats.exchange_seconds
         x = input_tensor.reshape(self._num_blocks(input_tensor.numel()), self.config.block_size)
         self._check_value_range(x)
-        minmax = torch.aminmax(x, dim=1) if self._fixed_bits is None else None  # agreed packing reads it
+        minmax = eb_kernels.block_minmax(x) if self._fixed_bits is None else None  # agreed packing reads it
         if self.config.table_bounds is TableBounds.RANGE:
             self._measure_ranges(minmax, input_tensor, ctx)
         factor, factor32 = self._block_factors(x.shape[0], input_tensor, ctx)
@@ -490,7 +490,14 @@ class ErrorBoundedCodec(CustomCodec):
         (step near ``2 · bound``) fits the same width. The other blocks get the exact float64 answer
         (:func:`eb_grid.needed_bits`). The encoder checks every block either way. ``minmax``: the
         blocks' min and max, when the caller has them."""
-        lo, hi = minmax if minmax is not None else torch.aminmax(x, dim=1)
+        lo, hi = minmax if minmax is not None else eb_kernels.block_minmax(x)
+        if x.device.type == "cpu" and (kernels := eb_kernels.cpu_kernels()) is not None:  # the same, in one loop
+            easy_bits, hard_mask = kernels.easy_width(lo, hi, factor.double().contiguous(), self._rel)
+            needed, hard = int(easy_bits), hard_mask.nonzero().flatten()
+            if hard.numel():
+                bound = factor[hard] * (hi[hard].double() - lo[hard].double()) if self._rel else factor[hard]
+                needed = max(needed, int(eb_grid.needed_bits(x[hard], bound).max()))
+            return RAW_BITS if needed > MAX_PACKED_BITS else needed
         finite = torch.isfinite(lo) & torch.isfinite(hi)  # a NaN anywhere makes the block's min/max NaN
         if not bool(finite.all()):
             if not bool(finite.any()):

@@ -297,7 +297,74 @@ torch::Tensor decode(torch::Tensor message, int64_t bits, int64_t block) {
   return out;
 }
 
+// One thread's share of block_minmax (AVX2 or baseline). The ternaries vectorise to min/max
+// instructions; a NaN anywhere in a block makes both of its figures NaN, as torch.aminmax does.
+__attribute__((target_clones("avx2", "default")))
+void minmax_blocks(const float* xp, float* lp, float* hp, int64_t begin, int64_t end, int64_t block) {
+  for (int64_t r = begin; r < end; ++r) {
+    const float* v = xp + r * block;
+    float lo = v[0], hi = v[0];
+    bool nan = false;
+    for (int64_t i = 0; i < block; ++i) {
+      const float e = v[i];
+      lo = e < lo ? e : lo;
+      hi = e > hi ? e : hi;
+      nan |= e != e;
+    }
+    lp[r] = nan ? std::numeric_limits<float>::quiet_NaN() : lo;
+    hp[r] = nan ? std::numeric_limits<float>::quiet_NaN() : hi;
+  }
+}
+
+// x: (n, block) float32 -> (min, max) per block, (n,) each: what agreed packing needs to size a message
+// (torch.aminmax over a short inner dimension costs several times this on CPU).
+std::vector<torch::Tensor> block_minmax(torch::Tensor x) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() && x.size(1) > 0,
+              "x: contiguous (n, block) float32");
+  const int64_t n = x.size(0), block = x.size(1);
+  auto lo = torch::empty({n}, x.options()), hi = torch::empty({n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* lp = lo.data_ptr<float>();
+  float* hp = hi.data_ptr<float>();
+  at::parallel_for(0, n, GRAIN * 4, [&](int64_t begin, int64_t end) { minmax_blocks(xp, lp, hp, begin, end, block); });
+  return {lo, hi};
+}
+
+// Agreed packing's width from the blocks' min and max (compression.ErrorBoundedCodec._local_bits has the
+// argument): factor (n,) float64 — the bound (abs) or its fraction of the range (rel). Returns (the width
+// the "easy" blocks need, int64 scalar; hard (n,) bool — the blocks float32 rounding could matter for,
+// which take the exact float64 answer). Non-finite blocks are neither. All in float64, as the tensor
+// code; ceil(log2(y)) exactly, from y's binary exponent.
+std::vector<torch::Tensor> easy_width(torch::Tensor lo, torch::Tensor hi, torch::Tensor factor, bool rel) {
+  TORCH_CHECK(lo.dtype() == torch::kFloat32 && hi.dtype() == torch::kFloat32 && lo.numel() == hi.numel(),
+              "lo, hi: (n,) float32");
+  TORCH_CHECK(factor.dtype() == torch::kFloat64 && factor.numel() == lo.numel(), "factor: (n,) float64");
+  const int64_t n = lo.numel();
+  auto hard = torch::zeros({n}, lo.options().dtype(torch::kBool));
+  const float* lp = lo.contiguous().data_ptr<float>();
+  const float* hp = hi.contiguous().data_ptr<float>();
+  const auto fc = factor.contiguous();
+  const double* fp = fc.data_ptr<double>();
+  bool* kp = hard.data_ptr<bool>();
+  int64_t needed = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    const double l = lp[r], h = hp[r];
+    if (!std::isfinite(l) || !std::isfinite(h)) continue;
+    const double span = h - l, bound = rel ? fp[r] * span : fp[r];
+    const double top = std::max(std::fabs(l), std::fabs(h));
+    const double rounding = (top + 2 * bound) * std::ldexp(1.0, -23);
+    if (!(bound > 0) || !(rounding <= bound * std::ldexp(1.0, -10))) { kp[r] = true; continue; }
+    const double y = span / (2 * bound * (1 - std::ldexp(1.0, -7))) + 1;  // >= 1
+    int e;
+    const double m = std::frexp(y, &e);  // y = m * 2^e, m in [0.5, 1)
+    needed = std::max<int64_t>(needed, m == 0.5 ? e - 1 : e);
+  }
+  return {torch::tensor(needed, torch::kInt64), hard};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("encode", &encode, "error-bounded fast-path encode (CPU)");
   m.def("decode", &decode, "error-bounded decode (CPU)");
+  m.def("block_minmax", &block_minmax, "per-block min and max (CPU)");
+  m.def("easy_width", &easy_width, "agreed packing's width of the easy blocks, and the hard ones (CPU)");
 }

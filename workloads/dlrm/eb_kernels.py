@@ -103,6 +103,16 @@ def encode_fast(x: torch.Tensor, factor: torch.Tensor, rel: bool, bits: int
     return (compiled[0] if compiled else _encode_tensor)(x, factor, rel, bits)
 
 
+def block_minmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(min, max) of every row of ``x`` (n, block) float32, NaN where the row holds one (torch.aminmax's
+    semantics; on CPU a C++ loop, several times faster than aminmax over a short inner dimension)."""
+    x = x.contiguous()
+    if x.device.type == "cpu" and x.numel() and (kernels := cpu_kernels()) is not None:
+        lo, hi = kernels.block_minmax(x)
+        return lo, hi
+    return torch.aminmax(x, dim=1)
+
+
 def decode_fast(message: torch.Tensor, bits: int, block: int) -> torch.Tensor:
     """(n, block) float32 from (n, 8 + payload) uint8 message rows (both kinds of block)."""
     message = message.contiguous()
