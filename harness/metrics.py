@@ -191,6 +191,25 @@ METRIC_DEFINITIONS: dict[str, tuple[str, str]] = {
                                          "measured)"),
     "memory_error_pct": ("%", "(replay step peak − source step peak) ÷ (source step peak + what lives across steps) "
                               "× 100, each side's peak from the allocator's accounting"),
+    "active_params": ("count", "llama: parameters one token uses: everything but the routed experts, plus k of "
+                               "each MoE layer's E experts"),
+    "expert_load_max_over_mean": ("ratio", "llama MoE: tokens routed to the busiest expert ÷ the mean per expert, "
+                                           "per step, averaged over the timed steps; the worst MoE layer "
+                                           "(per layer: expert_load_max_over_mean_layer<i>)"),
+    "tokens_dropped": ("count", "llama MoE: routed token slots not computed (dropless routing: 0)"),
+    "a2a_share": ("fraction", "llama MoE with expert parallelism: all-to-all time ÷ step time, per step, rank 0"),
+    "busbw_gbps": ("GB/s", "collectives: algbw × nccl-tests' bus factor (all_reduce 2(n−1)/n; all_gather, "
+                           "reduce_scatter, all_to_all (n−1)/n; broadcast, reduce, send_recv 1) at the sweep's "
+                           "largest size, p50 time (each sample the slowest rank's)"),
+    "algbw_gbps": ("GB/s", "collectives: message bytes ÷ p50 time at the sweep's largest size"),
+    "latency_us_p50": ("µs", "collectives: median time of the sweep's smallest message"),
+    "pg_startup_s": ("s", "collectives: creating a fresh process group and its first barrier"),
+    "stall_s": ("s", "ft: the survivors' longest step beyond their median step, around the failure"),
+    "recovery_s": ("s", "ft: from the kill to the restarted replica group's first committed step"),
+    "steps_lost": ("count", "ft: committed steps that had to be trained again after the failure"),
+    "effective_training_time_pct": ("%", "ft: time spent in steps that count ÷ wall time × 100"),
+    "goodput": ("fraction", "ft: committed samples per second ÷ the failure-free samples per second"),
+    "weights_identical": ("0 or 1", "ft: 1 when every replica's weights are bit-identical after healing"),
 }
 
 
