@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import hf_llama_config
 
 from workloads.llama import PRESETS, Transformer, from_hf_config, load_hf_state_dict
 from workloads.llama.model import ModelArgs
@@ -35,22 +36,10 @@ SHAPES = {
 }
 
 
-def _hf_config(args: ModelArgs) -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(
-        hidden_size=args.dim, intermediate_size=args.hidden_dim, num_hidden_layers=args.n_layers,
-        num_attention_heads=args.n_heads, num_key_value_heads=args.kv_heads, vocab_size=args.vocab_size,
-        rms_norm_eps=args.norm_eps, max_position_embeddings=max(args.max_seq_len, args.rope_original_max_seq_len),
-        rope_scaling={"rope_type": "llama3", "factor": args.rope_scale_factor,
-                      "low_freq_factor": args.rope_low_freq_factor, "high_freq_factor": args.rope_high_freq_factor,
-                      "original_max_position_embeddings": args.rope_original_max_seq_len},
-        rope_theta=args.rope_theta, tie_word_embeddings=False, attn_implementation="sdpa",
-    )
-
-
 def _models(shape: str):
     args, batch, seq = SHAPES[shape]
     torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(_hf_config(args)).train()
+    hf = transformers.LlamaForCausalLM(hf_llama_config(args)).train()
     ours = Transformer(from_hf_config(hf.config)).train()
     load_hf_state_dict(ours, hf.state_dict())
     tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
