@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -120,6 +121,28 @@ def record_rank_exit(work_dir: Path, rank: int, how: str) -> None:
     folder = work_dir / "ranks"
     if folder.is_dir():
         (folder / f"rank{rank}.exit").write_text(how)
+
+
+def lost_ranks_when_stopped(work_dir: Path, grace_s: float = 2.0) -> list[str]:
+    """:func:`lost_ranks`, for a rank stopped by a signal: a peer killed a moment earlier may still be
+    dying (torchrun, or a user, signals the survivors right after the kill), so wait up to ``grace_s``
+    until each other rank of this host has either left saying so (its ``.exit``) or is gone."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        lost = lost_ranks(work_dir)
+        if lost or time.monotonic() >= deadline:
+            return lost
+        host, waiting = socket.gethostname(), False
+        for path in (work_dir / "ranks").glob("rank*.json"):
+            try:
+                rank = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if rank.get("host") == host and rank.get("pid") != os.getpid() and not path.with_suffix(".exit").exists():
+                waiting = True
+        if not waiting:
+            return []
+        time.sleep(0.1)
 
 
 def lost_ranks(work_dir: Path) -> list[str]:

@@ -31,6 +31,7 @@ from harness.distributed import (
     gather_to_all,
     init_distributed,
     lost_ranks,
+    lost_ranks_when_stopped,
     record_rank,
     record_rank_exit,
 )
@@ -214,14 +215,17 @@ def run_benchmark(
                 repetitions.append(gather_to_all(state))
                 states = []
     except KeyboardInterrupt as err:
-        status, reason = STATUS_KILLED, f"interrupted by {signal_name(err)}"
-        if dist_info.enabled:
-            record_rank_exit(run_dir, dist_info.rank, reason)
-            lost = lost_ranks(run_dir)
-            if lost:  # torchrun stops the survivors of a rank that died: the run failed, it was not cancelled
-                status = STATUS_FAILED
-                reason = f"{', '.join(lost)} died (no longer running) during the run; then this rank was {reason}"
-        _finish(result, tracker, repetitions, states, peak, status, reason, runner=cfg.runner)
+        # A second signal (torchrun's SIGTERM after the user's, or after a peer died) waits until the run
+        # is closed: it must not cut the look at the peers, nor leave the run to be closed as KILLED.
+        with deferred_interrupts():
+            status, reason = STATUS_KILLED, f"interrupted by {signal_name(err)}"
+            if dist_info.enabled:
+                record_rank_exit(run_dir, dist_info.rank, reason)
+                lost = lost_ranks_when_stopped(run_dir)
+                if lost:  # torchrun stops the survivors of a rank that died: the run failed, not cancelled
+                    status = STATUS_FAILED
+                    reason = f"{', '.join(lost)} died (no longer running) during the run; then this rank was {reason}"
+            _finish(result, tracker, repetitions, states, peak, status, reason, runner=cfg.runner)
         raise
     except Exception as err:  # noqa: BLE001 - any failure must end the run FAILED, with its reason
         reason = f"{type(err).__name__}: {err}"
