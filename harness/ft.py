@@ -133,6 +133,63 @@ def load_run_config(path: Path) -> CobenchConfig:
     return OmegaConf.to_object(OmegaConf.merge(schema, loaded))
 
 
+SYNC_DIR = "ft_sync"  # the groups' words to each other: when all started, when to stop (not results)
+STOP_WAIT_S = 10.0  # how long a group that is ready to stop waits for the others' word on the same step
+
+
+def agree_to_stop(folder: Path, step: int, replica: int, replicas: int, ready: bool) -> bool:
+    """Whether every replica group stops after ``step``: the same answer for all of them, whenever they ask.
+
+    Each group posts whether it is ready (its last step committed by every group); a ready group waits up
+    to :data:`STOP_WAIT_S` for the others' posts for the same step. The first group to publish a decision
+    for the step wins (an atomic ``link``), and everyone takes the published one: a group that lags or has
+    died makes the decision "go on", never half the groups stopping. Reading each other's step logs instead
+    raced (a rank saw a peer's line a moment before its counterpart did and left its group mid-step).
+    """
+    folder.mkdir(exist_ok=True)
+
+    def post(name: str, value: str) -> str:  # create ``name`` with ``value`` unless it exists; its value
+        tmp = folder / f".{name}.{replica}.{os.getpid()}"
+        tmp.write_text(value)
+        try:
+            os.link(tmp, folder / name)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+        return (folder / name).read_text()
+
+    post(f"{step}.replica{replica}", "ready" if ready else "not ready")
+    decision = "stop" if ready else "go on"
+    deadline = time.monotonic() + STOP_WAIT_S
+    while ready and decision == "stop":
+        if (folder / f"{step}.decision").exists():
+            break
+        words = [(folder / f"{step}.replica{r}") for r in range(replicas)]
+        if all(w.exists() for w in words):
+            decision = "stop" if all(w.read_text() == "ready" for w in words) else "go on"
+            break
+        if time.monotonic() > deadline:
+            decision = "go on"
+            break
+        time.sleep(0.005)
+    return post(f"{step}.decision", decision) == "stop"
+
+
+def meet(folder: Path, name: str, replica: int, replicas: int, timeout_s: float) -> None:
+    """Wait until every replica group has come here (a file barrier): the lighthouse forms the first
+    quorum with whoever joined within ``ft.join_timeout_ms``, and under load one group's start-up can
+    take seconds longer than another's (it then healed at step 30 and never reached the kill step)."""
+    folder.mkdir(exist_ok=True)
+    (folder / f"{name}.replica{replica}").touch()
+    deadline = time.monotonic() + timeout_s
+    while not all((folder / f"{name}.replica{r}").exists() for r in range(replicas)):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"replica group {replica}: the other groups did not start within "
+                               f"ft.timeout_s={timeout_s}")
+        time.sleep(0.005)
+
+
 def replica_main(argv: list[str]) -> int:
     """One process of a replica group (``--side torchft``) or of the plain job (``--side baseline``)."""
     from harness.loop import seed_everything
@@ -165,6 +222,9 @@ def replica_main(argv: list[str]) -> int:
                           # on one rank while another all-gathers mismatches the group's collectives)
                           use_async_quorum=dist_info.world_size == 1)
     tolerance = FaultTolerance(replica=args.replica, replicas=ft.replicas if manager else 1, manager=manager)
+    if manager is not None and args.incarnation == 0:  # all groups meet before their first quorum
+        tolerance.before_first_quorum = lambda: meet(args.run_dir / SYNC_DIR, f"start.rank{dist_info.rank}",
+                                                     args.replica, ft.replicas, ft.timeout_s)
     ctx = RunContext(device=platform.device, seed=cfg.seed, rank=dist_info.rank, world_size=dist_info.world_size,
                      process_group=torch.distributed.group.WORLD if dist_info.enabled else None,
                      deterministic=cfg.deterministic, work_dir=args.run_dir, device_name=platform.device_name,
@@ -183,24 +243,23 @@ def replica_main(argv: list[str]) -> int:
     victim = args.incarnation == 0 and args.replica == (ft.kill_replica if manager else 0)
     # with torchft, training goes on past the last step until every group is back (at most ft.timeout_s): a
     # restart takes seconds, and a group that came back after the others had finished could heal from no one.
-    # A group stops after step S once it and every other group committed S - 1 since their (re)start: groups
-    # that trained together stop together, at the same step (each rank asks its counterparts: a group agrees)
-    def peers_caught_up(at: int) -> bool:
-        if at - 1 not in committed_here:  # a healed group first trains one step beside the others
+    # From the last step on, the groups agree after each step whether to stop (:func:`agree_to_stop`): all
+    # stop at the same step, with the same weights, or none does.
+    def finished(at: int, ready: bool) -> bool:
+        if manager is None:
+            return at >= total_steps(cfg)
+        if at < total_steps(cfg):
             return False
-        for other in range(ft.replicas):
-            path = args.run_dir / f"ft_{args.side}_replica{other}_rank{dist_info.rank}.jsonl"
-            if other == args.replica or path.with_name(path.name.replace(".jsonl", ".final.json")).exists():
-                continue
-            entries = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-            entries = [e for e in entries if "killed_at" not in e]
-            latest = max((e["incarnation"] for e in entries), default=0)
-            if max((e["step"] for e in entries if e["incarnation"] == latest and e["committed"]), default=-1) < at - 1:
-                return False
-        return True
+        done = agree_to_stop(args.run_dir / SYNC_DIR, at, args.replica, ft.replicas, ready) \
+            if dist_info.rank == 0 else False
+        if dist_info.enabled:  # the group's rank 0 decided for it: its ranks stop together (FSDP2 inside)
+            flag = torch.tensor([1 if done else 0], device=platform.device)
+            torch.distributed.broadcast(flag, src=0)
+            done = flag.item() == 1
+        return done
 
-    committed_here: set[int] = set()
-    while step < total_steps(cfg) or (manager is not None and not peers_caught_up(step)):
+    full = False  # whether the last step was committed by every group: this group is ready to stop after it
+    while not finished(step, full):
         before = manager.current_step() if manager else step
         start = time.time()
         result = workload.step()
@@ -208,9 +267,8 @@ def replica_main(argv: list[str]) -> int:
         if manager is not None:  # waiting for the next quorum (a dead peer's heartbeat timeout) is in the step
             step = manager.current_step()
             committed = step > before
-            if committed:
-                committed_here.add(step)
             participants = manager.num_participants()
+            full = committed and participants == ft.replicas
             end = time.time()
         else:  # the plain job: its checkpoints' cost is in its steps
             step, committed, participants = step + 1, True, 1
@@ -474,6 +532,7 @@ def run_ft(cfg: CobenchConfig) -> BenchmarkResult:
     (run_dir / "metrics.json").write_text(json.dumps(record, indent=2))
     for path in run_dir.glob("ft_baseline_checkpoint_rank*.pt"):
         path.unlink()  # the baseline's restart points, not results
+    shutil.rmtree(run_dir / SYNC_DIR, ignore_errors=True)  # the groups' words to each other, not results
     if tracker is not None and result.run_id is not None:
         publish(tracker, run_dir)
     return result

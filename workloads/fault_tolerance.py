@@ -34,6 +34,9 @@ class FaultTolerance:
     manager: Any = None  # torchft.Manager; None: a plain job restarted from checkpoints by the harness
     state_dict: Callable[[], dict[str, Any]] | None = field(default=None, repr=False)
     load_state_dict: Callable[[dict[str, Any]], None] | None = field(default=None, repr=False)
+    # called once before the first quorum: the harness lets the groups of a fresh start join together (a
+    # group ready seconds before the others would otherwise train alone and be steps ahead)
+    before_first_quorum: Callable[[], None] | None = field(default=None, repr=False)
 
     def attach(self, model: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Callable[[], dict[str, Any]],
                load_state_dict: Callable[[dict[str, Any]], None]) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -55,6 +58,8 @@ class FaultTolerance:
         else:
             model = _ReplicaDDP(manager, model)
         optimizer = OptimizerWrapper(manager, optimizer)
+        if self.before_first_quorum is not None:
+            self.before_first_quorum()
         optimizer.zero_grad(set_to_none=True)  # starts the first quorum (a new replica heals here)
         return model, optimizer
 
