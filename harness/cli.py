@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import shutil
 import sys
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
+
+if TYPE_CHECKING:
+    from harness.config import CobenchConfig
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -22,11 +26,11 @@ def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
     raise SystemExit(code)
 
 
-def validate_overrides(overrides: list[str]) -> None:
+def validate_overrides(overrides: list[str]) -> CobenchConfig:
     """Compose and validate every value of every sweep before the first run starts.
 
     Hydra composes each job only when it starts, so without this a bad value in the last job of
-    a sweep would fail after the others ran. Raises ValueError naming the key.
+    a sweep would fail after the others ran. Raises ValueError naming the key; returns the first job's.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
@@ -45,8 +49,7 @@ def validate_overrides(overrides: list[str]) -> None:
     for i, values in enumerate(choices):
         for value in values[1:] if i else values:
             to_run_config(compose_config([*first[:i], value, *first[i + 1 :]]))
-    if not choices:
-        to_run_config(compose_config([]))
+    return to_run_config(compose_config(first))
 
 
 def run_main(argv: list[str]) -> int:
@@ -54,9 +57,10 @@ def run_main(argv: list[str]) -> int:
     (:func:`suite.cli.guarded`): ValueError and TrackingError are bad input, Ctrl-C an interruption."""
     import hydra
 
-    from harness.config import CONF_DIR, register_configs, to_run_config
-    from harness.distributed import env_dist_info
+    from harness.config import CONF_DIR, register_configs, results_root, to_run_config
+    from harness.distributed import adopt_slurm_tasks, env_dist_info
     from harness.runner import STATUS_FINISHED, BenchmarkResult, run_benchmark
+    from harness.scheduler import check_launcher, collect_results, launcher_of, prepare_argv, save_result
     from harness.summary import print_summary, sweep_labels
     from harness.tracking import TrackingError
 
@@ -67,6 +71,7 @@ def run_main(argv: list[str]) -> int:
         from hydra.core.hydra_config import HydraConfig
 
         try:
+            adopt_slurm_tasks()  # a job of several srun tasks: one process group, as under torchrun
             run_cfg = to_run_config(cfg)
             job_overrides.append(list(HydraConfig.get().overrides.task))
             if run_cfg.ft.name != "none":  # the failure scenario launches its own processes (harness/ft.py)
@@ -75,14 +80,20 @@ def run_main(argv: list[str]) -> int:
                 results.append(run_ft(run_cfg))
             else:
                 results.append(run_benchmark(run_cfg))
+            if remote and env_dist_info().is_main:  # on a node: hand the result back to the submitter
+                save_result(HydraConfig.get().runtime.output_dir, results[-1])
         except (ValueError, TrackingError) as err:
             # refused before any run existed: leave no empty Hydra job folder behind
             shutil.rmtree(HydraConfig.get().runtime.output_dir, ignore_errors=True)
             fail(str(err))
 
     hydra_flags = [a for a in argv if a.startswith("-") and a not in ("-m", "--multirun")]
+    remote = launcher_of(argv)  # a launcher that runs the jobs elsewhere (SLURM): results come back as files
     if not hydra_flags:  # --help, --cfg, --info ... only show things: let Hydra answer
-        validate_overrides([a for a in argv if not a.startswith("-")])
+        first = validate_overrides([a for a in argv if not a.startswith("-")])
+        if remote:
+            check_launcher(remote, argv)
+            argv, sweep_dir = prepare_argv(argv, results_root(first))
     register_configs()
     app = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(task)
     saved_argv = sys.argv
@@ -91,6 +102,8 @@ def run_main(argv: list[str]) -> int:
         app()
     finally:
         sys.argv = saved_argv
+    if remote and not hydra_flags:
+        results[:], job_overrides[:] = collect_results(sweep_dir)
     if not results:  # --help, --cfg job, ... : Hydra answered and ran nothing
         return EXIT_OK
     if env_dist_info().is_main:

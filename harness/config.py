@@ -146,11 +146,14 @@ class SuiteConfig:
     baseline: str | None = None
     delta_metrics: list[str] = field(default_factory=list)
     summary_metrics: list[str] = field(default_factory=list)  # extra columns in the summary table
+    only: list[str] = field(default_factory=list)  # run just these benchmarks of the suite (empty: all)
 
     def __post_init__(self) -> None:
         _require(bool(self.benchmarks), "suite.benchmarks", "a suite needs at least one benchmark")
         names = [b.name for b in self.benchmarks]
         _require(len(set(names)) == len(names), "suite.benchmarks", f"duplicate names in {names}")
+        for name in self.only:
+            _require_choice(name, "suite.only", tuple(names))
         replays = [name for name, spec in discover().items() if spec.replays_bundle]
         for bench in self.benchmarks:
             _require(bench.capture is None or bench.workload in replays, f"suite.benchmarks.{bench.name}",
@@ -234,12 +237,23 @@ def register_configs() -> None:
 
 def compose_config(overrides: list[str]) -> DictConfig:
     """Compose ``conf/config.yaml`` with ``overrides``; errors are explained (ValueError)."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
+
     register_configs()
+    # inside a Hydra job (a suite's job on a cluster node plans its benchmark): compose beside it
+    running = GlobalHydra.instance().is_initialized()
+    backup = get_gh_backup() if running else None
+    if running:
+        GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             return compose(config_name="config", overrides=overrides)
     except HydraException as err:
         raise ValueError(explain_composition_error(err)) from err
+    finally:
+        if running:
+            restore_gh_from_backup(backup)
 
 
 def explain_composition_error(err: HydraException) -> str:

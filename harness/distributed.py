@@ -39,6 +39,20 @@ def node_count() -> int:
     return max(1, world // local) if local else 1
 
 
+def adopt_slurm_tasks() -> bool:
+    """Under a SLURM job step of several tasks (``srun``, e.g. Hydra's submitit launcher with
+    ``hydra.launcher.tasks_per_node=2``) and no torchrun: export the ``RANK``/``WORLD_SIZE``/
+    ``MASTER_ADDR``/... that torchrun would have set, from SLURM's variables (submitit's own mapping),
+    so that the rest of the harness sees one launch either way. True when it did."""
+    if int(os.environ.get("SLURM_NTASKS", "1")) <= 1 or "WORLD_SIZE" in os.environ:
+        return False
+    from submitit.helpers import TorchDistributedEnvironment  # installed with hydra-submitit-launcher
+
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    os.environ.setdefault("GROUP_WORLD_SIZE", os.environ.get("SLURM_JOB_NUM_NODES", "1"))
+    return True
+
+
 def env_dist_info() -> DistInfo:
     """What torchrun told this process (a single process when it did not)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

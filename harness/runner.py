@@ -69,6 +69,15 @@ class BenchmarkResult:
     noise: str | None = None  # why the figures are too noisy to trust (tag noisy=1), or None
     upload_error: str | None = None  # the store could not take the run: it waits in run_dir (cobench upload)
 
+    def to_json(self) -> str:
+        """This result as JSON: how a job on another node (a Hydra launcher's) hands it back."""
+        return json.dumps({**dataclasses.asdict(self), "run_dir": str(self.run_dir) if self.run_dir else None})
+
+    @classmethod
+    def from_json(cls, text: str) -> BenchmarkResult:
+        fields = json.loads(text)
+        return cls(**{**fields, "run_dir": Path(fields["run_dir"]) if fields["run_dir"] else None})
+
 
 def new_run_dir(root: Path, name: str) -> str:
     """A fresh folder name for this run's files (created only once the run really starts)."""

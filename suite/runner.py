@@ -30,12 +30,14 @@ from harness.runner import (
     open_workload,
     run_benchmark,
 )
+from harness.scheduler import launcher_of
 from harness.summary import print_summary
 from harness.tracking import Tracker
 from workloads import discover
 from workloads.base import PlatformUnsupported
 
 CAPTURE_STEPS, CAPTURE_WARMUP, CAPTURE_BASELINE = 3, 10, 50
+Derived = Callable[[dict[str, float]], dict[str, float]]  # a run's extra metrics from its own (deltas)
 
 
 @dataclass
@@ -59,6 +61,12 @@ class SuiteOutcome:
     tracker: Tracker | None
 
 
+def suite_level(overrides: list[str]) -> list[str]:
+    """The overrides that apply to the suite's own config: workload.* ones are for the benchmarks'
+    workloads, not the default one (`suite dlrm_codecs workload.preset=a2a` must not be read as llama's)."""
+    return [o for o in overrides if not o.lstrip("+~").startswith("workload")]
+
+
 def plan_suite(name: str, overrides: list[str]) -> tuple[CobenchConfig, list[Plan]]:
     """The suite's config and each benchmark's validated plan, before anything runs.
 
@@ -66,15 +74,14 @@ def plan_suite(name: str, overrides: list[str]) -> tuple[CobenchConfig, list[Pla
     process group is joined here): a benchmark this platform cannot run is planned SKIPPED with the
     reason; any other error is bad input and raises ValueError naming the benchmark.
     """
-    # workload.* overrides are for the benchmarks' workloads, not the default one the suite's own
-    # config is composed with (`suite dlrm_codecs workload.preset=a2a` must not be read as llama's)
-    shared = [o for o in overrides if not o.lstrip("+~").startswith("workload")]
-    base = to_run_config(compose_config([f"suite={name}", *shared]))
+    base = to_run_config(compose_config([f"suite={name}", *suite_level(overrides)]))
     if base.suite is None:
         raise ValueError(f"suite {name!r} is empty: conf/suite/{name}.yaml needs name and benchmarks")
     joined = join(base)
     plans = []
     for bench in base.suite.benchmarks:
+        if base.suite.only and bench.name not in base.suite.only:
+            continue
         try:
             plan = _plan(name, bench, overrides, base)
             checked = plan.source if plan.source is not None else plan.cfg
@@ -88,6 +95,7 @@ def plan_suite(name: str, overrides: list[str]) -> tuple[CobenchConfig, list[Pla
 
 
 def _plan(suite: str, bench: SuiteBenchmark, overrides: list[str], base: CobenchConfig) -> Plan:
+    overrides = [o for o in overrides if not o.lstrip("+~").startswith("suite")]  # the suite's own, not a run's
     bench_overrides = [f"workload={bench.workload}", *bench.overrides, *overrides]
     if bench.capture is None:
         return Plan(bench.name, to_run_config(compose_config(bench_overrides)))
@@ -100,7 +108,7 @@ def _plan(suite: str, bench: SuiteBenchmark, overrides: list[str], base: Cobench
 
 
 def _run_one(plan: Plan, suite: str, parent_id: str | None, tracker: Tracker | None,
-             derived: Callable[[dict[str, float]], dict[str, float]]) -> BenchmarkResult:
+             derived: Derived) -> BenchmarkResult:
     cfg = plan.cfg
     if plan.skip is not None:
         return BenchmarkResult(plan.name, cfg.workload.name, cfg.platform.name, STATUS_SKIPPED, "-", None,
@@ -132,8 +140,24 @@ def baseline_deltas(suite: SuiteConfig, results: list[BenchmarkResult]) -> dict[
     return deltas
 
 
-def run_suite(base: CobenchConfig, plans: list[Plan]) -> SuiteOutcome:
-    """Run a planned suite (:func:`plan_suite`): its results, wall time, config and MLflow parent run."""
+# how a suite's plans run: (suite, plans, parent run, tracker, each benchmark's Derived, results to append to)
+Execute = Callable[[str, list[Plan], str | None, Tracker | None, Callable[[str], Derived], list[BenchmarkResult]],
+                   None]
+
+
+def run_here(suite: str, plans: list[Plan], parent_id: str | None, tracker: Tracker | None,
+             deltas_of: Callable[[str], Derived], results: list[BenchmarkResult]) -> None:
+    """The benchmarks one after the other in this process (or this torchrun launch)."""
+    for plan in plans:
+        results.append(_run_one(plan, suite, parent_id, tracker, deltas_of(plan.name)))
+
+
+def run_suite(base: CobenchConfig, plans: list[Plan], execute: Execute | None = None) -> SuiteOutcome:
+    """Run a planned suite (:func:`plan_suite`): its results, wall time, config and MLflow parent run.
+
+    ``execute`` runs the plans (default :func:`run_here`; :func:`suite.launch.run_on_launcher` submits
+    them as jobs); the parent run is opened before and always closed after, FAILED or KILLED with the
+    reason when something went wrong."""
     suite = base.suite
     assert suite is not None
     name = suite.name
@@ -148,15 +172,14 @@ def run_suite(base: CobenchConfig, plans: list[Plan]) -> SuiteOutcome:
     # The baseline runs first, so each other benchmark's deltas against it are logged with its run.
     ordered = sorted(plans, key=lambda plan: plan.name != suite.baseline)
 
-    def deltas_of(name: str) -> Callable[[dict[str, float]], dict[str, float]]:
+    def deltas_of(name: str) -> Derived:
         def derived(metrics: dict[str, float]) -> dict[str, float]:
             probe = BenchmarkResult(name, "", "", STATUS_FINISHED, "", None, metrics=metrics)
             return baseline_deltas(suite, [*results, probe]).get(name, {})
         return derived
 
     try:
-        for plan in ordered:
-            results.append(_run_one(plan, name, parent_id, tracker, deltas_of(plan.name)))
+        (execute or run_here)(name, ordered, parent_id, tracker, deltas_of, results)
     except KeyboardInterrupt as err:
         if parent_id and tracker is not None:
             with deferred_interrupts():
@@ -195,7 +218,13 @@ def suite_main(args: list[str]) -> int:
     """``cobench suite NAME [OVERRIDES]``: exit 0 when every benchmark finished or was skipped, else 1."""
     if not args or args[0].startswith("-") or "=" in args[0]:
         raise ValueError("`cobench suite` needs a suite name, e.g. `cobench suite smoke`")
-    outcome = run_suite(*plan_suite(args[0], args[1:]))
+    launcher = launcher_of(args[1:])
+    if launcher is not None:  # one job per benchmark through a Hydra launcher (SLURM)
+        from suite.launch import launch_suite
+
+        outcome = launch_suite(args[0], args[1:], launcher)
+    else:
+        outcome = run_suite(*plan_suite(args[0], args[1:]))
     if env_dist_info().is_main:
         print_summary(outcome.results, title=f"suite {args[0]}: {outcome.wall_s:.1f} s wall",
                       extra_metrics=outcome.suite.summary_metrics)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -168,3 +169,79 @@ def postgres_mlflow_server(postgres_uri, tmp_path_factory):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A single-node SLURM cluster on this machine for the whole test session (Debian's `slurm-wlm` and
+    `munge`; .ci/run installs them): munged with its own key and socket, slurmctld and slurmd on free
+    loopback ports, one partition `debug` with this machine's CPUs. Yields the environment a client
+    needs (SLURM_CONF) and the partition's name."""
+    import shutil
+
+    missing = [c for c in ("munged", "slurmctld", "slurmd", "sbatch", "sinfo", "srun") if shutil.which(c) is None]
+    if missing:
+        pytest.skip(f"SLURM is not installed here ({', '.join(missing)} missing; Debian: apt-get install "
+                    "slurm-wlm munge)")
+    if os.geteuid() != 0:
+        pytest.skip("the scratch SLURM cluster runs its daemons as root (slurmd starts jobs as their user)")
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="hydra-submitit-launcher is not installed")
+    base = tmp_path_factory.mktemp("slurm")
+    for sub in ("state", "spool", "log"):
+        (base / sub).mkdir()
+    key = base / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    socket_path = base / "munge.socket"
+    subprocess.run([shutil.which("munged"), "--force", f"--socket={socket_path}", f"--key-file={key}",
+                    f"--log-file={base / 'log' / 'munged.log'}", f"--pid-file={base / 'munged.pid'}",
+                    f"--seed-file={base / 'munged.seed'}"], check=True, capture_output=True)
+    memory_mb = int(open("/proc/meminfo").read().split()[1]) // 1024 // 2
+    node = socket.gethostname().split(".")[0]
+    conf = base / "slurm.conf"
+    conf.write_text(f"""ClusterName=cobench-test
+SlurmctldHost={node}(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket={socket_path}
+CredType=cred/munge
+SlurmctldPort={_free_port()}
+SlurmdPort={_free_port()}
+StateSaveLocation={base / 'state'}
+SlurmdSpoolDir={base / 'spool'}
+SlurmctldPidFile={base / 'slurmctld.pid'}
+SlurmdPidFile={base / 'slurmd.pid'}
+SlurmctldLogFile={base / 'log' / 'slurmctld.log'}
+SlurmdLogFile={base / 'log' / 'slurmd.log'}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+MpiDefault=none
+ReturnToService=2
+SchedulerType=sched/backfill
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+NodeName={node} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory={memory_mb} State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+""")
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    subprocess.run([shutil.which("slurmctld"), "-f", str(conf)], check=True, env=env, capture_output=True)
+    subprocess.run([shutil.which("slurmd"), "-f", str(conf)], check=True, env=env, capture_output=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "idle" not in subprocess.run(["sinfo", "--noheader", "--format=%T"], env=env, capture_output=True,
+                                           text=True).stdout:
+            if time.monotonic() > deadline:
+                logs = (base / "log" / "slurmctld.log").read_text()[-2000:]
+                pytest.fail(f"the scratch SLURM cluster did not come up: {logs}")
+            time.sleep(0.5)
+        yield {"env": {"SLURM_CONF": str(conf)}, "partition": "debug", "conf": conf}
+    finally:
+        for pid_file in ("slurmd.pid", "slurmctld.pid", "munged.pid"):
+            try:
+                os.kill(int((base / pid_file).read_text()), signal.SIGTERM)
+            except (OSError, ValueError):
+                pass

@@ -1,0 +1,95 @@
+"""``cobench suite NAME hydra/launcher=submitit_slurm``: each benchmark of a suite as its own job.
+
+The suite is planned here first (every config composed and every workload built once: a typo in the
+last benchmark costs nothing) and the launch checked (:func:`harness.scheduler.check_launcher`); the
+suite's MLflow parent run opens here. Then one Hydra multirun sweeps ``suite.only=[<benchmark>]`` over
+the benchmarks through the chosen launcher: Hydra's submitit plugin submits one SLURM job per
+benchmark, ``hydra.launcher.tasks_per_node=N`` makes each job N processes (srun tasks joined into one
+process group). Each job plans its one benchmark where it runs, tracks its child run into the suite's
+store (``tracking=server`` for a cluster; an sqlite file works on one node) and hands its result back
+as JSON; the parent is closed here with every benchmark's figures and deltas, FAILED naming the
+benchmarks whose jobs failed or left nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections.abc import Callable
+
+from omegaconf import DictConfig
+
+from harness.config import CONF_DIR, register_configs, results_root
+from harness.distributed import adopt_slurm_tasks, env_dist_info
+from harness.runner import STATUS_FAILED, BenchmarkResult, connect_tracker
+from harness.scheduler import check_launcher, collect_results, is_launcher_override, prepare_argv, save_result
+from harness.tracking import Tracker
+from suite.runner import Derived, Plan, SuiteOutcome, _run_one, plan_suite, run_suite, suite_level
+
+
+def launch_suite(name: str, args: list[str], launcher: str) -> SuiteOutcome:
+    """Plan the suite here, then run it as one job per benchmark through ``launcher``."""
+    overrides = [a for a in args if not is_launcher_override(a)]
+    launch = [a for a in args if is_launcher_override(a)]
+    base, plans = plan_suite(name, overrides)
+    check_launcher(launcher, launch)
+    results_dir = results_root(base)
+
+    def execute(suite: str, plans: list[Plan], parent_id: str | None, tracker: Tracker | None,
+                deltas_of: Callable[[str], Derived], results: list[BenchmarkResult]) -> None:
+        for plan in plans:
+            if plan.skip is not None:  # this platform cannot run it: SKIPPED here, nothing submitted
+                results.append(_run_one(plan, suite, parent_id, tracker, deltas_of(plan.name)))
+        jobs = [plan.name for plan in plans if plan.skip is None]
+        if not jobs:
+            return
+        argv, sweep_dir = prepare_argv(
+            [f"suite={suite}", *(o for o in suite_level(overrides) if not o.lstrip("+~").startswith("suite.only")),
+             "suite.only=" + ",".join(f"[{j}]" for j in jobs), *launch],
+            results_dir)
+
+        def job(cfg: DictConfig) -> None:  # runs on the node the scheduler chose (pickled there by submitit)
+            from hydra.core.hydra_config import HydraConfig
+
+            job_dir = HydraConfig.get().runtime.output_dir
+            try:
+                adopt_slurm_tasks()
+                (benchmark,) = cfg.suite.only
+                job_base, (plan,) = plan_suite(suite, [*overrides, f"suite.only=[{benchmark}]"])
+                none: Derived = lambda metrics: {}  # noqa: E731 - deltas need the baseline's run: added afterwards
+                result = _run_one(plan, suite, parent_id, connect_tracker(job_base), none)
+            except BaseException:  # Hydra keeps a job's exception without its traceback: the job's log has it
+                traceback.print_exc()
+                raise
+            if env_dist_info().is_main:
+                save_result(job_dir, result)
+
+        import hydra
+
+        register_configs()
+        app = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(job)
+        saved_argv = sys.argv
+        sys.argv = ["cobench suite", *argv]
+        try:
+            app()
+        except SystemExit as exit_:  # Hydra's way of saying a job raised: the jobs' own results say which
+            if exit_.code not in (0, None):
+                print(f"cobench suite: a job failed (Hydra exit {exit_.code}); see {sweep_dir}", file=sys.stderr)
+        finally:
+            sys.argv = saved_argv
+        got, job_overrides = collect_results(sweep_dir)
+        for result, ran in zip(got, job_overrides, strict=True):
+            if result.benchmark.startswith("job "):  # the job left nothing: name it by its benchmark
+                chosen = [o.split("=", 1)[1].strip("[]") for o in ran if o.startswith("suite.only=")]
+                result.benchmark = chosen[0] if chosen else result.benchmark
+            results.append(result)
+        for missing in sorted(set(jobs) - {r.benchmark for r in got}):
+            results.append(BenchmarkResult(missing, "?", "?", STATUS_FAILED, "-", None,
+                                           error=f"its job never ran; see {sweep_dir}"))
+        for result in got:  # each job ran alone: its deltas against the baseline's job are logged now
+            extra = deltas_of(result.benchmark)(result.metrics)
+            if extra and tracker is not None and result.run_id:
+                tracker.log_metrics(result.run_id, extra)
+                result.metrics.update(extra)
+
+    return run_suite(base, plans, execute)

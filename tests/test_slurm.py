@@ -1,0 +1,77 @@
+"""SLURM through Hydra's submitit launcher, against a real single-node cluster started for the session
+(``slurm_cluster`` in conftest: munged, slurmctld, slurmd on this machine)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+# every benchmark of the smoke suite, a few steps each: what is tested is the launch, not the figures
+FEW_STEPS = ["runner.warmup_steps=1", "runner.steps=4", "runner.eval_interval=2", "runner.repetitions=1",
+             "runner.progress=false"]
+
+
+def test_a_suite_on_slurm_one_job_per_benchmark_two_tasks_each_into_postgresql(
+        cobench, tmp_path, slurm_cluster, postgres_mlflow_server):
+    """`cobench suite smoke hydra/launcher=submitit_slurm`: one SLURM job per benchmark, each two srun tasks
+    joined into one process group, every run a child of the suite's parent in the PostgreSQL-backed server."""
+    from mlflow.tracking import MlflowClient
+
+    proc = cobench("suite", "smoke", "hydra/launcher=submitit_slurm",
+                   f"hydra.launcher.partition={slurm_cluster['partition']}", "hydra.launcher.tasks_per_node=2",
+                   "hydra.launcher.timeout_min=20", "tracking=server", f"tracking.uri={postgres_mlflow_server}",
+                   "tracking.experiment=slurm", *FEW_STEPS, timeout=900, extra_env=slurm_cluster["env"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name in ("llama_tiny_train", "dlrm_tiny_train", "seqrec_tiny_train"):
+        assert name in proc.stdout  # the summary came back from the jobs
+    client = MlflowClient(tracking_uri=postgres_mlflow_server)
+    runs = client.search_runs([client.get_experiment_by_name("slurm").experiment_id], max_results=100)
+    (parent,) = [r for r in runs if r.data.tags.get("kind") == "suite"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent.info.run_id]
+    assert parent.info.status == "FINISHED" and parent.data.metrics["benchmarks_failed"] == 0
+    assert sorted(r.info.run_name for r in children) == ["dlrm_tiny_train", "llama_tiny_train", "seqrec_tiny_train"]
+    for run in children:
+        assert run.info.status == "FINISHED" and run.data.metrics["throughput"] > 0
+        assert run.data.tags["world_size"] == "2"  # the job's two tasks trained as one process group
+        assert parent.data.metrics[f"{run.info.run_name}.throughput"] == run.data.metrics["throughput"]
+    # each job ran under SLURM: submitit's folder holds one job per benchmark, two tasks each
+    logs = sorted((tmp_path / "results" / "hydra").glob("multirun-*/.submitit/*/*_log.out"))
+    assert len(logs) == 6, logs
+
+
+def test_a_sweep_on_slurm_brings_its_results_back(cobench, tmp_path, slurm_cluster):
+    """`cobench run -m ... hydra/launcher=submitit_slurm`: the jobs run on the cluster, the submitting
+    process prints every job's row (results travel back as JSON), exit 0."""
+    from conftest import mlflow_runs
+
+    proc = cobench("run", "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.timeout_min=20",
+                   "workload=llama", "workload.preset=tiny", "workload.n_layers=1,2", *FEW_STEPS,
+                   timeout=600, extra_env=slurm_cluster["env"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "n_layers=1" in proc.stdout and "n_layers=2" in proc.stdout
+    runs = mlflow_runs(tmp_path / "results")
+    assert sorted(r.data.params["workload.n_layers"] for r in runs) == ["1", "2"]
+    assert all(r.info.status == "FINISHED" for r in runs)
+
+
+def test_a_partition_that_does_not_exist_is_refused_before_anything_is_submitted(cobench, tmp_path, slurm_cluster):
+    proc = cobench("suite", "smoke", "hydra/launcher=submitit_slurm", "hydra.launcher.partition=gpu_big",
+                   *FEW_STEPS, extra_env=slurm_cluster["env"])
+    assert proc.returncode == 2
+    assert "hydra.launcher.partition" in proc.stderr and "'gpu_big'" in proc.stderr and "debug" in proc.stderr
+    assert not (tmp_path / "results" / "mlflow.db").exists()  # no parent run, no job
+
+
+def test_an_unreachable_scheduler_is_refused_with_what_to_check(cobench, tmp_path, slurm_cluster):
+    from conftest import _free_port
+
+    conf = tmp_path / "slurm.conf"  # the same cluster's config, pointing at a port no controller listens on
+    text = slurm_cluster["conf"].read_text()
+    port_line = next(line for line in text.splitlines() if line.startswith("SlurmctldPort="))
+    conf.write_text(text.replace(port_line, f"SlurmctldPort={_free_port()}"))
+    proc = cobench("run", "-m", "hydra/launcher=submitit_slurm", "workload.preset=tiny", *FEW_STEPS,
+                   extra_env={"SLURM_CONF": str(conf)})
+    assert proc.returncode == 2
+    assert "SLURM controller is unreachable" in proc.stderr and str(conf) in proc.stderr
+    assert not (tmp_path / "results" / "mlflow.db").exists()
