@@ -16,7 +16,7 @@ from rich.table import Table
 
 from harness.runner import STATUS_FINISHED, STATUS_SKIPPED, BenchmarkResult
 
-QUALITY_KEYS = ("eval_loss", "auc", "hr_at_10", "ndcg_at_10", "time_error_pct")
+QUALITY_KEYS = ("eval_loss", "auc", "hr_at_10", "ndcg_at_10", "time_error_pct", "result_valid")
 WIDE_FROM = 150  # columns: from this terminal width on, the wide table
 UNITS = {"tokens/s": "tok/s", "samples/s": "samples/s", "iterations/s": "it/s"}
 

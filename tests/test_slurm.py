@@ -14,11 +14,13 @@ FEW_STEPS = ["runner.warmup_steps=1", "runner.steps=4", "runner.eval_interval=2"
 
 def test_a_suite_on_slurm_one_job_per_benchmark_two_tasks_each_into_postgresql(
         cobench, tmp_path, slurm_cluster, postgres_mlflow_server):
-    """`cobench suite smoke hydra/launcher=submitit_slurm`: one SLURM job per benchmark, each two srun tasks
-    joined into one process group, every run a child of the suite's parent in the PostgreSQL-backed server."""
+    """`cobench suite smoke hydra/launcher=submitit_slurm` (its three training benchmarks): one SLURM job per
+    benchmark, each two srun tasks joined into one process group, every run a child of the suite's parent in
+    the PostgreSQL-backed server."""
     from mlflow.tracking import MlflowClient
 
-    proc = cobench("suite", "smoke", "hydra/launcher=submitit_slurm",
+    proc = cobench("suite", "smoke", "suite.only=[llama_tiny_train,dlrm_tiny_train,seqrec_tiny_train]",
+                   "hydra/launcher=submitit_slurm",
                    f"hydra.launcher.partition={slurm_cluster['partition']}", "hydra.launcher.tasks_per_node=2",
                    "hydra.launcher.timeout_min=20", "tracking=server", f"tracking.uri={postgres_mlflow_server}",
                    "tracking.experiment=slurm", *FEW_STEPS, timeout=900, extra_env=slurm_cluster["env"])
