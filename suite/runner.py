@@ -10,6 +10,7 @@ process (:mod:`harness.judge`): its run holds the replay's speed and the fidelit
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,10 +79,15 @@ def plan_suite(name: str, overrides: list[str]) -> tuple[CobenchConfig, list[Pla
     if base.suite is None:
         raise ValueError(f"suite {name!r} is empty: conf/suite/{name}.yaml needs name and benchmarks")
     joined = join(base)
+    chosen = [b for b in base.suite.benchmarks if not base.suite.only or b.name in base.suite.only]
+    for override in overrides:  # a workload.* override must fit some benchmark: a typo fits none
+        key = _workload_key(override)
+        if key is not None and not any(key in _workload_fields(w) for b in chosen for w in _workloads_of(b)):
+            names = sorted({w for b in chosen for w in _workloads_of(b)})
+            raise ValueError(f"invalid config 'workload.{key}': no benchmark of suite {name!r} has this key "
+                             f"(its workloads: {', '.join(names)}; `cobench list` shows their keys)")
     plans = []
-    for bench in base.suite.benchmarks:
-        if base.suite.only and bench.name not in base.suite.only:
-            continue
+    for bench in chosen:
         try:
             plan = _plan(name, bench, overrides, base)
             checked = plan.source if plan.source is not None else plan.cfg
@@ -94,12 +100,35 @@ def plan_suite(name: str, overrides: list[str]) -> tuple[CobenchConfig, list[Pla
     return base, plans
 
 
+def _workload_key(override: str) -> str | None:
+    """``x`` for a ``workload.x[.y]=v`` override (not ``workload=NAME``), else None."""
+    head = override.lstrip("+~").split("=", 1)[0]
+    return head.split(".")[1] if head.startswith("workload.") else None
+
+
+def _workload_fields(workload: str) -> set[str]:
+    return {f.name for f in dataclasses.fields(discover()[workload].config_class)}
+
+
+def _workloads_of(bench: SuiteBenchmark) -> list[str]:
+    """The workloads a suite entry builds: its own, and the source it captures."""
+    sources = [o.split("=", 1)[1] for o in bench.capture or [] if o.startswith("workload=")]
+    return [bench.workload, *sources]
+
+
+def _fitting(overrides: list[str], workload: str) -> list[str]:
+    """The user's overrides for one benchmark: not the suite's own (suite.*), and a workload.* key only
+    where that workload has it (`suite smoke workload.train_batches=2` is for the training workloads)."""
+    fields = _workload_fields(workload)
+    return [o for o in overrides if not o.lstrip("+~").startswith("suite")
+            and (_workload_key(o) is None or _workload_key(o) in fields)]
+
+
 def _plan(suite: str, bench: SuiteBenchmark, overrides: list[str], base: CobenchConfig) -> Plan:
-    overrides = [o for o in overrides if not o.lstrip("+~").startswith("suite")]  # the suite's own, not a run's
-    bench_overrides = [f"workload={bench.workload}", *bench.overrides, *overrides]
+    bench_overrides = [f"workload={bench.workload}", *bench.overrides, *_fitting(overrides, bench.workload)]
     if bench.capture is None:
         return Plan(bench.name, to_run_config(compose_config(bench_overrides)))
-    source = to_run_config(compose_config([*bench.capture, *overrides]))
+    source = to_run_config(compose_config([*bench.capture, *_fitting(overrides, _workloads_of(bench)[-1])]))
     if discover()[source.workload.name].replays_bundle:
         raise ValueError(f"suite {suite!r}, benchmark {bench.name!r}: capture: must name a source workload")
     bundle = results_root(base) / "traces" / suite / bench.name  # validated now; judged in the run's folder

@@ -48,3 +48,18 @@ def test_workload_overrides_reach_the_suites_workloads_not_the_default_one(tmp_p
     assert {plan.cfg.workload.preset for plan in plans} == {"a2a"}
     with pytest.raises(ValueError, match="benchmark 'llama_tiny_train'.*preset"):
         plan_suite("smoke", ["workload.preset=a2a", f"results_dir={tmp_path}", "tracking=off"])
+
+
+def test_a_workload_override_goes_to_the_benchmarks_that_have_the_key_and_a_typo_to_none(tmp_path):
+    """`suite smoke workload.train_batches=2`: the training workloads take it, the serving one (which has no
+    training batches) is planned without it; a key no benchmark has is a typo, refused naming it."""
+    from suite.runner import plan_suite
+
+    common = [f"results_dir={tmp_path}", "tracking=off", "suite.only=[dlrm_tiny_train,llama_infer_tiny]"]
+    _, plans = plan_suite("smoke", ["workload.train_batches=2", *common])
+    by_name = {plan.name: plan.cfg.workload for plan in plans}
+    assert by_name["dlrm_tiny_train"].train_batches == 2 and not hasattr(by_name["llama_infer_tiny"], "train_batches")
+    with pytest.raises(ValueError, match=r"'workload.train_bathces': no benchmark of suite 'smoke' has this key"):
+        plan_suite("smoke", ["workload.train_bathces=2", *common])
+    with pytest.raises(ValueError, match=r"suite.only.*'seqrec'"):
+        plan_suite("smoke", [f"results_dir={tmp_path}", "tracking=off", "suite.only=[seqrec]"])
