@@ -10,9 +10,18 @@ Trainer picks by default on torch >= 2.8 (``adamw_torch_fused``), so neither sid
 optimiser alone. The ``compiled`` variants wrap each model in ``torch.compile`` (our
 ``workload.compile=true``; the Trainer's ``torch_compile=True``); compilation happens in the
 warm-up rounds, outside the timing.
+
+:func:`test_side_by_side_interleaved` is the figure to quote: the four variants (ours and
+transformers', eager and compiled) in one process, interleaved in rounds whose order alternates,
+so the machine's drift hits all alike; each ratio is the median of the per-round ratios with the
+2.5-97.5 % range of those. The headline is our reference set-up (``workload.compile=true``) against
+transformers as its users run it by default (eager); compiled against compiled is printed beside it.
 """
 
 from __future__ import annotations
+
+import statistics
+import time
 
 import pytest
 import torch
@@ -87,3 +96,51 @@ def test_training_step(benchmark, shape, impl):
 @pytest.mark.parametrize("impl", ["cobench", "transformers"])
 def test_training_step_compiled(benchmark, impl):
     _measure(benchmark, "medium", impl, compiled=True)
+
+
+SIDE_BY_SIDE: list[str] = []  # the interleaved comparison's lines, printed after pytest-benchmark's tables
+
+
+def side_by_side_table() -> list[str]:
+    return SIDE_BY_SIDE
+
+
+def test_side_by_side_interleaved() -> None:
+    shape, rounds, steps = "medium", 10, 3
+    variants = {}
+    for impl in ("cobench", "transformers"):
+        for compiled in (False, True):
+            ours, hf, inputs, targets = _models(shape)
+            model, forward = (ours, _ours) if impl == "cobench" else (hf, _transformers)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+            variants[(impl, compiled)] = (torch.compile(model) if compiled else model, optimizer, forward)
+    first = {key: float(_train_step(m, o, f, inputs, targets)) for key, (m, o, f) in variants.items()}
+    # the same weights and batch: the first losses agree (compiled or not, ours or transformers')
+    assert max(first.values()) - min(first.values()) < 1e-3 * abs(first[("transformers", False)]), first
+    for m, o, f in variants.values():  # warm-up (compilation) outside the timing
+        for _ in range(2):
+            _train_step(m, o, f, inputs, targets)
+    times: dict[tuple[str, bool], list[float]] = {key: [] for key in variants}
+    for r in range(rounds):
+        for key in (list(variants) if r % 2 == 0 else list(reversed(variants))):
+            m, o, f = variants[key]
+            start = time.perf_counter()
+            for _ in range(steps):
+                _train_step(m, o, f, inputs, targets)
+            times[key].append((time.perf_counter() - start) / steps)
+    tokens = inputs.numel()
+
+    def ratio(slow: tuple[str, bool], fast: tuple[str, bool]) -> str:
+        per_round = sorted(a / b for a, b in zip(times[slow], times[fast], strict=True))
+        lo, hi = per_round[0], per_round[-1]
+        return f"{statistics.median(per_round):.2f}x (rounds {lo:.2f} ... {hi:.2f})"
+
+    SIDE_BY_SIDE[:] = [f"llama train step, {shape} (8 x 256 tokens), {rounds} interleaved rounds of {steps} steps:"]
+    for (impl, compiled), ts in times.items():
+        median = statistics.median(ts)
+        SIDE_BY_SIDE.append(f"  {impl:<12} {'compiled' if compiled else 'eager':<8} {median * 1e3:8.1f} ms/step "
+                            f"(cv {statistics.pstdev(ts) / statistics.fmean(ts):.0%}), {tokens / median:8.0f} tokens/s")
+    SIDE_BY_SIDE.append("  ours compiled vs transformers eager (its default): "
+                        + ratio(("transformers", False), ("cobench", True)))
+    SIDE_BY_SIDE.append("  eager vs eager: " + ratio(("transformers", False), ("cobench", False))
+                        + "; compiled vs compiled: " + ratio(("transformers", True), ("cobench", True)))
