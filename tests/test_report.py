@@ -66,9 +66,10 @@ def test_html_report_renders_in_headless_chromium(report_dir: Path):
     dom = subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
                           (report_dir / "report.html").as_uri()], capture_output=True, text=True, timeout=120).stdout
     for text in ("ci-cpu", "System description", "llama_tiny_train", "dlrm_tiny_train", "seqrec_tiny_train",
-                 "tokens/s", "MLPerf compliance", "llama31_8b", "cobench run workload=llama", "Reproduce"):
+                 "moe_tiny_train", "llama_infer_tiny", "tokens/s", "MLPerf compliance", "llama31_8b",
+                 "cobench run workload=llama", "Reproduce"):
         assert text in dom, text
-    assert dom.count("<svg") >= 2 and dom.count(">PASS<") == 4
+    assert dom.count("<svg") >= 2 and dom.count(">PASS<") == 6  # the compliance rows: 3 training logs x 2
     shot = report_dir / "report.png"
     subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
                     "--window-size=1200,2000", (report_dir / "report.html").as_uri()],
