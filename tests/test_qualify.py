@@ -32,6 +32,7 @@ def _gates(tmp: Path, golden: Path, **changes) -> Path:
             "llama_tiny": {"gates": ["finished", "throughput", "cv", "loss_trajectory"]},
             "dlrm_tiny": {"gates": ["finished", "throughput", "loss_trajectory"]},
             "seqrec_tiny": {"gates": ["finished", "throughput"]},
+            "moe_tiny": {"gates": ["finished"], "metrics": [{"metric": "tokens_dropped", "max": 0}]},
             "llama_replay": {"gates": ["finished"], "metrics": [{"metric": "op_coverage_pct", "min": 100}]},
         },
     }
@@ -57,7 +58,7 @@ def test_record_golden_writes_every_benchmark(recorded):
     _, _, golden = recorded
     data = yaml.safe_load(golden.read_text())
     assert data["suite"] == "qualify" and data["platform"] == "cpu" and data["source_run_id"]
-    assert set(data["benchmarks"]) == {"llama_tiny", "dlrm_tiny", "seqrec_tiny", "llama_replay"}
+    assert set(data["benchmarks"]) == {"llama_tiny", "dlrm_tiny", "seqrec_tiny", "moe_tiny", "llama_replay"}
     llama = data["benchmarks"]["llama_tiny"]
     assert llama["throughput"] > 0 and len(llama["train_loss"]) == 5 and llama["config_hash"]
     # the golden is the median of the recorded runs, each run's figure kept beside it
