@@ -5,6 +5,8 @@
                            [--steps I,J] [--window-ms A:B] [--repeat N] [--obfuscate]
     cobench trace export --format chakra BUNDLE [--out DIR]
     cobench trace fidelity [--rounds R] [--round-steps K] [--warmup W] [--steps N] [--baseline-steps B] [OVERRIDES]
+    cobench trace predict BUNDLE [workload.n_layers=N] [workload.batch_size=B] [workload.seq_len=S]
+                          [--calibration FILE] [--target-calibration FILE] [--json FILE]
 
 Replay is a workload like any other: ``cobench run workload=generated workload.spec=SPEC``.
 """
@@ -52,6 +54,23 @@ def _parser() -> argparse.ArgumentParser:
     fid.add_argument("--steps", type=int, default=3, help="steps traced by the capture (default 3)")
     fid.add_argument("--baseline-steps", type=int, default=20, help="plain timed steps in the capture (default 20)")
     fid.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. workload=llama")
+
+    pre = commands.add_parser("predict", help="what-if: the captured step's time under changed settings, from "
+                                               "the trace's graph and calibrated cost models (no model runs)")
+    pre.add_argument("bundle", type=Path)
+    pre.add_argument("changes", nargs="*", help="workload.<layers key>=N (n_layers, num_layers, dcn_num_layers), "
+                                                "workload.batch_size=B, workload.seq_len=S (seqrec: max_len)")
+    pre.add_argument("--calibration", type=Path, default=None,
+                     help="this platform's cost-model curves (default <bundle>/whatif_calibration.json, measured "
+                          "there first)")
+    pre.add_argument("--target-calibration", type=Path, default=None,
+                     help="another platform's curves (made there with `cobench trace calibrate`): predict for it")
+    pre.add_argument("--json", type=Path, default=None, help="write the prediction as JSON")
+
+    cal = commands.add_parser("calibrate", help="measure this platform's what-if cost-model curves")
+    cal.add_argument("--out", type=Path, required=True)
+    cal.add_argument("--platform", default="cpu", help="a name for the platform (default cpu)")
+    cal.add_argument("--threads", type=int, default=None, help="intra-op threads (default the current)")
 
     exp = commands.add_parser("export", help="write the execution trace as Chakra protobuf (mlc-chakra)")
     exp.add_argument("bundle", type=Path)
@@ -132,6 +151,59 @@ def _fidelity(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _predict(args: argparse.Namespace) -> int:
+    from workloads.whatif.costmodel import Calibration, load_or_calibrate
+    from workloads.whatif.graph import load_graph
+    from workloads.whatif.predict import LAYER_KEYS, Change, predict
+
+    graph = load_graph(args.bundle)
+    change, layer_key = Change(), LAYER_KEYS.get(graph.workload)
+    for item in args.changes:
+        key, sep, value = item.partition("=")
+        if not sep or not value.lstrip("-").isdigit() or int(value) <= 0:
+            raise ValueError(f"invalid change {item!r}: write key=N with a positive integer N")
+        short = key.removeprefix("workload.")
+        if layer_key is not None and short == layer_key:
+            change.layers = int(value)
+        elif short == "batch_size":
+            change.batch_size = int(value)
+        elif short in ("seq_len", "max_len"):
+            change.seq_len = int(value)
+        else:
+            known = [f"workload.{k}" for k in (layer_key, "batch_size", "seq_len") if k]
+            raise ValueError(f"invalid change {key!r} for a {graph.workload or 'captured'} trace: supported: "
+                             f"{', '.join(known)}")
+    calibration = load_or_calibrate(args.calibration or Path(args.bundle) / "whatif_calibration.json")
+    if args.target_calibration is not None:
+        if not args.target_calibration.exists():
+            raise ValueError(f"--target-calibration {args.target_calibration} does not exist: make it on the "
+                             "target with `cobench trace calibrate --out FILE`")
+        change.calibration = Calibration.from_json(json.loads(args.target_calibration.read_text()),
+                                                   args.target_calibration)
+    result = predict(graph, change, calibration)
+    record = result.to_json()
+    parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(result.breakdown_ms.items(), key=lambda kv: -kv[1]))
+    print(f"{graph.workload or 'trace'} {change.describe() or '(as captured)'}: predicted step "
+          f"{result.predicted_step_ms:.2f} ms (naive linear scaling {result.naive_step_ms:.2f} ms)\n"
+          f"  captured step {result.measured_step_ms:.2f} ms; the unchanged graph replays it at "
+          f"{result.unchanged_step_ms:.2f} ms ({record['unchanged_error_pct']:+.1f} %)\n"
+          f"  breakdown (ms, critical path): {parts}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(record, indent=2))
+        print(f"  written: {args.json}")
+    return EXIT_OK
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from workloads.whatif.costmodel import calibrate
+
+    calibration = calibrate(args.platform, args.threads)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(calibration.to_json(), indent=1))
+    print(f"calibration ({calibration.threads} threads): {args.out}")
+    return EXIT_OK
+
+
 def _export(args: argparse.Namespace) -> int:
     from workloads.trace_replay.chakra import export_chakra
 
@@ -147,7 +219,8 @@ def run(argv: list[str]) -> int:
     from suite.cli import CommandFailed
 
     args = _parser().parse_args(argv)
-    handlers = {"capture": _capture, "generate": _generate, "fidelity": _fidelity, "export": _export}
+    handlers = {"capture": _capture, "generate": _generate, "fidelity": _fidelity, "export": _export,
+                "predict": _predict, "calibrate": _calibrate}
     try:
         return handlers[args.command](args)
     except TrackingError:

@@ -1,0 +1,307 @@
+"""The execution graph of one captured step, read from a trace bundle: what what-if prediction edits.
+
+Nodes are the ops a replay would run (``workloads.trace_replay.spec``: the execution trace joined with
+its Kineto trace), in host order, each with
+
+- its duration with the tracer's own cost taken out: the execution-trace observer and Kineto each add
+  a roughly constant cost per recorded event, measured here from the bundle itself — (traced step −
+  Kineto-alone step) and (Kineto-alone step − plain step), divided by the events per step — and an op
+  carries that cost once for itself and once for every event recorded inside it;
+- the program's host time before it (``gap_us``, from the capture's Kineto-alone steps against its
+  plain steps), its data dependencies, category and input shapes;
+- the module it belongs to: forward ops by their ``nn.Module`` scope, backward ops through their autograd
+  node's sequence number to the forward op that made it (Lumos: forward joins backward on ``seq_id``),
+  optimizer ops to every module whose parameters they update (shared by parameter count).
+
+On a CPU one host thread runs every op, so the critical path is host order, with each op also waiting
+for the ops whose outputs it reads; :func:`schedule` replays that and splits the step into compute by
+category, communication and host time.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from workloads.trace_bundle import ET_FILE, TraceError, read_json, read_meta
+from workloads.trace_replay.spec import generate_spec
+
+COMM_CATEGORIES = ("communication",)
+
+
+@dataclass(frozen=True)
+class TensorUse:
+    """A tensor an op reads or writes: its shape, element size, and whether it lives across steps
+    (a parameter or optimizer state: its shape does not follow the batch)."""
+
+    shape: tuple[int, ...]
+    itemsize: int
+    persistent: bool
+
+
+@dataclass
+class Op:
+    """One node of the graph."""
+
+    id: int
+    name: str
+    category: str
+    dur_us: float  # tracer cost taken out
+    gap_us: float  # the program's host time before it
+    shapes: list[Any]
+    deps: list[int] = field(default_factory=list)
+    layer: tuple[str, int] | None = None  # (stack name, index), e.g. ("layers", 3); None: outside the stack
+    layer_share: float = 1.0  # for optimizer ops: the share of their work that belongs to the layers
+    inputs: list[TensorUse] = field(default_factory=list)
+    outputs: list[TensorUse] = field(default_factory=list)
+
+
+@dataclass
+class Graph:
+    """One step of a captured program as a graph, with what it was measured at."""
+
+    workload: str
+    config: dict[str, Any]
+    ops: list[Op]
+    tail_gap_us: float
+    measured_step_ms: float  # the plain (untraced) step's median
+    tracer_cost_us: tuple[float, float]  # per event: execution-trace observer, Kineto
+    platform: dict[str, Any]
+
+    @property
+    def stacks(self) -> Counter:
+        """Repeated-layer stacks: name → number of layers seen (e.g. {"layers": 2})."""
+        found: dict[str, set[int]] = defaultdict(set)
+        for op in self.ops:
+            if op.layer is not None:
+                found[op.layer[0]].add(op.layer[1])
+        return Counter({name: len(indices) for name, indices in found.items()})
+
+
+def _attrs(raw: dict[str, Any]) -> dict[str, Any]:
+    return {a["name"]: a.get("value") for a in raw.get("attrs", []) if isinstance(a, dict) and "name" in a}
+
+
+def _layer_of(scopes: list[str]) -> tuple[str, int] | None:
+    """The innermost ``<stack>.<i>`` module in an op's scopes (``nn.Module: layers.3.attention`` → layers, 3)."""
+    for scope in reversed(scopes):
+        if not scope.startswith("nn.Module: "):
+            continue
+        parts = scope.removeprefix("nn.Module: ").split(".")
+        for i in range(len(parts) - 1, 0, -1):
+            if parts[i].isdigit():
+                return ".".join(parts[:i]), int(parts[i])
+    return None
+
+
+def load_graph(bundle: str | Path, step: int | None = None) -> Graph:
+    """The graph of one captured step of ``bundle`` (a single-rank bundle or its ``rank0``); ``step``:
+    which traced step (default: the middle one)."""
+    bundle = Path(bundle)
+    if (bundle / "rank0").is_dir():
+        bundle = bundle / "rank0"
+    meta = read_meta(bundle)
+    spec = generate_spec(bundle)
+    (rank,) = spec["ranks"][:1]
+    raw_ops = rank["ops"]
+    steps = sorted({o["step"] for o in raw_ops})
+    if not steps:
+        raise TraceError(f"{bundle}: the capture holds no complete step to predict from")
+    chosen = steps[len(steps) // 2] if step is None else step
+    if chosen not in steps:
+        raise TraceError(f"{bundle}: no traced step {chosen}; it has {steps}")
+
+    et = read_json(bundle / ET_FILE, "execution trace")
+    nodes = {int(n["id"]): n for n in et["nodes"]}
+    parent = {i: int(n.get("ctrl_deps", 0)) for i, n in nodes.items()}
+    attrs = {i: _attrs(n) for i, n in nodes.items()}
+    children: dict[int, list[int]] = defaultdict(list)
+    for i, p in parent.items():
+        if p != i:
+            children[p].append(i)
+
+    def descendants(i: int) -> int:
+        count, todo = 0, list(children.get(i, ()))
+        while todo:
+            j = todo.pop()
+            count += 1
+            todo.extend(children.get(j, ()))
+        return count
+
+    def scopes_of(i: int) -> list[str]:
+        chain, seen = [], set()
+        j = parent.get(i)
+        while j is not None and j in nodes and j not in seen and j != 0:
+            seen.add(j)
+            chain.append(nodes[j]["name"])
+            j = parent.get(j)
+        return list(reversed(chain))
+
+    # forward ops by sequence number: a backward op's autograd node carries its forward op's seq_id
+    forward_by_seq: dict[int, int] = {}
+    for i, a in attrs.items():
+        seq = a.get("seq_id", -1)
+        if seq is not None and seq >= 0 and "Backward" not in nodes[i]["name"]:
+            forward_by_seq.setdefault(int(seq), i)
+
+    def layer_of(i: int) -> tuple[str, int] | None:
+        own = _layer_of(scopes_of(i))
+        if own is not None:
+            return own
+        j = i
+        seen = set()
+        while j in nodes and j not in seen and j != 0:  # in backward: the autograd node above it
+            seen.add(j)
+            name, seq = nodes[j]["name"], attrs[j].get("seq_id", -1)
+            if "Backward" in name and seq is not None and seq >= 0 and int(seq) in forward_by_seq:
+                return _layer_of(scopes_of(forward_by_seq[int(seq)]))
+            j = parent.get(j, 0)
+        return None
+
+    # the tracer's cost per recorded event, from the bundle's own three timings
+    plain_ms = statistics.median(meta.step_times_s) * 1e3
+    traced_ms = statistics.median(meta.traced_step_times_s) * 1e3
+    kineto_ms = statistics.median(meta.timing_step_times_s) * 1e3 if meta.timing_step_times_s else plain_ms
+    plain_near_ms = statistics.median(meta.timing_plain_step_times_s) * 1e3 if meta.timing_plain_step_times_s \
+        else plain_ms
+    events_per_step = len(nodes) / max(1, len(steps))
+    et_cost = max(0.0, (traced_ms - kineto_ms) * 1e3 / events_per_step)
+    kineto_cost = max(0.0, (kineto_ms - plain_near_ms) * 1e3 / events_per_step)
+
+    chosen_ops = [o for o in raw_ops if o["step"] == chosen]
+    steps_of_storage: dict[Any, set[int]] = defaultdict(set)
+    for o in raw_ops:
+        for io in ("inputs", "outputs"):
+            for value in (o.get(io) or {}).get("values", []):
+                if _is_tensor(value):
+                    steps_of_storage[value[1]].add(o["step"])
+
+    def uses(io: dict[str, Any]) -> list[TensorUse]:
+        found = []
+        for value, shape in zip(io.get("values", []), io.get("shapes", []), strict=False):
+            if _is_tensor(value) and isinstance(shape, list) and all(isinstance(d, int) for d in shape):
+                found.append(TensorUse(tuple(shape), int(value[4]), len(steps_of_storage[value[1]]) > 1))
+        return found
+
+    alone = _kineto_alone_durations(bundle, [o["name"] for o in chosen_ops])
+    ops = []
+    for k, raw in enumerate(chosen_ops):
+        inner = 1 + descendants(int(raw["id"]))
+        if alone is not None:  # the same op in the steps run under Kineto alone, less Kineto's own cost
+            dur = max(alone[k] - kineto_cost * inner, 0.5 * alone[k])
+        else:
+            traced = float(raw.get("dur_us") or 0.0)
+            dur = max(traced - (et_cost + kineto_cost) * inner, 0.05 * traced)
+        ops.append(Op(int(raw["id"]), raw["name"], raw["category"], dur, float(raw.get("gap_us") or 0.0),
+                      list((raw.get("inputs") or {}).get("shapes", [])), list(raw.get("deps", [])),
+                      layer_of(int(raw["id"])), inputs=uses(raw.get("inputs") or {}),
+                      outputs=uses(raw.get("outputs") or {})))
+    _share_optimizer_ops(ops, {int(o["id"]): list(o.get("scopes", [])) for o in raw_ops if o["step"] == chosen})
+    step_info = next(s for s in rank["steps"] if s["index"] == chosen)
+    return Graph(workload=str(spec["source"].get("workload", "")), config=dict(spec["source"].get("config") or {}),
+                 ops=ops, tail_gap_us=float(step_info.get("tail_gap_us", 0.0)), measured_step_ms=plain_ms,
+                 tracer_cost_us=(et_cost, kineto_cost), platform=dict(meta.platform))
+
+
+def _kineto_alone_durations(bundle: Path, names: list[str]) -> list[float] | None:
+    """Each op's median duration over the steps the capture ran under Kineto alone (no execution-trace
+    observer, whose cost per op is far larger and uneven): the ops of a step, in host order, matched to
+    that step's events on its thread one after another by name (an event nested inside the previous match
+    is skipped). None when a step cannot be matched whole."""
+    from workloads.trace_bundle import KINETO_TIMING_FILE, STEP_ANNOTATION
+
+    path = bundle / KINETO_TIMING_FILE
+    if not path.exists():
+        return None
+    events = [e for e in read_json(path, "Kineto timing trace").get("traceEvents", [])
+              if isinstance(e, dict) and e.get("ph") == "X"]
+    steps = sorted((e for e in events if e.get("cat") == "user_annotation"
+                    and str(e.get("name", "")).startswith(STEP_ANNOTATION)), key=lambda e: e["ts"])
+    per_step: list[list[float]] = []
+    for step in steps:
+        lo, hi = step["ts"], step["ts"] + step["dur"]
+        mine = sorted((e for e in events if e.get("cat") == "cpu_op" and e.get("tid") == step.get("tid")
+                       and lo <= e["ts"] < hi), key=lambda e: e["ts"])
+        found, cursor, after = [], 0, lo
+        for name in names:
+            while cursor < len(mine) and (mine[cursor]["ts"] < after or mine[cursor]["name"] != name):
+                cursor += 1
+            if cursor == len(mine):
+                break
+            found.append(float(mine[cursor]["dur"]))
+            after = mine[cursor]["ts"] + mine[cursor]["dur"]
+            cursor += 1
+        if len(found) == len(names):
+            per_step.append(found)
+    if not per_step:
+        return None
+    return [statistics.median(column) for column in zip(*per_step, strict=True)]
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, list) and len(value) == 6 and isinstance(value[5], str) \
+        and all(isinstance(v, int) for v in value[:5])
+
+
+def _numel(shape: Any) -> int:
+    if not isinstance(shape, list) or not all(isinstance(d, int) for d in shape):
+        return 0
+    total = 1
+    for d in shape:
+        total *= d
+    return total
+
+
+def _share_optimizer_ops(ops: list[Op], scopes: dict[int, list[str]]) -> None:
+    """Per-parameter work (a gradient's accumulation) belongs to the layer whose backward op produced that
+    gradient; work over every parameter at once (foreach/fused optimizer kernels, gradient norms) belongs
+    to the layers in proportion to the parameter elements accumulated there."""
+    by_id = {op.id: op for op in ops}
+    held: Counter = Counter()
+    for op in ops:
+        if not any("AccumulateGrad" in s for s in scopes.get(op.id, ())):
+            continue
+        producer = next((by_id[d].layer for d in op.deps if d in by_id and by_id[d].layer is not None), None)
+        op.layer = op.layer or producer
+        if op.name == "aten::detach" or op.name == "aten::add_" or op.name == "aten::copy_":
+            held["layers" if op.layer is not None else "rest"] += _numel(op.shapes[0] if op.shapes else None)
+    total = held["layers"] + held["rest"]
+    share = held["layers"] / total if total else 0.0
+    for op in ops:
+        if op.layer is None and (op.category == "optimizer" or op.name.startswith("aten::_foreach")):
+            op.layer_share = share
+
+
+def schedule(graph: Graph, durations: dict[int, float] | None = None, gaps: dict[int, float] | None = None,
+             extra: list[Op] | None = None) -> dict[str, Any]:
+    """Replay the graph: host order on one thread, each op also after the ops it reads from. Returns the
+    step time and its breakdown (compute by category, communication, host) along the critical path."""
+    ops = [*graph.ops, *(extra or [])]
+    end: dict[int, float] = {}
+    clock = 0.0
+    by_category: dict[str, float] = defaultdict(float)
+    host = 0.0
+    idle = 0.0
+    for op in ops:
+        gap = (gaps or {}).get(op.id, op.gap_us)
+        start = clock + gap
+        host += gap
+        ready = max((end[d] for d in op.deps if d in end), default=0.0)
+        if ready > start:
+            idle += ready - start
+            start = ready
+        dur = (durations or {}).get(op.id, op.dur_us)
+        end[op.id] = start + dur
+        clock = end[op.id]
+        by_category["communication" if op.category in COMM_CATEGORIES else op.category] += dur
+    clock += graph.tail_gap_us
+    host += graph.tail_gap_us
+    return {"step_us": clock, "host_us": host, "idle_us": idle, "compute_us": dict(by_category)}
+
+
+def graph_summary(graph: Graph) -> str:
+    return json.dumps({"ops": len(graph.ops), "stacks": dict(graph.stacks), "measured_step_ms": graph.measured_step_ms})

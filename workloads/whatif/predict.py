@@ -1,0 +1,181 @@
+"""What-if prediction: a captured step's graph, edited for a new configuration, replayed by the scheduler.
+
+Edits (all applied to the graph of :mod:`.graph`, none runs the model):
+
+- ``n_layers`` (and the other workloads' repeated-layer counts): the layers' ops — forward by module
+  scope, backward by their forward op, per-parameter optimizer work by parameter share — are cloned
+  (on one host thread: their time and host gaps counted ``new / old`` times);
+- ``batch_size`` / ``seq_len``: every tensor that does not live across steps has its leading dimension
+  equal to the captured batch×sequence, batch or sequence rescaled; each op is re-timed by the
+  calibrated curve (:mod:`.costmodel`) at its new FLOPs (GEMM, attention) or bytes (the rest), relative
+  to the curve at its captured size; parameters, optimizer state and host gaps stay;
+- ``calibration``: another platform's curves: every op re-timed by the ratio of the target's curve to
+  this platform's at the same size.
+
+Naive linear scaling (the step × the factor of the change) is returned beside every prediction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from workloads.whatif.costmodel import Calibration
+from workloads.whatif.graph import Graph, Op, TensorUse, schedule
+
+# the config key of each workload's repeated layers, and of batch and sequence length
+LAYER_KEYS = {"llama": "n_layers", "seqrec": "num_layers", "dlrm": "dcn_num_layers"}
+BATCH_KEY, SEQ_KEYS = "batch_size", ("seq_len", "max_len")
+FLOP_CATEGORIES = ("gemm", "attention")
+FIXED_CATEGORIES = ("view",)
+
+
+@dataclass
+class Change:
+    """What to predict for: a new value per supported key (``None``: as captured)."""
+
+    layers: int | None = None
+    batch_size: int | None = None
+    seq_len: int | None = None
+    calibration: Calibration | None = None
+
+    def describe(self) -> dict[str, Any]:
+        return {k: v for k, v in (("layers", self.layers), ("batch_size", self.batch_size),
+                                  ("seq_len", self.seq_len)) if v is not None} | \
+            ({"calibration": self.calibration.platform} if self.calibration else {})
+
+
+@dataclass
+class Prediction:
+    predicted_step_ms: float
+    unchanged_step_ms: float  # the graph replayed as captured
+    measured_step_ms: float  # the capture's plain step
+    naive_step_ms: float  # measured step × the change's factor
+    breakdown_ms: dict[str, float]
+    inputs: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"predicted_step_ms": self.predicted_step_ms, "unchanged_step_ms": self.unchanged_step_ms,
+                "measured_step_ms": self.measured_step_ms,
+                "unchanged_error_pct": 100.0 * (self.unchanged_step_ms / self.measured_step_ms - 1.0),
+                "naive_step_ms": self.naive_step_ms, "breakdown_ms": self.breakdown_ms, "inputs": self.inputs}
+
+
+def _workload_value(graph: Graph, *keys: str) -> int | None:
+    workload = graph.config.get("workload") or {}
+    for key in keys:
+        if workload.get(key) is not None:
+            return int(workload[key])
+    return None
+
+
+def captured_layers(graph: Graph) -> int:
+    stacks = graph.stacks
+    if not stacks:
+        raise ValueError("the captured step has no repeated layers (no module scope `<name>.<i>`): a layer "
+                         "count cannot be changed")
+    return max(stacks.values())
+
+
+def _rescaled(use: TensorUse, factors: dict[int, float]) -> TensorUse:
+    """A non-persistent tensor with its first dimension equal to a key of ``factors`` scaled (batch × seq
+    first, then batch, then sequence: at most one dimension each)."""
+    if use.persistent:
+        return use
+    shape, done = list(use.shape), set()
+    for size in sorted(factors, reverse=True):  # B·S before B or S
+        if size in done:
+            continue
+        for i, d in enumerate(shape):
+            if d == size and i not in done:
+                shape[i] = round(d * factors[size])
+                done.add(i)
+                break
+    return TensorUse(tuple(shape), use.itemsize, use.persistent)
+
+
+def _flops(op: Op, inputs: list[TensorUse]) -> float:
+    """FLOPs of a GEMM-like op from its input shapes: ``A[..., M, K] @ B[..., K, N]`` → 2·|A|·N (addmm's
+    bias first: its last two operands); attention ``q[..., S, E]``, ``k[..., S_k, E]`` → 4·|q|·S_k."""
+    mats = [u for u in inputs if len(u.shape) >= 2]
+    if op.category == "attention" and len(mats) >= 2:
+        return 4.0 * math.prod(mats[0].shape) * mats[1].shape[-2]
+    if len(mats) >= 2:
+        a, b = mats[-2], mats[-1]
+        return 2.0 * math.prod(a.shape) * b.shape[-1]
+    return float(sum(math.prod(u.shape) for u in inputs))
+
+
+def _bytes(uses: list[TensorUse]) -> float:
+    return float(sum(math.prod(u.shape) * u.itemsize for u in uses))
+
+
+def _retimed(op: Op, factors: dict[int, float], here: Calibration, there: Calibration | None) -> float:
+    if op.category in FIXED_CATEGORIES or not (op.inputs or op.outputs):
+        return op.dur_us
+    old = [*op.inputs, *op.outputs]
+    new = [_rescaled(u, factors) for u in old]
+    target = there or here
+    if op.category in FLOP_CATEGORIES:
+        before = _flops(op, op.inputs)
+        after = _flops(op, [_rescaled(u, factors) for u in op.inputs])
+        curve_here, curve_there = here.gemm, target.gemm
+    else:
+        before, after = _bytes(old), _bytes(new)
+        curve_here, curve_there = here.memory, target.memory
+    if before <= 0 or after <= 0:
+        return op.dur_us
+    return op.dur_us * curve_there.at(after) / curve_here.at(before)
+
+
+def predict(graph: Graph, change: Change, calibration: Calibration) -> Prediction:
+    """The step time of ``graph``'s program under ``change``, on ``calibration``'s platform unless the
+    change names another."""
+    unchanged = schedule(graph)
+    factors: dict[int, float] = {}
+    naive = 1.0
+    batch, seq = _workload_value(graph, BATCH_KEY), _workload_value(graph, *SEQ_KEYS)
+    fb = change.batch_size / batch if change.batch_size and batch else 1.0
+    fs = change.seq_len / seq if change.seq_len and seq else 1.0
+    if change.batch_size and not batch:
+        raise ValueError(f"the capture's config has no workload.{BATCH_KEY}: a batch change cannot be placed")
+    if change.seq_len and not seq:
+        raise ValueError(f"the capture's config has no workload.{'/'.join(SEQ_KEYS)}: a sequence change cannot "
+                         "be placed")
+    if fb != 1.0 or fs != 1.0:
+        if batch and seq:
+            factors[batch * seq] = fb * fs
+        if batch:
+            factors.setdefault(batch, fb)
+        if seq:
+            factors.setdefault(seq, fs)
+        naive *= fb * fs
+    durations: dict[int, float] = {}
+    gaps: dict[int, float] = {}
+    for op in graph.ops:
+        dur = _retimed(op, factors, calibration, change.calibration) if (factors or change.calibration) \
+            else op.dur_us
+        durations[op.id] = dur
+    layers = captured_layers(graph) if change.layers is not None else None
+    if change.layers is not None:
+        scale = change.layers / layers
+        naive *= scale
+        for op in graph.ops:
+            if op.layer is not None:
+                durations[op.id] *= scale
+                gaps[op.id] = op.gap_us * scale
+            elif op.layer_share < 1.0:  # work over every parameter: the layers' share of it grows
+                durations[op.id] *= (1.0 - op.layer_share) + op.layer_share * scale
+    edited = schedule(graph, durations, gaps)
+    # the graph replays the captured step within its own error; that error is taken out of the edited
+    # figure the same way (the edited step × measured / unchanged)
+    correction = graph.measured_step_ms * 1e3 / unchanged["step_us"]
+    breakdown = {f"compute_{k}": v * correction / 1e3 for k, v in edited["compute_us"].items()}
+    breakdown["host"] = edited["host_us"] * correction / 1e3
+    breakdown["idle"] = edited["idle_us"] * correction / 1e3
+    inputs = {"workload": graph.workload, "captured": {"layers": layers, "batch_size": batch, "seq_len": seq},
+              "change": change.describe(), "ops": len(graph.ops), "platform": calibration.platform,
+              "tracer_cost_us_per_event": list(graph.tracer_cost_us)}
+    return Prediction(edited["step_us"] * correction / 1e3, unchanged["step_us"] / 1e3, graph.measured_step_ms,
+                      graph.measured_step_ms * naive, breakdown, inputs)
