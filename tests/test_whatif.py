@@ -34,10 +34,17 @@ def test_the_graph_puts_forward_and_backward_ops_in_their_layers(bundle: Path):
 
     graph = load_graph(bundle)
     assert graph.stacks == {"layers": 2}
+    assert graph.assign_layers(2) == ("layers", 2)
     in_layers = [op for op in graph.ops if op.layer is not None]
     # backward ops reach their layer through the forward op's sequence number (their own scope is autograd's)
-    assert any("backward" in op.name.lower() or op.name == "aten::mm" for op in in_layers)
+    assert any(op.backward and op.category == "gemm" for op in in_layers)
     assert {op.layer for op in in_layers} == {("layers", 0), ("layers", 1)}
+    # a gradient's accumulation goes with the layer that made it; the optimizer's work over every
+    # parameter is shared with the layers by parameter count
+    assert any(op.layer is not None and any("AccumulateGrad" in s for s in op.scopes) for op in graph.ops)
+    assert 0 < next(op.layer_share for op in graph.ops if op.category == "optimizer") < 1
+    with pytest.raises(ValueError, match="found no 3 repeated layers"):
+        graph.assign_layers(3)
     assert any(op.category == "gemm" and op.layer is None for op in graph.ops)  # the output head is outside
     replayed = schedule(graph)
     assert replayed["step_us"] > 0 and set(replayed["compute_us"]) >= {"gemm", "elementwise"}
@@ -61,7 +68,8 @@ def test_edits_move_the_prediction_the_right_way(bundle: Path, tmp_path: Path):
     faster = Calibration("2x", 1, Curve([1.0, 1e12], [0.5, 0.5e12]), Curve([1.0, 1e12], [0.5, 0.5e12]))
     on_faster = predict(graph, Change(calibration=faster), linear)
     compute = sum(v for k, v in same.breakdown_ms.items() if k.startswith("compute_") and k != "compute_view")
-    assert on_faster.predicted_step_ms == pytest.approx(same.predicted_step_ms - compute / 2, rel=0.02)
+    # ops with tensors run twice as fast there (views and ops without tensors as captured), host time stays
+    assert same.predicted_step_ms - compute / 2 <= on_faster.predicted_step_ms < same.predicted_step_ms - compute / 4
 
 
 def test_cobench_trace_predict_writes_its_inputs_and_refuses_bad_changes(cobench, bundle: Path, tmp_path: Path):

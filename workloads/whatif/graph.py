@@ -58,6 +58,10 @@ class Op:
     layer_share: float = 1.0  # for optimizer ops: the share of their work that belongs to the layers
     inputs: list[TensorUse] = field(default_factory=list)
     outputs: list[TensorUse] = field(default_factory=list)
+    module: str | None = None  # innermost nn.Module (a backward op: its forward op's)
+    anchor: int | None = None  # the forward op (ET node with a sequence number) it belongs to
+    backward: bool = False
+    scopes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -74,12 +78,68 @@ class Graph:
 
     @property
     def stacks(self) -> Counter:
-        """Repeated-layer stacks: name → number of layers seen (e.g. {"layers": 2})."""
+        """Module lists with an index in their path: name → how many were seen (``layers.0`` …
+        ``layers.3`` → {"layers": 4}); a layer stack is among them, or is one module that repeats."""
         found: dict[str, set[int]] = defaultdict(set)
         for op in self.ops:
-            if op.layer is not None:
-                found[op.layer[0]].add(op.layer[1])
-        return Counter({name: len(indices) for name, indices in found.items()})
+            indexed = _layer_of([f"nn.Module: {op.module}"]) if op.module else None
+            if indexed is not None:
+                found[indexed[0]].add(indexed[1])
+        return Counter({name: len(indices) for name, indices in found.items() if len(indices) > 1})
+
+    def assign_layers(self, count: int | None) -> tuple[str, int]:
+        """Mark every op with its layer of the repeated stack of ``count`` layers (None: the stack with
+        the most time): a module list ``<name>.<i>``, or else one module whose forward ops repeat
+        ``count`` times in a row (DLRM's cross network loops over its layers in one module). Backward ops
+        follow their forward op; a gradient's accumulation follows the op that made it; work over every
+        parameter at once is shared by parameter count. Returns (stack, layers)."""
+        time_in: dict[str, float] = defaultdict(float)
+        for name in self.stacks:
+            time_in[name] = sum(op.dur_us for op in self.ops if op.module and
+                                (_layer_of([f"nn.Module: {op.module}"]) or ("", 0))[0] == name)
+        fitting = [name for name, n in self.stacks.items() if count is None or n == count]
+        if fitting:
+            stack = max(fitting, key=lambda name: time_in[name])
+            for op in self.ops:
+                indexed = _layer_of([f"nn.Module: {op.module}"]) if op.module else None
+                op.layer = indexed if indexed is not None and indexed[0] == stack else None
+            layers = self.stacks[stack]
+        else:
+            stack, layers = self._periodic_stack(count)
+        _share_optimizer_ops(self.ops)
+        return stack, layers
+
+    def _periodic_stack(self, count: int | None) -> tuple[str, int]:
+        if not count or count < 2:
+            raise ValueError(f"no repeated layers found in the captured step (module lists seen: "
+                             f"{dict(self.stacks) or 'none'}); the layer count must be known to look for one module "
+                             "that repeats")
+        forward: dict[str, list[Op]] = defaultdict(list)
+        for op in self.ops:
+            if op.module and not op.backward and op.anchor is not None:
+                forward[op.module].append(op)
+        best: tuple[float, str, dict[int, int]] | None = None
+        for module, ops in forward.items():
+            n = len(ops)
+            if n < count or n % count:
+                continue
+            period = n // count
+            names = [op.name for op in ops]
+            if any(names[i] != names[i + period] for i in range(n - period)):
+                continue
+            index = {}
+            for position, op in enumerate(ops):
+                index.setdefault(op.anchor, position // period)
+            spent = sum(op.dur_us for op in ops)
+            if best is None or spent > best[0]:
+                best = (spent, module, index)
+        if best is None:
+            raise ValueError(f"found no {count} repeated layers in the captured step: no module list of {count} "
+                             f"(seen: {dict(self.stacks) or 'none'}) and no module whose ops repeat {count} times")
+        _, module, index = best
+        for op in self.ops:
+            op.layer = (module, index[op.anchor]) if op.module == module and op.anchor in index else None
+        return module, count
 
 
 def _attrs(raw: dict[str, Any]) -> dict[str, Any]:
@@ -148,18 +208,34 @@ def load_graph(bundle: str | Path, step: int | None = None) -> Graph:
         if seq is not None and seq >= 0 and "Backward" not in nodes[i]["name"]:
             forward_by_seq.setdefault(int(seq), i)
 
-    def layer_of(i: int) -> tuple[str, int] | None:
-        own = _layer_of(scopes_of(i))
-        if own is not None:
-            return own
-        j = i
-        seen = set()
-        while j in nodes and j not in seen and j != 0:  # in backward: the autograd node above it
+    def anchor_of(i: int) -> tuple[int | None, bool]:
+        """The forward op (ET node with a sequence number) an op belongs to, and whether the op is in
+        backward: a forward op's own or nearest ancestor's; a backward op's autograd node's forward op."""
+        j, seen = i, set()
+        while j in nodes and j not in seen and j != 0:
             seen.add(j)
-            name, seq = nodes[j]["name"], attrs[j].get("seq_id", -1)
-            if "Backward" in name and seq is not None and seq >= 0 and int(seq) in forward_by_seq:
-                return _layer_of(scopes_of(forward_by_seq[int(seq)]))
+            candidates = [j]
+            if nodes[j]["name"].startswith("autograd::engine::evaluate_function"):
+                candidates += children.get(j, [])  # the engine's own work for a node sits beside the node
+            for k in candidates:
+                name, seq = nodes[k]["name"], attrs[k].get("seq_id", -1)
+                if "Backward" in name and seq is not None and seq >= 0:
+                    return forward_by_seq.get(int(seq)), True
             j = parent.get(j, 0)
+        j, seen = i, set()
+        while j in nodes and j not in seen and j != 0:
+            seen.add(j)
+            seq = attrs[j].get("seq_id", -1)
+            if seq is not None and seq >= 0 and "Backward" not in nodes[j]["name"]:
+                return j, False
+            j = parent.get(j, 0)
+        return None, False
+
+    def module_of(i: int) -> str | None:
+        """The innermost ``nn.Module`` an ET node runs in (its path, e.g. ``layers.3.attention``)."""
+        for scope in reversed(scopes_of(i)):
+            if scope.startswith("nn.Module: "):
+                return scope.removeprefix("nn.Module: ")
         return None
 
     # the tracer's cost per recorded event, from the bundle's own three timings
@@ -173,18 +249,17 @@ def load_graph(bundle: str | Path, step: int | None = None) -> Graph:
     kineto_cost = max(0.0, (kineto_ms - plain_near_ms) * 1e3 / events_per_step)
 
     chosen_ops = [o for o in raw_ops if o["step"] == chosen]
-    steps_of_storage: dict[Any, set[int]] = defaultdict(set)
-    for o in raw_ops:
-        for io in ("inputs", "outputs"):
-            for value in (o.get(io) or {}).get("values", []):
-                if _is_tensor(value):
-                    steps_of_storage[value[1]].add(o["step"])
+    # a tensor lives across steps (a parameter, optimizer state, the prepared data) when no earlier op of
+    # the step made its storage: storage ids are recycled by the allocator step after step, so their
+    # reappearance says nothing; what the step itself produced is an activation or a gradient
+    produced: set[Any] = set()
 
-    def uses(io: dict[str, Any]) -> list[TensorUse]:
+    def uses(io: dict[str, Any], persistent_inputs: set[Any] | None = None) -> list[TensorUse]:
         found = []
         for value, shape in zip(io.get("values", []), io.get("shapes", []), strict=False):
             if _is_tensor(value) and isinstance(shape, list) and all(isinstance(d, int) for d in shape):
-                found.append(TensorUse(tuple(shape), int(value[4]), len(steps_of_storage[value[1]]) > 1))
+                lives = value[1] in persistent_inputs if persistent_inputs is not None else value[1] not in produced
+                found.append(TensorUse(tuple(shape), int(value[4]), lives))
         return found
 
     alone = _kineto_alone_durations(bundle, [o["name"] for o in chosen_ops])
@@ -196,11 +271,18 @@ def load_graph(bundle: str | Path, step: int | None = None) -> Graph:
         else:
             traced = float(raw.get("dur_us") or 0.0)
             dur = max(traced - (et_cost + kineto_cost) * inner, 0.05 * traced)
+        read = uses(raw.get("inputs") or {})
+        in_values = [v for v in (raw.get("inputs") or {}).get("values", []) if _is_tensor(v)]
+        out_values = [v for v in (raw.get("outputs") or {}).get("values", []) if _is_tensor(v)]
+        lasting = {v[1] for v in in_values if v[1] not in produced}
+        wrote = uses(raw.get("outputs") or {}, lasting)  # in place on a lasting tensor: still lasting
+        produced.update(v[1] for v in out_values if v[1] not in lasting)
+        anchor, backward = anchor_of(int(raw["id"]))
+        module = module_of(anchor) if backward and anchor is not None else module_of(int(raw["id"]))
         ops.append(Op(int(raw["id"]), raw["name"], raw["category"], dur, float(raw.get("gap_us") or 0.0),
                       list((raw.get("inputs") or {}).get("shapes", [])), list(raw.get("deps", [])),
-                      layer_of(int(raw["id"])), inputs=uses(raw.get("inputs") or {}),
-                      outputs=uses(raw.get("outputs") or {})))
-    _share_optimizer_ops(ops, {int(o["id"]): list(o.get("scopes", [])) for o in raw_ops if o["step"] == chosen})
+                      None, inputs=read, outputs=wrote, module=module, anchor=anchor, backward=backward,
+                      scopes=list(raw.get("scopes", []))))
     step_info = next(s for s in rank["steps"] if s["index"] == chosen)
     return Graph(workload=str(spec["source"].get("workload", "")), config=dict(spec["source"].get("config") or {}),
                  ops=ops, tail_gap_us=float(step_info.get("tail_gap_us", 0.0)), measured_step_ms=plain_ms,
@@ -256,17 +338,20 @@ def _numel(shape: Any) -> int:
     return total
 
 
-def _share_optimizer_ops(ops: list[Op], scopes: dict[int, list[str]]) -> None:
+def _share_optimizer_ops(ops: list[Op]) -> None:
     """Per-parameter work (a gradient's accumulation) belongs to the layer whose backward op produced that
     gradient; work over every parameter at once (foreach/fused optimizer kernels, gradient norms) belongs
     to the layers in proportion to the parameter elements accumulated there."""
-    by_id = {op.id: op for op in ops}
     held: Counter = Counter()
+    last_layer = None
     for op in ops:
-        if not any("AccumulateGrad" in s for s in scopes.get(op.id, ())):
+        if not any("AccumulateGrad" in s for s in op.scopes):
+            last_layer = op.layer if op.layer is not None else last_layer
+            if op.layer is None and any(s.startswith("autograd::engine") for s in op.scopes):
+                last_layer = None  # backward work outside the layers (the loss, the head)
             continue
-        producer = next((by_id[d].layer for d in op.deps if d in by_id and by_id[d].layer is not None), None)
-        op.layer = op.layer or producer
+        # the engine accumulates a parameter's gradient as soon as the backward op that made it is done
+        op.layer = op.layer or last_layer
         if op.name == "aten::detach" or op.name == "aten::add_" or op.name == "aten::copy_":
             held["layers" if op.layer is not None else "rest"] += _numel(op.shapes[0] if op.shapes else None)
     total = held["layers"] + held["rest"]
@@ -274,6 +359,8 @@ def _share_optimizer_ops(ops: list[Op], scopes: dict[int, list[str]]) -> None:
     for op in ops:
         if op.layer is None and (op.category == "optimizer" or op.name.startswith("aten::_foreach")):
             op.layer_share = share
+        else:
+            op.layer_share = 1.0
 
 
 def schedule(graph: Graph, durations: dict[int, float] | None = None, gaps: dict[int, float] | None = None,

@@ -62,20 +62,43 @@ class Prediction:
                 "naive_step_ms": self.naive_step_ms, "breakdown_ms": self.breakdown_ms, "inputs": self.inputs}
 
 
-def _workload_value(graph: Graph, *keys: str) -> int | None:
-    workload = graph.config.get("workload") or {}
+def resolved_workload(graph: Graph) -> dict[str, Any]:
+    """The captured workload's config with what its preset decided filled in (a workload config with a
+    ``shape()`` — DLRM's, seqrec's — resolves batch, layers and lengths there)."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from workloads import discover
+
+    raw = dict(graph.config.get("workload") or {})
+    spec = discover().get(str(raw.get("name", "")))
+    if spec is None:
+        return raw
+    try:
+        config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(spec.config_class), raw))
+        shape = config.shape() if hasattr(config, "shape") else None
+    except Exception:  # noqa: BLE001 - a config this version cannot read: the raw values are what there is
+        return raw
+    if shape is not None and dataclasses.is_dataclass(shape):
+        raw.update({k: v for k, v in dataclasses.asdict(shape).items() if v is not None and raw.get(k) is None})
+    return raw
+
+
+def _workload_value(values: dict[str, Any], *keys: str) -> int | None:
     for key in keys:
-        if workload.get(key) is not None:
-            return int(workload[key])
+        if isinstance(values.get(key), int):
+            return int(values[key])
     return None
 
 
-def captured_layers(graph: Graph) -> int:
-    stacks = graph.stacks
-    if not stacks:
-        raise ValueError("the captured step has no repeated layers (no module scope `<name>.<i>`): a layer "
-                         "count cannot be changed")
-    return max(stacks.values())
+def _token_dim(graph: Graph) -> int | None:
+    """The leading dimension of the first embedding lookup's output: the tokens (or samples) of the step,
+    which for jagged sequences is neither batch nor batch × length."""
+    for op in graph.ops:
+        if op.category == "embedding" and not op.backward and op.outputs and op.outputs[0].shape:
+            return op.outputs[0].shape[0]
+    return None
 
 
 def _rescaled(use: TensorUse, factors: dict[int, float]) -> TensorUse:
@@ -135,7 +158,8 @@ def predict(graph: Graph, change: Change, calibration: Calibration) -> Predictio
     unchanged = schedule(graph)
     factors: dict[int, float] = {}
     naive = 1.0
-    batch, seq = _workload_value(graph, BATCH_KEY), _workload_value(graph, *SEQ_KEYS)
+    values = resolved_workload(graph)
+    batch, seq = _workload_value(values, BATCH_KEY), _workload_value(values, *SEQ_KEYS)
     fb = change.batch_size / batch if change.batch_size and batch else 1.0
     fs = change.seq_len / seq if change.seq_len and seq else 1.0
     if change.batch_size and not batch:
@@ -144,8 +168,11 @@ def predict(graph: Graph, change: Change, calibration: Calibration) -> Predictio
         raise ValueError(f"the capture's config has no workload.{'/'.join(SEQ_KEYS)}: a sequence change cannot "
                          "be placed")
     if fb != 1.0 or fs != 1.0:
+        tokens = _token_dim(graph)
+        if tokens and tokens not in (batch, seq):
+            factors[tokens] = fb * fs
         if batch and seq:
-            factors[batch * seq] = fb * fs
+            factors.setdefault(batch * seq, fb * fs)
         if batch:
             factors.setdefault(batch, fb)
         if seq:
@@ -157,8 +184,9 @@ def predict(graph: Graph, change: Change, calibration: Calibration) -> Predictio
         dur = _retimed(op, factors, calibration, change.calibration) if (factors or change.calibration) \
             else op.dur_us
         durations[op.id] = dur
-    layers = captured_layers(graph) if change.layers is not None else None
+    layers, stack = None, None
     if change.layers is not None:
+        stack, layers = graph.assign_layers(_workload_value(values, LAYER_KEYS.get(graph.workload, "")))
         scale = change.layers / layers
         naive *= scale
         for op in graph.ops:
@@ -174,7 +202,8 @@ def predict(graph: Graph, change: Change, calibration: Calibration) -> Predictio
     breakdown = {f"compute_{k}": v * correction / 1e3 for k, v in edited["compute_us"].items()}
     breakdown["host"] = edited["host_us"] * correction / 1e3
     breakdown["idle"] = edited["idle_us"] * correction / 1e3
-    inputs = {"workload": graph.workload, "captured": {"layers": layers, "batch_size": batch, "seq_len": seq},
+    inputs = {"workload": graph.workload,
+              "captured": {"layers": layers, "layer_stack": stack, "batch_size": batch, "seq_len": seq},
               "change": change.describe(), "ops": len(graph.ops), "platform": calibration.platform,
               "tracer_cost_us_per_event": list(graph.tracer_cost_us)}
     return Prediction(edited["step_us"] * correction / 1e3, unchanged["step_us"] / 1e3, graph.measured_step_ms,
