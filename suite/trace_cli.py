@@ -6,7 +6,7 @@
     cobench trace export --format chakra BUNDLE [--out DIR]
     cobench trace fidelity [--rounds R] [--round-steps K] [--warmup W] [--steps N] [--baseline-steps B] [OVERRIDES]
     cobench trace predict BUNDLE [workload.n_layers=N] [workload.batch_size=B] [workload.seq_len=S]
-                          [--calibration FILE] [--target-calibration FILE] [--json FILE]
+                          [--calibration FILE] [--target-calibration FILE] [--json FILE] [--measure [OVERRIDES]]
 
 Replay is a workload like any other: ``cobench run workload=generated workload.spec=SPEC``.
 """
@@ -66,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--target-calibration", type=Path, default=None,
                      help="another platform's curves (made there with `cobench trace calibrate`): predict for it")
     pre.add_argument("--json", type=Path, default=None, help="write the prediction as JSON")
+    pre.add_argument("--measure", nargs="*", default=None, metavar="OVERRIDE",
+                     help="then run the changed configuration for real (a cobench run; overrides such as "
+                          "runner.steps=60 tracking=off results_dir=DIR apply to it) and log prediction_error_pct "
+                          "with it")
 
     cal = commands.add_parser("calibrate", help="measure this platform's what-if cost-model curves")
     cal.add_argument("--out", type=Path, required=True)
@@ -158,7 +162,8 @@ def _predict(args: argparse.Namespace) -> int:
 
     graph = load_graph(args.bundle)
     change, layer_key = Change(), LAYER_KEYS.get(graph.workload)
-    for item in args.changes:
+    changes = args.changes
+    for item in changes:
         key, sep, value = item.partition("=")
         if not sep or not value.lstrip("-").isdigit() or int(value) <= 0:
             raise ValueError(f"invalid change {item!r}: write key=N with a positive integer N")
@@ -188,10 +193,44 @@ def _predict(args: argparse.Namespace) -> int:
           f"  captured step {result.measured_step_ms:.2f} ms; the unchanged graph replays it at "
           f"{result.unchanged_step_ms:.2f} ms ({record['unchanged_error_pct']:+.1f} %)\n"
           f"  breakdown (ms, critical path): {parts}")
+    if args.measure is not None:
+        record["measured"] = _measure_prediction(graph, changes, args.measure, result)
     if args.json is not None:
         args.json.write_text(json.dumps(record, indent=2))
         print(f"  written: {args.json}")
-    return EXIT_OK
+    return EXIT_OK if args.measure is None or record["measured"]["status"] == "FINISHED" else EXIT_FAILED
+
+
+def _measure_prediction(graph, changes: list[str], overrides: list[str], prediction) -> dict:  # noqa: ANN001
+    """Run the changed configuration for real (the captured workload config, the changes, ``overrides``)
+    and log the prediction's error with it: ``prediction_error_pct`` and naive scaling's beside it."""
+    from omegaconf import OmegaConf
+
+    from harness.config import compose_config, to_run_config
+    from harness.runner import run_benchmark
+
+    workload = {k: v for k, v in (graph.config.get("workload") or {}).items() if v is not None}
+    composed = compose_config([f"workload={workload['name']}", *overrides])
+    cfg = to_run_config(OmegaConf.merge(composed, {"workload": workload}, OmegaConf.from_dotlist(changes)))
+
+    def errors(metrics: dict[str, float]) -> dict[str, float]:
+        measured = metrics.get("step_time_ms_p50")
+        if not measured:
+            return {}
+        return {"predicted_step_ms": prediction.predicted_step_ms, "naive_step_ms": prediction.naive_step_ms,
+                "prediction_error_pct": 100.0 * (prediction.predicted_step_ms / measured - 1.0),
+                "naive_error_pct": 100.0 * (prediction.naive_step_ms / measured - 1.0)}
+
+    result = run_benchmark(cfg, benchmark=f"whatif-{cfg.workload.name}", derived=errors)
+    figures = errors(result.metrics)
+    if figures:
+        print(f"  measured: step p50 {result.metrics['step_time_ms_p50']:.2f} ms → prediction error "
+              f"{figures['prediction_error_pct']:+.1f} % (naive {figures['naive_error_pct']:+.1f} %); "
+              f"MLflow run {result.run_id or '(tracking off)'}")
+    else:
+        print(f"  measured: the run ended {result.status}: {result.error}")
+    return {"status": result.status, "run_id": result.run_id,
+            "step_time_ms_p50": result.metrics.get("step_time_ms_p50"), **figures}
 
 
 def _calibrate(args: argparse.Namespace) -> int:

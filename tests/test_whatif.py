@@ -91,3 +91,21 @@ def test_cobench_trace_predict_writes_its_inputs_and_refuses_bad_changes(cobench
     foreign.write_text('{"schema": "something else"}')
     proc = cobench("trace", "predict", str(bundle), "--target-calibration", str(foreign))
     assert proc.returncode == 2 and "not a what-if calibration" in proc.stderr
+
+
+def test_predict_then_measure_logs_the_error_with_the_real_run(cobench, bundle: Path, tmp_path: Path):
+    """`--measure`: the changed configuration runs for real, its MLflow run carries the prediction's error
+    and naive scaling's."""
+    from conftest import mlflow_runs
+
+    results = tmp_path / "results"
+    proc = cobench("trace", "predict", str(bundle), "workload.n_layers=3", "--calibration",
+                   str(tmp_path / "calibration.json"), "--measure", "runner.warmup_steps=2", "runner.steps=6",
+                   "runner.progress=false", f"results_dir={results}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "prediction error" in proc.stdout
+    (run,) = mlflow_runs(results)
+    assert run.info.status == "FINISHED" and run.data.params["workload.n_layers"] == "3"
+    m = run.data.metrics
+    assert m["predicted_step_ms"] > 0 and m["naive_step_ms"] > m["predicted_step_ms"]
+    assert m["prediction_error_pct"] == pytest.approx(100 * (m["predicted_step_ms"] / m["step_time_ms_p50"] - 1))
