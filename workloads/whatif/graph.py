@@ -31,6 +31,10 @@ from workloads.trace_bundle import ET_FILE, TraceError, read_json, read_meta
 from workloads.trace_replay.spec import generate_spec
 
 COMM_CATEGORIES = ("communication",)
+MIN_LAYER_OPS = 4  # a repeated layer has at least this many forward ops (fewer: q/k/v-like repeats inside one)
+# the layers hold at least this share of the forward ops' time: a repeat inside one layer (its q, k and v
+# projections) holds far less (tiny Llama: layers 79 %, q/k/v 5 %; DLRM's cross network 37 %)
+MIN_LAYER_SHARE = 0.15
 
 
 @dataclass(frozen=True)
@@ -88,58 +92,71 @@ class Graph:
         return Counter({name: len(indices) for name, indices in found.items() if len(indices) > 1})
 
     def assign_layers(self, count: int | None) -> tuple[str, int]:
-        """Mark every op with its layer of the repeated stack of ``count`` layers (None: the stack with
-        the most time): a module list ``<name>.<i>``, or else one module whose forward ops repeat
-        ``count`` times in a row (DLRM's cross network loops over its layers in one module). Backward ops
+        """Mark every op with its layer among ``count`` repeated layers (None: the size of the module
+        list ``<name>.<i>`` with the most time). The layers are found in the step's forward ops as the
+        longest stretch of ``count`` identical consecutive blocks (by op name): that holds whether a layer
+        is a module of a list (Llama), work its parent does per layer (seqrec's attention) or a loop in
+        one module (DLRM's cross network). Without such a stretch, the module list itself. Backward ops
         follow their forward op; a gradient's accumulation follows the op that made it; work over every
-        parameter at once is shared by parameter count. Returns (stack, layers)."""
+        parameter at once is shared by parameter count. Returns (where the layers are, how many)."""
         time_in: dict[str, float] = defaultdict(float)
-        for name in self.stacks:
-            time_in[name] = sum(op.dur_us for op in self.ops if op.module and
-                                (_layer_of([f"nn.Module: {op.module}"]) or ("", 0))[0] == name)
-        fitting = [name for name, n in self.stacks.items() if count is None or n == count]
-        if fitting:
-            stack = max(fitting, key=lambda name: time_in[name])
-            for op in self.ops:
-                indexed = _layer_of([f"nn.Module: {op.module}"]) if op.module else None
-                op.layer = indexed if indexed is not None and indexed[0] == stack else None
+        for op in self.ops:
+            indexed = _layer_of([f"nn.Module: {op.module}"]) if op.module else None
+            if indexed is not None:
+                time_in[indexed[0]] += op.dur_us
+        lists = {name: n for name, n in self.stacks.items() if count is None or n == count}
+        if count is None and lists:
+            count = self.stacks[max(lists, key=lambda name: time_in[name])]
+        found = self._repeated_stretch(count) if count and count >= 2 else None
+        if found is not None:
+            stack, layers = found
+        elif lists:
+            stack = max(lists, key=lambda name: time_in[name])
+            for op in self.ops:  # anywhere under <stack>.<i> (its sub-modules' own lists included)
+                rest = op.module[len(stack) + 1:] if op.module and op.module.startswith(f"{stack}.") else ""
+                head = rest.split(".")[0]
+                op.layer = (stack, int(head)) if head.isdigit() else None
             layers = self.stacks[stack]
         else:
-            stack, layers = self._periodic_stack(count)
+            raise ValueError(f"found no {count} repeated layers in the captured step: no {count} identical "
+                             f"consecutive blocks of forward ops and no module list of {count} (seen: "
+                             f"{dict(self.stacks) or 'none'})")
         _share_optimizer_ops(self.ops)
         return stack, layers
 
-    def _periodic_stack(self, count: int | None) -> tuple[str, int]:
-        if not count or count < 2:
-            raise ValueError(f"no repeated layers found in the captured step (module lists seen: "
-                             f"{dict(self.stacks) or 'none'}); the layer count must be known to look for one module "
-                             "that repeats")
-        forward: dict[str, list[Op]] = defaultdict(list)
-        for op in self.ops:
-            if op.module and not op.backward and op.anchor is not None:
-                forward[op.module].append(op)
-        best: tuple[float, str, dict[int, int]] | None = None
-        for module, ops in forward.items():
-            n = len(ops)
-            if n < count or n % count:
-                continue
-            period = n // count
-            names = [op.name for op in ops]
-            if any(names[i] != names[i + period] for i in range(n - period)):
-                continue
-            index = {}
-            for position, op in enumerate(ops):
-                index.setdefault(op.anchor, position // period)
-            spent = sum(op.dur_us for op in ops)
-            if best is None or spent > best[0]:
-                best = (spent, module, index)
-        if best is None:
-            raise ValueError(f"found no {count} repeated layers in the captured step: no module list of {count} "
-                             f"(seen: {dict(self.stacks) or 'none'}) and no module whose ops repeat {count} times")
-        _, module, index = best
-        for op in self.ops:
-            op.layer = (module, index[op.anchor]) if op.module == module and op.anchor in index else None
-        return module, count
+    def _repeated_stretch(self, count: int) -> tuple[str, int] | None:
+        forward = [op for op in self.ops if not op.backward and op.anchor is not None]
+        names = [op.name for op in forward]
+        n = len(names)
+        total = sum(op.dur_us for op in forward) or 1.0
+        for period in range(n // count, MIN_LAYER_OPS - 1, -1):
+            for start in range(0, n - period * count + 1):
+                if all(names[start + k] == names[start + k + period * j]
+                       for j in range(1, count) for k in range(period)) and \
+                        sum(op.dur_us for op in forward[start: start + period * count]) >= MIN_LAYER_SHARE * total:
+                    layer_of_anchor: dict[int, int] = {}
+                    for j in range(count):
+                        for op in forward[start + j * period: start + (j + 1) * period]:
+                            layer_of_anchor.setdefault(op.anchor, j)
+                    modules = {op.module for op in forward[start: start + period * count] if op.module}
+                    where = _common_prefix(sorted(modules)) or "forward ops"
+                    for op in self.ops:
+                        index = layer_of_anchor.get(op.anchor) if op.anchor is not None else None
+                        op.layer = (where, index) if index is not None else None
+                    return where, count
+        return None
+
+
+def _common_prefix(paths: list[str]) -> str:
+    if not paths:
+        return ""
+    parts = [p.split(".") for p in paths]
+    common = []
+    for column in zip(*parts, strict=False):
+        if len(set(column)) != 1 or column[0].isdigit():
+            break
+        common.append(column[0])
+    return ".".join(common)
 
 
 def _attrs(raw: dict[str, Any]) -> dict[str, Any]:
@@ -217,9 +234,11 @@ def load_graph(bundle: str | Path, step: int | None = None) -> Graph:
             candidates = [j]
             if nodes[j]["name"].startswith("autograd::engine::evaluate_function"):
                 candidates += children.get(j, [])  # the engine's own work for a node sits beside the node
+            engine = nodes[j]["name"].startswith("autograd::engine::evaluate_function")
             for k in candidates:
                 name, seq = nodes[k]["name"], attrs[k].get("seq_id", -1)
-                if "Backward" in name and seq is not None and seq >= 0:
+                # the autograd node: ``XBackward0``, or a C++ custom function's ``CppNode<...>``
+                if (("Backward" in name or (engine and k != j)) and seq is not None and seq >= 0):
                     return forward_by_seq.get(int(seq)), True
             j = parent.get(j, 0)
         j, seen = i, set()
