@@ -109,3 +109,26 @@ def test_predict_then_measure_logs_the_error_with_the_real_run(cobench, bundle: 
     m = run.data.metrics
     assert m["predicted_step_ms"] > 0 and m["naive_step_ms"] > m["predicted_step_ms"]
     assert m["prediction_error_pct"] == pytest.approx(100 * (m["predicted_step_ms"] / m["step_time_ms_p50"] - 1))
+
+
+def test_layers_looped_inside_one_module_are_found_by_their_repeats():
+    """A model that loops over its layers inside one module (DLRM's cross network) has no module list:
+    the layers are the stretch of N identical consecutive blocks of forward ops; a shorter repeat (three
+    projections in a row) is not taken for layers."""
+    from workloads.whatif.graph import Graph, Op
+
+    def op(i: int, name: str, dur: float, backward: bool = False, anchor: int | None = None) -> Op:
+        return Op(i, name, "elementwise", dur, 0.0, [], module="net.cross", anchor=anchor or i, backward=backward)
+
+    body = ["aten::mm", "aten::mm", "aten::add", "aten::mul", "aten::add"]
+    ops = [op(1, "aten::embedding_bag", 50.0)]
+    for layer in range(3):
+        ops += [op(10 + 10 * layer + k, name, 10.0) for k, name in enumerate(body)]
+    ops.append(op(90, "aten::sigmoid", 5.0))
+    ops += [op(100 + k, "aten::mm", 10.0, backward=True, anchor=10 + 10 * layer) for k, layer in enumerate((2, 1, 0))]
+    graph = Graph("dlrm", {}, ops, 0.0, 1.0, (0.0, 0.0), {})
+    assert graph.assign_layers(3) == ("net.cross", 3)
+    assert [o.layer for o in ops if o.backward] == [("net.cross", 2), ("net.cross", 1), ("net.cross", 0)]
+    assert ops[0].layer is None and ops[-4].layer is None  # before and after the layers
+    with pytest.raises(ValueError, match="found no 5 repeated layers"):
+        graph.assign_layers(5)
