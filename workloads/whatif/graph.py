@@ -107,16 +107,24 @@ class Graph:
         lists = {name: n for name, n in self.stacks.items() if count is None or n == count}
         if count is None and lists:
             count = self.stacks[max(lists, key=lambda name: time_in[name])]
+        by_list: dict[int, tuple[str, int]] = {}
+        if lists:  # ops anywhere under <list>.<i> (its sub-modules' own lists included)
+            listed = max(lists, key=lambda name: time_in[name])
+            for op in self.ops:
+                rest = op.module[len(listed) + 1:] if op.module and op.module.startswith(f"{listed}.") else ""
+                head = rest.split(".")[0]
+                if head.isdigit():
+                    by_list[op.id] = (listed, int(head))
         found = self._repeated_stretch(count) if count and count >= 2 else None
         if found is not None:
             stack, layers = found
+            for op in self.ops:  # the module list's ops the stretch did not reach (no forward op of theirs)
+                if op.layer is None and op.id in by_list:
+                    op.layer = (stack, by_list[op.id][1])
         elif lists:
-            stack = max(lists, key=lambda name: time_in[name])
-            for op in self.ops:  # anywhere under <stack>.<i> (its sub-modules' own lists included)
-                rest = op.module[len(stack) + 1:] if op.module and op.module.startswith(f"{stack}.") else ""
-                head = rest.split(".")[0]
-                op.layer = (stack, int(head)) if head.isdigit() else None
-            layers = self.stacks[stack]
+            stack, layers = listed, self.stacks[listed]
+            for op in self.ops:
+                op.layer = by_list.get(op.id)
         else:
             raise ValueError(f"found no {count} repeated layers in the captured step: no {count} identical "
                              f"consecutive blocks of forward ops and no module list of {count} (seen: "

@@ -134,11 +134,17 @@ def _bytes(uses: list[TensorUse]) -> float:
     return float(sum(math.prod(u.shape) * u.itemsize for u in uses))
 
 
-def _retimed(op: Op, factors: dict[int, float], here: Calibration, there: Calibration | None) -> float:
+def _retimed(op: Op, factors: dict[int, float], here: Calibration, there: Calibration | None,
+             batch_factor: float = 1.0) -> float:
     if op.category in FIXED_CATEGORIES or not (op.inputs or op.outputs):
         return op.dur_us
     old = [*op.inputs, *op.outputs]
     new = [_rescaled(u, factors) for u in old]
+    if op.category == "embedding" and batch_factor != 1.0:
+        # a lookup's index lists and pooled rows follow the batch whatever their length (multi-hot)
+        new = [u if u.persistent or not u.shape or u.shape[0] != v.shape[0] else
+               TensorUse((round(u.shape[0] * batch_factor), *u.shape[1:]), u.itemsize, u.persistent)
+               for u, v in zip(new, old, strict=True)]
     target = there or here
     if op.category in FLOP_CATEGORIES:
         before = _flops(op, op.inputs)
@@ -181,8 +187,8 @@ def predict(graph: Graph, change: Change, calibration: Calibration) -> Predictio
     durations: dict[int, float] = {}
     gaps: dict[int, float] = {}
     for op in graph.ops:
-        dur = _retimed(op, factors, calibration, change.calibration) if (factors or change.calibration) \
-            else op.dur_us
+        dur = _retimed(op, factors, calibration, change.calibration, fb * fs) \
+            if (factors or change.calibration) else op.dur_us
         durations[op.id] = dur
     layers, stack = None, None
     if change.layers is not None:
