@@ -6,7 +6,8 @@ from 32 to 1024), and a memory-bound op's time against the bytes it moves (an el
 1 KB to 64 MB). An op is re-timed by the *ratio* of the curve at its new size to the curve at its
 captured size, applied to its captured time, so what the curve does not know about the op (its own
 kernel, its fixed cost) stays as measured. GEMMs and attention go by FLOPs, every other op with
-tensors by bytes; views and ops on parameters only do not change.
+tensors by bytes; views do not change. The curves are measured on the CPU with this process's
+intra-op threads (a what-if for an accelerator needs its curves measured on the device: not built).
 """
 
 from __future__ import annotations

@@ -3,15 +3,15 @@
 Nodes are the ops a replay would run (``workloads.trace_replay.spec``: the execution trace joined with
 its Kineto trace), in host order, each with
 
-- its duration with the tracer's own cost taken out: the execution-trace observer and Kineto each add
-  a roughly constant cost per recorded event, measured here from the bundle itself — (traced step −
-  Kineto-alone step) and (Kineto-alone step − plain step), divided by the events per step — and an op
-  carries that cost once for itself and once for every event recorded inside it;
+- its duration from the steps the capture ran under Kineto alone, matched op by op, less Kineto's own
+  cost per recorded event (measured from the bundle: Kineto-alone step − plain step, over the events of
+  a step; the execution-trace observer's cost, ~15 µs an event and uneven, is why its own durations are
+  not used but as a fallback);
 - the program's host time before it (``gap_us``, from the capture's Kineto-alone steps against its
   plain steps), its data dependencies, category and input shapes;
-- the module it belongs to: forward ops by their ``nn.Module`` scope, backward ops through their autograd
-  node's sequence number to the forward op that made it (Lumos: forward joins backward on ``seq_id``),
-  optimizer ops to every module whose parameters they update (shared by parameter count).
+- the module and forward op it belongs to: forward ops by their ``nn.Module`` scope, backward ops through
+  their autograd node's sequence number to the forward op that made it (Lumos: forward joins backward on
+  ``seq_id``); :meth:`Graph.assign_layers` then finds the repeated layers.
 
 On a CPU one host thread runs every op, so the critical path is host order, with each op also waiting
 for the ops whose outputs it reads; :func:`schedule` replays that and splits the step into compute by
@@ -20,7 +20,6 @@ category, communication and host time.
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -415,7 +414,3 @@ def schedule(graph: Graph, durations: dict[int, float] | None = None, gaps: dict
     clock += graph.tail_gap_us
     host += graph.tail_gap_us
     return {"step_us": clock, "host_us": host, "idle_us": idle, "compute_us": dict(by_category)}
-
-
-def graph_summary(graph: Graph) -> str:
-    return json.dumps({"ops": len(graph.ops), "stacks": dict(graph.stacks), "measured_step_ms": graph.measured_step_ms})
