@@ -5,8 +5,9 @@
                            [--steps I,J] [--window-ms A:B] [--repeat N] [--obfuscate]
     cobench trace export --format chakra BUNDLE [--out DIR]
     cobench trace fidelity [--rounds R] [--round-steps K] [--warmup W] [--steps N] [--baseline-steps B] [OVERRIDES]
-    cobench trace predict BUNDLE [workload.n_layers=N] [workload.batch_size=B] [workload.seq_len=S]
-                          [--calibration FILE] [--target-calibration FILE] [--json FILE] [--measure [OVERRIDES]]
+    cobench trace predict BUNDLE [workload.n_layers=N] [workload.batch_size=B] [workload.seq_len=S] [world_size=W]
+                          [--calibration FILE] [--target-calibration FILE] [--collectives TABLE]
+                          [--chakra DIR] [--json FILE] [--measure [OVERRIDES]]
 
 Replay is a workload like any other: ``cobench run workload=generated workload.spec=SPEC``.
 """
@@ -59,13 +60,23 @@ def _parser() -> argparse.ArgumentParser:
                                                "the trace's graph and calibrated cost models (no model runs)")
     pre.add_argument("bundle", type=Path)
     pre.add_argument("changes", nargs="*", help="workload.<layers key>=N (n_layers, num_layers, dcn_num_layers), "
-                                                "workload.batch_size=B, workload.seq_len=S (seqrec: max_len)")
+                                                "workload.batch_size=B, workload.seq_len=S (seqrec: max_len), "
+                                                "world_size=W (data-parallel ranks)")
     pre.add_argument("--calibration", type=Path, default=None,
                      help="this platform's cost-model curves (default <bundle>/whatif_calibration.json, measured "
                           "there first)")
     pre.add_argument("--target-calibration", type=Path, default=None,
                      help="another platform's curves (made there with `cobench trace calibrate`): predict for it")
     pre.add_argument("--json", type=Path, default=None, help="write the prediction as JSON")
+    pre.add_argument("--collectives", type=Path, default=None,
+                     help="the collectives benchmark's sweep table (all_reduce at the new world size): the "
+                          "gradient all-reduce's time; without it an assumed bandwidth, stated in the output")
+    pre.add_argument("--assume-busbw-gbps", type=float, default=1.0,
+                     help="bus bandwidth assumed without --collectives (default 1.0 GB/s)")
+    pre.add_argument("--assume-latency-us", type=float, default=50.0,
+                     help="all-reduce latency assumed without --collectives (default 50 µs)")
+    pre.add_argument("--chakra", type=Path, default=None, metavar="DIR",
+                     help="also write the edited graph as a Chakra execution trace (DIR/rank0.et)")
     pre.add_argument("--measure", nargs="*", default=None, metavar="OVERRIDE",
                      help="then run the changed configuration for real (a cobench run; overrides such as "
                           "runner.steps=60 tracking=off results_dir=DIR apply to it) and log prediction_error_pct "
@@ -156,28 +167,22 @@ def _fidelity(args: argparse.Namespace) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
-    from workloads.whatif.costmodel import Calibration, load_or_calibrate
+    from workloads.trace_predict.chakra_export import edited_ops, export_edited_chakra
+    from workloads.trace_predict.dataparallel import (
+        allreduce_cost,
+        bucket_sizes,
+        predict_data_parallel,
+        rank_change,
+        threads_per_rank,
+    )
+    from workloads.trace_predict.edits import parse_changes
+    from workloads.whatif.costmodel import Calibration, calibrate, load_or_calibrate
     from workloads.whatif.graph import load_graph
-    from workloads.whatif.predict import LAYER_KEYS, Change, predict
+    from workloads.whatif.predict import predict
 
     graph = load_graph(args.bundle)
-    change, layer_key = Change(), LAYER_KEYS.get(graph.workload)
-    changes = args.changes
-    for item in changes:
-        key, sep, value = item.partition("=")
-        if not sep or not value.lstrip("-").isdigit() or int(value) <= 0:
-            raise ValueError(f"invalid change {item!r}: write key=N with a positive integer N")
-        short = key.removeprefix("workload.")
-        if layer_key is not None and short == layer_key:
-            change.layers = int(value)
-        elif short == "batch_size":
-            change.batch_size = int(value)
-        elif short in ("seq_len", "max_len"):
-            change.seq_len = int(value)
-        else:
-            known = [f"workload.{k}" for k in (layer_key, "batch_size", "seq_len") if k]
-            raise ValueError(f"invalid change {key!r} for a {graph.workload or 'captured'} trace: supported: "
-                             f"{', '.join(known)}")
+    parsed = parse_changes(graph, args.changes)
+    change, world = parsed.change, parsed.world_size
     calibration = load_or_calibrate(args.calibration or Path(args.bundle) / "whatif_calibration.json")
     if args.target_calibration is not None:
         if not args.target_calibration.exists():
@@ -185,17 +190,48 @@ def _predict(args: argparse.Namespace) -> int:
                              "target with `cobench trace calibrate --out FILE`")
         change.calibration = Calibration.from_json(json.loads(args.target_calibration.read_text()),
                                                    args.target_calibration)
-    result = predict(graph, change, calibration)
+    if args.collectives is not None and not args.collectives.exists():
+        raise ValueError(f"--collectives {args.collectives} does not exist: it is the collectives benchmark's "
+                         "sweep table (collectives_all_reduce.json in that run's folder)")
+    allreduce, rank_calibration = None, None
+    if world is not None:
+        allreduce = allreduce_cost(world, args.collectives, args.assume_busbw_gbps, args.assume_latency_us)
+        threads, rank_threads = threads_per_rank(graph, world)
+        if rank_threads != threads and change.calibration is None:  # ranks share the host's cores
+            cached = Path(args.bundle) / f"whatif_calibration_{rank_threads}threads.json"
+            rank_calibration = load_or_calibrate(cached, f"{calibration.platform}-{rank_threads}threads",
+                                                 rank_threads) if args.calibration is None else \
+                calibrate(f"{calibration.platform}-{rank_threads}threads", rank_threads)
+        result = predict_data_parallel(graph, world, calibration, change, rank_calibration, allreduce)
+    else:
+        result = predict(graph, change, calibration)
     record = result.to_json()
+    record["inputs"]["changes"] = list(parsed.items)
     parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(result.breakdown_ms.items(), key=lambda kv: -kv[1]))
-    print(f"{graph.workload or 'trace'} {change.describe() or '(as captured)'}: predicted step "
+    print(f"{graph.workload or 'trace'} {parsed.describe() or '(as captured)'}: predicted step "
           f"{result.predicted_step_ms:.2f} ms (naive linear scaling {result.naive_step_ms:.2f} ms)\n"
           f"  captured step {result.measured_step_ms:.2f} ms; the unchanged graph replays it at "
           f"{result.unchanged_step_ms:.2f} ms ({record['unchanged_error_pct']:+.1f} %)\n"
           f"  breakdown (ms, critical path): {parts}")
+    if allreduce is not None and world and world > 1:
+        dp = record["inputs"]["data_parallel"]
+        how = "measured sweep table " + allreduce.source if allreduce.sizes else \
+            f"ASSUMED bus bandwidth {allreduce.busbw_gbps} GB/s and latency {allreduce.latency_us} µs (pass " \
+            "--collectives TABLE for measured ones)"
+        print(f"  {world} data-parallel ranks: batch {dp['batch_per_rank']} a rank, {dp['threads_per_rank']} "
+              f"intra-op thread(s) a rank, {dp['gradient_bytes'] / 1e6:.2f} MB of gradients all-reduced in "
+              f"{dp['buckets']} bucket(s) after backward; all-reduce from {how}")
+    if args.chakra is not None:  # the edited graph one rank runs (layers already assigned by the prediction)
+        local = rank_change(graph, world, change, rank_calibration) if world and world > 1 else change
+        buckets = [(b, allreduce.at(b)) for b in bucket_sizes(record["inputs"]["data_parallel"]["gradient_bytes"])] \
+            if world and world > 1 and allreduce is not None else []
+        path = export_edited_chakra(graph, edited_ops(graph, local, calibration), args.chakra / "rank0.et", buckets)
+        record["chakra"] = str(path)
+        print(f"  chakra (edited graph): {path}")
     if args.measure is not None:
-        record["measured"] = _measure_prediction(graph, changes, args.measure, result)
+        record["measured"] = _measure_prediction(graph, list(parsed.items), args.measure, result)
     if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=2))
         print(f"  written: {args.json}")
     return EXIT_OK if args.measure is None or record["measured"]["status"] == "FINISHED" else EXIT_FAILED

@@ -1,0 +1,177 @@
+"""Data-parallel degree: a captured single-process step predicted at ``world`` ranks.
+
+What changes when the same global batch is spread over ``world`` data-parallel ranks (every cobench
+workload's ``batch_size`` is global):
+
+- each rank runs the captured step at ``batch_size / world`` — the batch edit of
+  :func:`workloads.whatif.predict.predict`, re-timed by the calibrated curves;
+- ranks that share one host share its cores: a rank gets ``min(threads, cpu_count // world)`` intra-op
+  threads (at least one), so its ops are re-timed by curves measured at that thread count (the
+  platform edit, with this host's curves at the per-rank threads as the "target");
+- the gradients (one per parameter: the tensors the autograd engine accumulates) are all-reduced once
+  per step in DDP's buckets (25 MB): each bucket's time from the collectives benchmark's sweep table
+  (``cobench.collectives.sweep``, ``all_reduce`` at that world size, interpolated log-log by bytes) when
+  one is given, else from an *assumed* bus bandwidth and latency, which the result states.
+  The all-reduce is put on the critical path after the backward pass (no overlap assumed: on a CPU the
+  collective's threads compete with backward for the same cores).
+
+Not modelled: sharded embeddings' all-to-all (DLRM's TorchRec tables: their lookups keep the captured
+per-rank cost), pipeline or tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from workloads.whatif.costmodel import Calibration
+from workloads.whatif.graph import Graph
+from workloads.whatif.predict import BATCH_KEY, Change, Prediction, _workload_value, predict, resolved_workload
+
+DDP_BUCKET_BYTES = 25 * 2**20
+ASSUMED_BUSBW_GBPS = 1.0  # stated when no sweep table is given: a loopback gloo ring on one host, order of magnitude
+ASSUMED_LATENCY_US = 50.0
+
+
+def gradient_bytes(graph: Graph) -> int:
+    """Bytes of the gradients the autograd engine accumulates in a step (one per dense parameter):
+    what DDP all-reduces. Sharded or fused embedding tables (TorchRec) accumulate none and so count none."""
+    total = 0
+    for op in graph.ops:
+        if _accumulates(op):
+            grad = op.inputs[0]
+            total += math.prod(grad.shape) * grad.itemsize
+    return total
+
+
+@dataclass
+class AllReduceCost:
+    """Time of one all-reduce of ``n`` bytes at a world size: measured rows, or an assumption."""
+
+    world: int
+    source: str  # the table's path, or "assumed"
+    sizes: list[float]
+    times_us: list[float]
+    busbw_gbps: float | None = None
+    latency_us: float | None = None
+
+    def at(self, nbytes: float) -> float:
+        if self.world <= 1 or nbytes <= 0:
+            return 0.0
+        if not self.sizes:
+            moved = 2.0 * (self.world - 1) / self.world * nbytes  # a ring's bus traffic per rank
+            return (self.latency_us or 0.0) + moved / ((self.busbw_gbps or 1.0) * 1e3)
+        xs = [math.log(s) for s in self.sizes]
+        ys = [math.log(t) for t in self.times_us]
+        if len(xs) == 1:
+            return self.times_us[0] * max(1.0, nbytes / self.sizes[0])
+        x = math.log(nbytes)
+        i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+        slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+        if x < xs[0]:  # below the smallest size measured: latency-bound, no faster than it
+            return self.times_us[0]
+        return math.exp(ys[i - 1] + slope * (x - xs[i - 1]))
+
+    def describe(self) -> dict[str, Any]:
+        if self.sizes:
+            return {"source": self.source, "world_size": self.world, "points": len(self.sizes)}
+        return {"source": "assumed", "world_size": self.world, "busbw_gbps": self.busbw_gbps,
+                "latency_us": self.latency_us}
+
+
+def allreduce_cost(world: int, table: Path | None, busbw_gbps: float = ASSUMED_BUSBW_GBPS,
+                   latency_us: float = ASSUMED_LATENCY_US) -> AllReduceCost:
+    """All-reduce times at ``world`` ranks from a sweep table (its ``all_reduce`` rows at that world size),
+    else the stated assumption. A table without such rows is refused, naming it and what it has."""
+    if table is None:
+        return AllReduceCost(world, "assumed", [], [], busbw_gbps, latency_us)
+    from workloads.collectives.table import read_sweep_table
+
+    rows = read_sweep_table(table)
+    mine = sorted((r for r in rows if r.collective == "all_reduce" and r.world_size == world), key=lambda r: r.bytes)
+    if not mine:
+        have = sorted({(r.collective, r.world_size) for r in rows})
+        raise ValueError(f"{table}: no all_reduce rows at world size {world} (it has {have}); measure them with "
+                         f"`torchrun --nproc-per-node {world} -m suite.cli run workload=collectives "
+                         "workload.collective=all_reduce`")
+    return AllReduceCost(world, str(table), [float(r.bytes) for r in mine], [float(r.time_us_p50) for r in mine])
+
+
+def threads_per_rank(graph: Graph, world: int) -> tuple[int, int]:
+    """(captured intra-op threads, threads a rank gets when ``world`` ranks share the capture's host)."""
+    threads = int(graph.platform.get("num_threads") or 1)
+    cores = int(graph.platform.get("cpu_count") or threads)
+    return threads, max(1, min(threads, cores // world))
+
+
+def bucket_sizes(nbytes: int) -> list[int]:
+    """DDP's gradient buckets for ``nbytes`` of gradients (full ones, then the rest)."""
+    full, rest = divmod(nbytes, DDP_BUCKET_BYTES)
+    return [DDP_BUCKET_BYTES] * full + ([rest] if rest else [])
+
+
+def rank_change(graph: Graph, world: int, change: Change, rank_calibration: Calibration | None) -> Change:
+    """What one of ``world`` data-parallel ranks runs: ``change`` with the global batch split, on the
+    per-rank curves. A capture of several ranks, or a batch the ranks cannot share, is refused."""
+    captured_world = int(graph.platform.get("world_size") or 1)
+    if captured_world != 1:
+        raise ValueError(f"the capture ran {captured_world} ranks: a data-parallel change starts from a "
+                         "single-rank capture (capture with one process)")
+    batch = _workload_value(resolved_workload(graph), BATCH_KEY)
+    if batch is None:
+        raise ValueError(f"the capture's config has no workload.{BATCH_KEY}: a data-parallel change cannot "
+                         "split the batch")
+    global_batch = change.batch_size or batch
+    if global_batch % world:
+        raise ValueError(f"workload.{BATCH_KEY}={global_batch} is not divisible by world_size={world}: "
+                         f"use a multiple of {world}")
+    return Change(layers=change.layers, batch_size=global_batch // world if world > 1 else change.batch_size,
+                  seq_len=change.seq_len, calibration=change.calibration or rank_calibration)
+
+
+def predict_data_parallel(graph: Graph, world: int, calibration: Calibration, change: Change | None = None,
+                          rank_calibration: Calibration | None = None,
+                          allreduce: AllReduceCost | None = None) -> Prediction:
+    """``graph``'s step at ``world`` data-parallel ranks (with ``change``'s other edits, its batch the
+    global one). ``rank_calibration``: curves at the threads a rank gets (None: as captured)."""
+    change = change or Change()
+    local = predict(graph, rank_change(graph, world, change, rank_calibration), calibration)
+    allreduce = allreduce or allreduce_cost(world, None)
+    grads = gradient_bytes(graph)
+    if change.layers is not None and local.inputs["captured"].get("layers"):
+        # the layers' gradients grow with them (their share of the accumulated gradients)
+        share = _layer_gradient_share(graph)
+        grads = round(grads * ((1 - share) + share * change.layers / local.inputs["captured"]["layers"]))
+    buckets = bucket_sizes(grads)
+    comm_ms = sum(allreduce.at(b) for b in buckets) / 1e3 if world > 1 else 0.0
+    breakdown = dict(local.breakdown_ms)
+    breakdown["communication"] = breakdown.get("communication", 0.0) + comm_ms
+    threads, rank_threads = threads_per_rank(graph, world)
+    global_batch = change.batch_size or local.inputs["captured"]["batch_size"]
+    inputs = dict(local.inputs)
+    inputs["data_parallel"] = {"world_size": world, "global_batch_size": global_batch,
+                               "batch_per_rank": global_batch // world, "threads_captured": threads,
+                               "threads_per_rank": rank_threads, "gradient_bytes": grads,
+                               "buckets": len(buckets), "allreduce": allreduce.describe(),
+                               "allreduce_ms": comm_ms,
+                               "overlap": "none assumed: the all-reduce follows the backward pass"}
+    return Prediction(local.predicted_step_ms + comm_ms, local.unchanged_step_ms, local.measured_step_ms,
+                      local.naive_step_ms, breakdown, inputs)
+
+
+def _layer_gradient_share(graph: Graph) -> float:
+    held = {"layers": 0, "rest": 0}
+    for op in graph.ops:
+        if _accumulates(op):
+            held["layers" if op.layer is not None else "rest"] += math.prod(op.inputs[0].shape)
+    total = held["layers"] + held["rest"]
+    return held["layers"] / total if total else 0.0
+
+
+def _accumulates(op) -> bool:  # noqa: ANN001
+    """The op that hands a parameter its gradient (first accumulation: detach; later ones: add_/copy_)."""
+    return bool(op.inputs) and op.name in ("aten::detach", "aten::add_", "aten::copy_") \
+        and any("AccumulateGrad" in s for s in op.scopes)

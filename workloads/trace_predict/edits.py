@@ -1,0 +1,84 @@
+"""The changes ``cobench trace predict`` takes, parsed and placed on a captured graph.
+
+``workload.<layers key>=N`` (llama ``n_layers``, seqrec ``num_layers``, DLRM ``dcn_num_layers``),
+``workload.batch_size=B``, ``workload.seq_len=S`` (seqrec: ``max_len``) and ``world_size=W`` (the
+data-parallel degree; ``runner.world_size=W`` and ``dp=W`` are the same). A key the workload does not have
+is refused by name, with the keys it does have.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workloads.whatif.graph import Graph
+from workloads.whatif.predict import (
+    BATCH_KEY,
+    LAYER_KEYS,
+    SEQ_KEYS,
+    Change,
+    _token_dim,
+    _workload_value,
+    resolved_workload,
+)
+
+WORLD_KEYS = ("world_size", "runner.world_size", "dp")
+
+
+@dataclass
+class Changes:
+    """A graph's change (layers, batch, sequence, platform) and the data-parallel degree (None: as captured)."""
+
+    change: Change
+    world_size: int | None = None
+    items: tuple[str, ...] = ()  # as given, for the record
+
+    def describe(self) -> dict:
+        return self.change.describe() | ({"world_size": self.world_size} if self.world_size else {})
+
+
+def parse_changes(graph: Graph, items: list[str]) -> Changes:
+    """``key=N`` items → :class:`Changes`; a malformed item or a key this workload lacks is a ValueError
+    naming it."""
+    layer_key = LAYER_KEYS.get(graph.workload)
+    values = resolved_workload(graph)
+    change, world = Change(), None
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not value.strip().isdigit() or int(value) <= 0:
+            raise ValueError(f"invalid change {item!r}: write key=N with a positive integer N")
+        short, n = key.strip().removeprefix("workload."), int(value)
+        if key in WORLD_KEYS:
+            world = n
+        elif layer_key is not None and short == layer_key:
+            change.layers = n
+        elif short == BATCH_KEY:
+            change.batch_size = n
+        elif short in SEQ_KEYS and short in values:
+            change.seq_len = n
+        else:
+            known = [f"workload.{k}" for k in (layer_key, BATCH_KEY) if k]
+            known += [f"workload.{k}" for k in SEQ_KEYS if k in values] + ["world_size"]
+            raise ValueError(f"invalid change {key!r} for a {graph.workload or 'captured'} trace: supported: "
+                             f"{', '.join(known)}")
+    return Changes(change, world, tuple(items))
+
+
+def dimension_factors(graph: Graph, change: Change) -> tuple[dict[int, float], float]:
+    """The captured step's batch/sequence dimension sizes → their factor under ``change`` (as
+    :func:`workloads.whatif.predict.predict` places them), and the batch × sequence factor."""
+    values = resolved_workload(graph)
+    batch, seq = _workload_value(values, BATCH_KEY), _workload_value(values, *SEQ_KEYS)
+    fb = change.batch_size / batch if change.batch_size and batch else 1.0
+    fs = change.seq_len / seq if change.seq_len and seq else 1.0
+    factors: dict[int, float] = {}
+    if fb != 1.0 or fs != 1.0:
+        tokens = _token_dim(graph)
+        if tokens and tokens not in (batch, seq):
+            factors[tokens] = fb * fs
+        if batch and seq:
+            factors.setdefault(batch * seq, fb * fs)
+        if batch:
+            factors.setdefault(batch, fb)
+        if seq:
+            factors.setdefault(seq, fs)
+    return factors, fb * fs
