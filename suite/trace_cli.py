@@ -82,6 +82,17 @@ def _parser() -> argparse.ArgumentParser:
                           "runner.steps=60 tracking=off results_dir=DIR apply to it) and log prediction_error_pct "
                           "with it")
 
+    val = commands.add_parser("predict-validate", help="capture a workload, predict 2x layers, 2x batch and 1 -> 2 "
+                                                       "ranks, run each for real: the what-if error table")
+    val.add_argument("--out", type=Path, required=True, help="folder for the bundle, predictions and table")
+    val.add_argument("--reps", type=int, default=3, help="repetitions of each real run (default 3)")
+    val.add_argument("--steps", type=int, default=30, help="timed steps a repetition (default 30)")
+    val.add_argument("--warmup", type=int, default=5, help="untimed steps a repetition first (default 5)")
+    val.add_argument("--cases", default="unchanged,layers,batch,ranks",
+                     help="comma list of unchanged, layers, batch, ranks (default all)")
+    val.add_argument("overrides", nargs="*", help="the workload, e.g. workload=dlrm workload.preset=tiny; "
+                                                  "tracking.* and results_dir apply to the real runs")
+
     cal = commands.add_parser("calibrate", help="measure this platform's what-if cost-model curves")
     cal.add_argument("--out", type=Path, required=True)
     cal.add_argument("--platform", default="cpu", help="a name for the platform (default cpu)")
@@ -167,6 +178,8 @@ def _fidelity(args: argparse.Namespace) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
+    import os
+
     from workloads.trace_predict.chakra_export import edited_ops, export_edited_chakra
     from workloads.trace_predict.dataparallel import (
         allreduce_cost,
@@ -230,7 +243,7 @@ def _predict(args: argparse.Namespace) -> int:
         print(f"  chakra (edited graph): {path}")
     if args.measure is not None:
         record["measured"] = _measure_prediction(graph, list(parsed.items), args.measure, result)
-    if args.json is not None:
+    if args.json is not None and os.environ.get("RANK", "0") == "0":
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(record, indent=2))
         print(f"  written: {args.json}")
@@ -240,11 +253,20 @@ def _predict(args: argparse.Namespace) -> int:
 def _measure_prediction(graph, changes: list[str], overrides: list[str], prediction) -> dict:  # noqa: ANN001
     """Run the changed configuration for real (the captured workload config, the changes, ``overrides``)
     and log the prediction's error with it: ``prediction_error_pct`` and naive scaling's beside it."""
+    import os
+
     from omegaconf import OmegaConf
 
     from harness.config import compose_config, to_run_config
     from harness.runner import run_benchmark
+    from workloads.trace_predict.edits import WORLD_KEYS
 
+    world = next((int(c.partition("=")[2]) for c in changes if c.partition("=")[0] in WORLD_KEYS), 1)
+    running = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != running:
+        raise ValueError(f"--measure of world_size={world} needs {world} processes, this one runs {running}: "
+                         f"launch it with torchrun --nproc-per-node {world} -m suite.cli trace predict ...")
+    changes = [c for c in changes if c.partition("=")[0] not in WORLD_KEYS]
     workload = {k: v for k, v in (graph.config.get("workload") or {}).items() if v is not None}
     composed = compose_config([f"workload={workload['name']}", *overrides])
     cfg = to_run_config(OmegaConf.merge(composed, {"workload": workload}, OmegaConf.from_dotlist(changes)))
@@ -266,7 +288,68 @@ def _measure_prediction(graph, changes: list[str], overrides: list[str], predict
     else:
         print(f"  measured: the run ended {result.status}: {result.error}")
     return {"status": result.status, "run_id": result.run_id,
-            "step_time_ms_p50": result.metrics.get("step_time_ms_p50"), **figures}
+            "step_time_ms_p50": result.metrics.get("step_time_ms_p50"),
+            "step_time_cv": result.metrics.get("step_time_cv"), "throughput_cv": result.metrics.get("throughput_cv"),
+            "repetitions": result.metrics.get("repetitions_completed"), **figures}
+
+
+def _predict_validate(args: argparse.Namespace) -> int:
+    """Capture once, then per case: the prediction and a real run of the changed configuration (its MLflow
+    run carries prediction_error_pct); a table of predicted vs measured, ours and naive scaling's error."""
+    import statistics
+    import subprocess
+
+    from workloads.whatif.graph import load_graph
+    from workloads.whatif.predict import BATCH_KEY, LAYER_KEYS, _workload_value, resolved_workload
+
+    runs = [o for o in args.overrides if o.startswith(("tracking", "results_dir"))]
+    workload = [o for o in args.overrides if o not in runs]
+    here = [sys.executable, "-m", "suite.cli"]
+    bundle = args.out / "bundle"
+    if not (bundle / "meta.json").exists():
+        subprocess.run([*here, "trace", "capture", "--out", str(bundle), "--baseline-steps", str(args.steps),
+                        *workload, "tracking=off", f"results_dir={args.out / 'capture'}"], check=True)
+    graph = load_graph(bundle)
+    values = resolved_workload(graph)
+    layers = _workload_value(values, LAYER_KEYS.get(graph.workload, "")) or graph.assign_layers(None)[1]
+    batch = _workload_value(values, BATCH_KEY)
+    cases = {"unchanged": [], "layers": [f"workload.{LAYER_KEYS.get(graph.workload)}={2 * (layers or 0)}"],
+             "batch": [f"workload.{BATCH_KEY}={2 * (batch or 0)}"], "ranks": ["world_size=2"]}
+    measure = [f"runner.repetitions={args.reps}", f"runner.steps={args.steps}", f"runner.warmup_steps={args.warmup}",
+               *runs]
+    rows = []
+    for name in args.cases.split(","):
+        if name not in cases:
+            raise ValueError(f"unknown case {name!r}: choose from {', '.join(cases)}")
+        out = args.out / f"{name}.json"
+        predict_cmd = [*here, "trace", "predict", str(bundle), *cases[name], "--json", str(out)]
+        subprocess.run(predict_cmd, check=True)  # the prediction alone first: caches calibrations
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "suite.cli"] \
+            if name == "ranks" else here
+        subprocess.run([*launch, *predict_cmd[len(here):], "--measure", *measure], check=True)
+        record = json.loads(out.read_text())
+        measured = record["measured"]
+        rows.append({"workload": graph.workload, "case": name, "changes": cases[name],
+                     "predicted_step_ms": record["predicted_step_ms"], "naive_step_ms": record["naive_step_ms"],
+                     "measured_step_ms": measured["step_time_ms_p50"], "measured_step_cv": measured["step_time_cv"],
+                     "measured_throughput_cv_over_reps": measured["throughput_cv"],
+                     "prediction_error_pct": measured["prediction_error_pct"],
+                     "naive_error_pct": measured["naive_error_pct"],
+                     "unchanged_error_pct": record["unchanged_error_pct"], "run_id": measured["run_id"]})
+    edited = [r for r in rows if r["case"] != "unchanged"]
+    summary = {"rows": rows,
+               "mae_pct": statistics.fmean(abs(r["prediction_error_pct"]) for r in edited) if edited else None,
+               "naive_mae_pct": statistics.fmean(abs(r["naive_error_pct"]) for r in edited) if edited else None}
+    (args.out / "validation.json").write_text(json.dumps(summary, indent=2))
+    print(f"{'workload':10} {'case':10} {'predicted':>10} {'measured':>10} {'cv':>6} {'ours':>8} {'naive':>8}")
+    for r in rows:
+        print(f"{r['workload']:10} {r['case']:10} {r['predicted_step_ms']:10.2f} {r['measured_step_ms']:10.2f} "
+              f"{100 * (r['measured_step_cv'] or 0):5.0f}% {r['prediction_error_pct']:+7.1f}% "
+              f"{r['naive_error_pct']:+7.1f}%")
+    if edited:
+        print(f"mean absolute error: ours {summary['mae_pct']:.1f} %, naive {summary['naive_mae_pct']:.1f} % "
+              f"({args.out / 'validation.json'})")
+    return EXIT_OK
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -295,7 +378,7 @@ def run(argv: list[str]) -> int:
 
     args = _parser().parse_args(argv)
     handlers = {"capture": _capture, "generate": _generate, "fidelity": _fidelity, "export": _export,
-                "predict": _predict, "calibrate": _calibrate}
+                "predict": _predict, "calibrate": _calibrate, "predict-validate": _predict_validate}
     try:
         return handlers[args.command](args)
     except TrackingError:
