@@ -90,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     val.add_argument("--warmup", type=int, default=5, help="untimed steps a repetition first (default 5)")
     val.add_argument("--cases", default="unchanged,layers,batch,ranks",
                      help="comma list of unchanged, layers, batch, ranks (default all)")
+    val.add_argument("--collectives", type=Path, default=None,
+                     help="the all_reduce sweep table at 2 ranks for the ranks case (else the stated assumption)")
     val.add_argument("overrides", nargs="*", help="the workload, e.g. workload=dlrm workload.preset=tiny; "
                                                   "tracking.* and results_dir apply to the real runs")
 
@@ -314,7 +316,8 @@ def _predict_validate(args: argparse.Namespace) -> int:
     layers = _workload_value(values, LAYER_KEYS.get(graph.workload, "")) or graph.assign_layers(None)[1]
     batch = _workload_value(values, BATCH_KEY)
     cases = {"unchanged": [], "layers": [f"workload.{LAYER_KEYS.get(graph.workload)}={2 * (layers or 0)}"],
-             "batch": [f"workload.{BATCH_KEY}={2 * (batch or 0)}"], "ranks": ["world_size=2"]}
+             "batch": [f"workload.{BATCH_KEY}={2 * (batch or 0)}"],
+             "ranks": ["world_size=2", *(["workload.parallelism=ddp"] if "parallelism" in values else [])]}
     measure = [f"runner.repetitions={args.reps}", f"runner.steps={args.steps}", f"runner.warmup_steps={args.warmup}",
                *runs]
     rows = []
@@ -322,7 +325,8 @@ def _predict_validate(args: argparse.Namespace) -> int:
         if name not in cases:
             raise ValueError(f"unknown case {name!r}: choose from {', '.join(cases)}")
         out = args.out / f"{name}.json"
-        predict_cmd = [*here, "trace", "predict", str(bundle), *cases[name], "--json", str(out)]
+        table = ["--collectives", str(args.collectives)] if name == "ranks" and args.collectives else []
+        predict_cmd = [*here, "trace", "predict", str(bundle), *cases[name], *table, "--json", str(out)]
         subprocess.run(predict_cmd, check=True)  # the prediction alone first: caches calibrations
         launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "suite.cli"] \
             if name == "ranks" else here

@@ -2,8 +2,10 @@
 
 ``workload.<layers key>=N`` (llama ``n_layers``, seqrec ``num_layers``, DLRM ``dcn_num_layers``),
 ``workload.batch_size=B``, ``workload.seq_len=S`` (seqrec: ``max_len``) and ``world_size=W`` (the
-data-parallel degree; ``runner.world_size=W`` and ``dp=W`` are the same). A key the workload does not have
-is refused by name, with the keys it does have.
+data-parallel degree; ``runner.world_size=W`` and ``dp=W`` are the same; a workload with a
+``parallelism`` choice, Llama's FSDP2 by default, must say ``workload.parallelism=ddp``: FSDP's
+per-layer gathers and its DTensor dispatch are not modelled). A key the workload does not have is
+refused by name, with the keys it does have.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class Changes:
     change: Change
     world_size: int | None = None
     items: tuple[str, ...] = ()  # as given, for the record
+    parallelism: str | None = None  # workload.parallelism=ddp: the data parallelism the prediction models
 
     def describe(self) -> dict:
         return self.change.describe() | ({"world_size": self.world_size} if self.world_size else {})
@@ -41,9 +44,15 @@ def parse_changes(graph: Graph, items: list[str]) -> Changes:
     naming it."""
     layer_key = LAYER_KEYS.get(graph.workload)
     values = resolved_workload(graph)
-    change, world = Change(), None
+    change, world, parallelism = Change(), None, None
     for item in items:
         key, sep, value = item.partition("=")
+        if key == "workload.parallelism" and "parallelism" in values:
+            if value != "ddp":
+                raise ValueError(f"invalid change {item!r}: a data-parallel prediction models DDP "
+                                 "(workload.parallelism=ddp); FSDP's sharding is not modelled")
+            parallelism = value
+            continue
         if not sep or not value.strip().isdigit() or int(value) <= 0:
             raise ValueError(f"invalid change {item!r}: write key=N with a positive integer N")
         short, n = key.strip().removeprefix("workload."), int(value)
@@ -60,7 +69,12 @@ def parse_changes(graph: Graph, items: list[str]) -> Changes:
             known += [f"workload.{k}" for k in SEQ_KEYS if k in values] + ["world_size"]
             raise ValueError(f"invalid change {key!r} for a {graph.workload or 'captured'} trace: supported: "
                              f"{', '.join(known)}")
-    return Changes(change, world, tuple(items))
+    captured = values.get("parallelism")
+    if world and world > 1 and captured not in (None, "ddp") and parallelism is None:
+        raise ValueError(f"the {graph.workload} workload's parallelism={captured} may shard parameters (FSDP) at "
+                         f"more than one rank; this prediction models DDP: add workload.parallelism=ddp (and run "
+                         "the real configuration with it)")
+    return Changes(change, world, tuple(items), parallelism)
 
 
 def dimension_factors(graph: Graph, change: Change) -> tuple[dict[int, float], float]:
