@@ -183,6 +183,7 @@ def _predict(args: argparse.Namespace) -> int:
     import os
 
     from workloads.trace_predict.chakra_export import edited_ops, export_edited_chakra
+    from workloads.trace_predict.costmodel import calibrate, load_or_calibrate, read_calibration
     from workloads.trace_predict.dataparallel import (
         allreduce_cost,
         bucket_sizes,
@@ -191,7 +192,6 @@ def _predict(args: argparse.Namespace) -> int:
         threads_per_rank,
     )
     from workloads.trace_predict.edits import parse_changes
-    from workloads.whatif.costmodel import Calibration, calibrate, load_or_calibrate
     from workloads.whatif.graph import load_graph
     from workloads.whatif.predict import predict
 
@@ -203,8 +203,7 @@ def _predict(args: argparse.Namespace) -> int:
         if not args.target_calibration.exists():
             raise ValueError(f"--target-calibration {args.target_calibration} does not exist: make it on the "
                              "target with `cobench trace calibrate --out FILE`")
-        change.calibration = Calibration.from_json(json.loads(args.target_calibration.read_text()),
-                                                   args.target_calibration)
+        change.calibration = read_calibration(args.target_calibration)
     if args.collectives is not None and not args.collectives.exists():
         raise ValueError(f"--collectives {args.collectives} does not exist: it is the collectives benchmark's "
                          "sweep table (collectives_all_reduce.json in that run's folder)")
@@ -357,7 +356,7 @@ def _predict_validate(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from workloads.whatif.costmodel import calibrate
+    from workloads.trace_predict.costmodel import calibrate
 
     calibration = calibrate(args.platform, args.threads)
     args.out.parent.mkdir(parents=True, exist_ok=True)
