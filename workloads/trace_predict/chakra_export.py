@@ -16,10 +16,9 @@ import math
 from pathlib import Path
 
 from workloads.trace_bundle import TraceError
-from workloads.trace_predict.edits import dimension_factors
 from workloads.whatif.costmodel import Calibration
 from workloads.whatif.graph import Graph, Op
-from workloads.whatif.predict import Change, _retimed
+from workloads.whatif.predict import Change, _retimed, dimension_factors
 
 CHAKRA_VERSION = "0.0.4"  # the schema version mlc-chakra's PyTorch converter writes
 

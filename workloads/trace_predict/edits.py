@@ -18,8 +18,6 @@ from workloads.whatif.predict import (
     LAYER_KEYS,
     SEQ_KEYS,
     Change,
-    _token_dim,
-    _workload_value,
     resolved_workload,
 )
 
@@ -75,24 +73,3 @@ def parse_changes(graph: Graph, items: list[str]) -> Changes:
                          f"more than one rank; this prediction models DDP: add workload.parallelism=ddp (and run "
                          "the real configuration with it)")
     return Changes(change, world, tuple(items), parallelism)
-
-
-def dimension_factors(graph: Graph, change: Change) -> tuple[dict[int, float], float]:
-    """The captured step's batch/sequence dimension sizes → their factor under ``change`` (as
-    :func:`workloads.whatif.predict.predict` places them), and the batch × sequence factor."""
-    values = resolved_workload(graph)
-    batch, seq = _workload_value(values, BATCH_KEY), _workload_value(values, *SEQ_KEYS)
-    fb = change.batch_size / batch if change.batch_size and batch else 1.0
-    fs = change.seq_len / seq if change.seq_len and seq else 1.0
-    factors: dict[int, float] = {}
-    if fb != 1.0 or fs != 1.0:
-        tokens = _token_dim(graph)
-        if tokens and tokens not in (batch, seq):
-            factors[tokens] = fb * fs
-        if batch and seq:
-            factors.setdefault(batch * seq, fb * fs)
-        if batch:
-            factors.setdefault(batch, fb)
-        if seq:
-            factors.setdefault(seq, fs)
-    return factors, fb * fs

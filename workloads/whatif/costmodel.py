@@ -1,7 +1,8 @@
 """Per-op cost models calibrated on the platform: how an op's time changes when its shapes do.
 
-Two curves, measured by microbenchmarks on this machine (synchronised, warmed up, median of repeats)
-and cached as JSON beside the other calibrations: a GEMM's time against its FLOPs (square matmuls
+Two curves, measured by microbenchmarks on this machine (:mod:`workloads.trace_predict.costmodel`:
+each point the fastest of several rounds, curves non-decreasing) and cached as JSON beside the
+bundle: a GEMM's time against its FLOPs (square matmuls
 from 32 to 1024), and a memory-bound op's time against the bytes it moves (an elementwise add from
 1 KB to 64 MB). An op is re-timed by the *ratio* of the curve at its new size to the curve at its
 captured size, applied to its captured time, so what the curve does not know about the op (its own
@@ -13,14 +14,9 @@ intra-op threads (a what-if for an accelerator needs its curves measured on the 
 from __future__ import annotations
 
 import bisect
-import json
 import math
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
 
 GEMM_SIZES = (32, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 BYTES_SIZES = tuple(2 ** k for k in range(10, 27, 2))  # 1 KB ... 64 MB
@@ -69,46 +65,3 @@ class Calibration:
                        Curve([float(x) for x in raw["memory"]["bytes"]], [float(x) for x in raw["memory"]["us"]]))
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"{path}: malformed what-if calibration ({err})") from None
-
-
-def _time_us(fn, repeats: int = 7) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
-
-
-def calibrate(platform: str = "cpu", threads: int | None = None) -> Calibration:
-    """Measure the two curves on this process's CPU (``threads``: intra-op threads, default the current)."""
-    saved = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        flops, gemm_us = [], []
-        for n in GEMM_SIZES:
-            a, b = torch.randn(n, n), torch.randn(n, n)
-            gemm_us.append(_time_us(lambda a=a, b=b: torch.mm(a, b)))
-            flops.append(2.0 * n ** 3)
-        moved, memory_us = [], []
-        for size in BYTES_SIZES:
-            x = torch.randn(max(1, size // 12))  # add: two reads and a write of 4-byte floats
-            moved.append(float(x.numel() * 12))
-            memory_us.append(_time_us(lambda x=x: torch.add(x, x)))
-        return Calibration(platform, torch.get_num_threads(), Curve(flops, gemm_us), Curve(moved, memory_us))
-    finally:
-        torch.set_num_threads(saved)
-
-
-def load_or_calibrate(path: Path | None, platform: str = "cpu", threads: int | None = None) -> Calibration:
-    """The calibration cached at ``path`` (made there first if missing)."""
-    if path is not None and path.exists():
-        return Calibration.from_json(json.loads(path.read_text()), path)
-    calibration = calibrate(platform, threads)
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(calibration.to_json(), indent=1))
-    return calibration

@@ -158,21 +158,14 @@ def _retimed(op: Op, factors: dict[int, float], here: Calibration, there: Calibr
     return op.dur_us * curve_there.at(after) / curve_here.at(before)
 
 
-def predict(graph: Graph, change: Change, calibration: Calibration) -> Prediction:
-    """The step time of ``graph``'s program under ``change``, on ``calibration``'s platform unless the
-    change names another."""
-    unchanged = schedule(graph)
-    factors: dict[int, float] = {}
-    naive = 1.0
+def dimension_factors(graph: Graph, change: Change) -> tuple[dict[int, float], float]:
+    """The captured step's batch/sequence dimension sizes → their factor under ``change`` (as
+    :func:`predict` places them), and the batch × sequence factor."""
     values = resolved_workload(graph)
     batch, seq = _workload_value(values, BATCH_KEY), _workload_value(values, *SEQ_KEYS)
     fb = change.batch_size / batch if change.batch_size and batch else 1.0
     fs = change.seq_len / seq if change.seq_len and seq else 1.0
-    if change.batch_size and not batch:
-        raise ValueError(f"the capture's config has no workload.{BATCH_KEY}: a batch change cannot be placed")
-    if change.seq_len and not seq:
-        raise ValueError(f"the capture's config has no workload.{'/'.join(SEQ_KEYS)}: a sequence change cannot "
-                         "be placed")
+    factors: dict[int, float] = {}
     if fb != 1.0 or fs != 1.0:
         tokens = _token_dim(graph)
         if tokens and tokens not in (batch, seq):
@@ -183,11 +176,27 @@ def predict(graph: Graph, change: Change, calibration: Calibration) -> Predictio
             factors.setdefault(batch, fb)
         if seq:
             factors.setdefault(seq, fs)
-        naive *= fb * fs
+    return factors, fb * fs
+
+
+def predict(graph: Graph, change: Change, calibration: Calibration) -> Prediction:
+    """The step time of ``graph``'s program under ``change``, on ``calibration``'s platform unless the
+    change names another."""
+    unchanged = schedule(graph)
+    naive = 1.0
+    values = resolved_workload(graph)
+    batch, seq = _workload_value(values, BATCH_KEY), _workload_value(values, *SEQ_KEYS)
+    if change.batch_size and not batch:
+        raise ValueError(f"the capture's config has no workload.{BATCH_KEY}: a batch change cannot be placed")
+    if change.seq_len and not seq:
+        raise ValueError(f"the capture's config has no workload.{'/'.join(SEQ_KEYS)}: a sequence change cannot "
+                         "be placed")
+    factors, batch_factor = dimension_factors(graph, change)
+    naive *= batch_factor
     durations: dict[int, float] = {}
     gaps: dict[int, float] = {}
     for op in graph.ops:
-        dur = _retimed(op, factors, calibration, change.calibration, fb * fs) \
+        dur = _retimed(op, factors, calibration, change.calibration, batch_factor) \
             if (factors or change.calibration) else op.dur_us
         durations[op.id] = dur
     layers, stack = None, None
