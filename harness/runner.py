@@ -237,13 +237,16 @@ def run_benchmark(
             _finish(result, tracker, repetitions, states, peak, status, reason, runner=cfg.runner)
         raise
     except Exception as err:  # noqa: BLE001 - any failure must end the run FAILED, with its reason
-        reason = f"{type(err).__name__}: {err}"
-        lost = lost_ranks(run_dir) if dist_info.enabled else []
-        if lost:  # a collective failed because a peer died: say which, first
-            reason = f"{', '.join(lost)} died (no longer running) during the run; this rank saw: {reason}"
-        if main:
-            (run_dir / "error.txt").write_text(traceback.format_exc())
-        _finish(result, tracker, repetitions, states, peak, STATUS_FAILED, reason, runner=cfg.runner)
+        # torchrun SIGTERMs this rank right after a peer died, often while this rank is here, having
+        # seen its collective fail: the signal waits until the run is closed FAILED, then propagates.
+        with deferred_interrupts():
+            reason = f"{type(err).__name__}: {err}"
+            lost = lost_ranks(run_dir) if dist_info.enabled else []
+            if lost:  # a collective failed because a peer died: say which, first
+                reason = f"{', '.join(lost)} died (no longer running) during the run; this rank saw: {reason}"
+            if main:
+                (run_dir / "error.txt").write_text(traceback.format_exc())
+            _finish(result, tracker, repetitions, states, peak, STATUS_FAILED, reason, runner=cfg.runner)
         return result
     _finish(result, tracker, repetitions, [], peak, STATUS_FINISHED, None, derived, runner=cfg.runner)
     return result

@@ -54,3 +54,44 @@ def test_failure_mid_run_ends_failed_with_reason_and_partial_metrics(tmp_path, c
     assert "Traceback" in (result.run_dir / "error.txt").read_text()
     stops = [line for line in read_mllog(result.run_dir / "mllog_rep0.txt") if line["key"] == "run_stop"]
     assert [s["metadata"]["status"] for s in stops] == ["aborted"]
+
+
+def test_a_sigterm_while_the_failure_is_being_recorded_leaves_the_run_failed(tmp_path, calibration_cache,
+                                                                                monkeypatch):
+    """torchrun SIGTERMs a surviving rank right after a peer died, often while that rank is recording
+    its failed collective: the run still ends FAILED with the failure, and only then does the
+    interrupt propagate (it was closed KILLED by the command's catch-all, the store saying the user
+    cancelled a run that had failed)."""
+    import os
+    import signal
+    import sys
+    import traceback
+
+    import pytest
+
+    from harness import runner
+    from harness.interrupts import sigterm_as_interrupt
+
+    format_exc = traceback.format_exc
+
+    def format_exc_then_signalled():
+        if sys._getframe(1).f_globals["__name__"] == "harness.runner":  # the failure handler, before the close
+            os.kill(os.getpid(), signal.SIGTERM)
+        return format_exc()
+
+    monkeypatch.setattr(runner.traceback, "format_exc", format_exc_then_signalled)
+    previous = signal.getsignal(signal.SIGTERM)
+    sigterm_as_interrupt()
+    cfg = to_run_config(compose_config([
+        "runner.warmup_steps=1", "runner.steps=10", "runner.progress=false", f"results_dir={tmp_path}",
+        f"platform.calibration_cache={calibration_cache}",
+    ]))
+    cfg.workload = BreaksConfig()
+    try:
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            run_benchmark(cfg)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    (run,) = mlflow_runs(tmp_path)
+    assert run.info.status == "FAILED" and run.info.end_time is not None
+    assert "RuntimeError: device fell off the bus" in run.data.tags["error"]
