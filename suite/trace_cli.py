@@ -182,16 +182,16 @@ def _fidelity(args: argparse.Namespace) -> int:
 def _predict(args: argparse.Namespace) -> int:
     import os
 
-    from workloads.trace_predict.chakra_export import edited_ops, export_edited_chakra
-    from workloads.trace_predict.costmodel import calibrate, load_or_calibrate, read_calibration
-    from workloads.trace_predict.dataparallel import (
+    from workloads.whatif.chakra_export import edited_ops, export_edited_chakra
+    from workloads.whatif.costmodel import calibrate, load_or_calibrate, read_calibration
+    from workloads.whatif.dataparallel import (
         allreduce_cost,
         bucket_sizes,
         predict_data_parallel,
         rank_change,
         threads_per_rank,
     )
-    from workloads.trace_predict.edits import parse_changes
+    from workloads.whatif.edits import parse_changes
     from workloads.whatif.graph import load_graph
     from workloads.whatif.predict import predict
 
@@ -260,7 +260,7 @@ def _measure_prediction(graph, changes: list[str], overrides: list[str], predict
 
     from harness.config import compose_config, to_run_config
     from harness.runner import run_benchmark
-    from workloads.trace_predict.edits import WORLD_KEYS
+    from workloads.whatif.edits import WORLD_KEYS
 
     world = next((int(c.partition("=")[2]) for c in changes if c.partition("=")[0] in WORLD_KEYS), 1)
     running = int(os.environ.get("WORLD_SIZE", "1"))
@@ -356,7 +356,7 @@ def _predict_validate(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from workloads.trace_predict.costmodel import calibrate
+    from workloads.whatif.costmodel import calibrate
 
     calibration = calibrate(args.platform, args.threads)
     args.out.parent.mkdir(parents=True, exist_ok=True)

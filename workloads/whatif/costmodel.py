@@ -1,22 +1,31 @@
 """Per-op cost models calibrated on the platform: how an op's time changes when its shapes do.
 
-Two curves, measured by microbenchmarks on this machine (:mod:`workloads.trace_predict.costmodel`:
-each point the fastest of several rounds, curves non-decreasing) and cached as JSON beside the
-bundle: a GEMM's time against its FLOPs (square matmuls
-from 32 to 1024), and a memory-bound op's time against the bytes it moves (an elementwise add from
-1 KB to 64 MB). An op is re-timed by the *ratio* of the curve at its new size to the curve at its
-captured size, applied to its captured time, so what the curve does not know about the op (its own
-kernel, its fixed cost) stays as measured. GEMMs and attention go by FLOPs, every other op with
-tensors by bytes; views do not change. The curves are measured on the CPU with this process's
-intra-op threads (a what-if for an accelerator needs its curves measured on the device: not built).
+Two curves, measured by microbenchmarks on this machine and cached as JSON beside the bundle: a GEMM's
+time against its FLOPs (square matmuls from 32 to 1024), and a memory-bound op's time against the bytes
+it moves (an elementwise add from 1 KB to 64 MB). An op is re-timed by the *ratio* of the curve at its new
+size to the curve at its captured size, applied to its captured time, so what the curve does not know
+about the op (its own kernel, its fixed cost) stays as measured. GEMMs and attention go by FLOPs, every
+other op with tensors by bytes; views do not change. The curves are measured on the CPU with this
+process's intra-op threads (a what-if for an accelerator needs its curves measured on the device: not
+built).
+
+Calibration that holds on a shared machine: each point is the fastest of several rounds of a few calls
+timed together (pre-emption only ever adds time, so the minimum is the machine's own cost; the median of
+single calls put a 64×64 GEMM at 7.4 ms on a busy 2-core host, and since ops are re-timed by a curve's
+ratio one such point turned a 2× batch into a +2,500 % prediction), and a curve is made non-decreasing
+in size (more work never takes less time; a dip is noise), also when read from a file.
 """
 
 from __future__ import annotations
 
 import bisect
+import json
 import math
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 GEMM_SIZES = (32, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 BYTES_SIZES = tuple(2 ** k for k in range(10, 27, 2))  # 1 KB ... 64 MB
@@ -65,3 +74,74 @@ class Calibration:
                        Curve([float(x) for x in raw["memory"]["bytes"]], [float(x) for x in raw["memory"]["us"]]))
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"{path}: malformed what-if calibration ({err})") from None
+
+
+ROUNDS = 9
+WARMUP_CALLS = 3
+
+
+def _fastest_us(fn, budget_s: float = 0.02) -> float:  # noqa: ANN001
+    """The fastest per-call time over :data:`ROUNDS` rounds, each of as many calls as fit ``budget_s``/ROUNDS."""
+    for _ in range(WARMUP_CALLS):
+        fn()
+    start = time.perf_counter()
+    fn()
+    once = max(time.perf_counter() - start, 1e-7)
+    calls = max(1, min(1000, int(budget_s / ROUNDS / once)))
+    best = float("inf")
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best * 1e6
+
+
+def monotone(curve: Curve) -> Curve:
+    """``curve`` with each time at least the time of every smaller size (sizes sorted)."""
+    points = sorted(zip(curve.sizes, curve.times_us, strict=True))
+    times, floor = [], 0.0
+    for _, t in points:
+        floor = max(floor, t)
+        times.append(floor)
+    return Curve([s for s, _ in points], times)
+
+
+def calibrate(platform: str = "cpu", threads: int | None = None) -> Calibration:
+    """GEMM FLOPs → µs and bytes moved → µs on this process's CPU (``threads``: intra-op threads)."""
+    saved = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        flops, gemm_us = [], []
+        for n in GEMM_SIZES:
+            a, b = torch.randn(n, n), torch.randn(n, n)
+            gemm_us.append(_fastest_us(lambda a=a, b=b: torch.mm(a, b)))
+            flops.append(2.0 * n ** 3)
+        moved, memory_us = [], []
+        for size in BYTES_SIZES:
+            x = torch.randn(max(1, size // 12))  # add: two reads and a write of 4-byte floats
+            moved.append(float(x.numel() * 12))
+            memory_us.append(_fastest_us(lambda x=x: torch.add(x, x)))
+        return Calibration(platform, torch.get_num_threads(), monotone(Curve(flops, gemm_us)),
+                           monotone(Curve(moved, memory_us)))
+    finally:
+        torch.set_num_threads(saved)
+
+
+def load_or_calibrate(path: Path | None, platform: str = "cpu", threads: int | None = None) -> Calibration:
+    """The calibration cached at ``path`` (its curves made non-decreasing), made there first if missing."""
+    if path is not None and path.exists():
+        found = Calibration.from_json(json.loads(path.read_text()), path)
+        return Calibration(found.platform, found.threads, monotone(found.gemm), monotone(found.memory))
+    calibration = calibrate(platform, threads)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(calibration.to_json(), indent=1))
+    return calibration
+
+
+def read_calibration(path: Path) -> Calibration:
+    """Another platform's calibration file (curves made non-decreasing)."""
+    found = Calibration.from_json(json.loads(path.read_text()), path)
+    return Calibration(found.platform, found.threads, monotone(found.gemm), monotone(found.memory))
