@@ -3,7 +3,10 @@
 Both models get identical weights (transformers' model is built, and its state dict loaded into
 ours with ``load_hf_state_dict``), the same AdamW, and the same token batch; one round is one
 full training step (forward, loss, backward, clip, optimiser step). pytest-benchmark prints them
-side by side; the ratio of the medians is our speed relative to transformers.
+side by side; the ratio of the medians is our speed relative to transformers. Each side computes
+its loss as its users do: ours as the workload does, ``model(tokens, targets)`` with the output
+head and the loss fused over token chunks (no logits stored, ``workloads/llama/loss.py``);
+transformers' as ``LlamaForCausalLM`` does given labels (float32 logits, then cross-entropy).
 
 The optimiser is the fused AdamW on both sides: what our workload uses, and what transformers'
 Trainer picks by default on torch >= 2.8 (``adamw_torch_fused``), so neither side wins on the
@@ -14,7 +17,7 @@ warm-up rounds, outside the timing.
 :func:`test_side_by_side_interleaved` is the figure to quote: the four variants (ours and
 transformers', eager and compiled) in one process, interleaved in rounds whose order alternates,
 so the machine's drift hits all alike; each ratio is the median of the per-round ratios with the
-2.5-97.5 % range of those. The headline is our reference set-up (``workload.compile=true``) against
+min-max range of those. The headline is our reference set-up (``workload.compile=true``) against
 transformers as its users run it by default (eager); compiled against compiled is printed beside it.
 """
 
@@ -55,9 +58,8 @@ def _models(shape: str):
     return ours, hf, tokens[:, :-1], tokens[:, 1:]
 
 
-def _train_step(model, optimizer, forward, inputs, targets):
-    logits = forward(model, inputs)
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+def _train_step(model, optimizer, loss_of, inputs, targets):
+    loss = loss_of(model, inputs, targets)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
@@ -65,12 +67,14 @@ def _train_step(model, optimizer, forward, inputs, targets):
     return loss
 
 
-def _ours(model, inputs):
-    return model(inputs)
+def _ours(model, inputs, targets):
+    return model(inputs, targets)  # what the workload runs: the output head and the loss fused
 
 
-def _transformers(model, inputs):
-    return model(input_ids=inputs, use_cache=False).logits
+def _transformers(model, inputs, targets):
+    # what LlamaForCausalLM computes given labels (its loss upcasts the logits, then cross-entropy)
+    logits = model(input_ids=inputs, use_cache=False).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def _measure(benchmark, shape: str, impl: str, compiled: bool) -> None:

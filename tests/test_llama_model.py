@@ -205,3 +205,53 @@ def test_tiny_model_learns_the_markov_chain():
     assert floor < uniform
     # Untrained, the loss sits near ln(vocab); learning the table brings it close to the floor.
     assert eval_loss < floor + 0.25 * (uniform - floor), f"{eval_loss=} {floor=} {uniform=}"
+
+
+@pytest.mark.parametrize("chunk_elements", [1 << 22, 3 * 128])  # one chunk; many, with a ragged last one
+def test_fused_output_loss_equals_logits_then_cross_entropy(monkeypatch, chunk_elements):
+    """model(tokens, targets) — the output head and the loss fused over token chunks — gives the
+    loss and every gradient of ``F.cross_entropy(model(tokens), targets)``, ignored targets included."""
+    from workloads.llama import loss as fused_loss
+
+    monkeypatch.setattr(fused_loss, "_CHUNK_ELEMENTS", chunk_elements)
+    args = dataclasses.replace(PRESETS["tiny"], vocab_size=128, max_seq_len=32)
+    model = build_model(args, "cpu", seed=0).double()
+    tokens = torch.randint(0, 128, (3, 17), generator=torch.Generator().manual_seed(0))
+    targets = torch.randint(0, 128, (3, 17), generator=torch.Generator().manual_seed(1))
+    targets[:, ::4] = fused_loss.IGNORE_INDEX
+
+    reference = F.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+    reference.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    fused = model(tokens, targets)
+    fused.backward()
+    # (the reference's logits are rounded to float32 by forward; the fused loss stays in float64)
+    assert fused.item() == pytest.approx(reference.item(), rel=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-8, msg=name)
+    with torch.no_grad():  # evaluation: the loss alone, no gradient work
+        assert model(tokens, targets).item() == pytest.approx(fused.item(), rel=1e-12)
+
+
+def test_fused_output_loss_under_bf16_autocast_matches_the_unfused_loss():
+    model = build_model(dataclasses.replace(PRESETS["tiny"], max_seq_len=32), "cpu", seed=0)
+    tokens = torch.randint(0, model.args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reference = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        fused = model(tokens[:, :-1], tokens[:, 1:])
+    assert fused.dtype == torch.float32 and fused.item() == pytest.approx(reference.item(), rel=2e-3)
+    fused.backward()
+    assert model.output.weight.grad.dtype == torch.float32 and torch.isfinite(model.output.weight.grad).all()
+
+
+def test_fused_output_loss_does_the_flops_of_the_unfused_one():
+    """Fusing moves the output head's backward GEMMs into the forward; it adds none (the analytic
+    training FLOPs, which MFU divides by, stay true)."""
+    args = PRESETS["tiny"]
+    model = build_model(args, "cpu", seed=0)
+    tokens_bs = torch.randint(0, args.vocab_size, (2, 129))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(tokens_bs[:, :-1], tokens_bs[:, 1:]).backward()
+    analytic = training_flops_per_token(args, 128) * 2 * 128
+    assert counter.get_total_flops() == pytest.approx(analytic, rel=0.01)

@@ -25,6 +25,7 @@ from workloads.llama.args import (
     count_total_params,
     training_flops_per_token,
 )
+from workloads.llama.loss import linear_cross_entropy
 from workloads.llama.moe import MoE
 
 
@@ -255,8 +256,10 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", rope_cos_se, persistent=False)
         self.register_buffer("rope_sin", rope_sin_se, persistent=False)
 
-    def forward(self, tokens_bs: torch.Tensor) -> torch.Tensor:
-        """Return float32 next-token logits of shape ``(batch, seq, vocab)``."""
+    def forward(self, tokens_bs: torch.Tensor, targets_bs: torch.Tensor | None = None) -> torch.Tensor:
+        """Return float32 next-token logits of shape ``(batch, seq, vocab)``; given ``targets_bs``,
+        the mean cross-entropy loss instead, computed by the output head and the loss together over
+        token chunks without storing the logits (:mod:`workloads.llama.loss`)."""
         seq_len = tokens_bs.shape[1]
         if seq_len > self.args.max_seq_len:
             raise ValueError(
@@ -267,6 +270,8 @@ class Transformer(nn.Module):
         h_bsd = self.tok_embeddings(tokens_bs)
         for layer in self.layers:
             h_bsd = layer(h_bsd, cos_se, sin_se)
+        if targets_bs is not None:
+            return linear_cross_entropy(self.norm(h_bsd).flatten(0, 1), self.output.weight, targets_bs.flatten())
         return self.output(self.norm(h_bsd)).float()
 
     @torch.no_grad()

@@ -14,7 +14,6 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from workloads.base import MLPerfInfo, QualityTarget, RunContext, StepResult, WorkloadBase, register
@@ -262,9 +261,8 @@ class LlamaWorkload(WorkloadBase):
     def _loss(self, inputs_bs: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
         autocast = torch.autocast(self.ctx.device.type, dtype=self.compute_dtype,
                                   enabled=self.compute_dtype != torch.float32)
-        with autocast:
-            logits_bsv = self.model(inputs_bs)
-        return F.cross_entropy(logits_bsv.flatten(0, 1).float(), targets_bs.flatten())
+        with autocast:  # the output head and the loss in one pass: no logits stored (workloads/llama/loss.py)
+            return self.model(inputs_bs, targets_bs)
 
     def _train_loss(self, inputs_bs: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
         loss = self._loss(inputs_bs, targets_bs)
