@@ -8,6 +8,7 @@
     cobench trace predict BUNDLE [workload.n_layers=N] [workload.batch_size=B] [workload.seq_len=S] [world_size=W]
                           [--calibration FILE] [--target-calibration FILE] [--collectives TABLE]
                           [--chakra DIR] [--json FILE] [--measure [OVERRIDES]]
+    cobench trace predict-validate --out DIR [--rounds R] [--steps K] [--cases layers,batch,ranks] [OVERRIDES]
 
 Replay is a workload like any other: ``cobench run workload=generated workload.spec=SPEC``.
 """
@@ -83,17 +84,18 @@ def _parser() -> argparse.ArgumentParser:
                           "with it")
 
     val = commands.add_parser("predict-validate", help="capture a workload, predict 2x layers, 2x batch and 1 -> 2 "
-                                                       "ranks, run each for real: the what-if error table")
-    val.add_argument("--out", type=Path, required=True, help="folder for the bundle, predictions and table")
-    val.add_argument("--reps", type=int, default=3, help="repetitions of each real run (default 3)")
-    val.add_argument("--steps", type=int, default=30, help="timed steps a repetition (default 30)")
-    val.add_argument("--warmup", type=int, default=5, help="untimed steps a repetition first (default 5)")
-    val.add_argument("--cases", default="unchanged,layers,batch,ranks",
-                     help="comma list of unchanged, layers, batch, ranks (default all)")
+                                                       "ranks, measure each interleaved with the unchanged "
+                                                       "configuration: the what-if error table")
+    val.add_argument("--out", type=Path, required=True, help="folder for the bundle, predictions, runs and table")
+    val.add_argument("--rounds", type=int, default=5,
+                     help="interleaved rounds (base run, changed run) per case (default 5)")
+    val.add_argument("--steps", type=int, default=20, help="timed steps of each short run (default 20)")
+    val.add_argument("--warmup", type=int, default=5, help="untimed steps of each short run first (default 5)")
+    val.add_argument("--cases", default="layers,batch,ranks", help="comma list of layers, batch, ranks (default all)")
     val.add_argument("--collectives", type=Path, default=None,
                      help="the all_reduce sweep table at 2 ranks for the ranks case (else the stated assumption)")
     val.add_argument("overrides", nargs="*", help="the workload, e.g. workload=dlrm workload.preset=tiny; "
-                                                  "tracking.* and results_dir apply to the real runs")
+                                                  "tracking.* and results_dir: where each case's MLflow run goes")
 
     cal = commands.add_parser("calibrate", help="measure this platform's what-if cost-model curves")
     cal.add_argument("--out", type=Path, required=True)
@@ -295,63 +297,25 @@ def _measure_prediction(graph, changes: list[str], overrides: list[str], predict
 
 
 def _predict_validate(args: argparse.Namespace) -> int:
-    """Capture once, then per case: the prediction and a real run of the changed configuration (its MLflow
-    run carries prediction_error_pct); a table of predicted vs measured, ours and naive scaling's error."""
+    """Capture once, then per case the prediction and interleaved real runs (:mod:`suite.whatif_validate`):
+    predicted vs measured ratio to the unchanged configuration, ours and naive scaling's error."""
     import statistics
-    import subprocess
 
-    from workloads.whatif.graph import load_graph
-    from workloads.whatif.predict import BATCH_KEY, LAYER_KEYS, _workload_value, resolved_workload
+    from suite.whatif_validate import log_cases, print_table, validate
 
-    runs = [o for o in args.overrides if o.startswith(("tracking", "results_dir"))]
-    workload = [o for o in args.overrides if o not in runs]
-    here = [sys.executable, "-m", "suite.cli"]
-    bundle = args.out / "bundle"
-    if not (bundle / "meta.json").exists():
-        subprocess.run([*here, "trace", "capture", "--out", str(bundle), "--baseline-steps", str(args.steps),
-                        *workload, "tracking=off", f"results_dir={args.out / 'capture'}"], check=True)
-    graph = load_graph(bundle)
-    values = resolved_workload(graph)
-    layers = _workload_value(values, LAYER_KEYS.get(graph.workload, "")) or graph.assign_layers(None)[1]
-    batch = _workload_value(values, BATCH_KEY)
-    cases = {"unchanged": [], "layers": [f"workload.{LAYER_KEYS.get(graph.workload)}={2 * (layers or 0)}"],
-             "batch": [f"workload.{BATCH_KEY}={2 * (batch or 0)}"],
-             "ranks": ["world_size=2", *(["workload.parallelism=ddp"] if "parallelism" in values else [])]}
-    measure = [f"runner.repetitions={args.reps}", f"runner.steps={args.steps}", f"runner.warmup_steps={args.warmup}",
-               *runs]
-    rows = []
-    for name in args.cases.split(","):
-        if name not in cases:
-            raise ValueError(f"unknown case {name!r}: choose from {', '.join(cases)}")
-        out = args.out / f"{name}.json"
-        table = ["--collectives", str(args.collectives)] if name == "ranks" and args.collectives else []
-        predict_cmd = [*here, "trace", "predict", str(bundle), *cases[name], *table, "--json", str(out)]
-        subprocess.run(predict_cmd, check=True)  # the prediction alone first: caches calibrations
-        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "suite.cli"] \
-            if name == "ranks" else here
-        subprocess.run([*launch, *predict_cmd[len(here):], "--measure", *measure], check=True)
-        record = json.loads(out.read_text())
-        measured = record["measured"]
-        rows.append({"workload": graph.workload, "case": name, "changes": cases[name],
-                     "predicted_step_ms": record["predicted_step_ms"], "naive_step_ms": record["naive_step_ms"],
-                     "measured_step_ms": measured["step_time_ms_p50"], "measured_step_cv": measured["step_time_cv"],
-                     "measured_throughput_cv_over_reps": measured["throughput_cv"],
-                     "prediction_error_pct": measured["prediction_error_pct"],
-                     "naive_error_pct": measured["naive_error_pct"],
-                     "unchanged_error_pct": record["unchanged_error_pct"], "run_id": measured["run_id"]})
-    edited = [r for r in rows if r["case"] != "unchanged"]
-    summary = {"rows": rows,
-               "mae_pct": statistics.fmean(abs(r["prediction_error_pct"]) for r in edited) if edited else None,
-               "naive_mae_pct": statistics.fmean(abs(r["naive_error_pct"]) for r in edited) if edited else None}
+    if args.rounds < 1 or args.steps < 1:
+        raise ValueError("--rounds and --steps must be at least 1")
+    results = validate(args.out, args.overrides, args.cases.split(","), args.rounds, args.steps, args.warmup,
+                       args.collectives)
+    run_ids = log_cases(results, args.overrides)
+    rows = [r.summary() | {"run_id": run_ids.get(r.case)} for r in results]
+    summary = {"rows": rows, "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
+               "mae_pct": statistics.fmean(abs(r["prediction_error_pct"]) for r in rows),
+               "naive_mae_pct": statistics.fmean(abs(r["naive_error_pct"]) for r in rows)}
     (args.out / "validation.json").write_text(json.dumps(summary, indent=2))
-    print(f"{'workload':10} {'case':10} {'predicted':>10} {'measured':>10} {'cv':>6} {'ours':>8} {'naive':>8}")
-    for r in rows:
-        print(f"{r['workload']:10} {r['case']:10} {r['predicted_step_ms']:10.2f} {r['measured_step_ms']:10.2f} "
-              f"{100 * (r['measured_step_cv'] or 0):5.0f}% {r['prediction_error_pct']:+7.1f}% "
-              f"{r['naive_error_pct']:+7.1f}%")
-    if edited:
-        print(f"mean absolute error: ours {summary['mae_pct']:.1f} %, naive {summary['naive_mae_pct']:.1f} % "
-              f"({args.out / 'validation.json'})")
+    print_table(rows)
+    print(f"mean absolute error (medians over {args.rounds} interleaved rounds): ours {summary['mae_pct']:.1f} %, "
+          f"naive {summary['naive_mae_pct']:.1f} % ({args.out / 'validation.json'})")
     return EXIT_OK
 
 

@@ -279,3 +279,21 @@ def test_cobench_trace_predict_ranks_json_chakra_and_refusals(cobench, bundle: P
     assert proc.returncode == 2 and "nope.json does not exist" in proc.stderr
     proc = cobench("trace", "predict", str(tmp_path), "world_size=2")
     assert proc.returncode == 2 and str(tmp_path) in proc.stderr
+
+
+def test_validation_judges_the_predicted_ratio_against_each_rounds_measured_ratio():
+    """Drift common to a round's base and changed run cancels: a prediction of the right ratio has no error
+    however much the machine's speed moved between rounds; naive scaling's ratio is judged the same way."""
+    from suite.whatif_validate import CaseResult
+
+    drifting = CaseResult("llama", "layers", ["workload.n_layers=4"], predicted_step_ms=18.0, naive_step_ms=20.0,
+                          predicted_ratio=1.8, naive_ratio=2.0, base_ms=[10.0, 12.0, 8.0],
+                          changed_ms=[18.0, 21.6, 14.4])
+    figures = drifting.summary()
+    assert figures["prediction_error_pct"] == pytest.approx(0.0)
+    assert figures["prediction_error_min_pct"] == pytest.approx(0.0) == figures["prediction_error_max_pct"]
+    assert figures["naive_error_pct"] == pytest.approx(100 * (2.0 / 1.8 - 1))
+    assert figures["measured_step_ms"] == 18.0 and figures["absolute_error_pct"] == pytest.approx(0.0)
+    off = CaseResult("llama", "batch", [], 10.0, 10.0, 1.5, 2.0, [10.0, 10.0], [12.0, 15.0])
+    assert off.errors(off.predicted_ratio) == pytest.approx([25.0, 0.0])
+    assert off.summary()["prediction_error_pct"] == pytest.approx(12.5)

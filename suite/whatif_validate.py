@@ -1,0 +1,166 @@
+"""``cobench trace predict-validate``: a what-if prediction's error, measured so that the figure means something.
+
+Real step times on a shared machine drift between sessions by more than a model's error (here up to ±16 %
+between runs minutes apart), so a prediction is not judged against a run made at another moment. Instead,
+per case, the unchanged configuration (the base) and the changed one run *interleaved*: base, changed,
+base, changed ... for R rounds, each a short run in its own process. What is judged is the ratio:
+
+    measured ratio  = changed step / base step of the same round (drift common to both cancels)
+    predicted ratio = predicted changed step / predicted unchanged step (the edited graph against the
+                      unchanged graph, both from the trace)
+    error           = predicted ratio / measured ratio − 1, one per round: median, min … max over rounds
+
+Naive linear scaling's ratio (the change's factor: 2× layers → 2, 2× batch → 2, 1 → W ranks → 1/W) is judged
+the same way beside it. The absolute figures (predicted ms against the median interleaved ms) are reported
+too, but they carry the capture's own moment. Each case's MLflow run carries ``prediction_error_pct`` and
+``naive_error_pct`` (the medians) with their ranges, the ratios and the absolute figures.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = [sys.executable, "-m", "suite.cli"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node"]
+
+
+@dataclass
+class CaseResult:
+    """One case judged over interleaved rounds."""
+
+    workload: str
+    case: str
+    changes: list[str]
+    predicted_step_ms: float
+    naive_step_ms: float
+    predicted_ratio: float
+    naive_ratio: float
+    base_ms: list[float]  # per round
+    changed_ms: list[float]  # per round
+
+    @property
+    def measured_ratios(self) -> list[float]:
+        return [c / b for b, c in zip(self.base_ms, self.changed_ms, strict=True)]
+
+    def errors(self, ratio: float) -> list[float]:
+        return [100.0 * (ratio / m - 1.0) for m in self.measured_ratios]
+
+    def summary(self) -> dict[str, Any]:
+        ours, naive = self.errors(self.predicted_ratio), self.errors(self.naive_ratio)
+        measured_ms = statistics.median(self.changed_ms)
+        return {**asdict(self), "rounds": len(self.base_ms),
+                "measured_ratio": statistics.median(self.measured_ratios),
+                "measured_ratio_min": min(self.measured_ratios), "measured_ratio_max": max(self.measured_ratios),
+                "measured_step_ms": measured_ms, "base_step_ms": statistics.median(self.base_ms),
+                "prediction_error_pct": statistics.median(ours), "prediction_error_min_pct": min(ours),
+                "prediction_error_max_pct": max(ours),
+                "naive_error_pct": statistics.median(naive), "naive_error_min_pct": min(naive),
+                "naive_error_max_pct": max(naive),
+                "absolute_error_pct": 100.0 * (self.predicted_step_ms / measured_ms - 1.0)}
+
+
+def cases_for(graph, values: dict[str, Any]) -> dict[str, list[str]]:  # noqa: ANN001
+    """The issue's three changes for the captured workload: 2× its repeated layers, 2× batch, 1 → 2 ranks
+    (DDP where the workload has a parallelism choice)."""
+    from workloads.whatif.predict import BATCH_KEY, LAYER_KEYS, _workload_value
+
+    layers = _workload_value(values, LAYER_KEYS.get(graph.workload, "")) or graph.assign_layers(None)[1]
+    batch = _workload_value(values, BATCH_KEY)
+    return {"layers": [f"workload.{LAYER_KEYS.get(graph.workload)}={2 * (layers or 0)}"],
+            "batch": [f"workload.{BATCH_KEY}={2 * (batch or 0)}"],
+            "ranks": ["world_size=2", *(["workload.parallelism=ddp"] if "parallelism" in values else [])]}
+
+
+def _step_ms(run_root: Path, command: list[str]) -> float:
+    """Run one short real run (``command``, its results under ``run_root``) and read its step p50."""
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    (metrics,) = sorted(run_root.glob("runs/*/metrics.json"))
+    record = json.loads(metrics.read_text())
+    if record.get("status") != "FINISHED":
+        raise RuntimeError(f"the real run {metrics.parent} ended {record.get('status')}: {record.get('error')}")
+    return float(record["metrics"]["step_time_ms_p50"])
+
+
+def validate(out: Path, overrides: list[str], case_names: list[str], rounds: int, steps: int, warmup: int,
+             collectives: Path | None) -> list[CaseResult]:
+    """Capture once into ``out/bundle``, predict each case, then measure it interleaved with the base."""
+    from workloads.whatif.graph import load_graph
+    from workloads.whatif.predict import resolved_workload
+
+    workload = [o for o in overrides if not o.startswith(("tracking", "results_dir"))]
+    bundle = out / "bundle"
+    if not (bundle / "meta.json").exists():
+        subprocess.run([*HERE, "trace", "capture", "--out", str(bundle), "--baseline-steps", str(steps), *workload,
+                        "tracking=off", f"results_dir={out / 'capture'}"], check=True)
+    graph = load_graph(bundle)
+    cases = cases_for(graph, resolved_workload(graph))
+    unknown = [n for n in case_names if n not in cases]
+    if unknown:
+        raise ValueError(f"unknown case {unknown[0]!r}: choose from {', '.join(cases)}")
+    run = ["runner.repetitions=1", f"runner.steps={steps}", f"runner.warmup_steps={warmup}",
+           "runner.progress=false", "tracking=off"]
+    results = []
+    for name in case_names:
+        changes = cases[name]
+        table = ["--collectives", str(collectives)] if name == "ranks" and collectives else []
+        predicted = out / f"{name}.json"
+        subprocess.run([*HERE, "trace", "predict", str(bundle), *changes, *table, "--json", str(predicted)],
+                       check=True)
+        record = json.loads(predicted.read_text())
+        # the prediction is the edited graph × measured / unchanged: over the measured step, the graphs' ratio
+        world = next((int(c.partition("=")[2]) for c in changes if c.startswith("world_size=")), 1)
+        real = [c for c in changes if not c.startswith("world_size=")]
+        base_ms, changed_ms = [], []
+        for r in range(rounds):
+            for side, launch, extra in (("base", HERE, []),
+                                        ("changed", [*TORCHRUN, str(world), "-m", "suite.cli"] if world > 1 else HERE,
+                                         real)):
+                root = out / "rounds" / f"{name}-{r}-{side}"
+                ms = _step_ms(root, [*launch, "run", *workload, *extra, *run, f"results_dir={root}"])
+                (base_ms if side == "base" else changed_ms).append(ms)
+            print(f"  {graph.workload} {name} round {r + 1}/{rounds}: base {base_ms[-1]:.2f} ms, changed "
+                  f"{changed_ms[-1]:.2f} ms (ratio {changed_ms[-1] / base_ms[-1]:.3f})", flush=True)
+        results.append(CaseResult(graph.workload, name, changes, record["predicted_step_ms"], record["naive_step_ms"],
+                                  record["predicted_step_ms"] / record["measured_step_ms"],
+                                  record["naive_step_ms"] / record["measured_step_ms"], base_ms, changed_ms))
+    return results
+
+
+def log_cases(results: list[CaseResult], overrides: list[str]) -> dict[str, str]:
+    """One MLflow run per case (``whatif-validate-<workload>-<case>``) in the store ``overrides`` name;
+    nothing with tracking off. Returns case → run id."""
+    from harness.config import compose_config, to_run_config
+    from harness.tracking import Tracker
+
+    store = [o for o in overrides if o.startswith(("tracking", "results_dir", "workload="))]
+    cfg = to_run_config(compose_config(store))
+    if not cfg.tracking.enabled:
+        return {}
+    tracker = Tracker.connect(cfg.tracking, Path(cfg.results_dir).resolve())
+    ids = {}
+    for result in results:
+        figures = result.summary()
+        run_id = tracker.start_run(f"whatif-validate-{result.workload}-{result.case}",
+                                   {"workload": result.workload, "whatif_case": result.case})
+        tracker.log_params(run_id, {"changes": " ".join(result.changes), "rounds": figures["rounds"]})
+        tracker.log_metrics(run_id, {k: v for k, v in figures.items() if isinstance(v, float)})
+        tracker.log_series(run_id, "round_prediction_error_pct", result.errors(result.predicted_ratio))
+        tracker.end_run(run_id, "FINISHED")
+        ids[result.case] = run_id
+    return ids
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(f"{'workload':8} {'case':7} {'pred ratio':>10} {'meas ratio (min…max)':>22} {'ours median (min…max)':>24} "
+          f"{'naive':>8} {'pred ms':>8} {'meas ms':>8}")
+    for r in rows:
+        print(f"{r['workload']:8} {r['case']:7} {r['predicted_ratio']:10.3f} {r['measured_ratio']:8.3f} "
+              f"({r['measured_ratio_min']:.3f}…{r['measured_ratio_max']:.3f}) {r['prediction_error_pct']:+7.1f} % "
+              f"({r['prediction_error_min_pct']:+.1f}…{r['prediction_error_max_pct']:+.1f}) "
+              f"{r['naive_error_pct']:+7.1f}% {r['predicted_step_ms']:8.2f} {r['measured_step_ms']:8.2f}")
