@@ -24,12 +24,11 @@ transformers as its users run it by default (eager); compiled against compiled i
 from __future__ import annotations
 
 import statistics
-import time
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import hf_llama_config
+from conftest import hf_llama_config, interleaved_times, ratio_text
 
 from workloads.llama import PRESETS, Transformer, from_hf_config, load_hf_state_dict
 from workloads.llama.model import ModelArgs
@@ -124,20 +123,12 @@ def test_side_by_side_interleaved() -> None:
     for m, o, f in variants.values():  # warm-up (compilation) outside the timing
         for _ in range(2):
             _train_step(m, o, f, inputs, targets)
-    times: dict[tuple[str, bool], list[float]] = {key: [] for key in variants}
-    for r in range(rounds):
-        for key in (list(variants) if r % 2 == 0 else list(reversed(variants))):
-            m, o, f = variants[key]
-            start = time.perf_counter()
-            for _ in range(steps):
-                _train_step(m, o, f, inputs, targets)
-            times[key].append((time.perf_counter() - start) / steps)
+    times = interleaved_times({key: (lambda m=m, o=o, f=f: _train_step(m, o, f, inputs, targets))
+                               for key, (m, o, f) in variants.items()}, rounds, steps)
     tokens = inputs.numel()
 
     def ratio(slow: tuple[str, bool], fast: tuple[str, bool]) -> str:
-        per_round = sorted(a / b for a, b in zip(times[slow], times[fast], strict=True))
-        lo, hi = per_round[0], per_round[-1]
-        return f"{statistics.median(per_round):.2f}x (rounds {lo:.2f} ... {hi:.2f})"
+        return ratio_text(times[slow], times[fast])
 
     SIDE_BY_SIDE[:] = [f"llama train step, {shape} (8 x 256 tokens), {rounds} interleaved rounds of {steps} steps:"]
     for (impl, compiled), ts in times.items():

@@ -6,12 +6,16 @@ router score that is zero for the experts not chosen), so its expert work is ``n
 times ours; ours sorts the routed copies by expert and runs one grouped GEMM over them. The ratio
 of the medians is the speed-up a dropless grouped-GEMM layer buys at these shapes (goal >= 3x).
 Both layers' outputs are checked equal before timing, so the two compute the same function.
+:func:`test_side_by_side_interleaved` is the figure to quote: both in one process, interleaved.
 """
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
+from conftest import interleaved_times, ratio_text
 
 from workloads.llama.moe import MoE
 
@@ -69,3 +73,31 @@ def test_moe_layer_training_step(benchmark, shape, impl):
     benchmark.extra_info["tokens_per_step"] = x_td.shape[0]
     benchmark.pedantic(_train_step, args=(layer, optimizer, forward, x_td), rounds=10, warmup_rounds=2)
     benchmark.extra_info["tokens_per_s_median"] = x_td.shape[0] / benchmark.stats.stats.median
+
+
+SIDE_BY_SIDE: list[str] = []  # printed after pytest-benchmark's tables (benchmarks/conftest.py)
+
+
+def side_by_side_table() -> list[str]:
+    return SIDE_BY_SIDE
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_side_by_side_interleaved(shape) -> None:
+    ours, hf, x_td = _layers(shape)
+    steps = {}
+    for key, layer, forward in (("cobench", ours, _ours), ("transformers", hf, _transformers)):
+        optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-4, fused=True)
+        steps[key] = (lambda layer=layer, optimizer=optimizer, forward=forward:
+                      _train_step(layer, optimizer, forward, x_td))
+        for _ in range(2):  # warm-up
+            steps[key]()
+    rounds = 8
+    times = interleaved_times(steps, rounds, 1)
+    SIDE_BY_SIDE.append(f"llama4 MoE layer train step, {shape} ({x_td.shape[0]} tokens), {rounds} interleaved rounds:")
+    for key, ts in times.items():
+        median = statistics.median(ts)
+        cv = statistics.pstdev(ts) / statistics.fmean(ts)
+        SIDE_BY_SIDE.append(f"  {key:<12} {median * 1e3:8.1f} ms/step (cv {cv:.0%}), "
+                            f"{x_td.shape[0] / median:8.0f} tokens/s")
+    SIDE_BY_SIDE.append("  ours vs transformers: " + ratio_text(times["transformers"], times["cobench"]))
