@@ -297,3 +297,27 @@ def test_validation_judges_the_predicted_ratio_against_each_rounds_measured_rati
     off = CaseResult("llama", "batch", [], 10.0, 10.0, 1.5, 2.0, [10.0, 10.0], [12.0, 15.0])
     assert off.errors(off.predicted_ratio) == pytest.approx([25.0, 0.0])
     assert off.summary()["prediction_error_pct"] == pytest.approx(12.5)
+
+
+def test_a_batch_change_resizes_data_the_step_made_in_shapes_it_does_not_name():
+    """Jagged data (seqrec): a length bucket's histories and Σ(length − 1) target rows are no batch-sized
+    dimension, yet grow with the batch; a gradient in a parameter's shape does not."""
+    from workloads.whatif.graph import TensorUse
+    from workloads.whatif.predict import Resize, _rescaled
+
+    resize = Resize({32: 2.0, 512: 1.0}, 2.0, frozenset({(96, 32)}), single=(32, 512))
+    assert _rescaled(TensorUse((2, 2, 156, 16), 4, False), resize).shape == (4, 2, 156, 16)  # a bucket
+    assert _rescaled(TensorUse((866, 64), 4, False), resize).shape == (1732, 64)  # target rows
+    assert _rescaled(TensorUse((32, 512, 16), 4, False), resize).shape == (64, 512, 16)  # the named batch
+    assert _rescaled(TensorUse((96, 32), 4, False), resize).shape == (96, 32)  # a weight's gradient
+    assert _rescaled(TensorUse((512, 16), 4, False), resize).shape == (512, 16)  # a sequence-long tensor
+    assert _rescaled(TensorUse((7, 16), 4, True), resize).shape == (7, 16)  # lives across steps
+    assert _rescaled(TensorUse((32, 3, 32), 4, False), resize).shape == (64, 3, 32)  # batch 32, width 32
+    assert _rescaled(TensorUse((7, 16), 4, False), Resize({512: 2.0}, 1.0, single=(512,))).shape == (7, 16)
+
+
+def test_a_calibration_spike_is_lowered_not_carried_to_larger_sizes():
+    from workloads.whatif.costmodel import Curve, monotone
+
+    spiked = monotone(Curve([1.0, 2.0, 4.0, 8.0], [1.0, 500.0, 3.0, 7.0]))  # a pre-empted point at size 2
+    assert spiked.times_us == [1.0, 3.0, 3.0, 7.0]

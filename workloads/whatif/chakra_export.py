@@ -26,9 +26,9 @@ CHAKRA_VERSION = "0.0.4"  # the schema version mlc-chakra's PyTorch converter wr
 def edited_ops(graph: Graph, change: Change, calibration: Calibration) -> list[tuple[Op, float, int]]:
     """The edited step as (op, duration µs, copy) in host order: copy 0 is the captured op, copy k > 0
     the k-th clone of a last-layer op (layers assigned first: :meth:`Graph.assign_layers`)."""
-    factors, batch_factor = dimension_factors(graph, change)
-    durations = {op.id: (_retimed(op, factors, calibration, change.calibration, batch_factor)
-                         if (factors or change.calibration) else op.dur_us) for op in graph.ops}
+    resize, _ = dimension_factors(graph, change)
+    durations = {op.id: (_retimed(op, resize, calibration, change.calibration)
+                         if (resize or change.calibration) else op.dur_us) for op in graph.ops}
     if change.layers is None:
         return [(op, durations[op.id], 0) for op in graph.ops]
     layers = 1 + max((op.layer[1] for op in graph.ops if op.layer is not None), default=-1)

@@ -10,10 +10,11 @@ process's intra-op threads (a what-if for an accelerator needs its curves measur
 built).
 
 Calibration that holds on a shared machine: each point is the fastest of several rounds of a few calls
-timed together (pre-emption only ever adds time, so the minimum is the machine's own cost; the median of
-single calls put a 64×64 GEMM at 7.4 ms on a busy 2-core host, and since ops are re-timed by a curve's
-ratio one such point turned a 2× batch into a +2,500 % prediction), and a curve is made non-decreasing
-in size (more work never takes less time; a dip is noise), also when read from a file.
+timed together, the rounds going round-robin over all the points (pre-emption only ever adds time, so
+the minimum is the machine's own cost; the median of single calls put a 64×64 GEMM at 7.4 ms on a busy
+2-core host, and since ops are re-timed by a curve's ratio one such point turned a 2× batch into a
++2,500 % prediction), and a curve is made non-decreasing in size by lowering a point that took longer
+than a larger size (more work never takes less time), also when read from a file.
 """
 
 from __future__ import annotations
@@ -76,35 +77,43 @@ class Calibration:
             raise ValueError(f"{path}: malformed what-if calibration ({err})") from None
 
 
-ROUNDS = 9
+ROUNDS = 15
 WARMUP_CALLS = 3
 
 
-def _fastest_us(fn, budget_s: float = 0.02) -> float:  # noqa: ANN001
-    """The fastest per-call time over :data:`ROUNDS` rounds, each of as many calls as fit ``budget_s``/ROUNDS."""
-    for _ in range(WARMUP_CALLS):
-        fn()
-    start = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - start, 1e-7)
-    calls = max(1, min(1000, int(budget_s / ROUNDS / once)))
-    best = float("inf")
-    for _ in range(ROUNDS):
-        start = time.perf_counter()
-        for _ in range(calls):
+def _fastest_us(fns: list, budget_s: float = 0.02) -> list[float]:  # noqa: ANN001
+    """Each callable's fastest per-call time over :data:`ROUNDS` rounds of as many calls as fit its share of
+    ``budget_s``. The rounds go round-robin over all the points, so one point's rounds are spread over
+    the whole calibration: a burst of someone else's work on a shared host spoils a round of every
+    point, not every round of one."""
+    calls = []
+    for fn in fns:
+        for _ in range(WARMUP_CALLS):
             fn()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1e6
+        start = time.perf_counter()
+        fn()
+        once = max(time.perf_counter() - start, 1e-7)
+        calls.append(max(1, min(1000, int(budget_s / ROUNDS / once))))
+    best = [float("inf")] * len(fns)
+    for _ in range(ROUNDS):
+        for k, (fn, n) in enumerate(zip(fns, calls, strict=True)):
+            start = time.perf_counter()
+            for _ in range(n):
+                fn()
+            best[k] = min(best[k], (time.perf_counter() - start) / n)
+    return [b * 1e6 for b in best]
 
 
 def monotone(curve: Curve) -> Curve:
-    """``curve`` with each time at least the time of every smaller size (sizes sorted)."""
+    """``curve`` made non-decreasing in size (sizes sorted): where a smaller size took longer than a larger
+    one, its time was inflated (pre-emption only ever adds time), so it takes the larger size's — a
+    spike is lowered rather than carried up to every larger size."""
     points = sorted(zip(curve.sizes, curve.times_us, strict=True))
-    times, floor = [], 0.0
-    for _, t in points:
-        floor = max(floor, t)
-        times.append(floor)
-    return Curve([s for s, _ in points], times)
+    times, ceiling = [], float("inf")
+    for _, t in reversed(points):
+        ceiling = min(ceiling, t)
+        times.append(ceiling)
+    return Curve([s for s, _ in points], times[::-1])
 
 
 def calibrate(platform: str = "cpu", threads: int | None = None) -> Calibration:
@@ -113,18 +122,19 @@ def calibrate(platform: str = "cpu", threads: int | None = None) -> Calibration:
     if threads:
         torch.set_num_threads(threads)
     try:
-        flops, gemm_us = [], []
+        flops, gemms = [], []
         for n in GEMM_SIZES:
             a, b = torch.randn(n, n), torch.randn(n, n)
-            gemm_us.append(_fastest_us(lambda a=a, b=b: torch.mm(a, b)))
+            gemms.append(lambda a=a, b=b: torch.mm(a, b))
             flops.append(2.0 * n ** 3)
-        moved, memory_us = [], []
+        moved, adds = [], []
         for size in BYTES_SIZES:
             x = torch.randn(max(1, size // 12))  # add: two reads and a write of 4-byte floats
             moved.append(float(x.numel() * 12))
-            memory_us.append(_fastest_us(lambda x=x: torch.add(x, x)))
-        return Calibration(platform, torch.get_num_threads(), monotone(Curve(flops, gemm_us)),
-                           monotone(Curve(moved, memory_us)))
+            adds.append(lambda x=x: torch.add(x, x))
+        times = _fastest_us(gemms + adds)
+        return Calibration(platform, torch.get_num_threads(), monotone(Curve(flops, times[:len(gemms)])),
+                           monotone(Curve(moved, times[len(gemms):])))
     finally:
         torch.set_num_threads(saved)
 

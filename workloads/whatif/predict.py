@@ -101,20 +101,50 @@ def _token_dim(graph: Graph) -> int | None:
     return None
 
 
-def _rescaled(use: TensorUse, factors: dict[int, float]) -> TensorUse:
-    """A non-persistent tensor with its first dimension equal to a key of ``factors`` scaled (batch × seq
-    first, then batch, then sequence: at most one dimension each)."""
-    if use.persistent:
+@dataclass(frozen=True)
+class Resize:
+    """How a batch/sequence change resizes the step's tensors (:func:`dimension_factors`).
+
+    ``factors``: a captured dimension size → its factor (batch × sequence, batch, sequence, the step's
+    token count; factor 1 for those that stay). ``batch``: the batch factor alone. ``fixed_shapes``: the
+    shapes of tensors that live across steps (parameters, optimizer state): a tensor the step makes in
+    such a shape (a gradient) does not follow the batch."""
+
+    factors: dict[int, float] = field(default_factory=dict)
+    batch: float = 1.0
+    fixed_shapes: frozenset[tuple[int, ...]] = frozenset()
+    combined: tuple[int, ...] = ()  # the sizes that carry batch and sequence at once (tokens, B·S)
+    single: tuple[int, ...] = ()  # the batch and the sequence sizes
+
+    def __bool__(self) -> bool:
+        return bool(self.factors)
+
+
+def _rescaled(use: TensorUse, resize: Resize) -> TensorUse:
+    """A tensor the step made, resized: the first dimension equal to the step's tokens or batch × sequence
+    scaled by both factors; else the first equal to the batch and the first equal to the sequence, each
+    by its own (never a second dimension of the same size: seqrec's batch of 32 is also its width).
+
+    A tensor the step made from its data in which no dimension is a known one — a jagged batch's length
+    bucket (``[histories in the bucket, heads, longest, d]``), rows of Σ(length − 1) targets, a chunk of
+    a loop over the tokens — has its leading dimension scaled by the batch factor: how many histories
+    fall into a bucket, how many targets or chunks there are, grows with the batch in expectation.
+    Tensors that live across steps (parameters, optimizer state) and tensors in their shapes (their
+    gradients) stay."""
+    if use.persistent or use.shape in resize.fixed_shapes:
         return use
-    shape, done = list(use.shape), set()
-    for size in sorted(factors, reverse=True):  # B·S before B or S
-        if size in done:
-            continue
-        for i, d in enumerate(shape):
-            if d == size and i not in done:
-                shape[i] = round(d * factors[size])
-                done.add(i)
-                break
+    factors = resize.factors
+    shape = list(use.shape)
+    found = 0
+    for sizes, at_most in ((resize.combined, 1), (resize.single, 2)):  # B·S (or the tokens) covers B and S
+        for size in sorted(sizes, reverse=True):
+            if size in shape and found < at_most:
+                shape[shape.index(size)] = round(size * factors[size])
+                found += 1
+        if found:
+            break
+    if not found and resize.batch != 1.0 and shape and shape[0] > 1 and not any(d in factors for d in shape):
+        shape[0] = round(shape[0] * resize.batch)
     return TensorUse(tuple(shape), use.itemsize, use.persistent)
 
 
@@ -134,12 +164,12 @@ def _bytes(uses: list[TensorUse]) -> float:
     return float(sum(math.prod(u.shape) * u.itemsize for u in uses))
 
 
-def _retimed(op: Op, factors: dict[int, float], here: Calibration, there: Calibration | None,
-             batch_factor: float = 1.0) -> float:
+def _retimed(op: Op, resize: Resize, here: Calibration, there: Calibration | None) -> float:
     if op.category in FIXED_CATEGORIES or not (op.inputs or op.outputs):
         return op.dur_us
     old = [*op.inputs, *op.outputs]
-    new = [_rescaled(u, factors) for u in old]
+    new = [_rescaled(u, resize) for u in old]
+    batch_factor = resize.batch
     if op.category == "embedding" and batch_factor != 1.0:
         # a lookup's index lists and pooled rows follow the batch whatever their length (multi-hot)
         new = [u if u.persistent or not u.shape or u.shape[0] != v.shape[0] else
@@ -148,7 +178,7 @@ def _retimed(op: Op, factors: dict[int, float], here: Calibration, there: Calibr
     target = there or here
     if op.category in FLOP_CATEGORIES:
         before = _flops(op, op.inputs)
-        after = _flops(op, [_rescaled(u, factors) for u in op.inputs])
+        after = _flops(op, [_rescaled(u, resize) for u in op.inputs])
         curve_here, curve_there = here.gemm, target.gemm
     else:
         before, after = _bytes(old), _bytes(new)
@@ -158,9 +188,9 @@ def _retimed(op: Op, factors: dict[int, float], here: Calibration, there: Calibr
     return op.dur_us * curve_there.at(after) / curve_here.at(before)
 
 
-def dimension_factors(graph: Graph, change: Change) -> tuple[dict[int, float], float]:
-    """The captured step's batch/sequence dimension sizes → their factor under ``change`` (as
-    :func:`predict` places them), and the batch × sequence factor."""
+def dimension_factors(graph: Graph, change: Change) -> tuple[Resize, float]:
+    """How ``change`` resizes the captured step's tensors (:class:`Resize`, as :func:`predict` places it),
+    and the batch × sequence factor."""
     values = resolved_workload(graph)
     batch, seq = _workload_value(values, BATCH_KEY), _workload_value(values, *SEQ_KEYS)
     fb = change.batch_size / batch if change.batch_size and batch else 1.0
@@ -176,7 +206,9 @@ def dimension_factors(graph: Graph, change: Change) -> tuple[dict[int, float], f
             factors.setdefault(batch, fb)
         if seq:
             factors.setdefault(seq, fs)
-    return factors, fb * fs
+    fixed = frozenset(u.shape for op in graph.ops for u in (*op.inputs, *op.outputs) if u.persistent)
+    combined = tuple(k for k in factors if k not in (batch, seq))
+    return Resize(factors, fb, fixed, combined, tuple(k for k in (batch, seq) if k in factors)), fb * fs
 
 
 def predict(graph: Graph, change: Change, calibration: Calibration) -> Prediction:
@@ -191,13 +223,12 @@ def predict(graph: Graph, change: Change, calibration: Calibration) -> Predictio
     if change.seq_len and not seq:
         raise ValueError(f"the capture's config has no workload.{'/'.join(SEQ_KEYS)}: a sequence change cannot "
                          "be placed")
-    factors, batch_factor = dimension_factors(graph, change)
+    resize, batch_factor = dimension_factors(graph, change)
     naive *= batch_factor
     durations: dict[int, float] = {}
     gaps: dict[int, float] = {}
     for op in graph.ops:
-        dur = _retimed(op, factors, calibration, change.calibration, batch_factor) \
-            if (factors or change.calibration) else op.dur_us
+        dur = _retimed(op, resize, calibration, change.calibration) if (resize or change.calibration) else op.dur_us
         durations[op.id] = dur
     layers, stack = None, None
     if change.layers is not None:
