@@ -301,15 +301,17 @@ def test_validation_judges_the_predicted_ratio_against_each_rounds_measured_rati
 
 def test_a_batch_change_resizes_data_the_step_made_in_shapes_it_does_not_name():
     """Jagged data (seqrec): a length bucket's histories and Σ(length − 1) target rows are no batch-sized
-    dimension, yet grow with the batch; a gradient in a parameter's shape does not."""
+    dimension, yet grow with the batch; a gradient in a parameter's shape (or transposed) does not."""
     from workloads.whatif.graph import TensorUse
     from workloads.whatif.predict import Resize, _rescaled
 
-    resize = Resize({32: 2.0, 512: 1.0}, 2.0, frozenset({(96, 32)}), single=(32, 512))
+    resize = Resize({32: 2.0, 512: 1.0}, 2.0, frozenset({(96, 32), (32, 96)}), single=(32, 512))
     assert _rescaled(TensorUse((2, 2, 156, 16), 4, False), resize).shape == (4, 2, 156, 16)  # a bucket
     assert _rescaled(TensorUse((866, 64), 4, False), resize).shape == (1732, 64)  # target rows
+    assert _rescaled(TensorUse((866, 32), 4, False), resize).shape == (1732, 32)  # not its width of 32
     assert _rescaled(TensorUse((32, 512, 16), 4, False), resize).shape == (64, 512, 16)  # the named batch
     assert _rescaled(TensorUse((96, 32), 4, False), resize).shape == (96, 32)  # a weight's gradient
+    assert _rescaled(TensorUse((32, 96), 4, False), resize).shape == (32, 96)  # W.t()
     assert _rescaled(TensorUse((512, 16), 4, False), resize).shape == (512, 16)  # a sequence-long tensor
     assert _rescaled(TensorUse((7, 16), 4, True), resize).shape == (7, 16)  # lives across steps
     assert _rescaled(TensorUse((32, 3, 32), 4, False), resize).shape == (64, 3, 32)  # batch 32, width 32

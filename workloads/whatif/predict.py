@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from workloads.whatif.costmodel import Calibration
+from workloads.whatif.costmodel import Calibration, Curve
 from workloads.whatif.graph import Graph, Op, TensorUse, schedule
 
 # the config key of each workload's repeated layers, and of batch and sequence length
@@ -125,16 +125,21 @@ def _rescaled(use: TensorUse, resize: Resize) -> TensorUse:
     scaled by both factors; else the first equal to the batch and the first equal to the sequence, each
     by its own (never a second dimension of the same size: seqrec's batch of 32 is also its width).
 
-    A tensor the step made from its data in which no dimension is a known one — a jagged batch's length
-    bucket (``[histories in the bucket, heads, longest, d]``), rows of Σ(length − 1) targets, a chunk of
-    a loop over the tokens — has its leading dimension scaled by the batch factor: how many histories
-    fall into a bucket, how many targets or chunks there are, grows with the batch in expectation.
-    Tensors that live across steps (parameters, optimizer state) and tensors in their shapes (their
-    gradients) stay."""
+    Under a batch change, a tensor the step made whose leading dimension is of no known size — a jagged
+    batch's length bucket (``[histories in the bucket, heads, longest, d]``), rows of Σ(length − 1)
+    targets, a chunk of a loop over the tokens — has that dimension scaled by the batch factor instead:
+    how many histories fall into a bucket, how many targets or chunks there are, grows with the batch in
+    expectation. Tensors that live across steps (parameters, optimizer state) and tensors in their
+    shapes or transposed (gradients, ``W.t()``) stay."""
     if use.persistent or use.shape in resize.fixed_shapes:
         return use
     factors = resize.factors
     shape = list(use.shape)
+    if resize.batch != 1.0 and shape and shape[0] > 1 and shape[0] not in factors:
+        # the data's own leading dimension, of no known size: the batch goes there (not to a later
+        # dimension that happens to equal it)
+        shape[0] = round(shape[0] * resize.batch)
+        return TensorUse(tuple(shape), use.itemsize, use.persistent)
     found = 0
     for sizes, at_most in ((resize.combined, 1), (resize.single, 2)):  # B·S (or the tokens) covers B and S
         for size in sorted(sizes, reverse=True):
@@ -143,8 +148,6 @@ def _rescaled(use: TensorUse, resize: Resize) -> TensorUse:
                 found += 1
         if found:
             break
-    if not found and resize.batch != 1.0 and shape and shape[0] > 1 and not any(d in factors for d in shape):
-        shape[0] = round(shape[0] * resize.batch)
     return TensorUse(tuple(shape), use.itemsize, use.persistent)
 
 
@@ -185,7 +188,21 @@ def _retimed(op: Op, resize: Resize, here: Calibration, there: Calibration | Non
         curve_here, curve_there = here.memory, target.memory
     if before <= 0 or after <= 0:
         return op.dur_us
-    return op.dur_us * curve_there.at(after) / curve_here.at(before)
+    return _scaled(op.dur_us, curve_here, curve_there, before, after)
+
+
+def _scaled(dur_us: float, here: Curve, there: Curve, before: float, after: float) -> float:
+    """An op's time at a new size (and platform): its fixed cost — the curve's smallest point, what any
+    call costs — plus its work, scaled as the curve's own work above that fixed cost scales.
+
+    An op in the curve's flat region (no work above the fixed cost measured at its size) goes by the ratio
+    of the curves. Without the split, a slow kernel on small tensors (seqrec's jagged bmm: 2 ms on 200 KB,
+    where the calibrating add takes 2 µs, mostly fixed cost) would grow only as much as the add does."""
+    fixed_here, fixed_there = here.times_us[0], there.times_us[0]
+    work_before = here.at(before) - fixed_here
+    if work_before <= 0.05 * fixed_here or dur_us <= fixed_here:
+        return dur_us * there.at(after) / here.at(before)
+    return fixed_there + (dur_us - fixed_here) * (there.at(after) - fixed_there) / work_before
 
 
 def dimension_factors(graph: Graph, change: Change) -> tuple[Resize, float]:
@@ -206,7 +223,8 @@ def dimension_factors(graph: Graph, change: Change) -> tuple[Resize, float]:
             factors.setdefault(batch, fb)
         if seq:
             factors.setdefault(seq, fs)
-    fixed = frozenset(u.shape for op in graph.ops for u in (*op.inputs, *op.outputs) if u.persistent)
+    fixed = {u.shape for op in graph.ops for u in (*op.inputs, *op.outputs) if u.persistent}
+    fixed = frozenset(fixed | {shape[::-1] for shape in fixed if len(shape) == 2})
     combined = tuple(k for k in factors if k not in (batch, seq))
     return Resize(factors, fb, fixed, combined, tuple(k for k in (batch, seq) if k in factors)), fb * fs
 
