@@ -311,7 +311,11 @@ def test_a_batch_change_resizes_data_the_step_made_in_shapes_it_does_not_name():
     assert _rescaled(TensorUse((866, 32), 4, False), resize).shape == (1732, 32)  # not its width of 32
     assert _rescaled(TensorUse((32, 512, 16), 4, False), resize).shape == (64, 512, 16)  # the named batch
     assert _rescaled(TensorUse((96, 32), 4, False), resize).shape == (96, 32)  # a weight's gradient
-    assert _rescaled(TensorUse((32, 96), 4, False), resize).shape == (32, 96)  # W.t()
+    assert _rescaled(TensorUse((96, 7), 4, False), Resize({32: 2.0}, 2.0, frozenset({(96, 7)}), single=(32,))).shape \
+        == (96, 7)  # W.t() (dimension_factors puts 2-D parameter shapes in transposed too)
+    # a known size wins over a parameter's shape: 8 × 64 tokens of width 64 beside a 512 × 64 table
+    assert _rescaled(TensorUse((512, 64), 4, False), Resize({512: 2.0, 8: 2.0}, 2.0, frozenset({(512, 64)}),
+                                                            combined=(512,), single=(8,))).shape == (1024, 64)
     assert _rescaled(TensorUse((512, 16), 4, False), resize).shape == (512, 16)  # a sequence-long tensor
     assert _rescaled(TensorUse((7, 16), 4, True), resize).shape == (7, 16)  # lives across steps
     assert _rescaled(TensorUse((32, 3, 32), 4, False), resize).shape == (64, 3, 32)  # batch 32, width 32

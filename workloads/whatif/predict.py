@@ -129,13 +129,17 @@ def _rescaled(use: TensorUse, resize: Resize) -> TensorUse:
     batch's length bucket (``[histories in the bucket, heads, longest, d]``), rows of Σ(length − 1)
     targets, a chunk of a loop over the tokens — has that dimension scaled by the batch factor instead:
     how many histories fall into a bucket, how many targets or chunks there are, grows with the batch in
-    expectation. Tensors that live across steps (parameters, optimizer state) and tensors in their
-    shapes or transposed (gradients, ``W.t()``) stay."""
-    if use.persistent or use.shape in resize.fixed_shapes:
+    expectation, unless the tensor is in a parameter's shape or transposed (a gradient, ``W.t()``). A
+    known size wins over a parameter's shape (tiny Llama's 512 tokens of width 64 are the shape of its
+    512 × 64 embedding table: the activations are what matters).
+    Tensors that live across steps (parameters, optimizer state) stay."""
+    if use.persistent:
         return use
     factors = resize.factors
     shape = list(use.shape)
     if resize.batch != 1.0 and shape and shape[0] > 1 and shape[0] not in factors:
+        if use.shape in resize.fixed_shapes:  # a gradient, W.t(): not data
+            return use
         # the data's own leading dimension, of no known size: the batch goes there (not to a later
         # dimension that happens to equal it)
         shape[0] = round(shape[0] * resize.batch)
