@@ -157,6 +157,12 @@ def test_layers_looped_inside_one_module_are_found_by_their_repeats():
     assert ops[0].layer is None and ops[-4].layer is None  # before and after the layers
     with pytest.raises(ValueError, match="found no 5 repeated layers"):
         graph.assign_layers(5)
+    # a module list of the same length elsewhere (DLRM's bottom MLP: 3 linear layers) is not among them
+    mlp = [Op(200 + i, name, "gemm", 5.0, 0.0, [], module=f"bottom.{i // 2}", anchor=200 + i)
+           for i, name in enumerate(["aten::addmm", "aten::relu"] * 3)]
+    with_mlp = Graph("dlrm", {}, [*mlp, *ops], 0.0, 1.0, (0.0, 0.0), {})
+    assert with_mlp.assign_layers(3) == ("net.cross", 3)
+    assert all(o.layer is None for o in mlp)
 
 
 @pytest.mark.slow

@@ -15,8 +15,12 @@ workload's ``batch_size`` is global):
   The all-reduce is put on the critical path after the backward pass (no overlap assumed: on a CPU the
   collective's threads compete with backward for the same cores).
 
-Not modelled: sharded embeddings' all-to-all (DLRM's TorchRec tables: their lookups keep the captured
-per-rank cost), pipeline or tensor parallelism.
+DDP's buffer broadcast before every forward is not modelled: cobench's DDP wraps do not make it (Llama's
+only buffers are constant RoPE tables; TorchRec's DDP wrapper passes ``broadcast_buffers=False``).
+
+Not modelled: what TorchRec's ``DistributedModelParallel`` adds at more than one rank (DLRM's and seqrec's
+tables sharded, their input and output all-to-alls, the sharded modules' own host work: a single-rank
+capture runs the unsharded modules, so that program is not in the trace), pipeline or tensor parallelism.
 """
 
 from __future__ import annotations

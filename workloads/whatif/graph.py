@@ -117,7 +117,12 @@ class Graph:
         found = self._repeated_stretch(count) if count and count >= 2 else None
         if found is not None:
             stack, layers = found
-            for op in self.ops:  # the module list's ops the stretch did not reach (no forward op of theirs)
+            # the module list's ops the stretch did not reach (no forward op of theirs) — only when the
+            # stretch and that list are one place (one's path inside the other's): DLRM's 3 cross layers
+            # loop in one module, and its bottom MLP's 3 linear layers (a module list of the same length)
+            # are not among them
+            same = any(f"{stack}.".startswith(f"{name}.") or f"{name}.".startswith(f"{stack}.") for name in lists)
+            for op in self.ops if same else []:
                 if op.layer is None and op.id in by_list:
                     op.layer = (stack, by_list[op.id][1])
         elif lists:
