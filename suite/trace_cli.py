@@ -237,6 +237,8 @@ def _predict(args: argparse.Namespace) -> int:
         print(f"  {world} data-parallel ranks: batch {dp['batch_per_rank']} a rank, {dp['threads_per_rank']} "
               f"intra-op thread(s) a rank, {dp['gradient_bytes'] / 1e6:.2f} MB of gradients all-reduced in "
               f"{dp['buckets']} bucket(s) after backward; all-reduce from {how}")
+        if dp.get("not_modelled"):
+            print(f"  warning: not modelled: {dp['not_modelled']}")
     if args.chakra is not None:  # the edited graph one rank runs (layers already assigned by the prediction)
         local = rank_change(graph, world, change, rank_calibration) if world and world > 1 else change
         buckets = [(b, allreduce.at(b)) for b in bucket_sizes(record["inputs"]["data_parallel"]["gradient_bytes"])] \

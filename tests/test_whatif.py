@@ -10,6 +10,7 @@ input is refused naming the key or file."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -204,6 +205,11 @@ def test_two_ranks_split_the_batch_and_all_reduce_every_gradient_once(bundle: Pa
     assert two.predicted_step_ms == pytest.approx(half.predicted_step_ms + dp["allreduce_ms"])
     assert two.breakdown_ms["communication"] == pytest.approx(dp["allreduce_ms"])
     assert two.naive_step_ms == pytest.approx(two.measured_step_ms / 2)  # perfect strong scaling
+    assert "not_modelled" not in dp
+    # a workload whose tables TorchRec shards at 2 ranks: the prediction says what it cannot see
+    sharded = predict_data_parallel(dataclasses.replace(graph, workload="seqrec"), 2, _linear(),
+                                    allreduce=allreduce_cost(2, table))
+    assert "DistributedModelParallel" in sharded.inputs["data_parallel"]["not_modelled"]
     # a rank that gets half the cores runs slower: the per-rank curves are what it is re-timed by
     slower = predict_data_parallel(graph, 2, _linear(), rank_calibration=_linear("half", 0.5),
                                    allreduce=allreduce_cost(2, table))
