@@ -255,3 +255,22 @@ def test_fused_output_loss_does_the_flops_of_the_unfused_one():
         model(tokens_bs[:, :-1], tokens_bs[:, 1:]).backward()
     analytic = training_flops_per_token(args, 128) * 2 * 128
     assert counter.get_total_flops() == pytest.approx(analytic, rel=0.01)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny_moe"])
+def test_compiled_model_trains_like_the_eager_one(preset):
+    """``workload.compile=true``: the compiled model (the fused loss traced, MoE's grouped GEMM left
+    eager) gives the eager loss and gradients."""
+    args = dataclasses.replace(PRESETS[preset], max_seq_len=64)
+    eager = build_model(args, "cpu", seed=0)
+    compiled_source = build_model(args, "cpu", seed=0)
+    compiled = torch.compile(compiled_source)
+    tokens = torch.randint(0, args.vocab_size, (2, 65), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for model in (eager, compiled):
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        losses.append(loss.item())
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    for (name, p), q in zip(eager.named_parameters(), compiled_source.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
