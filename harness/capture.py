@@ -378,11 +378,18 @@ class SourceWorkload:
         """Capture this rank's bundle into ``out_dir``; returns the rank's bundle folder."""
         config = OmegaConf.to_container(OmegaConf.structured(self.cfg.workload), resolve=True)
         with capture(out_dir, steps=steps, warmup=warmup, baseline_steps=baseline_steps, device=self.ctx.device,
-                     config={"workload": config, "platform": self.platform.name}, source=self.cfg.workload.name,
-                     model=self.workload.root_module(), announce=announce) as cap:
-            while not cap.done:
-                with cap.step():
-                    self.workload.step()
+                     config={"workload": config, "platform": self.platform.name, "seed": self.cfg.seed},
+                     source=self.cfg.workload.name, model=self.workload.root_module(), announce=announce) as cap:
+            hold = getattr(self.workload, "hold_batch", None)
+            try:
+                while not cap.done:
+                    if hold is not None and cap.step_index == cap.warmup + cap.baseline_steps:
+                        hold(True)  # the traced step's batch for the steps timed op by op after it
+                    with cap.step():
+                        self.workload.step()
+            finally:
+                if hold is not None:
+                    hold(False)
         return bundle_dir(out_dir, self.ctx.rank, self.ctx.world_size)
 
 

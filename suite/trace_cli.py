@@ -226,9 +226,14 @@ def _predict(args: argparse.Namespace) -> int:
     parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(result.breakdown_ms.items(), key=lambda kv: -kv[1]))
     print(f"{graph.workload or 'trace'} {parsed.describe() or '(as captured)'}: predicted step "
           f"{result.predicted_step_ms:.2f} ms (naive linear scaling {result.naive_step_ms:.2f} ms)\n"
-          f"  captured step {result.measured_step_ms:.2f} ms; the unchanged graph replays it at "
-          f"{result.unchanged_step_ms:.2f} ms ({record['unchanged_error_pct']:+.1f} %)\n"
+          f"  captured step {result.measured_step_ms:.2f} ms; the unchanged graph replays the traced step at "
+          f"{result.unchanged_step_ms:.2f} ms, {record['unchanged_error_pct']:+.1f} % against the plain steps "
+          f"timed beside its ops ({record['replay_reference_ms']:.2f} ms)\n"
           f"  breakdown (ms, critical path): {parts}")
+    if record["inputs"].get("jagged_buckets"):
+        jag = record["inputs"]["jagged_buckets"]["representative_draw"]
+        print(f"  length buckets from {jag['changed']['batches']}: the median batch's buckets at batch "
+              f"{jag['captured']['batch_size']} and {jag['changed']['batch_size']} replace the traced step's")
     if allreduce is not None and world and world > 1:
         dp = record["inputs"]["data_parallel"]
         how = "measured sweep table " + allreduce.source if allreduce.sizes else \

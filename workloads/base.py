@@ -202,6 +202,11 @@ class WorkloadBase:
         """The model, when there is one: a capture names each op's module scope from its hooks."""
         return None
 
+    def hold_batch(self, hold: bool) -> None:
+        """While held, every step trains on the batch the next step trains on. A capture holds it from its
+        traced step on, so the steps it times op by op run the traced step's shapes: a workload whose op
+        shapes follow its data (jagged sequences in length buckets) implements it; others need not."""
+
 
 @dataclass(frozen=True)
 class WorkloadSpec:

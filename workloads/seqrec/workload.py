@@ -191,6 +191,46 @@ class SeqRecConfig:
         return LengthDistribution(self.length_distribution, self.shape().max_len, median=self.length_median,
                                   sigma=self.length_sigma, zipf_exponent=self.length_zipf_exponent)
 
+    def preferences(self) -> PlantedPreferences:
+        shape = self.shape()
+        return PlantedPreferences(shape.num_items, shape.num_actions, self.num_topics, self.data_branching,
+                                  self.data_follow_prob, seed=self.data_seed)
+
+    def global_batches(self, seed: int, count: int, stream: int,
+                       preferences: PlantedPreferences | None = None) -> list[tuple[Histories, np.ndarray]]:
+        """The same global batches on every rank (and in what-if prediction, which reads the lengths of the
+        batches a changed configuration trains on): histories and their sampled negatives."""
+        preferences = preferences or self.preferences()
+        rng, lengths, shape = np.random.default_rng([seed, stream]), self.lengths(), self.shape()
+        batches = []
+        for _ in range(count):
+            sizes = lengths.sample(self.batch_size, rng)
+            histories = preferences.histories(sizes, rng)
+            negatives = rng.integers(shape.num_items, size=(sizes.size, shape.num_negatives))
+            batches.append((histories, negatives))
+        return batches
+
+    def train_lengths(self, seed: int) -> list[np.ndarray]:
+        """The history lengths of a run's training batches (run seed ``seed``), in the order it trains them."""
+        return [histories.lengths for histories, _ in self.global_batches(seed, self.train_batches, stream=0)]
+
+
+class _Holdable:
+    """The rank's batches in a cycle; while ``held``, the last one handed out again and again."""
+
+    def __init__(self, batches: list[Any]):
+        self._cycle = itertools.cycle(batches)
+        self._last: Any = None
+        self.held = False
+
+    def __iter__(self) -> _Holdable:
+        return self
+
+    def __next__(self) -> Any:
+        if not self.held or self._last is None:
+            self._last = next(self._cycle)
+        return self._last
+
 
 @dataclass(frozen=True)
 class ScheduledBatch:
@@ -231,9 +271,8 @@ class SeqRecWorkload(WorkloadBase):
     # -- set-up ---------------------------------------------------------------------------------
 
     def setup(self) -> None:
-        cfg, ctx, shape = self.config, self.ctx, self.shape
-        self.preferences = PlantedPreferences(shape.num_items, shape.num_actions, cfg.num_topics, cfg.data_branching,
-                                              cfg.data_follow_prob, seed=cfg.data_seed)
+        cfg, ctx = self.config, self.ctx
+        self.preferences = cfg.preferences()
         self.timer = DenseComputeTimer(ctx.device)
         self.model, self.head = self._build_model()
         dense_optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -249,7 +288,7 @@ class SeqRecWorkload(WorkloadBase):
                 batches=cfg.simulate_batches, seed=cfg.data_seed, token_budget=self.token_budget,
             )
         self.pipeline = self._make_pipeline()
-        self._batch_iter = itertools.cycle(self.rank_batches)
+        self._batch_iter = _Holdable(self.rank_batches)
 
     def _build_model(self) -> tuple[nn.Module, NextItemHead]:
         ctx = self.ctx
@@ -323,15 +362,7 @@ class SeqRecWorkload(WorkloadBase):
     # -- data -----------------------------------------------------------------------------------
 
     def _global_batches(self, count: int, stream: int) -> list[tuple[Histories, np.ndarray]]:
-        """The same global batches on every rank: histories and their sampled negatives."""
-        rng = np.random.default_rng([self.ctx.seed, stream])
-        batches = []
-        for _ in range(count):
-            lengths = self.length_distribution.sample(self.config.batch_size, rng)
-            histories = self.preferences.histories(lengths, rng)
-            negatives = rng.integers(self.shape.num_items, size=(lengths.size, self.shape.num_negatives))
-            batches.append((histories, negatives))
-        return batches
+        return self.config.global_batches(self.ctx.seed, count, stream, self.preferences)
 
     def _make_schedule(self) -> list[ScheduledBatch]:
         cfg, world = self.config, self.ctx.world_size
@@ -374,6 +405,13 @@ class SeqRecWorkload(WorkloadBase):
         self.eval_count = int(targets.size)
 
     # -- steps ----------------------------------------------------------------------------------
+
+    def hold_batch(self, hold: bool) -> None:
+        """A capture's op-by-op timed steps then run the traced step's length buckets. ``TrainPipelineBase``
+        (one process, or ``overlap`` off) trains the batch it took at the step before: the one handed out
+        last, repeated from then on. (``TrainPipelineSparseDist`` runs a batch further ahead: its first held
+        step still trains the batch before.)"""
+        self._batch_iter.held = hold
 
     def step(self) -> StepResult:
         start = time.perf_counter()

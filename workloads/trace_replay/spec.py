@@ -54,6 +54,7 @@ CATEGORIES: list[tuple[str, str]] = [
     ("attention", r"attention|_flash_|_efficient_attention|_cudnn_attention"),
     ("embedding", r"embedding|^fbgemm::.*(split_embedding|tbe|lookup)"),
     ("gemm", r"::(mm|addmm|bmm|baddbmm|matmul|linear|_scaled_mm|convolution|conv\w*|_addmm_activation)$"),
+    ("gemm", r"^fbgemm::jagged_(dense|jagged)_bmm(_forward)?$"),  # a GEMM per sample over jagged rows
     ("optimizer", r"::(_foreach_\w+|_fused_adam\w*|_fused_sgd\w*|_fused_adagrad\w*|addcdiv_|addcmul_|lerp_)$"),
     ("reduction", r"::(sum|mean|norm|linalg_vector_norm|var|var_mean|std|max|min|amax|amin|argmax|softmax|"
                   r"_softmax|log_softmax|_log_softmax|\w*_backward_data|nll_loss\w*|cross_entropy\w*|"

@@ -173,7 +173,7 @@ def predict_data_parallel(graph: Graph, world: int, calibration: Calibration, ch
     if world > 1 and graph.workload in NOT_MODELLED_AT_RANKS:
         inputs["data_parallel"]["not_modelled"] = NOT_MODELLED_AT_RANKS[graph.workload]
     return Prediction(local.predicted_step_ms + comm_ms, local.unchanged_step_ms, local.measured_step_ms,
-                      local.naive_step_ms, breakdown, inputs)
+                      local.naive_step_ms, breakdown, inputs, local.replay_reference_ms)
 
 
 def _layer_gradient_share(graph: Graph) -> float:

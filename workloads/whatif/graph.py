@@ -78,6 +78,10 @@ class Graph:
     measured_step_ms: float  # the plain (untraced) step's median
     tracer_cost_us: tuple[float, float]  # per event: execution-trace observer, Kineto
     platform: dict[str, Any]
+    # the plain steps run between the Kineto-alone ones the op times come from (the same minutes; the traced
+    # step's batch where the workload holds it, :meth:`workloads.base.WorkloadBase.hold_batch`): what the
+    # unchanged graph's replay is judged against
+    replay_reference_ms: float | None = None
 
     @property
     def stacks(self) -> Counter:
@@ -317,7 +321,8 @@ def load_graph(bundle: str | Path, step: int | None = None) -> Graph:
     step_info = next(s for s in rank["steps"] if s["index"] == chosen)
     return Graph(workload=str(spec["source"].get("workload", "")), config=dict(spec["source"].get("config") or {}),
                  ops=ops, tail_gap_us=float(step_info.get("tail_gap_us", 0.0)), measured_step_ms=plain_ms,
-                 tracer_cost_us=(et_cost, kineto_cost), platform=dict(meta.platform))
+                 tracer_cost_us=(et_cost, kineto_cost), platform=dict(meta.platform),
+                 replay_reference_ms=plain_near_ms)
 
 
 def _kineto_alone_durations(bundle: Path, names: list[str]) -> list[float] | None:

@@ -23,12 +23,17 @@ from typing import Any
 
 from workloads.whatif.costmodel import Calibration, Curve
 from workloads.whatif.graph import Graph, Op, TensorUse, schedule
+from workloads.whatif.jagged import jagged_edit
 
 # the config key of each workload's repeated layers, and of batch and sequence length
 LAYER_KEYS = {"llama": "n_layers", "seqrec": "num_layers", "dlrm": "dcn_num_layers"}
 BATCH_KEY, SEQ_KEYS = "batch_size", ("seq_len", "max_len")
 FLOP_CATEGORIES = ("gemm", "attention")
 FIXED_CATEGORIES = ("view",)
+# an op at a size where the curve's work above its fixed cost is below this share of that cost is in the
+# curve's flat region: how the curve's work grows from there is noise (a 0.04 µs difference scaled a
+# 5 µs pad 14x), so such an op goes by the curves' ratio
+FLAT = 0.5
 
 
 @dataclass
@@ -54,11 +59,13 @@ class Prediction:
     naive_step_ms: float  # measured step × the change's factor
     breakdown_ms: dict[str, float]
     inputs: dict[str, Any] = field(default_factory=dict)
+    replay_reference_ms: float | None = None  # what the unchanged replay is judged against (Graph's)
 
     def to_json(self) -> dict[str, Any]:
+        against = self.replay_reference_ms or self.measured_step_ms
         return {"predicted_step_ms": self.predicted_step_ms, "unchanged_step_ms": self.unchanged_step_ms,
-                "measured_step_ms": self.measured_step_ms,
-                "unchanged_error_pct": 100.0 * (self.unchanged_step_ms / self.measured_step_ms - 1.0),
+                "measured_step_ms": self.measured_step_ms, "replay_reference_ms": against,
+                "unchanged_error_pct": 100.0 * (self.unchanged_step_ms / against - 1.0),
                 "naive_step_ms": self.naive_step_ms, "breakdown_ms": self.breakdown_ms, "inputs": self.inputs}
 
 
@@ -182,13 +189,20 @@ def _retimed(op: Op, resize: Resize, here: Calibration, there: Calibration | Non
         new = [u if u.persistent or not u.shape or u.shape[0] != v.shape[0] else
                TensorUse((round(u.shape[0] * batch_factor), *u.shape[1:]), u.itemsize, u.persistent)
                for u, v in zip(new, old, strict=True)]
+    return retimed_at(op, new[:len(op.inputs)], new[len(op.inputs):], here, there)
+
+
+def retimed_at(op: Op, inputs: list[TensorUse], outputs: list[TensorUse], here: Calibration,
+               there: Calibration | None) -> float:
+    """``op``'s time with these input and output shapes (and on ``there``'s platform when given)."""
+    if op.category in FIXED_CATEGORIES or not (op.inputs or op.outputs):
+        return op.dur_us
     target = there or here
     if op.category in FLOP_CATEGORIES:
-        before = _flops(op, op.inputs)
-        after = _flops(op, [_rescaled(u, resize) for u in op.inputs])
+        before, after = _flops(op, op.inputs), _flops(op, inputs)
         curve_here, curve_there = here.gemm, target.gemm
     else:
-        before, after = _bytes(old), _bytes(new)
+        before, after = _bytes([*op.inputs, *op.outputs]), _bytes([*inputs, *outputs])
         curve_here, curve_there = here.memory, target.memory
     if before <= 0 or after <= 0:
         return op.dur_us
@@ -199,28 +213,32 @@ def _scaled(dur_us: float, here: Curve, there: Curve, before: float, after: floa
     """An op's time at a new size (and platform): its fixed cost — the curve's smallest point, what any
     call costs — plus its work, scaled as the curve's own work above that fixed cost scales.
 
-    An op in the curve's flat region (no work above the fixed cost measured at its size) goes by the ratio
-    of the curves. Without the split, a slow kernel on small tensors (seqrec's jagged bmm: 2 ms on 200 KB,
-    where the calibrating add takes 2 µs, mostly fixed cost) would grow only as much as the add does."""
+    An op in the curve's flat region (work above the fixed cost under :data:`FLAT` of it at the op's size)
+    goes by the ratio of the curves. Without the split, a slow kernel on small tensors (a kernel taking 2 ms
+    on 200 KB, where the calibrating add takes 2 µs, mostly fixed cost) would grow only as much as the add
+    does."""
     fixed_here, fixed_there = here.times_us[0], there.times_us[0]
     work_before = here.at(before) - fixed_here
-    if work_before <= 0.05 * fixed_here or dur_us <= fixed_here:
+    if work_before <= FLAT * fixed_here or dur_us <= fixed_here:
         return dur_us * there.at(after) / here.at(before)
     return fixed_there + (dur_us - fixed_here) * (there.at(after) - fixed_there) / work_before
 
 
-def dimension_factors(graph: Graph, change: Change) -> tuple[Resize, float]:
+def dimension_factors(graph: Graph, change: Change, token_factor: float | None = None) -> tuple[Resize, float]:
     """How ``change`` resizes the captured step's tensors (:class:`Resize`, as :func:`predict` places it),
-    and the batch × sequence factor."""
+    and the batch × sequence factor. ``token_factor``: how the step's tokens grow when that is not
+    batch × sequence (a jagged batch: by its length distribution)."""
     values = resolved_workload(graph)
     batch, seq = _workload_value(values, BATCH_KEY), _workload_value(values, *SEQ_KEYS)
     fb = change.batch_size / batch if change.batch_size and batch else 1.0
     fs = change.seq_len / seq if change.seq_len and seq else 1.0
     factors: dict[int, float] = {}
-    if fb != 1.0 or fs != 1.0:
+    if fb != 1.0 or fs != 1.0 or token_factor not in (None, 1.0):
         tokens = _token_dim(graph)
         if tokens and tokens not in (batch, seq):
-            factors[tokens] = fb * fs
+            factors[tokens] = fb * fs if token_factor is None else token_factor
+            if batch and tokens > batch and tokens - batch not in (batch, seq):  # next-item targets: Σ(L − 1)
+                factors[tokens - batch] = (tokens * factors[tokens] - batch * fb) / (tokens - batch)
         if batch and seq:
             factors.setdefault(batch * seq, fb * fs)
         if batch:
@@ -245,13 +263,33 @@ def predict(graph: Graph, change: Change, calibration: Calibration) -> Predictio
     if change.seq_len and not seq:
         raise ValueError(f"the capture's config has no workload.{'/'.join(SEQ_KEYS)}: a sequence change cannot "
                          "be placed")
-    resize, batch_factor = dimension_factors(graph, change)
+    jagged = None
+    if (change.batch_size or change.seq_len) and batch:
+
+        def rest(edited: bool, token_factor: float, skip: set[int]) -> float:
+            resize, _ = dimension_factors(graph, change if edited else Change(), token_factor)
+            there = change.calibration if edited else None
+            return sum(_retimed(op, resize, calibration, there) + op.gap_us for op in graph.ops if op.id not in skip)
+
+        jagged = jagged_edit(
+            graph, batch, change.batch_size or batch, change.seq_len if values.get("max_len") == seq else None,
+            _workload_value(values, "num_heads", "n_heads"), _token_dim(graph),
+            lambda op, i, o: retimed_at(op, i, o, calibration, None),
+            lambda op, i, o: retimed_at(op, i, o, calibration, change.calibration), rest)
+    resize, batch_factor = dimension_factors(graph, change, jagged.edited_token_factor if jagged else None)
     naive *= batch_factor
     durations: dict[int, float] = {}
     gaps: dict[int, float] = {}
     for op in graph.ops:
         dur = _retimed(op, resize, calibration, change.calibration) if (resize or change.calibration) else op.dur_us
         durations[op.id] = dur
+    reference = unchanged
+    if jagged:  # the length buckets, re-drawn from the data: the captured batch's stand-in and the new one
+        at_draw, _ = dimension_factors(graph, Change(), jagged.unchanged_token_factor)
+        reference = schedule(graph, {op.id: _retimed(op, at_draw, calibration, None) for op in graph.ops}
+                             | jagged.unchanged, jagged.unchanged_gaps)
+        durations.update(jagged.edited)
+        gaps.update(jagged.edited_gaps)
     layers, stack = None, None
     if change.layers is not None:
         stack, layers = graph.assign_layers(_workload_value(values, LAYER_KEYS.get(graph.workload, "")))
@@ -260,13 +298,14 @@ def predict(graph: Graph, change: Change, calibration: Calibration) -> Predictio
         for op in graph.ops:
             if op.layer is not None:
                 durations[op.id] *= scale
-                gaps[op.id] = op.gap_us * scale
+                gaps[op.id] = gaps.get(op.id, op.gap_us) * scale
             elif op.layer_share < 1.0:  # work over every parameter: the layers' share of it grows
                 durations[op.id] *= (1.0 - op.layer_share) + op.layer_share * scale
     edited = schedule(graph, durations, gaps)
     # the graph replays the captured step within its own error; that error is taken out of the edited
-    # figure the same way (the edited step × measured / unchanged)
-    correction = graph.measured_step_ms * 1e3 / unchanged["step_us"]
+    # figure the same way (the edited step × measured / unchanged; with re-drawn buckets, the unchanged
+    # graph at the captured batch's representative draw, so both sides stand for a median batch)
+    correction = graph.measured_step_ms * 1e3 / reference["step_us"]
     breakdown = {f"compute_{k}": v * correction / 1e3 for k, v in edited["compute_us"].items()}
     breakdown["host"] = edited["host_us"] * correction / 1e3
     breakdown["idle"] = edited["idle_us"] * correction / 1e3
@@ -274,5 +313,7 @@ def predict(graph: Graph, change: Change, calibration: Calibration) -> Predictio
               "captured": {"layers": layers, "layer_stack": stack, "batch_size": batch, "seq_len": seq},
               "change": change.describe(), "ops": len(graph.ops), "platform": calibration.platform,
               "tracer_cost_us_per_event": list(graph.tracer_cost_us)}
+    if jagged:
+        inputs["jagged_buckets"] = jagged.inputs
     return Prediction(edited["step_us"] * correction / 1e3, unchanged["step_us"] / 1e3, graph.measured_step_ms,
-                      graph.measured_step_ms * naive, breakdown, inputs)
+                      graph.measured_step_ms * naive, breakdown, inputs, graph.replay_reference_ms)
