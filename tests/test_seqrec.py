@@ -129,6 +129,23 @@ def test_histories_are_deterministic_and_bad_lengths_are_refused():
         validate_lengths([], max_len=128)
 
 
+def test_train_lengths_are_the_batches_a_run_trains_on_and_a_held_batch_repeats(tmp_path):
+    """What-if prediction reads ``train_lengths(seed)`` as the data a configuration trains on, and a capture
+    holds the batch so its op-by-op timed steps run the traced step's length buckets."""
+    w = workload(tmp_path, train_batches=6)
+    w.setup()
+    assert [e.lengths.tolist() for e in w.schedule] == [b.tolist() for b in w.config.train_lengths(w.ctx.seed)]
+    assert w.config.train_lengths(w.ctx.seed + 1)[0].tolist() != w.schedule[0].lengths.tolist()
+    w.step()
+    w.hold_batch(True)
+    held = [w.step().tokens for _ in range(4)]
+    w.hold_batch(False)
+    after = [w.step().tokens for _ in range(4)]
+    assert len(set(held)) == 1, held
+    assert len(set(after)) > 1, after  # the cycle again
+    w.teardown()
+
+
 def test_planted_preferences_are_learnable(tmp_path):
     """The oracle ranks far above chance, and a short training run already does better than chance."""
     w = workload(tmp_path, train_batches=8)

@@ -334,6 +334,62 @@ def test_a_batch_change_resizes_data_the_step_made_in_shapes_it_does_not_name():
     assert _rescaled(TensorUse((7, 16), 4, False), Resize({512: 2.0}, 1.0, single=(512,))).shape == (7, 16)
 
 
+@pytest.fixture(scope="module")
+def seqrec_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    tmp = tmp_path_factory.mktemp("whatif_seqrec")
+    out = tmp / "bundle"
+    proc = subprocess.run([sys.executable, "-m", "suite.cli", "trace", "capture", "--out", str(out),
+                           "--baseline-steps", "10", "--warmup", "3", "workload=seqrec", "workload.preset=tiny",
+                           "workload.train_batches=8", "tracking=off", f"results_dir={tmp / 'results'}"],
+                          capture_output=True, text=True, timeout=300, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+@pytest.mark.slow
+def test_a_jagged_batch_is_predicted_from_the_runs_own_batches_bucket_by_bucket(seqrec_bundle: Path):
+    """seqrec pads attention within power-of-two length buckets: the graph's bucket groups are found, the
+    capture's op-by-op timed steps ran the traced step's buckets (the batch held), and a 2x batch is costed
+    on the batches the changed run trains on — more and longer buckets, not the traced ones doubled."""
+    from omegaconf import OmegaConf
+
+    from workloads.seqrec.workload import SeqRecConfig
+    from workloads.trace_bundle import KINETO_TIMING_FILE, STEP_ANNOTATION
+    from workloads.whatif.graph import load_graph
+    from workloads.whatif.jagged import buckets_of, find_groups
+    from workloads.whatif.predict import Change, predict
+
+    graph = load_graph(seqrec_bundle)
+    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SeqRecConfig), graph.config["workload"]))
+    groups = find_groups(graph, config.shape().num_heads)
+    traced = {g.index: (g.count, g.longest, g.tokens) for g in groups}
+    assert len(traced) == len(groups) >= 3 and len({len(g.ops) for g in groups}) == 1
+    seed = graph.config["seed"]
+    assert traced in [buckets_of(b) for b in config.train_lengths(seed)]  # the traced step is a run's batch
+    # every op-by-op timed step ran the traced step's buckets: as many attention calls as the traced step
+    events = json.loads((seqrec_bundle / KINETO_TIMING_FILE).read_text())["traceEvents"]
+    steps = [e for e in events if str(e.get("name", "")).startswith(STEP_ANNOTATION)]
+    attention = [sum(1 for e in events if e.get("cat") == "cpu_op" and "flash_attention" in e["name"]
+                     and not e["name"].endswith("backward") and s["ts"] <= e["ts"] < s["ts"] + s["dur"])
+                 for s in steps]
+    assert len(steps) >= 2 and set(attention) == {len(traced) * config.shape().num_layers}, attention
+
+    doubled = predict(graph, Change(batch_size=2 * config.batch_size), _linear())
+    drawn = doubled.inputs["jagged_buckets"]["representative_draw"]
+    assert "training batches" in drawn["changed"]["batches"]
+    big = dataclasses.replace(config, batch_size=2 * config.batch_size)
+    assert drawn["changed"]["tokens"] in [int(b.sum()) for b in big.train_lengths(seed)]
+    assert drawn["captured"]["tokens"] in [int(b.sum()) for b in config.train_lengths(seed)]
+    assert doubled.predicted_step_ms > doubled.measured_step_ms
+    same = predict(graph, Change(batch_size=config.batch_size), _linear())
+    assert same.predicted_step_ms == pytest.approx(same.measured_step_ms, rel=1e-9)
+
+
 def test_a_calibration_spike_is_lowered_not_carried_to_larger_sizes():
     from workloads.whatif.costmodel import Curve, monotone
 
