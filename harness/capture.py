@@ -14,7 +14,9 @@ timed — the reference the replay is judged against, since the profiler itself 
 the next ``steps`` run under the PyTorch execution-trace observer and the Kineto profiler (the
 structure), and the last ones measure how much of a step is the program's own host time between
 ops: 4 rounds of Kineto alone (2 steps to settle, 2 measured) then plain (4 to settle, 3 measured),
-so the profiler's cost is taken against plain steps of the same minutes, not of the baseline. The
+so the profiler's cost is taken against plain steps of the same minutes, not of the baseline. A
+registered workload whose op shapes follow its data (seqrec's length buckets) holds its batch from the
+traced step on (``hold_batch``), so those steps run the traced step's shapes. The
 bundle (see :mod:`workloads.trace_bundle`) is written when the ``with`` block ends. Under
 ``torchrun`` every rank writes ``<out>/rank<i>/``.
 """

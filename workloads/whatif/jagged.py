@@ -5,22 +5,24 @@ per bucket present in the batch (pad, attention, unpad, and their backward), eac
 history count ``n``, its longest history ``L`` (attention is quadratic in it) and its tokens ``T``.
 Doubling the batch does not double those ops: more buckets are present (each with its own fixed cost and
 Python between ops), and the longest history of a bucket grows — a capture at twice the batch had 4 more
-buckets over 2 layers and 5.1× the attention time. One captured step cannot show that; the data's
-length distribution can. So, when the captured workload's config has one (``lengths()``):
+buckets over 2 layers and 5.1× the attention time. One captured step cannot show that; the data can.
+So, when the captured workload's config can say what its batches are:
 
 1. the graph's bucket groups are found from its forward attention ops (``q = [n, heads, L, d]``): every
    op of the same module with a step-made tensor ``[n, L, ...]`` or ``[n, heads, L]`` belongs to bucket
    ``(n, L)``, and its 2-D tensors ``[T, ...]`` carry the bucket's tokens;
-2. batches are drawn from the distribution at the captured batch and at the new one (fixed seed), and
-   each is costed bucket by bucket: a bucket's ops re-timed from the captured group of the same
-   power-of-two bucket (else the nearest: a bucket the capture did not have is a clone of its
-   neighbour) at the drawn ``(n, L, T)``, plus the group's host gaps;
-3. the batch whose cost is the median of the draws stands for each side — a step time is a median —
+2. the batches a run trains on at the captured batch size and at the new one — the workload's own
+   (``train_lengths(seed)``: the benchmark's data is drawn from the run seed, which the capture records),
+   else drawn from its length distribution — are costed bucket by bucket: a bucket's ops re-timed from
+   the captured group of the same power-of-two bucket (else the nearest: a bucket the capture did not
+   have is a clone of its neighbour) at the batch's ``(n, L, T)``, plus the group's host gaps, plus the
+   step's other ops at the batch's tokens;
+3. the batch whose cost is the median of its side's stands for that side — a step time is a median —
    and its buckets' times replace the captured groups' in the edited graph (the unchanged side: in the
    correction that takes the graph's own replay error out).
 
-The step's other ops follow the batch as before (:mod:`.predict`), the step's tokens by the
-distribution's mean length.
+The step's other ops follow the batch as before (:mod:`.predict`), with the step's tokens those of the
+median batch.
 """
 
 from __future__ import annotations

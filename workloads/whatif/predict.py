@@ -8,7 +8,8 @@ Edits (all applied to the graph of :mod:`.graph`, none runs the model):
 - ``batch_size`` / ``seq_len``: every tensor that does not live across steps has its leading dimension
   equal to the captured batch×sequence, batch or sequence rescaled; each op is re-timed by the
   calibrated curve (:mod:`.costmodel`) at its new FLOPs (GEMM, attention) or bytes (the rest), relative
-  to the curve at its captured size; parameters, optimizer state and host gaps stay;
+  to the curve at its captured size; parameters, optimizer state and host gaps stay — a jagged batch's
+  length buckets (seqrec) are costed on the batches the run trains on instead (:mod:`.jagged`);
 - ``calibration``: another platform's curves: every op re-timed by the ratio of the target's curve to
   this platform's at the same size.
 
@@ -227,7 +228,7 @@ def _scaled(dur_us: float, here: Curve, there: Curve, before: float, after: floa
 def dimension_factors(graph: Graph, change: Change, token_factor: float | None = None) -> tuple[Resize, float]:
     """How ``change`` resizes the captured step's tensors (:class:`Resize`, as :func:`predict` places it),
     and the batch × sequence factor. ``token_factor``: how the step's tokens grow when that is not
-    batch × sequence (a jagged batch: by its length distribution)."""
+    batch × sequence (a jagged batch: by the batches the run trains on, :mod:`.jagged`)."""
     values = resolved_workload(graph)
     batch, seq = _workload_value(values, BATCH_KEY), _workload_value(values, *SEQ_KEYS)
     fb = change.batch_size / batch if change.batch_size and batch else 1.0
