@@ -210,9 +210,11 @@ class SeqRecConfig:
             batches.append((histories, negatives))
         return batches
 
-    def train_lengths(self, seed: int) -> list[np.ndarray]:
-        """The history lengths of a run's training batches (run seed ``seed``), in the order it trains them."""
-        return [histories.lengths for histories, _ in self.global_batches(seed, self.train_batches, stream=0)]
+    def train_lengths(self, seed: int, count: int | None = None) -> list[np.ndarray]:
+        """The history lengths of a run's training batches (run seed ``seed``), in the order it trains them
+        (the first ``count`` of them)."""
+        count = self.train_batches if count is None else min(count, self.train_batches)
+        return [histories.lengths for histories, _ in self.global_batches(seed, count, stream=0)]
 
 
 class _Holdable:

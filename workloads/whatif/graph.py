@@ -83,6 +83,23 @@ class Graph:
     # unchanged graph's replay is judged against
     replay_reference_ms: float | None = None
 
+    def workload_config(self, overrides: dict[str, Any] | None = None) -> Any:
+        """The captured workload's config object — its registered schema over the recorded values, with
+        ``overrides`` — or None where this version cannot build it (an unknown workload, a foreign config)."""
+        from omegaconf import OmegaConf
+
+        from workloads import discover
+
+        raw = dict(self.config.get("workload") or {})
+        spec = discover().get(str(raw.get("name", "")))
+        if spec is None:
+            return None
+        try:
+            return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(spec.config_class), raw,
+                                                       overrides or {}))
+        except Exception:  # noqa: BLE001 - a config this version cannot read
+            return None
+
     @property
     def stacks(self) -> Counter:
         """Module lists with an index in their path: name → how many were seen (``layers.0`` …

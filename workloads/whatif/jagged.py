@@ -36,6 +36,7 @@ import numpy as np
 from workloads.whatif.graph import Graph, Op, TensorUse
 
 DRAWS = 201  # batches drawn per side (odd: the median is one of them)
+RUN_BATCHES = 101  # at most this many of the run's own batches (it cycles through them all)
 SEED = 20260519
 
 
@@ -53,26 +54,11 @@ class BucketGroup:
         return (self.longest - 1).bit_length()
 
 
-def _config_of(graph: Graph, overrides: dict[str, Any]) -> Any:
-    """The captured workload's config object with ``overrides`` (None: this version cannot build it)."""
-    from omegaconf import OmegaConf
-
-    from workloads import discover
-
-    raw = dict(graph.config.get("workload") or {})
-    spec = discover().get(str(raw.get("name", "")))
-    if spec is None:
-        return None
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(spec.config_class), raw, overrides))
-    except Exception:  # noqa: BLE001 - a config this version cannot read: no data to draw from
-        return None
-
-
 class _Batches:
     """The batches whose lengths a side is costed on: the run's own training batches where the workload can
-    draw them (``train_lengths(seed)``, the run seed recorded at capture) — the benchmark trains on exactly
-    those, in a cycle —, else :data:`DRAWS` batches drawn from its length distribution (``lengths()``)."""
+    draw them (``train_lengths(seed, count)``, the run seed recorded at capture; the benchmark cycles through
+    them; the first :data:`RUN_BATCHES`), else :data:`DRAWS` batches drawn from its length distribution
+    (``lengths()``)."""
 
     def __init__(self, config: Any, seed: Any):
         self.source, self.batches = "", []
@@ -80,14 +66,15 @@ class _Batches:
             return
         draw = getattr(config, "train_lengths", None)
         if callable(draw) and isinstance(seed, int):
-            self.source, self.batches = f"the run's {config.train_batches} training batches (seed {seed})", \
-                [np.asarray(b) for b in draw(seed)]
+            self.batches = [np.asarray(b) for b in draw(seed, RUN_BATCHES)]
+            self.source = f"the run's first {len(self.batches)} training batches (seed {seed})"
             return
         lengths = getattr(config, "lengths", None)
         if callable(lengths):
             distribution, rng = lengths(), np.random.default_rng(SEED)
             self.source = f"{DRAWS} batches drawn from the length distribution (seed {SEED})"
             self.batches = [distribution.sample(config.batch_size, rng) for _ in range(DRAWS)]
+
 
 def find_groups(graph: Graph, heads: int | None) -> list[BucketGroup]:
     """The graph's attention bucket groups (empty when its attention is not bucketed: a dense model has
@@ -190,9 +177,9 @@ def jagged_edit(graph: Graph, batch: int, new_batch: int, new_max_len: int | Non
     if not groups or not tokens:
         return None
     seed = graph.config.get("seed")
-    before = _Batches(_config_of(graph, {}), seed)
-    after = _Batches(_config_of(graph, {"batch_size": new_batch} | ({"max_len": new_max_len} if new_max_len else {})),
-                     seed)
+    before = _Batches(graph.workload_config(), seed)
+    after = _Batches(graph.workload_config({"batch_size": new_batch} | ({"max_len": new_max_len} if new_max_len
+                                                                         else {})), seed)
     if not before.batches or not after.batches:
         return None
     by_index: dict[int, BucketGroup] = {}

@@ -75,16 +75,9 @@ def resolved_workload(graph: Graph) -> dict[str, Any]:
     ``shape()`` — DLRM's, seqrec's — resolves batch, layers and lengths there)."""
     import dataclasses
 
-    from omegaconf import OmegaConf
-
-    from workloads import discover
-
     raw = dict(graph.config.get("workload") or {})
-    spec = discover().get(str(raw.get("name", "")))
-    if spec is None:
-        return raw
+    config = graph.workload_config()
     try:
-        config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(spec.config_class), raw))
         shape = config.shape() if hasattr(config, "shape") else None
     except Exception:  # noqa: BLE001 - a config this version cannot read: the raw values are what there is
         return raw
