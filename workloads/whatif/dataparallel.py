@@ -39,7 +39,7 @@ DDP_BUCKET_BYTES = 25 * 2**20
 ASSUMED_BUSBW_GBPS = 1.0  # stated when no sweep table is given: a loopback gloo ring on one host, order of magnitude
 ASSUMED_LATENCY_US = 50.0
 # workloads whose program changes at more than one rank in a way a single-rank capture cannot show: the
-# prediction says so (validated: seqrec's 1 -> 2 ranks came out -35 %, DLRM's -5.5 % by luck)
+# prediction says so (validated: 1 -> 2 ranks came out -24 % for seqrec, -13 % for DLRM; -35 % and -5.5 % before)
 NOT_MODELLED_AT_RANKS = {
     name: "TorchRec's DistributedModelParallel shards the embedding tables at more than one rank (sharded "
           "lookups, input and output all-to-alls, their host work); the single-rank capture runs them unsharded, "
