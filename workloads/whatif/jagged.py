@@ -156,10 +156,6 @@ class JaggedEdit:
     edited_token_factor: float
     inputs: dict[str, Any]
 
-    @property
-    def op_ids(self) -> set[int]:
-        return set(self.unchanged)
-
 
 Retime = Callable[[Op, list[TensorUse], list[TensorUse]], float]
 Rest = Callable[[bool, float, set[int]], float]  # (edited side?, token factor, bucket op ids) → µs of the others
