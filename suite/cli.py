@@ -179,7 +179,9 @@ def guarded(command: str, fn: Callable[[list[str]], int], args: list[str]) -> in
     try:
         if command in FLAG_COMMANDS:
             args = shared_settings_as_flags(command, args)
-        return fn(args)
+        code = fn(args)
+        _leave_process_group()
+        return code
     except SystemExit as exit_:  # argparse: --help (0) or a usage error (2); the run path's own exits
         if exit_.code is None:
             return EXIT_OK
@@ -199,6 +201,17 @@ def guarded(command: str, fn: Callable[[list[str]], int], args: list[str]) -> in
     except BaseException as err:
         close_open_runs("FAILED", f"{type(err).__name__}: {err}")  # a crash leaves no run RUNNING
         raise
+
+
+def _leave_process_group() -> None:
+    """Destroy the process group once a command is done, while the interpreter is whole: left to the
+    interpreter's exit, gloo's worker threads can still hold tensors whose release then needs the GIL
+    of an interpreter being torn down — a rank that finished everything aborted (SIGABRT, "terminate
+    called without an active exception") and torchrun failed the job (pytorch/pytorch#179291)."""
+    if "torch.distributed" in sys.modules:
+        from harness.distributed import shutdown_distributed
+
+        shutdown_distributed()
 
 
 def _runs_said(since: int) -> str:
