@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -82,8 +83,12 @@ def init_distributed(device: torch.device, backend: str = "auto", timeout_s: flo
 
 
 def shutdown_distributed() -> None:
+    """Destroy the process group, then collect what still holds it (a sharded model's reference cycles) while
+    the interpreter is whole: a gloo group freed during interpreter teardown can abort the process
+    ("terminate called without an active exception") after its work is done."""
     if dist.is_initialized():
         dist.destroy_process_group()
+        gc.collect()
 
 
 def gather_to_all(obj: Any) -> list[Any]:
