@@ -7,7 +7,8 @@
     cobench trace fidelity [--rounds R] [--round-steps K] [--warmup W] [--steps N] [--baseline-steps B] [OVERRIDES]
     cobench trace predict BUNDLE [workload.n_layers=N] [workload.batch_size=B] [workload.seq_len=S] [world_size=W]
                           [--calibration FILE] [--target-calibration FILE] [--collectives TABLE]
-                          [--chakra DIR] [--json FILE] [--measure [OVERRIDES]]
+                          [--sharded-stage FILE] [--chakra DIR] [--json FILE] [--measure [OVERRIDES]]
+    torchrun --nproc-per-node W -m suite.cli trace time-stage BUNDLE --out FILE [--passes N] [CHANGES]
     cobench trace predict-validate --out DIR [--rounds R] [--steps K] [--cases layers,batch,ranks] [OVERRIDES]
 
 Replay is a workload like any other: ``cobench run workload=generated workload.spec=SPEC``.
@@ -17,10 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from harness.cli import EXIT_FAILED, EXIT_OK
+
+STAGE_PASSES = 100  # the sharded stage's timed passes a launch: 2 ranks on 2 shared cores swing it 2-3x pass to pass
+STAGE_LAUNCHES = 3  # launches pooled: where a launch's ranks land on the cores moves its median by ±15 %
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -76,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="bus bandwidth assumed without --collectives (default 1.0 GB/s)")
     pre.add_argument("--assume-latency-us", type=float, default=50.0,
                      help="all-reduce latency assumed without --collectives (default 50 µs)")
+    pre.add_argument("--sharded-stage", type=Path, default=None, metavar="FILE",
+                     help="TorchRec workloads at world_size=W: the sharded stage's timing at W ranks (made with "
+                          "`trace time-stage`; default: timed here under torchrun, kept in the bundle)")
     pre.add_argument("--chakra", type=Path, default=None, metavar="DIR",
                      help="also write the edited graph as a Chakra execution trace (DIR/rank0.et)")
     pre.add_argument("--measure", nargs="*", default=None, metavar="OVERRIDE",
@@ -89,13 +97,24 @@ def _parser() -> argparse.ArgumentParser:
     val.add_argument("--out", type=Path, required=True, help="folder for the bundle, predictions, runs and table")
     val.add_argument("--rounds", type=int, default=5,
                      help="interleaved rounds (base run, changed run) per case (default 5)")
-    val.add_argument("--steps", type=int, default=20, help="timed steps of each short run (default 20)")
+    val.add_argument("--steps", type=int, default=100,
+                     help="timed steps of each short run (default 100: a 2-rank run on a shared host swings its "
+                          "step by ±40 %% step to step; over 20 steps its median moved ±25 %% run to run)")
     val.add_argument("--warmup", type=int, default=5, help="untimed steps of each short run first (default 5)")
     val.add_argument("--cases", default="layers,batch,ranks", help="comma list of layers, batch, ranks (default all)")
     val.add_argument("--collectives", type=Path, default=None,
                      help="the all_reduce sweep table at 2 ranks for the ranks case (else the stated assumption)")
     val.add_argument("overrides", nargs="*", help="the workload, e.g. workload=dlrm workload.preset=tiny; "
                                                   "tracking.* and results_dir: where each case's MLflow run goes")
+
+    stg = commands.add_parser("time-stage", help="under torchrun: time a TorchRec workload's sharded embedding "
+                                                  "stage alone at this world size (what `predict world_size=W` "
+                                                  "needs of it)")
+    stg.add_argument("bundle", type=Path, help="the single-rank capture whose workload and config are timed")
+    stg.add_argument("--out", type=Path, required=True, help="the timing (JSON), for predict --sharded-stage")
+    stg.add_argument("--passes", type=int, default=STAGE_PASSES, help=f"timed passes (default {STAGE_PASSES})")
+    stg.add_argument("--warmup", type=int, default=10, help="untimed passes first (default 10)")
+    stg.add_argument("changes", nargs="*", help="workload.* changes the prediction makes (e.g. workload.batch_size=B)")
 
     cal = commands.add_parser("calibrate", help="measure this platform's what-if cost-model curves")
     cal.add_argument("--out", type=Path, required=True)
@@ -182,7 +201,6 @@ def _fidelity(args: argparse.Namespace) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
-    import os
 
     from workloads.whatif.chakra_export import edited_ops, export_edited_chakra
     from workloads.whatif.costmodel import calibrate, load_or_calibrate, read_calibration
@@ -191,6 +209,7 @@ def _predict(args: argparse.Namespace) -> int:
         bucket_sizes,
         predict_data_parallel,
         rank_change,
+        stage_ops,
         threads_per_rank,
     )
     from workloads.whatif.edits import parse_changes
@@ -218,7 +237,11 @@ def _predict(args: argparse.Namespace) -> int:
             rank_calibration = load_or_calibrate(cached, f"{calibration.platform}-{rank_threads}threads",
                                                  rank_threads) if args.calibration is None else \
                 calibrate(f"{calibration.platform}-{rank_threads}threads", rank_threads)
-        result = predict_data_parallel(graph, world, calibration, change, rank_calibration, allreduce)
+        sharded = _has_sharded_stage(graph.workload)
+        stage = _stage_cost(args, graph, world, parsed.items, change.calibration is not None) \
+            if sharded and world > 1 else None
+        result = predict_data_parallel(graph, world, calibration, change, rank_calibration, allreduce, stage,
+                                       sharded)
     else:
         result = predict(graph, change, calibration)
     record = result.to_json()
@@ -242,13 +265,20 @@ def _predict(args: argparse.Namespace) -> int:
         print(f"  {world} data-parallel ranks: batch {dp['batch_per_rank']} a rank, {dp['threads_per_rank']} "
               f"intra-op thread(s) a rank, {dp['gradient_bytes'] / 1e6:.2f} MB of gradients all-reduced in "
               f"{dp['buckets']} bucket(s) after backward; all-reduce from {how}")
+        if dp.get("sharded_stage"):
+            st = dp["sharded_stage"]
+            print(f"  sharded embedding stage ({st['module']}: {st['ops_replaced']} ops of the capture replaced): "
+                  f"{st['measured_ms']:.2f} ms, timed alone at {world} ranks (p10 {st['timing']['ms_p10']:.2f}, p90 "
+                  f"{st['timing']['ms_p90']:.2f} over {st['timing']['passes']} passes; {st['source']})")
         if dp.get("not_modelled"):
             print(f"  warning: not modelled: {dp['not_modelled']}")
     if args.chakra is not None:  # the edited graph one rank runs (layers already assigned by the prediction)
         local = rank_change(graph, world, change, rank_calibration) if world and world > 1 else change
         buckets = [(b, allreduce.at(b)) for b in bucket_sizes(record["inputs"]["data_parallel"]["gradient_bytes"])] \
             if world and world > 1 and allreduce is not None else []
-        path = export_edited_chakra(graph, edited_ops(graph, local, calibration), args.chakra / "rank0.et", buckets)
+        st = record["inputs"].get("data_parallel", {}).get("sharded_stage")
+        path = export_edited_chakra(graph, edited_ops(graph, local, calibration), args.chakra / "rank0.et", buckets,
+                                    (stage_ops(graph, st["module"]), 1e3 * st["measured_ms"]) if st else None)
         record["chakra"] = str(path)
         print(f"  chakra (edited graph): {path}")
     if args.measure is not None:
@@ -260,10 +290,121 @@ def _predict(args: argparse.Namespace) -> int:
     return EXIT_OK if args.measure is None or record["measured"]["status"] == "FINISHED" else EXIT_FAILED
 
 
+def _has_sharded_stage(workload: str) -> bool:
+    """Whether the registered workload has a TorchRec sharded stage (it implements ``sharded_stage``)."""
+    from workloads import discover
+    from workloads.base import WorkloadBase
+
+    spec = discover().get(workload)
+    if spec is None:
+        return False
+    return getattr(spec.factory, "sharded_stage", WorkloadBase.sharded_stage) is not WorkloadBase.sharded_stage
+
+
+def _stage_cost(args: argparse.Namespace, graph, world: int, changes: list[str], other_platform: bool):  # noqa: ANN001, ANN202
+    """The sharded stage's time at ``world`` ranks: ``--sharded-stage``, else the bundle's timing for these
+    changes, else timed now (``trace time-stage`` under torchrun on this host, launches pooled; in this process
+    group when this command already runs under torchrun at that world size)."""
+    import subprocess
+
+    from harness.stage_probe import pooled
+    from workloads.whatif.dataparallel import ShardedStageCost
+
+    if args.sharded_stage is not None:
+        if not args.sharded_stage.exists():
+            raise ValueError(f"--sharded-stage {args.sharded_stage} does not exist: time the stage with `torchrun "
+                             f"--nproc-per-node {world} -m suite.cli trace time-stage BUNDLE --out FILE`")
+        record = read_json_file(args.sharded_stage)
+        stage_changes = sorted(c for c in changes if c.startswith("workload."))
+        if sorted(record.get("changes") or []) != stage_changes:
+            raise ValueError(f"--sharded-stage {args.sharded_stage} was timed with changes {record.get('changes')}, "
+                             f"this prediction makes {stage_changes}: time it with the same workload.* changes")
+        return ShardedStageCost.from_timing(record, str(args.sharded_stage))
+    if other_platform:
+        raise ValueError(f"predicting {graph.workload} at world_size={world} for another platform needs its sharded "
+                         f"stage timed there: `torchrun --nproc-per-node {world} -m suite.cli trace time-stage BUNDLE "
+                         "--out FILE` on the target, then --sharded-stage FILE")
+    stage_changes = sorted(c for c in changes if c.startswith("workload."))
+    key = "-".join(c.removeprefix("workload.").replace("=", "") for c in stage_changes)
+    cached = Path(args.bundle) / f"whatif_sharded_stage_{world}ranks{'_' + key if key else ''}.json"
+    if not cached.exists():
+        if int(os.environ.get("WORLD_SIZE", "1")) == world:  # already W ranks (predict --measure under torchrun):
+            # every rank times it together and gets the same record (rank 0 also keeps it in the bundle)
+            record = _time_stage(args.bundle, cached, STAGE_LAUNCHES * STAGE_PASSES, 10, stage_changes)
+            return ShardedStageCost.from_timing(record, str(cached))
+        print(f"  timing {graph.workload}'s sharded embedding stage at {world} ranks ({STAGE_LAUNCHES} torchrun "
+              f"launches of {STAGE_PASSES} passes) ...", flush=True)
+        launches = []
+        for i in range(STAGE_LAUNCHES):
+            part = cached.with_suffix(f".launch{i}.json")
+            done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+                                   "-m", "suite.cli", "trace", "time-stage", str(args.bundle), "--out", str(part),
+                                   *stage_changes], capture_output=True, text=True)
+            if done.returncode != 0 or not part.exists():
+                raise RuntimeError(f"timing the sharded stage at {world} ranks failed (exit {done.returncode}): "
+                                   f"{(done.stderr or done.stdout).strip()[-2000:]}")
+            launches.append(read_json_file(part))
+            part.unlink()
+        cached.write_text(json.dumps(pooled(launches), indent=1))
+    return ShardedStageCost.from_timing(read_json_file(cached), str(cached))
+
+
+def read_json_file(path: Path) -> dict:
+    """A JSON object from ``path``, or a ValueError naming the file."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not readable as JSON ({err})") from err
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return record
+
+
+def _time_stage(bundle: Path, out: Path, passes: int, warmup: int, changes: list[str]) -> dict:
+    """Time the bundle's workload's sharded stage in this process group; rank 0 writes ``out``."""
+    from omegaconf import OmegaConf
+
+    from harness.config import compose_config, to_run_config
+    from harness.stage_probe import time_sharded_stage
+    from workloads.whatif.graph import load_graph
+
+    graph = load_graph(bundle)
+    bad = [c for c in changes if not c.startswith("workload.") or "=" not in c]
+    if bad:
+        raise ValueError(f"time-stage takes workload.KEY=VALUE changes only, got {bad[0]!r}")
+    overrides = OmegaConf.to_container(OmegaConf.from_dotlist([c.removeprefix("workload.") for c in changes]))
+    workload = graph.workload_config(overrides)
+    if workload is None:
+        raise ValueError(f"{bundle}: its workload {graph.workload!r} cannot be built by this version of cobench "
+                         "(or the changes do not fit its config)")
+    cfg = to_run_config(compose_config([f"workload={graph.workload}", "tracking=off",
+                                        f"seed={graph.config.get('seed', 1234)}"]))
+    cfg.workload = workload
+    timing = time_sharded_stage(cfg, Path(bundle) / "stage_probe", passes, warmup).to_json()
+    timing["changes"] = changes
+    if os.environ.get("RANK", "0") == "0":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(timing, indent=1))
+    return timing
+
+
+def _time_stage_command(args: argparse.Namespace) -> int:
+    from harness.distributed import shutdown_distributed
+
+    try:
+        timing = _time_stage(args.bundle, args.out, args.passes, args.warmup, args.changes)
+    finally:
+        shutdown_distributed()
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{timing['workload']} sharded stage ({timing['module']}) at {timing['world_size']} rank(s): "
+              f"{timing['ms_p50']:.2f} ms a pass (p10 {timing['ms_p10']:.2f}, p90 {timing['ms_p90']:.2f}, "
+              f"{timing['passes']} passes): {args.out}")
+    return EXIT_OK
+
+
 def _measure_prediction(graph, changes: list[str], overrides: list[str], prediction) -> dict:  # noqa: ANN001
     """Run the changed configuration for real (the captured workload config, the changes, ``overrides``)
     and log the prediction's error with it: ``prediction_error_pct`` and naive scaling's beside it."""
-    import os
 
     from omegaconf import OmegaConf
 
@@ -352,7 +493,8 @@ def run(argv: list[str]) -> int:
 
     args = _parser().parse_args(argv)
     handlers = {"capture": _capture, "generate": _generate, "fidelity": _fidelity, "export": _export,
-                "predict": _predict, "calibrate": _calibrate, "predict-validate": _predict_validate}
+                "predict": _predict, "calibrate": _calibrate, "predict-validate": _predict_validate,
+                "time-stage": _time_stage_command}
     try:
         return handlers[args.command](args)
     except TrackingError:

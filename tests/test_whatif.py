@@ -206,9 +206,9 @@ def test_two_ranks_split_the_batch_and_all_reduce_every_gradient_once(bundle: Pa
     assert two.breakdown_ms["communication"] == pytest.approx(dp["allreduce_ms"])
     assert two.naive_step_ms == pytest.approx(two.measured_step_ms / 2)  # perfect strong scaling
     assert "not_modelled" not in dp
-    # a workload whose tables TorchRec shards at 2 ranks: the prediction says what it cannot see
-    sharded = predict_data_parallel(dataclasses.replace(graph, workload="seqrec"), 2, _linear(),
-                                    allreduce=allreduce_cost(2, table))
+    # a workload whose tables TorchRec shards at 2 ranks, with no timing of that stage: the prediction says
+    # what it cannot see
+    sharded = predict_data_parallel(graph, 2, _linear(), allreduce=allreduce_cost(2, table), sharded=True)
     assert "DistributedModelParallel" in sharded.inputs["data_parallel"]["not_modelled"]
     # a rank that gets half the cores runs slower: the per-rank curves are what it is re-timed by
     slower = predict_data_parallel(graph, 2, _linear(), rank_calibration=_linear("half", 0.5),
@@ -388,6 +388,99 @@ def test_a_jagged_batch_is_predicted_from_the_runs_own_batches_bucket_by_bucket(
     assert doubled.predicted_step_ms > doubled.measured_step_ms
     same = predict(graph, Change(batch_size=config.batch_size), _linear())
     assert same.predicted_step_ms == pytest.approx(same.measured_step_ms, rel=1e-9)
+
+
+@pytest.mark.slow
+def test_a_sharded_stage_timed_at_two_ranks_replaces_the_captured_embeddings(cobench, seqrec_bundle: Path,
+                                                                            tmp_path: Path):
+    """TorchRec's DMP at 2 ranks: seqrec's sharded embedding stage is timed alone under torchrun (2 gloo ranks,
+    the workload's own plan and batches), and the prediction puts it in place of the capture's embedding ops
+    — forward and backward by module, the tables' in-backward Adagrad by their shapes — whose gradients DDP
+    then does not all-reduce."""
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    from workloads.whatif.dataparallel import (
+        ShardedStageCost,
+        allreduce_cost,
+        gradient_bytes,
+        predict_data_parallel,
+        stage_ops,
+    )
+    from workloads.whatif.graph import load_graph
+    from workloads.whatif.predict import Change, predict
+
+    timing = tmp_path / "stage.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "suite.cli",
+                           "trace", "time-stage", str(seqrec_bundle), "--out", str(timing), "--passes", "12",
+                           "--warmup", "2"], capture_output=True, text=True, timeout=300, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads(timing.read_text())
+    assert record["world_size"] == 2 and record["module"] == "embeddings" and record["passes"] == 12
+    assert record["threads_per_rank"] == 1  # torchrun's default for 2 ranks on one host, as the real run has
+    assert 0 < record["ms_p10"] <= record["ms_p50"] <= record["ms_p90"] and len(record["rank_ms_p50"]) == 2
+    assert "at 2 rank(s)" in proc.stdout
+
+    graph = load_graph(seqrec_bundle)
+    replaced = stage_ops(graph, "embeddings")
+    ops = {op.id: op for op in graph.ops}
+    names = {ops[i].name for i in replaced}
+    # the lookups with their backward, and the tables' Adagrad that runs inside the autograd engine
+    assert any(ops[i].backward for i in replaced) and any(not ops[i].backward for i in replaced)
+    assert any("Optimizer.step#Adagrad.step" in s for i in replaced for s in ops[i].scopes)
+    assert not any("AdamW" in s for i in replaced for s in ops[i].scopes)  # the dense optimizer stays
+    assert "aten::embedding" in names or "aten::embedding_backward" in names or "aten::index_select" in names
+    assert gradient_bytes(graph, replaced) <= gradient_bytes(graph)
+
+    stage = ShardedStageCost.from_timing(record, str(timing))
+    table = _sweep_table(tmp_path / "collectives_all_reduce.json", 2, us_per_mb=1000.0)
+    allreduce = allreduce_cost(2, table)
+    two = predict_data_parallel(graph, 2, _linear(), allreduce=allreduce, stage=stage, sharded=True)
+    dp = two.inputs["data_parallel"]
+    assert "not_modelled" not in dp and dp["sharded_stage"]["ops_replaced"] == len(replaced)
+    batch = graph.config["workload"]["batch_size"]
+    rest = predict(graph, Change(batch_size=batch // 2), _linear(), replaced)
+    assert two.predicted_step_ms == pytest.approx(rest.predicted_step_ms + dp["allreduce_ms"] + record["ms_p50"])
+    assert two.breakdown_ms["sharded_stage"] == pytest.approx(record["ms_p50"])
+    with pytest.raises(ValueError, match="timed at 2 ranks, not 4"):
+        predict_data_parallel(graph, 4, _linear(), stage=stage, sharded=True)
+    with pytest.raises(ValueError, match="no ops of module 'sparse_arch'"):
+        predict_data_parallel(graph, 2, _linear(), stage=dataclasses.replace(stage, module="sparse_arch"))
+
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text(json.dumps(_linear().to_json()))
+    out = tmp_path / "prediction.json"
+    proc = cobench("trace", "predict", str(seqrec_bundle), "world_size=2", "--calibration", str(calibration),
+                   "--collectives", str(table), "--sharded-stage", str(timing), "--json", str(out),
+                   "--chakra", str(tmp_path / "chakra"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    from workloads.trace_replay.chakra import read_chakra
+
+    _, nodes = read_chakra(tmp_path / "chakra" / "rank0.et")  # the stage is one node of its measured time
+    (node,) = [n for n in nodes if n["name"].startswith("sharded embedding stage")]
+    assert int(node["durationMicros"]) == round(1e3 * record["ms_p50"])
+    assert len(nodes) == len(graph.ops) - len(replaced) + 1 + 1  # + the stage, + the all-reduce bucket
+    ids = {n["id"] for n in nodes}
+    assert all(d in ids for n in nodes for d in n.get("dataDeps", []) + n.get("ctrlDeps", []))
+    assert "sharded embedding stage (embeddings" in proc.stdout and "not modelled" not in proc.stdout
+    cli = json.loads(out.read_text())  # (its ranks re-timed on this host's measured 1-thread curves)
+    assert cli["inputs"]["data_parallel"]["sharded_stage"]["ops_replaced"] == len(replaced)
+    assert cli["breakdown_ms"]["sharded_stage"] == pytest.approx(record["ms_p50"])
+    assert cli["predicted_step_ms"] > record["ms_p50"] + cli["inputs"]["data_parallel"]["allreduce_ms"]
+    proc = cobench("trace", "predict", str(seqrec_bundle), "world_size=2", "--calibration", str(calibration),
+                   "--sharded-stage", str(tmp_path / "nope.json"))
+    assert proc.returncode == 2 and "nope.json does not exist" in proc.stderr and "time-stage" in proc.stderr
+    proc = cobench("trace", "predict", str(seqrec_bundle), "world_size=2", "--calibration", str(calibration),
+                   "--sharded-stage", str(table))
+    assert proc.returncode == 2 and "not a sharded-stage timing" in proc.stderr
+    proc = cobench("trace", "predict", str(seqrec_bundle), "world_size=2", "--calibration", str(calibration),
+                   "--target-calibration", str(calibration))
+    assert proc.returncode == 2 and "timed there" in proc.stderr
+    proc = cobench("trace", "predict", str(seqrec_bundle), "world_size=2", "workload.batch_size=64",
+                   "--calibration", str(calibration), "--sharded-stage", str(timing))
+    assert proc.returncode == 2 and "timed with changes []" in proc.stderr
 
 
 def test_a_calibration_spike_is_lowered_not_carried_to_larger_sizes():

@@ -207,6 +207,23 @@ class WorkloadBase:
         traced step on, so the steps it times op by op run the traced step's shapes: a workload whose op
         shapes follow its data (jagged sequences in length buckets) implements it; others need not."""
 
+    def sharded_stage(self) -> ShardedStage | None:
+        """The part of a step that TorchRec's ``DistributedModelParallel`` shards across ranks, as a stage that
+        runs alone (what-if prediction times it at W ranks: a single-rank trace cannot show it). None: the
+        workload has no such part."""
+        return None
+
+
+@dataclass(frozen=True)
+class ShardedStage:
+    """A workload's sharded embedding stage: ``module`` is its path under :meth:`WorkloadBase.root_module`
+    (the ops a capture names with it are the stage's, forward and backward), ``run`` one pass over the next
+    training batch — input distribution, lookups, output distribution, backward with the tables' fused
+    optimizer — as the step runs it."""
+
+    module: str
+    run: Callable[[], None]
+
 
 @dataclass(frozen=True)
 class WorkloadSpec:

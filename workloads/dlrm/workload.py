@@ -16,6 +16,7 @@ Adagrad when sharded, ``torch.optim.Adagrad`` applied during backward when not).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -31,6 +32,7 @@ from workloads.base import (
     MLPerfInfo,
     QualityTarget,
     RunContext,
+    ShardedStage,
     StepResult,
     WorkloadBase,
     library_log_to,
@@ -377,6 +379,18 @@ class DLRMWorkload(WorkloadBase):
 
     def root_module(self) -> nn.Module:
         return self.model  # a capture names each op's module scope after it
+
+    def sharded_stage(self) -> ShardedStage:
+        """The tables: the KJT's input all-to-alls, the lookups, the pooled embeddings' all-to-all and its
+        backward, FBGEMM's fused Adagrad (sharded; unsharded, torch's Adagrad in backward) — on this rank's
+        training batches, in the order the steps take them."""
+        model = self.model.module if self.ctx.distributed else self.model  # DMP: the model with sharded tables
+        batches = itertools.cycle(self.train_set)
+
+        def run() -> None:
+            model.sparse_arch(next(batches).sparse).sum().backward()
+
+        return ShardedStage("sparse_arch", run)
 
     def extra_metrics(self) -> dict[str, float]:
         embedding_params, dense_params = count_params(self.shape)

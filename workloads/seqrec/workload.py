@@ -48,6 +48,7 @@ from workloads.base import (
     MLPerfInfo,
     QualityTarget,
     RunContext,
+    ShardedStage,
     StepResult,
     WorkloadBase,
     library_log_to,
@@ -494,6 +495,20 @@ class SeqRecWorkload(WorkloadBase):
 
     def root_module(self) -> nn.Module:
         return self.model  # a capture names each op's module scope after it
+
+    def sharded_stage(self) -> ShardedStage:
+        """The item and action tables: the KJT's input all-to-alls, the sequence lookups, the embeddings'
+        all-to-all and its backward, the tables' fused Adagrad — on this rank's batches, in the schedule's
+        order (the balancer's split of each global batch)."""
+        model = self.model.module if self.ctx.distributed else self.model  # DMP: the model with sharded tables
+        batches = itertools.cycle(self.rank_batches)
+
+        def run() -> None:
+            looked_up = model.embeddings(next(batches).features)
+            looked_up = looked_up.wait() if hasattr(looked_up, "wait") else looked_up  # sharded: an awaitable
+            sum(jagged.values().sum() for jagged in looked_up.values()).backward()
+
+        return ShardedStage("embeddings", run)
 
     def extra_metrics(self) -> dict[str, float]:
         metrics: dict[str, float] = {

@@ -60,9 +60,11 @@ def edited_ops(graph: Graph, change: Change, calibration: Calibration) -> list[t
 
 
 def export_edited_chakra(graph: Graph, ops: list[tuple[Op, float, int]], out: Path,
-                         allreduce_buckets_us: list[tuple[int, float]] | None = None) -> Path:
+                         allreduce_buckets_us: list[tuple[int, float]] | None = None,
+                         sharded_stage: tuple[frozenset[int], float] | None = None) -> Path:
     """Write ``ops`` (from :func:`edited_ops`) and the all-reduce buckets ((bytes, µs) each) as one
-    rank's Chakra trace ``out`` (every data-parallel rank runs the same one)."""
+    rank's Chakra trace ``out`` (every data-parallel rank runs the same one). ``sharded_stage`` (its op ids,
+    its measured µs): those ops become one node where the first of them ran, carrying the stage's time."""
     try:
         from chakra.schema.protobuf.et_def_pb2 import (
             ALL_REDUCE,
@@ -81,7 +83,23 @@ def export_edited_chakra(graph: Graph, ops: list[tuple[Op, float, int]], out: Pa
     latest: dict[int, int] = {}  # op id → the node id of its latest copy (what later ops read)
     nodes = []
     previous = None
-    for i, (op, dur, copy) in enumerate(ops, start=1):
+    stage_ids, stage_us = sharded_stage or (frozenset(), 0.0)
+    stage_node = None
+    for op, dur, copy in ops:
+        i = len(nodes) + 1
+        if op.id in stage_ids:
+            if stage_node is None:  # the stage, as measured alone at W ranks, where its first op ran
+                stage_node = Node(id=i, name="sharded embedding stage (TorchRec DMP, measured at W ranks)",
+                                  type=COMP_NODE, duration_micros=max(0, round(stage_us)))
+                if previous is not None:
+                    stage_node.ctrl_deps.append(previous)
+                stage_node.attr.extend([AttributeProto(name="is_cpu_op",
+                                                       bool_val=graph.platform.get("device_type") == "cpu"),
+                                        AttributeProto(name="op_category", string_val="sharded_stage")])
+                nodes.append(stage_node)
+                previous = i
+            latest[op.id] = stage_node.id
+            continue
         node = Node(id=i, name=op.name if copy == 0 else f"{op.name} (layer clone {copy})", type=COMP_NODE,
                     duration_micros=max(0, round(dur)))
         if previous is not None:

@@ -18,9 +18,18 @@ workload's ``batch_size`` is global):
 DDP's buffer broadcast before every forward is not modelled: cobench's DDP wraps do not make it (Llama's
 only buffers are constant RoPE tables; TorchRec's DDP wrapper passes ``broadcast_buffers=False``).
 
-Not modelled: what TorchRec's ``DistributedModelParallel`` adds at more than one rank (DLRM's and seqrec's
-tables sharded, their input and output all-to-alls, the sharded modules' own host work: a single-rank
-capture runs the unsharded modules, so that program is not in the trace), pipeline or tensor parallelism.
+TorchRec's ``DistributedModelParallel`` (DLRM's and seqrec's tables) changes the program at more than one
+rank in a way a single-rank capture cannot show: the tables are sharded, the KJT crosses ranks in input
+all-to-alls, the looked-up embeddings in an output all-to-all and its backward, a fused optimizer updates the
+shards, and every rank waits for the one whose shards are busiest. That stage is *measured*: the workload's
+own sharded stage (:meth:`workloads.base.WorkloadBase.sharded_stage`) run alone at ``world`` ranks on the
+target (:mod:`harness.stage_probe`, on the workload's per-rank batches and sharding plan — a component
+benchmark, as TorchRec's sharded-module benchmarks are), and it replaces the stage's ops in the single-rank
+graph (forward and backward by module scope, the in-backward optimizer by the tables' shapes). Without that
+measurement the prediction says the stage is not modelled.
+
+Not modelled: pipeline or tensor parallelism; the sharded stage overlapping dense work (a pipelined
+``TrainPipelineSparseDist``: the stage is put on the critical path).
 """
 
 from __future__ import annotations
@@ -38,22 +47,52 @@ from workloads.whatif.predict import BATCH_KEY, Change, Prediction, _workload_va
 DDP_BUCKET_BYTES = 25 * 2**20
 ASSUMED_BUSBW_GBPS = 1.0  # stated when no sweep table is given: a loopback gloo ring on one host, order of magnitude
 ASSUMED_LATENCY_US = 50.0
-# workloads whose program changes at more than one rank in a way a single-rank capture cannot show: the
-# prediction says so (validated: 1 -> 2 ranks came out -24 % for seqrec, -13 % for DLRM; -35 % and -5.5 % before)
-NOT_MODELLED_AT_RANKS = {
-    name: "TorchRec's DistributedModelParallel shards the embedding tables at more than one rank (sharded "
-          "lookups, input and output all-to-alls, their host work); the single-rank capture runs them unsharded, "
-          "so this prediction models only the dense part's DDP: expect a large error"
-    for name in ("dlrm", "seqrec")
-}
+# what a prediction at more than one rank says of a sharded workload whose stage was not measured there
+NOT_MODELLED_STAGE = ("TorchRec's DistributedModelParallel shards the embedding tables at more than one rank "
+                      "(sharded lookups, input and output all-to-alls, their host work); the single-rank capture "
+                      "runs them unsharded and no timing of the sharded stage at this world size was given, so "
+                      "this prediction models only the dense part's DDP: expect a large error")
 
 
-def gradient_bytes(graph: Graph) -> int:
+@dataclass
+class ShardedStageCost:
+    """The sharded stage's measured time per step at ``world`` ranks (:class:`harness.stage_probe.StageTiming`'s
+    record) and the module it replaces in the graph."""
+
+    world: int
+    module: str
+    ms: float
+    source: str  # the timing's file
+    timing: dict[str, Any]
+
+    @classmethod
+    def from_timing(cls, record: dict[str, Any], source: str) -> ShardedStageCost:
+        try:
+            return cls(int(record["world_size"]), str(record["module"]), float(record["ms_p50"]), source, record)
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{source}: not a sharded-stage timing (made by `cobench trace time-stage`): "
+                             f"{err!r}") from err
+
+
+def stage_ops(graph: Graph, module: str) -> frozenset[int]:
+    """The sharded stage's ops in a single-rank graph: every op of ``module`` or a module under it (backward
+    ops through their forward op), and the gradient accumulation and in-backward optimizer updates of the
+    stage's parameters (ops under an ``AccumulateGrad`` scope reading a persistent tensor of a table's
+    shape: the tables are the persistent tensors the stage's forward reads)."""
+    inside = {op.id for op in graph.ops if op.module and (op.module == module or op.module.startswith(module + "."))}
+    tables = {u.shape for op in graph.ops if op.id in inside and not op.backward for u in op.inputs if u.persistent}
+    updates = {op.id for op in graph.ops if any("AccumulateGrad" in s for s in op.scopes)
+               and any(u.persistent and u.shape in tables for u in op.inputs)}
+    return frozenset(inside | updates)
+
+
+def gradient_bytes(graph: Graph, without: frozenset[int] = frozenset()) -> int:
     """Bytes of the gradients the autograd engine accumulates in a step (one per dense parameter):
-    what DDP all-reduces. Sharded or fused embedding tables (TorchRec) accumulate none and so count none."""
+    what DDP all-reduces. Sharded or fused embedding tables (TorchRec) accumulate none and so count none;
+    nor do the ops ``without`` names (a sharded stage's, which DDP does not reduce)."""
     total = 0
     for op in graph.ops:
-        if _accumulates(op):
+        if _accumulates(op) and op.id not in without:
             grad = op.inputs[0]
             total += math.prod(grad.shape) * grad.itemsize
     return total
@@ -146,21 +185,33 @@ def rank_change(graph: Graph, world: int, change: Change, rank_calibration: Cali
 
 def predict_data_parallel(graph: Graph, world: int, calibration: Calibration, change: Change | None = None,
                           rank_calibration: Calibration | None = None,
-                          allreduce: AllReduceCost | None = None) -> Prediction:
+                          allreduce: AllReduceCost | None = None, stage: ShardedStageCost | None = None,
+                          sharded: bool = False) -> Prediction:
     """``graph``'s step at ``world`` data-parallel ranks (with ``change``'s other edits, its batch the
-    global one). ``rank_calibration``: curves at the threads a rank gets (None: as captured)."""
+    global one). ``rank_calibration``: curves at the threads a rank gets (None: as captured). ``sharded``:
+    the workload has a TorchRec sharded stage; ``stage``: its time measured at ``world`` ranks, which
+    replaces the stage's ops (None: the prediction says the stage is not modelled)."""
     change = change or Change()
-    local = predict(graph, rank_change(graph, world, change, rank_calibration), calibration)
+    if stage is not None and stage.world != world:
+        raise ValueError(f"{stage.source}: the sharded stage was timed at {stage.world} ranks, not {world}")
+    replaced = stage_ops(graph, stage.module) if stage is not None and world > 1 else frozenset()
+    if stage is not None and world > 1 and not replaced:
+        raise ValueError(f"{stage.source}: the capture has no ops of module {stage.module!r} (a timing of another "
+                         "workload?)")
+    local = predict(graph, rank_change(graph, world, change, rank_calibration), calibration, replaced)
     allreduce = allreduce or allreduce_cost(world, None)
-    grads = gradient_bytes(graph)
+    grads = gradient_bytes(graph, replaced)
     if change.layers is not None and local.inputs["captured"].get("layers"):
         # the layers' gradients grow with them (their share of the accumulated gradients)
         share = _layer_gradient_share(graph)
         grads = round(grads * ((1 - share) + share * change.layers / local.inputs["captured"]["layers"]))
     buckets = bucket_sizes(grads)
     comm_ms = sum(allreduce.at(b) for b in buckets) / 1e3 if world > 1 else 0.0
+    stage_ms = stage.ms if replaced else 0.0
     breakdown = dict(local.breakdown_ms)
     breakdown["communication"] = breakdown.get("communication", 0.0) + comm_ms
+    if replaced:
+        breakdown["sharded_stage"] = stage_ms
     threads, rank_threads = threads_per_rank(graph, world)
     global_batch = change.batch_size or local.inputs["captured"]["batch_size"]
     inputs = dict(local.inputs)
@@ -170,10 +221,14 @@ def predict_data_parallel(graph: Graph, world: int, calibration: Calibration, ch
                                "buckets": len(buckets), "allreduce": allreduce.describe(),
                                "allreduce_ms": comm_ms,
                                "overlap": "none assumed: the all-reduce follows the backward pass"}
-    if world > 1 and graph.workload in NOT_MODELLED_AT_RANKS:
-        inputs["data_parallel"]["not_modelled"] = NOT_MODELLED_AT_RANKS[graph.workload]
-    return Prediction(local.predicted_step_ms + comm_ms, local.unchanged_step_ms, local.measured_step_ms,
-                      local.naive_step_ms, breakdown, inputs, local.replay_reference_ms)
+    if replaced:
+        inputs["data_parallel"]["sharded_stage"] = {
+            "source": stage.source, "module": stage.module, "measured_ms": stage_ms, "ops_replaced": len(replaced),
+            "timing": stage.timing, "overlap": "none assumed: the stage is on the critical path"}
+    elif world > 1 and sharded:
+        inputs["data_parallel"]["not_modelled"] = NOT_MODELLED_STAGE
+    return Prediction(local.predicted_step_ms + comm_ms + stage_ms, local.unchanged_step_ms,
+                      local.measured_step_ms, local.naive_step_ms, breakdown, inputs, local.replay_reference_ms)
 
 
 def _layer_gradient_share(graph: Graph) -> float:

@@ -245,9 +245,11 @@ def dimension_factors(graph: Graph, change: Change, token_factor: float | None =
     return Resize(factors, fb, fixed, combined, tuple(k for k in (batch, seq) if k in factors)), fb * fs
 
 
-def predict(graph: Graph, change: Change, calibration: Calibration) -> Prediction:
+def predict(graph: Graph, change: Change, calibration: Calibration,
+            without: frozenset[int] = frozenset()) -> Prediction:
     """The step time of ``graph``'s program under ``change``, on ``calibration``'s platform unless the
-    change names another."""
+    change names another; the ops ``without`` names (ids) are taken out of the edited step with their host
+    time (a part the caller costs another way)."""
     unchanged = schedule(graph)
     naive = 1.0
     values = resolved_workload(graph)
@@ -295,6 +297,8 @@ def predict(graph: Graph, change: Change, calibration: Calibration) -> Predictio
                 gaps[op.id] = gaps.get(op.id, op.gap_us) * scale
             elif op.layer_share < 1.0:  # work over every parameter: the layers' share of it grows
                 durations[op.id] *= (1.0 - op.layer_share) + op.layer_share * scale
+    for op_id in without:
+        durations[op_id], gaps[op_id] = 0.0, 0.0
     edited = schedule(graph, durations, gaps)
     # the graph replays the captured step within its own error; that error is taken out of the edited
     # figure the same way (the edited step × measured / unchanged; with re-drawn buckets, the unchanged
