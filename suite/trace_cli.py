@@ -91,12 +91,12 @@ def _parser() -> argparse.ArgumentParser:
                           "runner.steps=60 tracking=off results_dir=DIR apply to it) and log prediction_error_pct "
                           "with it")
 
-    val = commands.add_parser("predict-validate", help="capture a workload, predict 2x layers, 2x batch and 1 -> 2 "
-                                                       "ranks, measure each interleaved with the unchanged "
-                                                       "configuration: the what-if error table")
-    val.add_argument("--out", type=Path, required=True, help="folder for the bundle, predictions, runs and table")
+    val = commands.add_parser("predict-validate", help="per round: capture a workload, predict 2x layers, 2x batch and "
+                                                       "1 -> 2 ranks from it, run each with the unchanged "
+                                                       "configuration back to back: the what-if error table")
+    val.add_argument("--out", type=Path, required=True, help="folder for the bundles (bundle-<round>), predictions, runs and table")
     val.add_argument("--rounds", type=int, default=5,
-                     help="interleaved rounds (base run, changed run) per case (default 5)")
+                     help="rounds (a capture, then per case its prediction, a base run, a changed run; default 5)")
     val.add_argument("--steps", type=int, default=100,
                      help="timed steps of each short run (default 100: a 2-rank run on a shared host swings its "
                           "step by ±40 %% step to step; over 20 steps its median moved ±25 %% run to run)")
@@ -445,8 +445,9 @@ def _measure_prediction(graph, changes: list[str], overrides: list[str], predict
 
 
 def _predict_validate(args: argparse.Namespace) -> int:
-    """Capture once, then per case the prediction and interleaved real runs (:mod:`suite.whatif_validate`):
-    predicted vs measured ratio to the unchanged configuration, ours and naive scaling's error."""
+    """Rounds of a capture, then per case its prediction and the base and changed real runs back to back
+    (:mod:`suite.whatif_validate`): predicted vs measured ratio to the unchanged configuration, ours and naive
+    scaling's error."""
     import statistics
 
     from suite.whatif_validate import log_cases, print_table, validate
@@ -455,11 +456,14 @@ def _predict_validate(args: argparse.Namespace) -> int:
         raise ValueError("--rounds and --steps must be at least 1")
     results = validate(args.out, args.overrides, args.cases.split(","), args.rounds, args.steps, args.warmup,
                        args.collectives)
-    run_ids = log_cases(results, args.overrides)
-    rows = [r.summary() | {"run_id": run_ids.get(r.case)} for r in results]
+    rows = [r.summary() for r in results]
     summary = {"rows": rows, "rounds": args.rounds, "steps": args.steps, "warmup": args.warmup,
                "mae_pct": statistics.fmean(abs(r["prediction_error_pct"]) for r in rows),
                "naive_mae_pct": statistics.fmean(abs(r["naive_error_pct"]) for r in rows)}
+    (args.out / "validation.json").write_text(json.dumps(summary, indent=2))  # kept should logging fail
+    run_ids = log_cases(results, args.overrides)
+    for row in rows:
+        row["run_id"] = run_ids.get(row["case"])
     (args.out / "validation.json").write_text(json.dumps(summary, indent=2))
     print_table(rows)
     print(f"mean absolute error (medians over {args.rounds} interleaved rounds): ours {summary['mae_pct']:.1f} %, "

@@ -1,21 +1,23 @@
 """``cobench trace predict-validate``: a what-if prediction's error, measured so that the figure means something.
 
-Real step times on a shared machine drift between sessions by more than a model's error (here up to ±16 %
-between runs minutes apart), so a prediction is not judged against a run made at another moment. Instead,
-per case, the unchanged configuration (the base) and the changed one run *interleaved*: base, changed,
-base, changed ... for R rounds, each a short run in its own process. What is judged is the ratio:
+Real step times on a shared machine drift by more than a model's error, and not only between sessions: here
+a process's step lands in a fast or a slow state (Llama's tiny step 5.2 or 7.1 ms, runs back to back) that
+lasts tens of seconds — the host's other tenants taking the second core's time —, so neither a prediction
+nor the trace it comes from is judged against a run made at another moment. Each of R rounds captures
+afresh and then, per case, predicts from that capture and runs the unchanged configuration (the base) and
+the changed one, each a short run in its own process, back to back. What is judged is the ratio:
 
     measured ratio  = changed step / base step of the same round (drift common to both cancels)
     predicted ratio = predicted changed step / predicted unchanged step (the edited graph against the
-                      unchanged graph, both from the trace)
+                      unchanged graph, both from the round's capture)
     error           = predicted ratio / measured ratio − 1, one per round: median, min … max over rounds
 
 Naive linear scaling's ratio (the change's factor: 2× layers → 2, 2× batch → 2, 1 → W ranks → 1/W) is judged
 the same way beside it. A round in which a run is noisy (the harness's step-time cv limit) or the base
 runs at more than twice the captured step (someone else's work holds the cores) is measured again, at most
-twice. The absolute figures (predicted ms against the median interleaved ms) are reported
-too, but they carry the capture's own moment. Each case's MLflow run carries ``prediction_error_pct`` and
-``naive_error_pct`` (the medians) with their ranges, the ratios and the absolute figures.
+twice. The absolute figures (the median predicted ms against the median measured ms) are reported too.
+Each case's MLflow run carries ``prediction_error_pct`` and ``naive_error_pct`` (the medians) with their
+ranges, the ratios and the absolute figures.
 """
 
 from __future__ import annotations
@@ -36,15 +38,14 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node"]
 
 @dataclass
 class CaseResult:
-    """One case judged over interleaved rounds."""
+    """One case judged over interleaved rounds, each with its own capture and prediction."""
 
     workload: str
     case: str
     changes: list[str]
-    predicted_step_ms: float
-    naive_step_ms: float
-    predicted_ratio: float
-    naive_ratio: float
+    predicted_ms: list[float]  # per round, from that round's capture
+    predicted_ratios: list[float]  # per round: the edited graph / the unchanged graph
+    naive_ratio: float  # the change's factor
     base_ms: list[float]  # per round
     changed_ms: list[float]  # per round
     disturbed: int = 0  # rounds measured again: a run noisy, or the machine busier than at the capture
@@ -53,21 +54,25 @@ class CaseResult:
     def measured_ratios(self) -> list[float]:
         return [c / b for b, c in zip(self.base_ms, self.changed_ms, strict=True)]
 
-    def errors(self, ratio: float) -> list[float]:
-        return [100.0 * (ratio / m - 1.0) for m in self.measured_ratios]
+    def errors(self, ratios: list[float]) -> list[float]:
+        return [100.0 * (r / m - 1.0) for r, m in zip(ratios, self.measured_ratios, strict=True)]
 
     def summary(self) -> dict[str, Any]:
-        ours, naive = self.errors(self.predicted_ratio), self.errors(self.naive_ratio)
-        measured_ms = statistics.median(self.changed_ms)
+        ours = self.errors(self.predicted_ratios)
+        naive = self.errors([self.naive_ratio] * len(self.base_ms))
+        measured_ms, predicted_ms = statistics.median(self.changed_ms), statistics.median(self.predicted_ms)
         return {**asdict(self), "rounds": len(self.base_ms),
+                "predicted_ratio": statistics.median(self.predicted_ratios),
+                "predicted_ratio_min": min(self.predicted_ratios), "predicted_ratio_max": max(self.predicted_ratios),
                 "measured_ratio": statistics.median(self.measured_ratios),
                 "measured_ratio_min": min(self.measured_ratios), "measured_ratio_max": max(self.measured_ratios),
-                "measured_step_ms": measured_ms, "base_step_ms": statistics.median(self.base_ms),
+                "predicted_step_ms": predicted_ms, "measured_step_ms": measured_ms,
+                "base_step_ms": statistics.median(self.base_ms),
                 "prediction_error_pct": statistics.median(ours), "prediction_error_min_pct": min(ours),
                 "prediction_error_max_pct": max(ours),
                 "naive_error_pct": statistics.median(naive), "naive_error_min_pct": min(naive),
                 "naive_error_max_pct": max(naive),
-                "absolute_error_pct": 100.0 * (self.predicted_step_ms / measured_ms - 1.0)}
+                "absolute_error_pct": 100.0 * (predicted_ms / measured_ms - 1.0)}
 
 
 def cases_for(graph, values: dict[str, Any]) -> dict[str, list[str]]:  # noqa: ANN001
@@ -93,37 +98,47 @@ def _step_ms(run_root: Path, command: list[str]) -> tuple[float, bool]:
     return float(record["metrics"]["step_time_ms_p50"]), bool(record["metrics"].get("noisy"))
 
 
+def _capture(bundle: Path, workload: list[str], steps: int, out: Path):  # noqa: ANN202
+    """The graph of a capture into ``bundle`` (taken now unless it is there: a rerun keeps its rounds' captures)."""
+    from workloads.whatif.graph import load_graph
+
+    if not (bundle / "meta.json").exists():
+        subprocess.run([*HERE, "trace", "capture", "--out", str(bundle), "--baseline-steps", str(steps), *workload,
+                        "tracking=off", f"results_dir={out / 'capture'}"], check=True, stdout=subprocess.DEVNULL)
+    return load_graph(bundle)
+
+
 def validate(out: Path, overrides: list[str], case_names: list[str], rounds: int, steps: int, warmup: int,
              collectives: Path | None) -> list[CaseResult]:
-    """Capture once into ``out/bundle``, predict each case, then measure it interleaved with the base."""
-    from workloads.whatif.graph import load_graph
+    """R rounds of: a capture into ``out/bundle-<r>``, then per case its prediction from that capture and the
+    base and changed runs back to back."""
     from workloads.whatif.predict import resolved_workload
 
     workload = [o for o in overrides if not o.startswith(("tracking", "results_dir"))]
-    bundle = out / "bundle"
-    if not (bundle / "meta.json").exists():
-        subprocess.run([*HERE, "trace", "capture", "--out", str(bundle), "--baseline-steps", str(steps), *workload,
-                        "tracking=off", f"results_dir={out / 'capture'}"], check=True)
-    graph = load_graph(bundle)
+    graph = _capture(out / "bundle-0", workload, steps, out)
     cases = cases_for(graph, resolved_workload(graph))
     unknown = [n for n in case_names if n not in cases]
     if unknown:
         raise ValueError(f"unknown case {unknown[0]!r}: choose from {', '.join(cases)}")
     run = ["runner.repetitions=1", f"runner.steps={steps}", f"runner.warmup_steps={warmup}",
            "runner.progress=false", "tracking=off"]
-    results = []
-    for name in case_names:
-        changes = cases[name]
-        table = ["--collectives", str(collectives)] if name == "ranks" and collectives else []
-        predicted = out / f"{name}.json"
-        subprocess.run([*HERE, "trace", "predict", str(bundle), *changes, *table, "--json", str(predicted)],
-                       check=True)
-        record = json.loads(predicted.read_text())
-        # the prediction is the edited graph × measured / unchanged: over the measured step, the graphs' ratio
-        world = next((int(c.partition("=")[2]) for c in changes if c.startswith("world_size=")), 1)
-        real = [c for c in changes if not c.startswith("world_size=")]
-        base_ms, changed_ms, disturbed = [], [], 0
-        for r in range(rounds):
+    results = {name: CaseResult(graph.workload, name, cases[name], [], [], 0.0, [], []) for name in case_names}
+    for r in range(rounds):
+        bundle = out / f"bundle-{r}"
+        graph = _capture(bundle, workload, steps, out)
+        for name, result in results.items():
+            changes = cases[name]
+            table = ["--collectives", str(collectives)] if name == "ranks" and collectives else []
+            predicted = out / f"{name}-{r}.json"
+            subprocess.run([*HERE, "trace", "predict", str(bundle), *changes, *table, "--json", str(predicted)],
+                           check=True, stdout=subprocess.DEVNULL)
+            record = json.loads(predicted.read_text())
+            # the prediction is the edited graph × measured / unchanged: over the measured step, the graphs' ratio
+            result.predicted_ms.append(record["predicted_step_ms"])
+            result.predicted_ratios.append(record["predicted_step_ms"] / record["measured_step_ms"])
+            result.naive_ratio = record["naive_step_ms"] / record["measured_step_ms"]
+            world = next((int(c.partition("=")[2]) for c in changes if c.startswith("world_size=")), 1)
+            real = [c for c in changes if not c.startswith("world_size=")]
             for attempt in range(1 + ROUND_RETRIES):
                 pair, noisy = [], False
                 for side, launch, extra in (("base", HERE, []),
@@ -137,18 +152,15 @@ def validate(out: Path, overrides: list[str], case_names: list[str], rounds: int
                 # slower than twice the captured step (else someone else's work held the cores)
                 if not noisy and pair[0] <= SLOWER_THAN_CAPTURED * graph.measured_step_ms:
                     break
-                disturbed += 1
+                result.disturbed += 1
                 print(f"  {graph.workload} {name} round {r + 1}: disturbed (base {pair[0]:.2f} ms, changed "
                       f"{pair[1]:.2f} ms{', noisy' if noisy else ''}), measured again", flush=True)
-            base_ms.append(pair[0])
-            changed_ms.append(pair[1])
-            print(f"  {graph.workload} {name} round {r + 1}/{rounds}: base {base_ms[-1]:.2f} ms, changed "
-                  f"{changed_ms[-1]:.2f} ms (ratio {changed_ms[-1] / base_ms[-1]:.3f})", flush=True)
-        results.append(CaseResult(graph.workload, name, changes, record["predicted_step_ms"], record["naive_step_ms"],
-                                  record["predicted_step_ms"] / record["measured_step_ms"],
-                                  record["naive_step_ms"] / record["measured_step_ms"], base_ms, changed_ms,
-                                  disturbed))
-    return results
+            result.base_ms.append(pair[0])
+            result.changed_ms.append(pair[1])
+            print(f"  {graph.workload} {name} round {r + 1}/{rounds}: captured {graph.measured_step_ms:.2f} ms, "
+                  f"predicted ratio {result.predicted_ratios[-1]:.3f}; base {pair[0]:.2f} ms, changed "
+                  f"{pair[1]:.2f} ms (ratio {pair[1] / pair[0]:.3f})", flush=True)
+    return list(results.values())
 
 
 def log_cases(results: list[CaseResult], overrides: list[str]) -> dict[str, str]:
@@ -169,7 +181,7 @@ def log_cases(results: list[CaseResult], overrides: list[str]) -> dict[str, str]
                                    {"workload": result.workload, "whatif_case": result.case})
         tracker.log_params(run_id, {"changes": " ".join(result.changes), "rounds": figures["rounds"]})
         tracker.log_metrics(run_id, {k: float(v) for k, v in figures.items() if isinstance(v, (int, float))})
-        tracker.log_series(run_id, "round_prediction_error_pct", result.errors(result.predicted_ratio))
+        tracker.log_series(run_id, "round_prediction_error_pct", result.errors(result.predicted_ratios))
         tracker.end_run(run_id, "FINISHED")
         ids[result.case] = run_id
     return ids

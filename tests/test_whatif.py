@@ -293,22 +293,26 @@ def test_cobench_trace_predict_ranks_json_chakra_and_refusals(cobench, bundle: P
     assert proc.returncode == 2 and str(tmp_path) in proc.stderr
 
 
-def test_validation_judges_the_predicted_ratio_against_each_rounds_measured_ratio():
+def test_validation_judges_each_rounds_predicted_ratio_against_its_measured_ratio():
     """Drift common to a round's base and changed run cancels: a prediction of the right ratio has no error
     however much the machine's speed moved between rounds; naive scaling's ratio is judged the same way."""
     from suite.whatif_validate import CaseResult
 
-    drifting = CaseResult("llama", "layers", ["workload.n_layers=4"], predicted_step_ms=18.0, naive_step_ms=20.0,
-                          predicted_ratio=1.8, naive_ratio=2.0, base_ms=[10.0, 12.0, 8.0],
+    drifting = CaseResult("llama", "layers", ["workload.n_layers=4"], predicted_ms=[18.0, 21.6, 14.4],
+                          predicted_ratios=[1.8, 1.8, 1.8], naive_ratio=2.0, base_ms=[10.0, 12.0, 8.0],
                           changed_ms=[18.0, 21.6, 14.4])
     figures = drifting.summary()
     assert figures["prediction_error_pct"] == pytest.approx(0.0)
     assert figures["prediction_error_min_pct"] == pytest.approx(0.0) == figures["prediction_error_max_pct"]
     assert figures["naive_error_pct"] == pytest.approx(100 * (2.0 / 1.8 - 1))
     assert figures["measured_step_ms"] == 18.0 and figures["absolute_error_pct"] == pytest.approx(0.0)
-    off = CaseResult("llama", "batch", [], 10.0, 10.0, 1.5, 2.0, [10.0, 10.0], [12.0, 15.0])
-    assert off.errors(off.predicted_ratio) == pytest.approx([25.0, 0.0])
+    off = CaseResult("llama", "batch", [], [10.0, 10.0], [1.5, 1.5], 2.0, [10.0, 10.0], [12.0, 15.0])
+    assert off.errors(off.predicted_ratios) == pytest.approx([25.0, 0.0])
     assert off.summary()["prediction_error_pct"] == pytest.approx(12.5)
+    # each round is judged on its own capture's ratio: a capture in a slow moment predicts for that moment
+    paired = CaseResult("llama", "batch", [], [12.0, 16.0], [1.2, 1.6], 2.0, [10.0, 10.0], [12.0, 16.0])
+    assert paired.errors(paired.predicted_ratios) == pytest.approx([0.0, 0.0])
+    assert paired.summary()["predicted_ratio_min"] == 1.2 and paired.summary()["predicted_ratio_max"] == 1.6
 
 
 def test_a_batch_change_resizes_data_the_step_made_in_shapes_it_does_not_name():
@@ -488,3 +492,32 @@ def test_a_calibration_spike_is_lowered_not_carried_to_larger_sizes():
 
     spiked = monotone(Curve([1.0, 2.0, 4.0, 8.0], [1.0, 500.0, 3.0, 7.0]))  # a pre-empted point at size 2
     assert spiked.times_us == [1.0, 3.0, 3.0, 7.0]
+
+
+@pytest.mark.slow
+def test_predict_validate_captures_every_round_and_logs_each_case(tmp_path: Path, cobench):
+    """Each round captures afresh and judges that capture's prediction against a base and a changed run made
+    right after it; the case lands in MLflow with the figures the table shows."""
+    from conftest import mlflow_runs
+
+    out, store = tmp_path / "val", tmp_path / "store"
+    proc = cobench("trace", "predict-validate", "--out", str(out), "--rounds", "2", "--steps", "8", "--warmup", "2",
+                   "--cases", "layers", "workload=llama", "workload.preset=tiny", f"results_dir={store}",
+                   timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (out / "bundle-0" / "meta.json").exists() and (out / "bundle-1" / "meta.json").exists()
+    summary = json.loads((out / "validation.json").read_text())
+    (row,) = summary["rows"]
+    assert row["case"] == "layers" and row["changes"] == ["workload.n_layers=4"] and row["rounds"] == 2
+    assert len(row["predicted_ratios"]) == len(row["base_ms"]) == len(row["changed_ms"]) == 2
+    assert row["naive_ratio"] == 2.0 and 1.0 < row["predicted_ratio"] < 2.0  # embeddings and head are not layers
+    assert row["prediction_error_pct"] == pytest.approx(
+        100 * (row["predicted_ratios"][0] * row["base_ms"][0] / row["changed_ms"][0]
+               + row["predicted_ratios"][1] * row["base_ms"][1] / row["changed_ms"][1] - 2) / 2)
+    assert "layers" in proc.stdout and "mean absolute error" in proc.stdout
+    (run,) = [r for r in mlflow_runs(store) if r.info.run_name == "whatif-validate-llama-layers"]
+    assert run.info.status == "FINISHED" and run.data.metrics["prediction_error_pct"] == pytest.approx(
+        row["prediction_error_pct"]) and row["run_id"] == run.info.run_id
+    proc = cobench("trace", "predict-validate", "--out", str(out), "--cases", "heads", "workload=llama",
+                   "workload.preset=tiny", "tracking=off")
+    assert proc.returncode == 2 and "unknown case 'heads'" in proc.stderr and "layers, batch, ranks" in proc.stderr
