@@ -94,7 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     val = commands.add_parser("predict-validate", help="per round: capture a workload, predict 2x layers, 2x batch and "
                                                        "1 -> 2 ranks from it, run each with the unchanged "
                                                        "configuration back to back: the what-if error table")
-    val.add_argument("--out", type=Path, required=True, help="folder for the bundles (bundle-<round>), predictions, runs and table")
+    val.add_argument("--out", type=Path, required=True,
+                     help="folder for the bundles (bundle-<round>), predictions, runs and table")
     val.add_argument("--rounds", type=int, default=5,
                      help="rounds (a capture, then per case its prediction, a base run, a changed run; default 5)")
     val.add_argument("--steps", type=int, default=100,
