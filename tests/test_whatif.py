@@ -224,6 +224,24 @@ def test_two_ranks_split_the_batch_and_all_reduce_every_gradient_once(bundle: Pa
         predict_data_parallel(graph, 3, _linear())
 
 
+def test_the_all_reduce_fit_rides_over_one_disturbed_size():
+    """A sweep of latency 500 µs and 1 GB/s whose 16 KB point a busy host made 4x slower: the fit still gives
+    about the machine's figures at 2 MB (interpolating between the neighbours of a disturbed point follows it)."""
+    from workloads.whatif.dataparallel import AllReduceCost, fit_latency_bandwidth
+
+    sizes = [2.0**k for k in range(10, 25, 2)]
+    times = [500.0 + n / 1e3 for n in sizes]
+    assert fit_latency_bandwidth(sizes, times) == pytest.approx((500.0, 1e-3))
+    times[2] *= 4  # 16 KB
+    cost = AllReduceCost(2, "table", sizes, times)
+    assert cost.at(2**21) == pytest.approx(500.0 + 2**21 / 1e3, rel=0.15)
+    described = cost.describe()
+    assert described["fit_residual_pct"][0] < -60 and described["points"] == 8
+    alpha, beta = fit_latency_bandwidth([1024.0, 4096.0], [900.0, 800.0])  # no growth with size: all latency
+    assert 800.0 < alpha < 900.0 and beta == 0.0
+    assert fit_latency_bandwidth([1024.0], [700.0]) == (700.0, 0.0)
+
+
 @pytest.mark.slow
 def test_the_edited_graph_exports_as_chakra(bundle: Path, tmp_path: Path):
     """2 → 4 layers: the last layer's ops appear twice more (forward and backward), their durations

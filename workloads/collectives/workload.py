@@ -38,7 +38,10 @@ class CollectivesConfig:
     min_bytes: int = 1024  # -b
     max_bytes: int = 16 * 2**20  # -e
     factor: int = 4  # -f: each size is the previous times this
-    ops_per_sample: int = 1  # back-to-back operations per timed sample (nccl-tests -n); their mean time
+    # back-to-back operations per timed sample, their mean time: nccl-tests' -n, default 20 there too. With one
+    # op a sample is mostly the ranks' skew leaving the barrier: on a shared 2-core host gloo's 1 KB all-reduce
+    # read 0.7-3.6 ms and a 16 KB one slower than 256 KB; with 20, 0.76-1.25 ms up to 1 MB, then rising
+    ops_per_sample: int = 20
     check: bool = True  # verify every step's results (outside the timed window)
     root: int = 0  # broadcast and reduce: the root rank
     moe_row_elems: int = 64  # all_to_all_moe: elements per routed token

@@ -10,8 +10,8 @@ workload's ``batch_size`` is global):
   platform edit, with this host's curves at the per-rank threads as the "target");
 - the gradients (one per parameter: the tensors the autograd engine accumulates) are all-reduced once
   per step in DDP's buckets (25 MB): each bucket's time from the collectives benchmark's sweep table
-  (``cobench.collectives.sweep``, ``all_reduce`` at that world size, interpolated log-log by bytes) when
-  one is given, else from an *assumed* bus bandwidth and latency, which the result states.
+  (``cobench.collectives.sweep``, ``all_reduce`` at that world size, through a latency + bytes / bandwidth
+  fit of its rows) when one is given, else from an *assumed* bus bandwidth and latency, which the result states.
   The all-reduce is put on the critical path after the backward pass (no overlap assumed: on a CPU the
   collective's threads compete with backward for the same cores).
 
@@ -34,7 +34,6 @@ Not modelled: pipeline or tensor parallelism; the sharded stage overlapping dens
 
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,7 +99,8 @@ def gradient_bytes(graph: Graph, without: frozenset[int] = frozenset()) -> int:
 
 @dataclass
 class AllReduceCost:
-    """Time of one all-reduce of ``n`` bytes at a world size: measured rows, or an assumption."""
+    """Time of one all-reduce of ``n`` bytes at a world size: ``latency_us + n / bandwidth`` (Hockney's α–β
+    model), fitted to a sweep table's measured rows, or assumed."""
 
     world: int
     source: str  # the table's path, or "assumed"
@@ -109,28 +109,51 @@ class AllReduceCost:
     busbw_gbps: float | None = None
     latency_us: float | None = None
 
+    def __post_init__(self) -> None:
+        self._alpha_us, self._us_per_byte = fit_latency_bandwidth(self.sizes, self.times_us) if self.sizes \
+            else (0.0, 0.0)
+
     def at(self, nbytes: float) -> float:
         if self.world <= 1 or nbytes <= 0:
             return 0.0
         if not self.sizes:
             moved = 2.0 * (self.world - 1) / self.world * nbytes  # a ring's bus traffic per rank
             return (self.latency_us or 0.0) + moved / ((self.busbw_gbps or 1.0) * 1e3)
-        xs = [math.log(s) for s in self.sizes]
-        ys = [math.log(t) for t in self.times_us]
-        if len(xs) == 1:
-            return self.times_us[0] * max(1.0, nbytes / self.sizes[0])
-        x = math.log(nbytes)
-        i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
-        slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
-        if x < xs[0]:  # below the smallest size measured: latency-bound, no faster than it
-            return self.times_us[0]
-        return math.exp(ys[i - 1] + slope * (x - xs[i - 1]))
+        return self._alpha_us + self._us_per_byte * nbytes
 
     def describe(self) -> dict[str, Any]:
         if self.sizes:
-            return {"source": self.source, "world_size": self.world, "points": len(self.sizes)}
+            fitted = [self._alpha_us + self._us_per_byte * n for n in self.sizes]
+            residuals = [100.0 * (f / t - 1.0) for f, t in zip(fitted, self.times_us, strict=True)]
+            return {"source": self.source, "world_size": self.world, "points": len(self.sizes),
+                    "fit": "latency + bytes / bandwidth, least squares in relative error over the table's p50s",
+                    "latency_us": self._alpha_us,
+                    "algbw_gbps": 1e-3 / self._us_per_byte if self._us_per_byte else None,
+                    "fit_residual_pct": [min(residuals), max(residuals)]}
         return {"source": "assumed", "world_size": self.world, "busbw_gbps": self.busbw_gbps,
                 "latency_us": self.latency_us}
+
+
+def fit_latency_bandwidth(sizes: list[float], times_us: list[float]) -> tuple[float, float]:
+    """(α µs, β µs per byte) minimising Σ ((α + β·n_i) / t_i − 1)²: every size weighs alike, whatever its time.
+    A sweep's points are single p50s, each of which a shared host can throw off (a 16 KB all-reduce measured
+    slower than a 256 KB one); the fit rides over such a point where interpolating between neighbours would
+    follow it. α and β are kept non-negative (a one-point table: all latency)."""
+    if len(sizes) == 1:
+        return times_us[0], 0.0
+    # normal equations of the linear least squares [1/t, n/t] · (α, β) ≈ 1
+    a11 = sum(1 / t**2 for t in times_us)
+    a12 = sum(n / t**2 for n, t in zip(sizes, times_us, strict=True))
+    a22 = sum(n * n / t**2 for n, t in zip(sizes, times_us, strict=True))
+    b1 = sum(1 / t for t in times_us)
+    b2 = sum(n / t for n, t in zip(sizes, times_us, strict=True))
+    det = a11 * a22 - a12 * a12
+    alpha, beta = (a22 * b1 - a12 * b2) / det, (a11 * b2 - a12 * b1) / det
+    if beta < 0:  # no growth with size: all latency
+        return b1 / a11, 0.0
+    if alpha < 0:  # no fixed cost: all bandwidth
+        return 0.0, b2 / a22
+    return alpha, beta
 
 
 def allreduce_cost(world: int, table: Path | None, busbw_gbps: float = ASSUMED_BUSBW_GBPS,
