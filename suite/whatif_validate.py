@@ -13,9 +13,10 @@ the changed one, each a short run in its own process, back to back. What is judg
     error           = predicted ratio / measured ratio − 1, one per round: median, min … max over rounds
 
 Naive linear scaling's ratio (the change's factor: 2× layers → 2, 2× batch → 2, 1 → W ranks → 1/W) is judged
-the same way beside it. A round in which a run is noisy (the harness's step-time cv limit) or the base
-runs at more than twice the captured step (someone else's work holds the cores) is measured again, at most
-twice. The absolute figures (the median predicted ms against the median measured ms) are reported too.
+the same way beside it. A round in which a run is noisy (the harness's step-time cv limit) or the base's
+step is more than 20 % off the round's captured plain step (the machine has left the state the capture
+saw) is measured again, at most twice, then kept as it is; the count is reported. The absolute figures
+(the median predicted ms against the median measured ms) are reported too.
 Each case's MLflow run carries ``prediction_error_pct`` and ``naive_error_pct`` (the medians) with their
 ranges, the ratios and the absolute figures.
 """
@@ -32,7 +33,9 @@ from typing import Any
 
 HERE = [sys.executable, "-m", "suite.cli"]
 ROUND_RETRIES = 2  # a disturbed round is measured again at most this often (then kept as it is)
-SLOWER_THAN_CAPTURED = 2.0  # a base step this many times the captured one: the machine is not the captured one
+# a base step more than this far (relative) from the round's captured plain step: the machine is not in the state
+# the capture saw (here a process's step lands fast or slow, DLRM tiny 2.9 or 4.0 ms, Llama tiny 5.1 or 7.0 ms)
+CAPTURED_STATE = 0.2
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node"]
 
 
@@ -148,13 +151,15 @@ def validate(out: Path, overrides: list[str], case_names: list[str], rounds: int
                     ms, flagged = _step_ms(root, [*launch, "run", *workload, *extra, *run, f"results_dir={root}"])
                     pair.append(ms)
                     noisy |= flagged
-                # a round is judged only on the machine that was captured: neither run noisy, the base no
-                # slower than twice the captured step (else someone else's work held the cores)
-                if not noisy and pair[0] <= SLOWER_THAN_CAPTURED * graph.measured_step_ms:
+                # a round is judged only on the machine that was captured: neither run noisy, the base within
+                # CAPTURED_STATE of the capture's own plain step (else the machine moved to another state)
+                if not noisy and abs(pair[0] / graph.measured_step_ms - 1.0) <= CAPTURED_STATE:
                     break
                 result.disturbed += 1
-                print(f"  {graph.workload} {name} round {r + 1}: disturbed (base {pair[0]:.2f} ms, changed "
-                      f"{pair[1]:.2f} ms{', noisy' if noisy else ''}), measured again", flush=True)
+                then = "measured again" if attempt < ROUND_RETRIES else "kept"
+                print(f"  {graph.workload} {name} round {r + 1}: disturbed (base {pair[0]:.2f} ms against "
+                      f"{graph.measured_step_ms:.2f} captured, changed {pair[1]:.2f} ms{', noisy' if noisy else ''}), "
+                      f"{then}", flush=True)
             result.base_ms.append(pair[0])
             result.changed_ms.append(pair[1])
             print(f"  {graph.workload} {name} round {r + 1}/{rounds}: captured {graph.measured_step_ms:.2f} ms, "
