@@ -202,7 +202,6 @@ def _fidelity(args: argparse.Namespace) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
-
     from workloads.whatif.chakra_export import edited_ops, export_edited_chakra
     from workloads.whatif.costmodel import calibrate, load_or_calibrate, read_calibration
     from workloads.whatif.dataparallel import (
@@ -406,7 +405,6 @@ def _time_stage_command(args: argparse.Namespace) -> int:
 def _measure_prediction(graph, changes: list[str], overrides: list[str], prediction) -> dict:  # noqa: ANN001
     """Run the changed configuration for real (the captured workload config, the changes, ``overrides``)
     and log the prediction's error with it: ``prediction_error_pct`` and naive scaling's beside it."""
-
     from omegaconf import OmegaConf
 
     from harness.config import compose_config, to_run_config
