@@ -7,8 +7,10 @@
     cobench trace fidelity [--rounds R] [--round-steps K] [--warmup W] [--steps N] [--baseline-steps B] [OVERRIDES]
     cobench trace predict BUNDLE [workload.n_layers=N] [workload.batch_size=B] [workload.seq_len=S] [world_size=W]
                           [--calibration FILE] [--target-calibration FILE] [--collectives TABLE]
-                          [--sharded-stage FILE] [--chakra DIR] [--json FILE] [--measure [OVERRIDES]]
+                          [--sharded-stage FILE] [--gradient-sync FILE | --sync-from table]
+                          [--chakra DIR] [--json FILE] [--measure [OVERRIDES]]
     torchrun --nproc-per-node W -m suite.cli trace time-stage BUNDLE --out FILE [--passes N] [CHANGES]
+    torchrun --nproc-per-node W -m suite.cli trace time-sync SPEC --out FILE [--passes N]
     cobench trace predict-validate --out DIR [--rounds R] [--steps K] [--cases layers,batch,ranks] [OVERRIDES]
 
 Replay is a workload like any other: ``cobench run workload=generated workload.spec=SPEC``.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -26,6 +29,9 @@ from harness.cli import EXIT_FAILED, EXIT_OK
 
 STAGE_PASSES = 100  # the sharded stage's timed passes a launch: 2 ranks on 2 shared cores swing it 2-3x pass to pass
 STAGE_LAUNCHES = 3  # launches pooled: where a launch's ranks land on the cores moves its median by ±15 %
+SYNC_PASSES = 100  # the DDP skeleton's timed passes a launch, of each variant (with and without DDP)
+SYNC_LAUNCHES = 3  # launches pooled, the sync cost their median
+SYNC_REUSE = 0.2  # a bundle's sync timing serves a prediction whose step is within this share of the one it timed
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -84,6 +90,14 @@ def _parser() -> argparse.ArgumentParser:
     pre.add_argument("--sharded-stage", type=Path, default=None, metavar="FILE",
                      help="TorchRec workloads at world_size=W: the sharded stage's timing at W ranks (made with "
                           "`trace time-stage`; default: timed here under torchrun, kept in the bundle)")
+    pre.add_argument("--gradient-sync", type=Path, default=None, metavar="FILE",
+                     help="world_size=W: what DDP's gradient synchronisation adds to the step, timed at W ranks on "
+                          "this prediction's skeleton (`trace time-sync`; default: timed here under torchrun, kept "
+                          "in the bundle)")
+    pre.add_argument("--sync-from", choices=["skeleton", "table"], default="skeleton",
+                     help="world_size=W: DDP's synchronisation measured on a skeleton of the step (default), or "
+                          "only the gradients' all-reduce after backward, from --collectives or the assumption "
+                          "(no torchrun launches; what is left for a platform the skeleton cannot run on)")
     pre.add_argument("--chakra", type=Path, default=None, metavar="DIR",
                      help="also write the edited graph as a Chakra execution trace (DIR/rank0.et)")
     pre.add_argument("--measure", nargs="*", default=None, metavar="OVERRIDE",
@@ -116,6 +130,15 @@ def _parser() -> argparse.ArgumentParser:
     stg.add_argument("--passes", type=int, default=STAGE_PASSES, help=f"timed passes (default {STAGE_PASSES})")
     stg.add_argument("--warmup", type=int, default=10, help="untimed passes first (default 10)")
     stg.add_argument("changes", nargs="*", help="workload.* changes the prediction makes (e.g. workload.batch_size=B)")
+
+    syn = commands.add_parser("time-sync", help="under torchrun: time what DDP's gradient synchronisation adds to a "
+                                                 "predicted step at this world size (on the skeleton `predict "
+                                                 "world_size=W` writes)")
+    syn.add_argument("spec", type=Path, help="the skeleton: a prediction's JSON (predict --json) or its sync_spec")
+    syn.add_argument("--out", type=Path, required=True, help="the timing (JSON), for predict --gradient-sync")
+    syn.add_argument("--passes", type=int, default=SYNC_PASSES,
+                     help=f"timed passes of each variant (default {SYNC_PASSES})")
+    syn.add_argument("--warmup", type=int, default=10, help="untimed passes of each variant first (default 10)")
 
     cal = commands.add_parser("calibrate", help="measure this platform's what-if cost-model curves")
     cal.add_argument("--out", type=Path, required=True)
@@ -242,6 +265,10 @@ def _predict(args: argparse.Namespace) -> int:
             if sharded and world > 1 else None
         result = predict_data_parallel(graph, world, calibration, change, rank_calibration, allreduce, stage,
                                        sharded)
+        sync = _sync_cost(args, result.inputs["data_parallel"].get("sync_spec"), world, change.calibration is not None)
+        if sync is not None:
+            result = predict_data_parallel(graph, world, calibration, change, rank_calibration, allreduce, stage,
+                                           sharded, sync)
     else:
         result = predict(graph, change, calibration)
     record = result.to_json()
@@ -263,8 +290,17 @@ def _predict(args: argparse.Namespace) -> int:
             f"ASSUMED bus bandwidth {allreduce.busbw_gbps} GB/s and latency {allreduce.latency_us} µs (pass " \
             "--collectives TABLE for measured ones)"
         print(f"  {world} data-parallel ranks: batch {dp['batch_per_rank']} a rank, {dp['threads_per_rank']} "
-              f"intra-op thread(s) a rank, {dp['gradient_bytes'] / 1e6:.2f} MB of gradients all-reduced in "
-              f"{dp['buckets']} bucket(s) after backward; all-reduce from {how}")
+              f"intra-op thread(s) a rank, {dp['gradient_bytes'] / 1e6:.2f} MB of gradients in DDP")
+        if dp.get("gradient_sync"):
+            timing = dp["gradient_sync"]["timing"]
+            print(f"  DDP's gradient synchronisation: +{dp['gradient_sync_ms']:.2f} ms, measured at {world} ranks on a "
+                  f"skeleton of this step ({timing['gradients']} gradients at their predicted times; launches "
+                  f"{', '.join(f'{x:+.2f}' for x in timing.get('launch_sync_ms', [timing['sync_ms']]))} ms; "
+                  f"{dp['gradient_sync']['source']})")
+        else:
+            print(f"  DDP's gradient all-reduce: {dp['allreduce_ms']:.2f} ms in {dp['buckets']} bucket(s) after "
+                  f"backward, from {how}; DDP's synchronisation beyond the collective is not modelled (--sync-from "
+                  "skeleton measures it)")
         if dp.get("sharded_stage"):
             st = dp["sharded_stage"]
             print(f"  sharded embedding stage ({st['module']}: {st['ops_replaced']} ops of the capture replaced): "
@@ -349,6 +385,62 @@ def _stage_cost(args: argparse.Namespace, graph, world: int, changes: list[str],
     return ShardedStageCost.from_timing(read_json_file(cached), str(cached))
 
 
+def _sync_cost(args: argparse.Namespace, spec: dict | None, world: int, other_platform: bool):  # noqa: ANN202
+    """DDP's gradient synchronisation at ``world`` ranks for this prediction's skeleton ``spec``:
+    ``--gradient-sync``, else the bundle's timing of a skeleton of these changes (the same gradients, its step
+    within :data:`SYNC_REUSE`), else timed now (``trace time-sync`` under
+    torchrun on this host, launches pooled; in this process group when this command already runs at that
+    world size). None: ``--sync-from table``, one rank, or another platform without a timing made there."""
+    import subprocess
+
+    from harness.sync_probe import pooled
+    from workloads.whatif.dataparallel import GradientSyncCost
+
+    if spec is None or world < 2:
+        return None
+    if args.gradient_sync is not None:
+        if not args.gradient_sync.exists():
+            raise ValueError(f"--gradient-sync {args.gradient_sync} does not exist: time the skeleton with `torchrun "
+                             f"--nproc-per-node {world} -m suite.cli trace time-sync PREDICTION.json --out FILE`")
+        return GradientSyncCost.from_timing(read_json_file(args.gradient_sync), str(args.gradient_sync), spec)
+    if args.sync_from == "table":
+        return None
+    if other_platform:
+        print("  note: DDP's synchronisation on another platform is timed there: `torchrun --nproc-per-node "
+              f"{world} -m suite.cli trace time-sync PREDICTION.json --out FILE` on the target (PREDICTION.json: "
+              "this command's --json), then --gradient-sync FILE; until then the all-reduce alone is counted")
+        return None
+    key = "-".join(c.removeprefix("workload.").replace("=", "") for c in sorted(
+        c for c in args.changes if c.startswith("workload.") and not c.startswith("workload.parallelism")))
+    cached = Path(args.bundle) / f"whatif_gradient_sync_{world}ranks{'_' + key if key else ''}.json"
+    if cached.exists():
+        record = read_json_file(cached)
+        if record.get("gradients") != len(spec["gradients"]) or \
+                abs(float(record.get("spec_step_ms", 0.0)) / spec["step_ms"] - 1.0) > SYNC_REUSE:
+            cached.unlink()  # a skeleton of another step (other curves, another stage timing): time this one
+    spec_file = cached.with_suffix(".spec.json")
+    if not cached.exists():
+        if int(os.environ.get("WORLD_SIZE", "1")) == world:  # already W ranks: time it in this process group
+            record = _time_sync(spec, cached, SYNC_LAUNCHES * SYNC_PASSES, 10)
+            return GradientSyncCost.from_timing(record | {"launch_sync_ms": [record["sync_ms"]]}, str(cached), spec)
+        print(f"  timing DDP's gradient synchronisation at {world} ranks on a skeleton of this step ({SYNC_LAUNCHES} "
+              f"torchrun launches of {SYNC_PASSES} passes) ...", flush=True)
+        spec_file.write_text(json.dumps(spec))
+        launches = []
+        for i in range(SYNC_LAUNCHES):
+            part = cached.with_suffix(f".launch{i}.json")
+            done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+                                   "-m", "suite.cli", "trace", "time-sync", str(spec_file), "--out", str(part)],
+                                  capture_output=True, text=True)
+            if done.returncode != 0 or not part.exists():
+                raise RuntimeError(f"timing DDP's gradient sync at {world} ranks failed (exit {done.returncode}): "
+                                   f"{(done.stderr or done.stdout).strip()[-2000:]}")
+            launches.append(read_json_file(part))
+            part.unlink()
+        cached.write_text(json.dumps(pooled(launches), indent=1))
+    return GradientSyncCost.from_timing(read_json_file(cached), str(cached), spec)
+
+
 def read_json_file(path: Path) -> dict:
     """A JSON object from ``path``, or a ValueError naming the file."""
     try:
@@ -399,6 +491,53 @@ def _time_stage_command(args: argparse.Namespace) -> int:
         print(f"{timing['workload']} sharded stage ({timing['module']}) at {timing['world_size']} rank(s): "
               f"{timing['ms_p50']:.2f} ms a pass (p10 {timing['ms_p10']:.2f}, p90 {timing['ms_p90']:.2f}, "
               f"{timing['passes']} passes): {args.out}")
+    return EXIT_OK
+
+
+def read_sync_spec(path: Path) -> dict:
+    """A DDP skeleton's spec from ``path``: a prediction's JSON (its ``inputs.data_parallel.sync_spec``) or the
+    spec itself."""
+    record = read_json_file(path)
+    spec = (record.get("inputs") or {}).get("data_parallel", {}).get("sync_spec") if "inputs" in record else record
+    if not isinstance(spec, dict) or not {"gradients", "ready_ms", "step_ms", "world_size"} <= set(spec):
+        raise ValueError(f"{path}: neither a prediction at world_size>1 (predict --json) nor its sync_spec")
+    return spec
+
+
+def _time_sync(spec: dict, out: Path, passes: int, warmup: int) -> dict:
+    """Time the skeleton in this process group (its world size must be the spec's); rank 0 writes ``out``."""
+    from harness.config import compose_config, to_run_config
+    from harness.distributed import env_dist_info
+    from harness.runner import join
+    from harness.sync_probe import time_gradient_sync
+
+    world = env_dist_info().world_size
+    if world != int(spec["world_size"]):
+        raise ValueError(f"the skeleton is of a step at {spec['world_size']} ranks, this runs {world}: launch it "
+                         f"with torchrun --nproc-per-node {spec['world_size']} -m suite.cli trace time-sync ...")
+    if world < 2:
+        raise ValueError("time-sync needs 2 or more ranks: launch it with torchrun --nproc-per-node W")
+    platform, _ = join(to_run_config(compose_config(["tracking=off"])))  # this rank's device, in the process group
+    timing = time_gradient_sync(spec, platform.device, passes, warmup).to_json()
+    if os.environ.get("RANK", "0") == "0":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(timing, indent=1))
+    return timing
+
+
+def _time_sync_command(args: argparse.Namespace) -> int:
+    from harness.distributed import shutdown_distributed
+
+    spec = read_sync_spec(args.spec)
+    try:
+        timing = _time_sync(spec, args.out, args.passes, args.warmup)
+    finally:
+        shutdown_distributed()
+    if os.environ.get("RANK", "0") == "0":
+        print(f"DDP gradient sync at {timing['world_size']} ranks ({timing['gradients']} gradients, "
+              f"{timing['gradient_bytes'] / 1e6:.2f} MB): +{timing['sync_ms']:.2f} ms a step (skeleton "
+              f"{statistics.median(timing['plain_ms_p50']):.2f} ms without DDP, "
+              f"{statistics.median(timing['ddp_ms_p50']):.2f} with; {timing['passes']} passes each): {args.out}")
     return EXIT_OK
 
 
@@ -497,7 +636,7 @@ def run(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     handlers = {"capture": _capture, "generate": _generate, "fidelity": _fidelity, "export": _export,
                 "predict": _predict, "calibrate": _calibrate, "predict-validate": _predict_validate,
-                "time-stage": _time_stage_command}
+                "time-stage": _time_stage_command, "time-sync": _time_sync_command}
     try:
         return handlers[args.command](args)
     except TrackingError:

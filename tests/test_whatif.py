@@ -275,6 +275,11 @@ def test_the_edited_graph_exports_as_chakra(bundle: Path, tmp_path: Path):
 
 @pytest.mark.slow
 def test_cobench_trace_predict_ranks_json_chakra_and_refusals(cobench, bundle: Path, tmp_path: Path):
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
     calibration = tmp_path / "calibration.json"
     _linear_json = _linear().to_json()
     calibration.write_text(json.dumps(_linear_json))
@@ -282,17 +287,63 @@ def test_cobench_trace_predict_ranks_json_chakra_and_refusals(cobench, bundle: P
     out = tmp_path / "prediction.json"
     proc = cobench("trace", "predict", str(bundle), "world_size=2", "workload.parallelism=ddp", "workload.n_layers=4",
                    "--calibration", str(calibration), "--collectives", str(table), "--json", str(out), "--chakra",
-                   str(tmp_path / "chakra"))
+                   str(tmp_path / "chakra"), "--sync-from", "table")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "2 data-parallel ranks" in proc.stdout and "measured sweep table" in proc.stdout
+    assert "synchronisation beyond the collective is not modelled" in proc.stdout
     record = json.loads(out.read_text())
     assert record["predicted_step_ms"] > 0 and record["breakdown_ms"]["communication"] > 0
     assert record["inputs"]["changes"] == ["world_size=2", "workload.parallelism=ddp", "workload.n_layers=4"]
     assert record["inputs"]["data_parallel"]["allreduce"]["source"] == str(table)
     assert Path(record["chakra"]).exists()
+    # the skeleton of that step: 4 layers' gradients where the capture had 2, at their predicted times
+    spec = record["inputs"]["data_parallel"]["sync_spec"]
+    assert spec["world_size"] == 2 and spec["ready_ms"] == sorted(spec["ready_ms"])
+    assert 0 < spec["ready_ms"][0] and spec["ready_ms"][-1] <= spec["step_ms"]
+    assert sum(math.prod(shape) * 4 for shape, _ in spec["gradients"]) == \
+        record["inputs"]["data_parallel"]["gradient_bytes"]
+
+    # by default DDP's synchronisation is timed at 2 ranks on the skeleton (3 torchrun launches), kept in the bundle
+    proc = cobench("trace", "predict", str(bundle), "world_size=2", "workload.parallelism=ddp",
+                   "--calibration", str(calibration), "--collectives", str(table), "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "timing DDP's gradient synchronisation at 2 ranks" in proc.stdout
+    assert "DDP's gradient synchronisation: +" in proc.stdout
+    record = json.loads(out.read_text())
+    dp = record["inputs"]["data_parallel"]
+    timing = dp["gradient_sync"]["timing"]
+    assert timing["launches"] == 3 and len(timing["launch_sync_ms"]) == 3 and timing["world_size"] == 2
+    assert timing["gradients"] == len(dp["sync_spec"]["gradients"]) and timing["gradient_bytes"] == dp["gradient_bytes"]
+    assert len(timing["plain_ms_p50"]) == len(timing["ddp_ms_p50"]) == 2  # every rank's medians
+    assert record["breakdown_ms"]["communication"] == pytest.approx(dp["gradient_sync_ms"]) == \
+        pytest.approx(timing["sync_ms"])
+    rest = record["predicted_step_ms"] - dp["gradient_sync_ms"]
+    assert rest == pytest.approx(sum(v for k, v in record["breakdown_ms"].items() if k != "communication"))
+    assert Path(dp["gradient_sync"]["source"]).parent == bundle
+    again = cobench("trace", "predict", str(bundle), "world_size=2", "workload.parallelism=ddp",
+                    "--calibration", str(calibration), "--json", str(tmp_path / "again.json"))
+    assert again.returncode == 0 and "timing DDP's" not in again.stdout  # the bundle's timing of this skeleton
+    assert json.loads((tmp_path / "again.json").read_text())["inputs"]["data_parallel"]["gradient_sync_ms"] == \
+        dp["gradient_sync_ms"]
+    # a timing made elsewhere (`trace time-sync` of the prediction's JSON) is taken; one of another step refused
+    made = tmp_path / "sync.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "suite.cli",
+                           "trace", "time-sync", str(out), "--out", str(made), "--passes", "6", "--warmup", "2"],
+                          capture_output=True, text=True, timeout=300, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "DDP gradient sync at 2 ranks" in proc.stdout and json.loads(made.read_text())["passes"] == 6
+    proc = cobench("trace", "predict", str(bundle), "world_size=2", "workload.parallelism=ddp",
+                   "--calibration", str(calibration), "--gradient-sync", str(made))
+    assert proc.returncode == 0 and str(made) in proc.stdout
+    proc = cobench("trace", "predict", str(bundle), "world_size=2", "workload.parallelism=ddp", "workload.n_layers=4",
+                   "--calibration", str(calibration), "--gradient-sync", str(made))
+    assert proc.returncode == 2 and "timed for 21 gradients" in proc.stderr and "time-sync" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "suite.cli", "trace", "time-sync", str(calibration), "--out",
+                           str(made)], capture_output=True, text=True, timeout=300, env=clean_env())
+    assert proc.returncode == 2 and "sync_spec" in proc.stderr
 
     ddp = ["world_size=2", "workload.parallelism=ddp"]
-    proc = cobench("trace", "predict", str(bundle), *ddp, "--calibration", str(calibration))
+    proc = cobench("trace", "predict", str(bundle), *ddp, "--calibration", str(calibration), "--sync-from", "table")
     assert proc.returncode == 0 and "ASSUMED bus bandwidth" in proc.stdout  # no table: the assumption is said
     # Llama's default parallelism shards parameters at 2 ranks (FSDP2), which the prediction does not model
     proc = cobench("trace", "predict", str(bundle), "world_size=2", "--calibration", str(calibration))
@@ -466,6 +517,17 @@ def test_a_sharded_stage_timed_at_two_ranks_replaces_the_captured_embeddings(cob
     rest = predict(graph, Change(batch_size=batch // 2), _linear(), replaced)
     assert two.predicted_step_ms == pytest.approx(rest.predicted_step_ms + dp["allreduce_ms"] + record["ms_p50"])
     assert two.breakdown_ms["sharded_stage"] == pytest.approx(record["ms_p50"])
+    # DDP's skeleton: the dense gradients only (the tables' Adagrad runs in backward: DDP leaves them out), the
+    # stage's time back where it ran, and its stretches' starts where the ranks meet
+    spec = dp["sync_spec"]
+    tables = {u.shape for op in graph.ops if any("Adagrad" in s for s in op.scopes) for u in op.inputs
+              if u.persistent and u.shape}
+    assert tables and not {tuple(shape) for shape, _ in spec["gradients"]} & tables
+    assert sum(math.prod(shape) * 4 for shape, _ in spec["gradients"]) == dp["gradient_bytes"] == \
+        gradient_bytes(graph, replaced)
+    assert spec["ddp"]["static_graph"] and spec["ddp"]["gradient_as_bucket_view"]  # TorchRec's DDP wrapper
+    assert spec["step_ms"] == pytest.approx(rest.predicted_step_ms + record["ms_p50"])
+    assert spec["collectives_ms"] and all(0 <= t <= spec["step_ms"] for t in spec["collectives_ms"])
     with pytest.raises(ValueError, match="timed at 2 ranks, not 4"):
         predict_data_parallel(graph, 4, _linear(), stage=stage, sharded=True)
     with pytest.raises(ValueError, match="no ops of module 'sparse_arch'"):
@@ -476,7 +538,7 @@ def test_a_sharded_stage_timed_at_two_ranks_replaces_the_captured_embeddings(cob
     out = tmp_path / "prediction.json"
     proc = cobench("trace", "predict", str(seqrec_bundle), "world_size=2", "--calibration", str(calibration),
                    "--collectives", str(table), "--sharded-stage", str(timing), "--json", str(out),
-                   "--chakra", str(tmp_path / "chakra"))
+                   "--chakra", str(tmp_path / "chakra"), "--sync-from", "table")
     assert proc.returncode == 0, proc.stderr[-2000:]
     from workloads.trace_replay.chakra import read_chakra
 
@@ -486,7 +548,7 @@ def test_a_sharded_stage_timed_at_two_ranks_replaces_the_captured_embeddings(cob
     assert len(nodes) == len(graph.ops) - len(replaced) + 1 + 1  # + the stage, + the all-reduce bucket
     ids = {n["id"] for n in nodes}
     assert all(d in ids for n in nodes for d in n.get("dataDeps", []) + n.get("ctrlDeps", []))
-    assert "sharded embedding stage (embeddings" in proc.stdout and "not modelled" not in proc.stdout
+    assert "sharded embedding stage (embeddings" in proc.stdout and "warning: not modelled" not in proc.stdout
     cli = json.loads(out.read_text())  # (its ranks re-timed on this host's measured 1-thread curves)
     assert cli["inputs"]["data_parallel"]["sharded_stage"]["ops_replaced"] == len(replaced)
     assert cli["breakdown_ms"]["sharded_stage"] == pytest.approx(record["ms_p50"])
@@ -503,6 +565,16 @@ def test_a_sharded_stage_timed_at_two_ranks_replaces_the_captured_embeddings(cob
     proc = cobench("trace", "predict", str(seqrec_bundle), "world_size=2", "workload.batch_size=64",
                    "--calibration", str(calibration), "--sharded-stage", str(timing))
     assert proc.returncode == 2 and "timed with changes []" in proc.stderr
+
+
+def test_the_skeleton_cuts_the_step_at_its_gradients_with_the_collectives_inside():
+    from harness.sync_probe import _stretches
+
+    # gradients made at 2 and 3 ms of a 5 ms step, the stage's collectives at 0.5 and 4 ms; 10 products a ms
+    stretches = _stretches(10.0, [2.0, 3.0], 5.0, [0.5, 4.0])
+    assert stretches == [[5, None, 15], [10], [10, None, 10]]  # before the first, between, after the last
+    assert sum(p for s in stretches for p in s if p) == 50  # the whole step, nothing twice
+    assert _stretches(10.0, [5.0], 5.0, []) == [[50], [0]]
 
 
 def test_a_calibration_spike_is_lowered_not_carried_to_larger_sizes():

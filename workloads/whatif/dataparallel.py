@@ -8,12 +8,17 @@ workload's ``batch_size`` is global):
 - ranks that share one host share its cores: a rank gets ``min(threads, cpu_count // world)`` intra-op
   threads (at least one), so its ops are re-timed by curves measured at that thread count (the
   platform edit, with this host's curves at the per-rank threads as the "target");
-- the gradients (one per parameter: the tensors the autograd engine accumulates) are all-reduced once
-  per step in DDP's buckets (25 MB): each bucket's time from the collectives benchmark's sweep table
-  (``cobench.collectives.sweep``, ``all_reduce`` at that world size, through a latency + bytes / bandwidth
-  fit of its rows) when one is given, else from an *assumed* bus bandwidth and latency, which the result states.
-  The all-reduce is put on the critical path after the backward pass (no overlap assumed: on a CPU the
-  collective's threads compete with backward for the same cores).
+- DDP's gradient synchronisation — the reducer copying each gradient into its bucket, a bucket all-reduced
+  as soon as its gradients are ready (the first, 1 MiB, while backward still runs), the step waiting for
+  the last bucket, for the slower rank and for the collective's threads to wake after compute — is
+  *measured* at ``world`` ranks on a skeleton of this rank's predicted step (:func:`sync_spec`, timed by
+  :mod:`harness.sync_probe`: the gradients' shapes made at their predicted times between calibrated busy
+  compute, with and without the real DDP). On this host that costs several times the collective alone
+  (Llama tiny at 2 ranks: 3.0 ms a step, where its 657 KB all-reduced back to back take 0.4 ms).
+  Without that timing (another platform, or asked for), the gradients are all-reduced in DDP's buckets
+  after the backward pass, each from the collectives benchmark's sweep table (``cobench.collectives.sweep``,
+  ``all_reduce`` at that world size, through a latency + bytes / bandwidth fit of its rows) when one is
+  given, else from an *assumed* bus bandwidth and latency, which the result states.
 
 DDP's buffer broadcast before every forward is not modelled: cobench's DDP wraps do not make it (Llama's
 only buffers are constant RoPE tables; TorchRec's DDP wrapper passes ``broadcast_buffers=False``).
@@ -29,11 +34,9 @@ graph (forward and backward by module scope, the in-backward optimizer by the ta
 measurement the prediction says the stage is not modelled.
 
 Not modelled: pipeline or tensor parallelism; the sharded stage overlapping dense work (a pipelined
-``TrainPipelineSparseDist``: the stage is put on the critical path); what DDP's gradient synchronisation
-costs inside a step beyond the collective itself — the reducer's per-parameter work, the collective after a
-compute phase waiting for the later rank and for gloo's threads to wake (Llama tiny at 2 ranks: 3.0 ms a
-step where its 657 KB all-reduced back to back take 0.4 ms), and DDP's first 1 MiB bucket all-reduced
-during backward (DLRM).
+``TrainPipelineSparseDist``: the stage is put on the critical path; in the skeleton its measured time sits
+where its ops ran, as busy compute); with the table instead of the skeleton, anything of DDP's
+synchronisation beyond the collective.
 """
 
 from __future__ import annotations
@@ -48,6 +51,11 @@ from workloads.whatif.graph import Graph
 from workloads.whatif.predict import BATCH_KEY, Change, Prediction, _workload_value, predict, resolved_workload
 
 DDP_BUCKET_BYTES = 25 * 2**20
+# the DDP settings of cobench's wraps: Llama's own (DDP's defaults) and TorchRec's DefaultDataParallelWrapper's
+PLAIN_DDP = {"static_graph": False, "gradient_as_bucket_view": False, "bucket_cap_mb": 25}
+TORCHREC_DDP = {"static_graph": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 25}
+STAGE_RUN_GAP_MS = 0.2  # the sharded stage's ops closer than this in the step are one stretch of it (one sync point)
+_DTYPE_BY_SIZE = {8: "float64", 4: "float32", 2: "bfloat16"}  # a trace's tensors carry their element size
 ASSUMED_BUSBW_GBPS = 1.0  # stated when no sweep table is given: a loopback gloo ring on one host, order of magnitude
 ASSUMED_LATENCY_US = 50.0
 # what a prediction at more than one rank says of a sharded workload whose stage was not measured there
@@ -77,6 +85,77 @@ class ShardedStageCost:
                              f"{err!r}") from err
 
 
+@dataclass
+class GradientSyncCost:
+    """What DDP's gradient synchronisation adds to a step at ``world`` ranks, measured on the skeleton of
+    the predicted step (:class:`harness.sync_probe.SyncTiming`'s record, launches pooled)."""
+
+    world: int
+    ms: float
+    source: str
+    timing: dict[str, Any]
+
+    @classmethod
+    def from_timing(cls, record: dict[str, Any], source: str, spec: dict[str, Any] | None = None) -> GradientSyncCost:
+        """``spec``: the skeleton this prediction needs; a timing of another (other gradients, another step) is
+        refused."""
+        try:
+            cost = cls(int(record["world_size"]), float(record["sync_ms"]), source, record)
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"{source}: not a gradient-sync timing (made by `cobench trace time-sync`): "
+                             f"{err!r}") from err
+        if spec is not None:
+            mine = (len(spec["gradients"]), spec_bytes(spec), int(spec["world_size"]))
+            theirs = (record.get("gradients"), record.get("gradient_bytes"), cost.world)
+            if mine != theirs:
+                raise ValueError(f"{source}: timed for {theirs[0]} gradients of {theirs[1]} bytes at {theirs[2]} "
+                                 f"ranks; this prediction's step has {mine[0]} of {mine[1]} bytes at {mine[2]}: time "
+                                 "the skeleton this prediction writes (`cobench trace time-sync SPEC`)")
+        return cost
+
+
+def sync_spec(graph: Graph, local: Prediction, world: int, threads: int, replaced: frozenset[int] = frozenset(),
+              stage_ms: float = 0.0, layers: int | None = None, sharded: bool = False) -> dict[str, Any]:
+    """The skeleton of one rank's predicted step that :func:`harness.sync_probe.time_gradient_sync` times: the
+    gradients DDP reduces (shape, dtype) in the order backward makes them, each at the time the edited step
+    makes it (``local``'s op ends), and the step's length. The sharded stage's ops (``replaced``, timed apart:
+    ``stage_ms``) are put back where they ran, in proportion to their captured time. ``layers``: a layer-count
+    change (``layers`` of the captured count), whose new layers' gradients are made with the captured ones.
+    ``collectives_ms``: where each stretch of the stage begins (its all-to-alls make the ranks wait for each
+    other there, with or without DDP)."""
+    stage_us = sum(op.dur_us for op in graph.ops if op.id in replaced)
+    captured = local.inputs["captured"].get("layers")
+    before, gradients, ready, collectives = 0.0, [], [], []
+    at, last_stage_end = 0.0, None
+    reduced = {op.id for op in ddp_gradients(graph, replaced)}
+    for op in graph.ops:
+        start = at  # where the op starts in the edited step (the previous op's end), the stage put back
+        if op.id in replaced:
+            if last_stage_end is None or start - last_stage_end > STAGE_RUN_GAP_MS:
+                collectives.append(start)  # a stretch of the stage begins: its all-to-alls keep the ranks in step
+            before += op.dur_us
+        at = local.end_ms[op.id] + (stage_ms * before / stage_us if stage_us else 0.0)
+        if op.id in replaced:
+            last_stage_end = at
+        if op.id not in reduced:
+            continue
+        grad = op.inputs[0]
+        copies = 1
+        if layers is not None and captured and op.layer is not None:  # new layer j is captured layer j mod n
+            copies = len(range(op.layer[1], layers, captured))
+        for _ in range(copies):
+            gradients.append([list(grad.shape), _DTYPE_BY_SIZE.get(grad.itemsize, "float32")])
+            ready.append(at)
+    return {"world_size": world, "threads_per_rank": threads, "step_ms": local.predicted_step_ms + stage_ms,
+            "gradients": gradients, "ready_ms": ready, "collectives_ms": collectives,
+            "ddp": TORCHREC_DDP if sharded else PLAIN_DDP, "workload": graph.workload}
+
+
+def spec_bytes(spec: dict[str, Any]) -> int:
+    sizes = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+    return sum(math.prod(shape) * sizes.get(dtype, 4) for shape, dtype in spec["gradients"])
+
+
 def stage_ops(graph: Graph, module: str) -> frozenset[int]:
     """The sharded stage's ops in a single-rank graph: every op of ``module`` or a module under it (backward
     ops through their forward op), and the gradient accumulation and in-backward optimizer updates of the
@@ -91,14 +170,8 @@ def stage_ops(graph: Graph, module: str) -> frozenset[int]:
 
 def gradient_bytes(graph: Graph, without: frozenset[int] = frozenset()) -> int:
     """Bytes of the gradients the autograd engine accumulates in a step (one per dense parameter):
-    what DDP all-reduces. Sharded or fused embedding tables (TorchRec) accumulate none and so count none;
-    nor do the ops ``without`` names (a sharded stage's, which DDP does not reduce)."""
-    total = 0
-    for op in graph.ops:
-        if _accumulates(op) and op.id not in without:
-            grad = op.inputs[0]
-            total += math.prod(grad.shape) * grad.itemsize
-    return total
+    what DDP all-reduces (:func:`ddp_gradients`)."""
+    return sum(math.prod(op.inputs[0].shape) * op.inputs[0].itemsize for op in ddp_gradients(graph, without))
 
 
 @dataclass
@@ -213,14 +286,18 @@ def rank_change(graph: Graph, world: int, change: Change, rank_calibration: Cali
 def predict_data_parallel(graph: Graph, world: int, calibration: Calibration, change: Change | None = None,
                           rank_calibration: Calibration | None = None,
                           allreduce: AllReduceCost | None = None, stage: ShardedStageCost | None = None,
-                          sharded: bool = False) -> Prediction:
+                          sharded: bool = False, sync: GradientSyncCost | None = None) -> Prediction:
     """``graph``'s step at ``world`` data-parallel ranks (with ``change``'s other edits, its batch the
     global one). ``rank_calibration``: curves at the threads a rank gets (None: as captured). ``sharded``:
     the workload has a TorchRec sharded stage; ``stage``: its time measured at ``world`` ranks, which
-    replaces the stage's ops (None: the prediction says the stage is not modelled)."""
+    replaces the stage's ops (None: the prediction says the stage is not modelled). ``sync``: DDP's gradient
+    synchronisation measured on this prediction's skeleton (``inputs.data_parallel.sync_spec``); None: the
+    gradients' all-reduce from ``allreduce`` after backward."""
     change = change or Change()
     if stage is not None and stage.world != world:
         raise ValueError(f"{stage.source}: the sharded stage was timed at {stage.world} ranks, not {world}")
+    if sync is not None and sync.world != world:
+        raise ValueError(f"{sync.source}: the gradient sync was timed at {sync.world} ranks, not {world}")
     replaced = stage_ops(graph, stage.module) if stage is not None and world > 1 else frozenset()
     if stage is not None and world > 1 and not replaced:
         raise ValueError(f"{stage.source}: the capture has no ops of module {stage.module!r} (a timing of another "
@@ -233,21 +310,40 @@ def predict_data_parallel(graph: Graph, world: int, calibration: Calibration, ch
         share = _layer_gradient_share(graph)
         grads = round(grads * ((1 - share) + share * change.layers / local.inputs["captured"]["layers"]))
     buckets = bucket_sizes(grads)
-    comm_ms = sum(allreduce.at(b) for b in buckets) / 1e3 if world > 1 else 0.0
     stage_ms = stage.ms if replaced else 0.0
+    threads, rank_threads = threads_per_rank(graph, world)
+    spec = sync_spec(graph, local, world, rank_threads, replaced, stage_ms, change.layers, sharded) \
+        if world > 1 else None
+    if sync is not None and world > 1:
+        if sync.timing.get("gradients") != len(spec["gradients"]):
+            raise ValueError(f"{sync.source}: timed for {sync.timing.get('gradients')} gradients, this prediction's "
+                             f"step makes {len(spec['gradients'])}")
+        comm_ms = sync.ms
+    else:
+        comm_ms = sum(allreduce.at(b) for b in buckets) / 1e3 if world > 1 else 0.0
     breakdown = dict(local.breakdown_ms)
     breakdown["communication"] = breakdown.get("communication", 0.0) + comm_ms
     if replaced:
         breakdown["sharded_stage"] = stage_ms
-    threads, rank_threads = threads_per_rank(graph, world)
     global_batch = change.batch_size or local.inputs["captured"]["batch_size"]
     inputs = dict(local.inputs)
     inputs["data_parallel"] = {"world_size": world, "global_batch_size": global_batch,
                                "batch_per_rank": global_batch // world, "threads_captured": threads,
                                "threads_per_rank": rank_threads, "gradient_bytes": grads,
-                               "buckets": len(buckets), "allreduce": allreduce.describe(),
-                               "allreduce_ms": comm_ms,
-                               "overlap": "none assumed: the all-reduce follows the backward pass"}
+                               "buckets": len(buckets), "allreduce": allreduce.describe()}
+    if sync is not None and world > 1:
+        inputs["data_parallel"] |= {
+            "gradient_sync_ms": comm_ms, "gradient_sync": {
+                "source": sync.source, "how": "DDP on a skeleton of this step (its gradients at their predicted "
+                                              "times between calibrated compute) minus the skeleton without DDP, "
+                                              f"at {world} ranks", "timing": sync.timing}}
+    else:
+        inputs["data_parallel"] |= {"allreduce_ms": comm_ms,
+                                    "overlap": "none assumed: the all-reduce follows the backward pass",
+                                    "not_modelled_sync": "DDP's synchronisation beyond the collective (the reducer, "
+                                                         "waiting for the slower rank and the collective's threads)"}
+    if spec is not None:
+        inputs["data_parallel"]["sync_spec"] = spec
     if replaced:
         inputs["data_parallel"]["sharded_stage"] = {
             "source": stage.source, "module": stage.module, "measured_ms": stage_ms, "ops_replaced": len(replaced),
@@ -255,19 +351,31 @@ def predict_data_parallel(graph: Graph, world: int, calibration: Calibration, ch
     elif world > 1 and sharded:
         inputs["data_parallel"]["not_modelled"] = NOT_MODELLED_STAGE
     return Prediction(local.predicted_step_ms + comm_ms + stage_ms, local.unchanged_step_ms,
-                      local.measured_step_ms, local.naive_step_ms, breakdown, inputs, local.replay_reference_ms)
+                      local.measured_step_ms, local.naive_step_ms, breakdown, inputs, local.replay_reference_ms,
+                      local.end_ms)
 
 
 def _layer_gradient_share(graph: Graph) -> float:
     held = {"layers": 0, "rest": 0}
-    for op in graph.ops:
-        if _accumulates(op):
-            held["layers" if op.layer is not None else "rest"] += math.prod(op.inputs[0].shape)
+    for op in ddp_gradients(graph):
+        held["layers" if op.layer is not None else "rest"] += math.prod(op.inputs[0].shape)
     total = held["layers"] + held["rest"]
     return held["layers"] / total if total else 0.0
 
 
 def _accumulates(op) -> bool:  # noqa: ANN001
-    """The op that hands a parameter its gradient (first accumulation: detach; later ones: add_/copy_)."""
+    """The op that hands a parameter its gradient (first accumulation: detach; later ones: add_/copy_) — not
+    an optimizer's own work run inside the accumulation (an in-backward optimizer's step counter, its weight
+    decay)."""
     return bool(op.inputs) and op.name in ("aten::detach", "aten::add_", "aten::copy_") \
-        and any("AccumulateGrad" in s for s in op.scopes)
+        and any("AccumulateGrad" in s for s in op.scopes) and not any("Optimizer.step" in s for s in op.scopes)
+
+
+def ddp_gradients(graph: Graph, without: frozenset[int] = frozenset()) -> list:
+    """The accumulations of the gradients DDP all-reduces, in the order backward makes them: every parameter's
+    but those an optimizer updates inside backward (TorchRec's fused tables: DDP leaves them out) and those of
+    the ops ``without`` names (a sharded stage's)."""
+    in_backward = {u.shape for op in graph.ops if any("AccumulateGrad" in s for s in op.scopes)
+                   and any("Optimizer.step" in s for s in op.scopes) for u in op.inputs if u.persistent and u.shape}
+    return [op for op in graph.ops
+            if _accumulates(op) and op.id not in without and op.inputs[0].shape not in in_backward]

@@ -419,7 +419,8 @@ def _share_optimizer_ops(ops: list[Op]) -> None:
 def schedule(graph: Graph, durations: dict[int, float] | None = None, gaps: dict[int, float] | None = None,
              extra: list[Op] | None = None) -> dict[str, Any]:
     """Replay the graph: host order on one thread, each op also after the ops it reads from. Returns the
-    step time and its breakdown (compute by category, communication, host) along the critical path."""
+    step time, its breakdown (compute by category, communication, host) along the critical path, and each
+    op's end (``end_us``, by op id)."""
     ops = [*graph.ops, *(extra or [])]
     end: dict[int, float] = {}
     clock = 0.0
@@ -440,4 +441,4 @@ def schedule(graph: Graph, durations: dict[int, float] | None = None, gaps: dict
         by_category["communication" if op.category in COMM_CATEGORIES else op.category] += dur
     clock += graph.tail_gap_us
     host += graph.tail_gap_us
-    return {"step_us": clock, "host_us": host, "idle_us": idle, "compute_us": dict(by_category)}
+    return {"step_us": clock, "host_us": host, "idle_us": idle, "compute_us": dict(by_category), "end_us": end}

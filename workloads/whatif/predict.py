@@ -61,6 +61,7 @@ class Prediction:
     breakdown_ms: dict[str, float]
     inputs: dict[str, Any] = field(default_factory=dict)
     replay_reference_ms: float | None = None  # what the unchanged replay is judged against (Graph's)
+    end_ms: dict[int, float] = field(default_factory=dict)  # each op's end in the edited step (by op id)
 
     def to_json(self) -> dict[str, Any]:
         against = self.replay_reference_ms or self.measured_step_ms
@@ -328,4 +329,5 @@ def predict(graph: Graph, change: Change, calibration: Calibration,
     if jagged:
         inputs["jagged_buckets"] = jagged.inputs
     return Prediction(edited["step_us"] * correction / 1e3, unchanged["step_us"] / 1e3, graph.measured_step_ms,
-                      graph.measured_step_ms * naive, breakdown, inputs, graph.replay_reference_ms)
+                      graph.measured_step_ms * naive, breakdown, inputs, graph.replay_reference_ms,
+                      {i: t * correction / 1e3 for i, t in edited["end_us"].items()})
