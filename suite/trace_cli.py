@@ -310,8 +310,12 @@ def _predict(args: argparse.Namespace) -> int:
             print(f"  warning: not modelled: {dp['not_modelled']}")
     if args.chakra is not None:  # the edited graph one rank runs (layers already assigned by the prediction)
         local = rank_change(graph, world, change, rank_calibration) if world and world > 1 else change
-        buckets = [(b, allreduce.at(b)) for b in bucket_sizes(record["inputs"]["data_parallel"]["gradient_bytes"])] \
+        dp = record["inputs"].get("data_parallel", {})
+        buckets = [(b, allreduce.at(b)) for b in bucket_sizes(dp["gradient_bytes"])] \
             if world and world > 1 and allreduce is not None else []
+        if buckets and dp.get("gradient_sync_ms") is not None:  # the measured sync, shared out by the buckets' times
+            total = sum(us for _, us in buckets) or 1.0
+            buckets = [(b, 1e3 * dp["gradient_sync_ms"] * us / total) for b, us in buckets]
         st = record["inputs"].get("data_parallel", {}).get("sharded_stage")
         path = export_edited_chakra(graph, edited_ops(graph, local, calibration), args.chakra / "rank0.et", buckets,
                                     (stage_ops(graph, st["module"]), 1e3 * st["measured_ms"]) if st else None)
@@ -346,12 +350,12 @@ def _stage_cost(args: argparse.Namespace, graph, world: int, changes: list[str],
     from harness.stage_probe import pooled
     from workloads.whatif.dataparallel import ShardedStageCost
 
+    stage_changes = sorted(c for c in changes if c.startswith("workload."))
     if args.sharded_stage is not None:
         if not args.sharded_stage.exists():
             raise ValueError(f"--sharded-stage {args.sharded_stage} does not exist: time the stage with `torchrun "
                              f"--nproc-per-node {world} -m suite.cli trace time-stage BUNDLE --out FILE`")
         record = read_json_file(args.sharded_stage)
-        stage_changes = sorted(c for c in changes if c.startswith("workload."))
         if sorted(record.get("changes") or []) != stage_changes:
             raise ValueError(f"--sharded-stage {args.sharded_stage} was timed with changes {record.get('changes')}, "
                              f"this prediction makes {stage_changes}: time it with the same workload.* changes")
@@ -360,9 +364,7 @@ def _stage_cost(args: argparse.Namespace, graph, world: int, changes: list[str],
         raise ValueError(f"predicting {graph.workload} at world_size={world} for another platform needs its sharded "
                          f"stage timed there: `torchrun --nproc-per-node {world} -m suite.cli trace time-stage BUNDLE "
                          "--out FILE` on the target, then --sharded-stage FILE")
-    stage_changes = sorted(c for c in changes if c.startswith("workload."))
-    key = "-".join(c.removeprefix("workload.").replace("=", "") for c in stage_changes)
-    cached = Path(args.bundle) / f"whatif_sharded_stage_{world}ranks{'_' + key if key else ''}.json"
+    cached = Path(args.bundle) / f"whatif_sharded_stage_{world}ranks{_changes_key(stage_changes)}.json"
     if not cached.exists():
         if int(os.environ.get("WORLD_SIZE", "1")) == world:  # already W ranks (predict --measure under torchrun):
             # every rank times it together and gets the same record (rank 0 also keeps it in the bundle)
@@ -385,6 +387,12 @@ def _stage_cost(args: argparse.Namespace, graph, world: int, changes: list[str],
     return ShardedStageCost.from_timing(read_json_file(cached), str(cached))
 
 
+def _changes_key(changes: list[str]) -> str:
+    """A bundle file's suffix for a prediction's workload.* changes ("" for none): a timing kept per change."""
+    key = "-".join(c.removeprefix("workload.").replace("=", "") for c in sorted(changes) if c.startswith("workload."))
+    return f"_{key}" if key else ""
+
+
 def _sync_cost(args: argparse.Namespace, spec: dict | None, world: int, other_platform: bool):  # noqa: ANN202
     """DDP's gradient synchronisation at ``world`` ranks for this prediction's skeleton ``spec``:
     ``--gradient-sync``, else the bundle's timing of a skeleton of these changes (the same gradients, its step
@@ -402,7 +410,7 @@ def _sync_cost(args: argparse.Namespace, spec: dict | None, world: int, other_pl
         if not args.gradient_sync.exists():
             raise ValueError(f"--gradient-sync {args.gradient_sync} does not exist: time the skeleton with `torchrun "
                              f"--nproc-per-node {world} -m suite.cli trace time-sync PREDICTION.json --out FILE`")
-        return GradientSyncCost.from_timing(read_json_file(args.gradient_sync), str(args.gradient_sync), spec)
+        return GradientSyncCost.from_timing(read_json_file(args.gradient_sync), str(args.gradient_sync))
     if args.sync_from == "table":
         return None
     if other_platform:
@@ -410,9 +418,7 @@ def _sync_cost(args: argparse.Namespace, spec: dict | None, world: int, other_pl
               f"{world} -m suite.cli trace time-sync PREDICTION.json --out FILE` on the target (PREDICTION.json: "
               "this command's --json), then --gradient-sync FILE; until then the all-reduce alone is counted")
         return None
-    key = "-".join(c.removeprefix("workload.").replace("=", "") for c in sorted(
-        c for c in args.changes if c.startswith("workload.") and not c.startswith("workload.parallelism")))
-    cached = Path(args.bundle) / f"whatif_gradient_sync_{world}ranks{'_' + key if key else ''}.json"
+    cached = Path(args.bundle) / f"whatif_gradient_sync_{world}ranks{_changes_key(args.changes)}.json"
     if cached.exists():
         record = read_json_file(cached)
         if record.get("gradients") != len(spec["gradients"]) or \
@@ -422,7 +428,7 @@ def _sync_cost(args: argparse.Namespace, spec: dict | None, world: int, other_pl
     if not cached.exists():
         if int(os.environ.get("WORLD_SIZE", "1")) == world:  # already W ranks: time it in this process group
             record = _time_sync(spec, cached, SYNC_LAUNCHES * SYNC_PASSES, 10)
-            return GradientSyncCost.from_timing(record | {"launch_sync_ms": [record["sync_ms"]]}, str(cached), spec)
+            return GradientSyncCost.from_timing(record | {"launch_sync_ms": [record["sync_ms"]]}, str(cached))
         print(f"  timing DDP's gradient synchronisation at {world} ranks on a skeleton of this step ({SYNC_LAUNCHES} "
               f"torchrun launches of {SYNC_PASSES} passes) ...", flush=True)
         spec_file.write_text(json.dumps(spec))
@@ -438,7 +444,7 @@ def _sync_cost(args: argparse.Namespace, spec: dict | None, world: int, other_pl
             launches.append(read_json_file(part))
             part.unlink()
         cached.write_text(json.dumps(pooled(launches), indent=1))
-    return GradientSyncCost.from_timing(read_json_file(cached), str(cached), spec)
+    return GradientSyncCost.from_timing(read_json_file(cached), str(cached))
 
 
 def read_json_file(path: Path) -> dict:

@@ -78,6 +78,9 @@ class CaseResult:
                 "absolute_error_pct": 100.0 * (predicted_ms / measured_ms - 1.0)}
 
 
+CASES = ("layers", "batch", "ranks")
+
+
 def cases_for(graph, values: dict[str, Any]) -> dict[str, list[str]]:  # noqa: ANN001
     """The issue's three changes for the captured workload: 2× its repeated layers, 2× batch, 1 → 2 ranks
     (DDP where the workload has a parallelism choice)."""
@@ -117,18 +120,18 @@ def validate(out: Path, overrides: list[str], case_names: list[str], rounds: int
     base and changed runs back to back."""
     from workloads.whatif.predict import resolved_workload
 
+    unknown = [n for n in case_names if n not in CASES]
+    if unknown:  # before the first capture
+        raise ValueError(f"unknown case {unknown[0]!r}: choose from {', '.join(CASES)}")
     workload = [o for o in overrides if not o.startswith(("tracking", "results_dir"))]
     graph = _capture(out / "bundle-0", workload, steps, out)
     cases = cases_for(graph, resolved_workload(graph))
-    unknown = [n for n in case_names if n not in cases]
-    if unknown:
-        raise ValueError(f"unknown case {unknown[0]!r}: choose from {', '.join(cases)}")
     run = ["runner.repetitions=1", f"runner.steps={steps}", f"runner.warmup_steps={warmup}",
            "runner.progress=false", "tracking=off"]
     results = {name: CaseResult(graph.workload, name, cases[name], [], [], 0.0, [], []) for name in case_names}
     for r in range(rounds):
         bundle = out / f"bundle-{r}"
-        graph = _capture(bundle, workload, steps, out)
+        graph = _capture(bundle, workload, steps, out) if r else graph
         for name, result in results.items():
             changes = cases[name]
             table = ["--collectives", str(collectives)] if name == "ranks" and collectives else []

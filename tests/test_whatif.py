@@ -608,6 +608,8 @@ def test_predict_validate_captures_every_round_and_logs_each_case(tmp_path: Path
     (run,) = [r for r in mlflow_runs(store) if r.info.run_name == "whatif-validate-llama-layers"]
     assert run.info.status == "FINISHED" and run.data.metrics["prediction_error_pct"] == pytest.approx(
         row["prediction_error_pct"]) and row["run_id"] == run.info.run_id
-    proc = cobench("trace", "predict-validate", "--out", str(out), "--cases", "heads", "workload=llama",
+    fresh = tmp_path / "fresh"
+    proc = cobench("trace", "predict-validate", "--out", str(fresh), "--cases", "heads", "workload=llama",
                    "workload.preset=tiny", "tracking=off")
     assert proc.returncode == 2 and "unknown case 'heads'" in proc.stderr and "layers, batch, ranks" in proc.stderr
+    assert not (fresh / "bundle-0").exists()  # refused before any capture

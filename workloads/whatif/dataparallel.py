@@ -96,22 +96,21 @@ class GradientSyncCost:
     timing: dict[str, Any]
 
     @classmethod
-    def from_timing(cls, record: dict[str, Any], source: str, spec: dict[str, Any] | None = None) -> GradientSyncCost:
-        """``spec``: the skeleton this prediction needs; a timing of another (other gradients, another step) is
-        refused."""
+    def from_timing(cls, record: dict[str, Any], source: str) -> GradientSyncCost:
         try:
-            cost = cls(int(record["world_size"]), float(record["sync_ms"]), source, record)
+            return cls(int(record["world_size"]), float(record["sync_ms"]), source, record)
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"{source}: not a gradient-sync timing (made by `cobench trace time-sync`): "
                              f"{err!r}") from err
-        if spec is not None:
-            mine = (len(spec["gradients"]), spec_bytes(spec), int(spec["world_size"]))
-            theirs = (record.get("gradients"), record.get("gradient_bytes"), cost.world)
-            if mine != theirs:
-                raise ValueError(f"{source}: timed for {theirs[0]} gradients of {theirs[1]} bytes at {theirs[2]} "
-                                 f"ranks; this prediction's step has {mine[0]} of {mine[1]} bytes at {mine[2]}: time "
-                                 "the skeleton this prediction writes (`cobench trace time-sync SPEC`)")
-        return cost
+
+    def check(self, spec: dict[str, Any]) -> None:
+        """Refuse a timing of another skeleton than ``spec`` (other gradients, another world size)."""
+        mine = (len(spec["gradients"]), spec_bytes(spec), int(spec["world_size"]))
+        theirs = (self.timing.get("gradients"), self.timing.get("gradient_bytes"), self.world)
+        if mine != theirs:
+            raise ValueError(f"{self.source}: timed for {theirs[0]} gradients of {theirs[1]} bytes at {theirs[2]} "
+                             f"ranks; this prediction's step has {mine[0]} of {mine[1]} bytes at {mine[2]}: time the "
+                             "skeleton this prediction writes (`cobench trace time-sync PREDICTION.json`)")
 
 
 def sync_spec(graph: Graph, local: Prediction, world: int, threads: int, replaced: frozenset[int] = frozenset(),
@@ -296,8 +295,6 @@ def predict_data_parallel(graph: Graph, world: int, calibration: Calibration, ch
     change = change or Change()
     if stage is not None and stage.world != world:
         raise ValueError(f"{stage.source}: the sharded stage was timed at {stage.world} ranks, not {world}")
-    if sync is not None and sync.world != world:
-        raise ValueError(f"{sync.source}: the gradient sync was timed at {sync.world} ranks, not {world}")
     replaced = stage_ops(graph, stage.module) if stage is not None and world > 1 else frozenset()
     if stage is not None and world > 1 and not replaced:
         raise ValueError(f"{stage.source}: the capture has no ops of module {stage.module!r} (a timing of another "
@@ -315,9 +312,7 @@ def predict_data_parallel(graph: Graph, world: int, calibration: Calibration, ch
     spec = sync_spec(graph, local, world, rank_threads, replaced, stage_ms, change.layers, sharded) \
         if world > 1 else None
     if sync is not None and world > 1:
-        if sync.timing.get("gradients") != len(spec["gradients"]):
-            raise ValueError(f"{sync.source}: timed for {sync.timing.get('gradients')} gradients, this prediction's "
-                             f"step makes {len(spec['gradients'])}")
+        sync.check(spec)
         comm_ms = sync.ms
     else:
         comm_ms = sum(allreduce.at(b) for b in buckets) / 1e3 if world > 1 else 0.0
