@@ -11,6 +11,7 @@
                           [--chakra DIR] [--json FILE] [--measure [OVERRIDES]]
     torchrun --nproc-per-node W -m suite.cli trace time-stage BUNDLE --out FILE [--passes N] [CHANGES]
     torchrun --nproc-per-node W -m suite.cli trace time-sync SPEC --out FILE [--passes N]
+    cobench trace measure-pair --out FILE [--steps N] [--warmup W] OVERRIDES --changed CHANGES
     cobench trace predict-validate --out DIR [--rounds R] [--steps K] [--cases layers,batch,ranks] [OVERRIDES]
 
 Replay is a workload like any other: ``cobench run workload=generated workload.spec=SPEC``.
@@ -121,6 +122,16 @@ def _parser() -> argparse.ArgumentParser:
                      help="the all_reduce sweep table at 2 ranks for the ranks case (else the stated assumption)")
     val.add_argument("overrides", nargs="*", help="the workload, e.g. workload=dlrm workload.preset=tiny; "
                                                   "tracking.* and results_dir: where each case's MLflow run goes")
+
+    pair = commands.add_parser("measure-pair", help="two configurations of a workload side by side in one process, "
+                                                    "their steps interleaved in rounds: step medians and the ratio "
+                                                    "with its 95 %% interval (predict-validate's measurement)")
+    pair.add_argument("--out", type=Path, required=True, help="the record (JSON)")
+    pair.add_argument("--steps", type=int, default=100, help="timed steps of each side (default 100; whole rounds of 10, at least 2)")
+    pair.add_argument("--warmup", type=int, default=5, help="untimed steps of each side first (default 5)")
+    pair.add_argument("overrides", nargs="*", help="the base configuration, e.g. workload=llama")
+    pair.add_argument("--changed", nargs="+", required=True, metavar="OVERRIDE",
+                      help="what the changed side overrides on top of the base, e.g. workload.batch_size=16")
 
     stg = commands.add_parser("time-stage", help="under torchrun: time a TorchRec workload's sharded embedding "
                                                   "stage alone at this world size (what `predict world_size=W` "
@@ -615,6 +626,25 @@ def _predict_validate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _measure_pair(args: argparse.Namespace) -> int:
+    from suite.whatif_validate import measure_pair
+
+    if args.steps < 1 or args.warmup < 0:
+        raise ValueError("--steps must be at least 1 and --warmup at least 0")
+    if any("world_size" in c or c.startswith("dp=") for c in args.changed):
+        raise ValueError("measure-pair runs both sides in one process: a world-size change needs its own launch")
+    record = measure_pair(args.overrides, [*args.overrides, *args.changed], args.out.parent / f"{args.out.stem}-work",
+                          args.steps, args.warmup)
+    record["changed"] = args.changed
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(record, indent=1))
+    low, high = record["ratio_ci"]
+    print(f"base {record['base_ms']:.2f} ms, changed ({' '.join(args.changed)}) {record['changed_ms']:.2f} ms: ratio "
+          f"{record['ratio']:.3f} (95 % interval {low:.3f} … {high:.3f}, {record['rounds']} interleaved rounds): "
+          f"{args.out}")
+    return EXIT_OK
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     from workloads.whatif.costmodel import calibrate
 
@@ -642,7 +672,7 @@ def run(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     handlers = {"capture": _capture, "generate": _generate, "fidelity": _fidelity, "export": _export,
                 "predict": _predict, "calibrate": _calibrate, "predict-validate": _predict_validate,
-                "time-stage": _time_stage_command, "time-sync": _time_sync_command}
+                "time-stage": _time_stage_command, "time-sync": _time_sync_command, "measure-pair": _measure_pair}
     try:
         return handlers[args.command](args)
     except TrackingError:

@@ -4,8 +4,13 @@ Real step times on a shared machine drift by more than a model's error, and not 
 a process's step lands in a fast or a slow state (Llama's tiny step 5.2 or 7.1 ms, runs back to back) that
 lasts tens of seconds — the host's other tenants taking the second core's time —, so neither a prediction
 nor the trace it comes from is judged against a run made at another moment. Each of R rounds captures
-afresh and then, per case, predicts from that capture and runs the unchanged configuration (the base) and
-the changed one, each a short run in its own process, back to back. What is judged is the ratio:
+afresh and then, per case, predicts from that capture and measures the unchanged configuration (the base) and
+the changed one. A change that keeps one process (layers, batch) is measured **side by side in one process**
+(:func:`measure_pair`: both models built, their steps interleaved in rounds of 10, as the fidelity judge
+runs a source beside its replay), so that both see the host's same state — runs back to back in their own
+processes moved Llama's 2× batch ratio from 1.71 to 2.03 as the state flipped between them. A change of
+world size runs as two short runs in their own processes, back to back (a base, then ``torchrun``). What is
+judged is the ratio:
 
     measured ratio  = changed step / base step of the same round (drift common to both cancels)
     predicted ratio = predicted changed step / predicted unchanged step (the edited graph against the
@@ -37,6 +42,40 @@ ROUND_RETRIES = 2  # a disturbed round is measured again at most this often (the
 # the capture saw (here a process's step lands fast or slow, DLRM tiny 2.9 or 4.0 ms, Llama tiny 5.1 or 7.0 ms)
 CAPTURED_STATE = 0.2
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node"]
+PAIR_STEPS_PER_ROUND = 10  # a side-by-side pair's steps per side per round (rounds = steps // this)
+
+
+def measure_pair(base: list[str], changed: list[str], work_dir: Path, steps: int, warmup: int) -> dict[str, Any]:
+    """The base and changed configurations (Hydra overrides) of one workload in this process, their steps
+    interleaved in rounds (:func:`harness.judge.interleave`): step medians, the ratio changed / base and its
+    95 % interval (whole rounds resampled)."""
+    from harness.config import compose_config, to_run_config
+    from harness.judge import interleave
+    from harness.loop import seed_everything
+    from harness.runner import join, open_workload
+
+    cfgs = [to_run_config(compose_config([*side, "tracking=off"])) for side in (base, changed)]
+    joined = join(cfgs[0])
+    opened = []
+    try:
+        for name, cfg in zip(("base", "changed"), cfgs, strict=True):
+            seed_everything(cfg.seed, cfg.deterministic)
+            side = open_workload(cfg, work_dir / name, joined)
+            side.workload.setup()
+            opened.append(side)
+        rounds = max(2, -(-steps // PAIR_STEPS_PER_ROUND))
+        result = interleave(opened[0].workload.step, opened[1].workload.step, joined[0].device, rounds=rounds,
+                            steps_per_round=PAIR_STEPS_PER_ROUND, warmup=warmup)
+    finally:
+        for side in opened:
+            side.workload.teardown()
+    return {"base_ms": result.source_step_ms, "changed_ms": result.replay_step_ms,
+            "ratio": result.replay_step_ms / result.source_step_ms,
+            "ratio_ci": [1.0 + result.time_error_ci_low_pct / 100, 1.0 + result.time_error_ci_high_pct / 100],
+            "base_round_cv_pct": result.source_round_cv_pct, "changed_round_cv_pct": result.replay_round_cv_pct,
+            "rounds": rounds, "steps_per_round": PAIR_STEPS_PER_ROUND, "warmup": warmup,
+            "base_round_ms": [statistics.median(r) for r in result.source_ms],
+            "changed_round_ms": [statistics.median(r) for r in result.replay_ms]}
 
 
 @dataclass
@@ -104,6 +143,26 @@ def _step_ms(run_root: Path, command: list[str]) -> tuple[float, bool]:
     return float(record["metrics"]["step_time_ms_p50"]), bool(record["metrics"].get("noisy"))
 
 
+def _measure(where: Path, world: int, workload: list[str], changes: list[str], run: list[str], steps: int,
+             warmup: int) -> tuple[list[float], bool]:
+    """One round's [base, changed] step medians and whether a run was noisy: side by side in one process
+    (``trace measure-pair``, its record ``<where>-pair.json``) when the change keeps one process; else a base
+    run, then the changed one under torchrun (``<where>-base``, ``<where>-changed``)."""
+    if world == 1:
+        record = where.with_name(f"{where.name}-pair.json")
+        subprocess.run([*HERE, "trace", "measure-pair", "--out", str(record), "--steps", str(steps), "--warmup",
+                        str(warmup), *workload, "--changed", *changes], check=True, stdout=subprocess.DEVNULL)
+        measured = json.loads(record.read_text())
+        return [measured["base_ms"], measured["changed_ms"]], False
+    pair, noisy = [], False
+    for side, launch, extra in (("base", HERE, []), ("changed", [*TORCHRUN, str(world), "-m", "suite.cli"], changes)):
+        root = where.with_name(f"{where.name}-{side}")
+        ms, flagged = _step_ms(root, [*launch, "run", *workload, *extra, *run, f"results_dir={root}"])
+        pair.append(ms)
+        noisy |= flagged
+    return pair, noisy
+
+
 def _capture(bundle: Path, workload: list[str], steps: int, out: Path):  # noqa: ANN202
     """The graph of a capture into ``bundle`` (taken now unless it is there: a rerun keeps its rounds' captures)."""
     from workloads.whatif.graph import load_graph
@@ -146,14 +205,8 @@ def validate(out: Path, overrides: list[str], case_names: list[str], rounds: int
             world = next((int(c.partition("=")[2]) for c in changes if c.startswith("world_size=")), 1)
             real = [c for c in changes if not c.startswith("world_size=")]
             for attempt in range(1 + ROUND_RETRIES):
-                pair, noisy = [], False
-                for side, launch, extra in (("base", HERE, []),
-                                            ("changed", [*TORCHRUN, str(world), "-m", "suite.cli"] if world > 1
-                                             else HERE, real)):
-                    root = out / "rounds" / f"{name}-{r}-{attempt}-{side}"
-                    ms, flagged = _step_ms(root, [*launch, "run", *workload, *extra, *run, f"results_dir={root}"])
-                    pair.append(ms)
-                    noisy |= flagged
+                pair, noisy = _measure(out / "rounds" / f"{name}-{r}-{attempt}", world, workload, real, run, steps,
+                                       warmup)
                 # a round is judged only on the machine that was captured: neither run noisy, the base within
                 # CAPTURED_STATE of the capture's own plain step (else the machine moved to another state)
                 if not noisy and abs(pair[0] / graph.measured_step_ms - 1.0) <= CAPTURED_STATE:

@@ -605,6 +605,17 @@ def test_predict_validate_captures_every_round_and_logs_each_case(tmp_path: Path
         100 * (row["predicted_ratios"][0] * row["base_ms"][0] / row["changed_ms"][0]
                + row["predicted_ratios"][1] * row["base_ms"][1] / row["changed_ms"][1] - 2) / 2)
     assert "layers" in proc.stdout and "mean absolute error" in proc.stdout
+    # a one-process change is measured side by side in one process, each round's pair in its own record
+    for r in range(2):
+        pairs = [json.loads(p.read_text()) for p in sorted((out / "rounds").glob(f"layers-{r}-*-pair.json"))]
+        assert pairs and pairs[-1]["base_ms"] == row["base_ms"][r] and pairs[-1]["changed_ms"] == row["changed_ms"][r]
+        assert pairs[-1]["rounds"] == 2 and len(pairs[-1]["base_round_ms"]) == 2  # 8 steps: two rounds of 10
+        low, high = pairs[-1]["ratio_ci"]
+        assert low <= pairs[-1]["ratio"] <= high and pairs[-1]["ratio"] == pytest.approx(
+            pairs[-1]["changed_ms"] / pairs[-1]["base_ms"])
+    proc = cobench("trace", "measure-pair", "--out", str(tmp_path / "pair.json"), "workload=llama", "--changed",
+                   "world_size=2")
+    assert proc.returncode == 2 and "one process" in proc.stderr
     (run,) = [r for r in mlflow_runs(store) if r.info.run_name == "whatif-validate-llama-layers"]
     assert run.info.status == "FINISHED" and run.data.metrics["prediction_error_pct"] == pytest.approx(
         row["prediction_error_pct"]) and row["run_id"] == run.info.run_id
