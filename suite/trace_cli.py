@@ -127,7 +127,8 @@ def _parser() -> argparse.ArgumentParser:
                                                     "their steps interleaved in rounds: step medians and the ratio "
                                                     "with its 95 %% interval (predict-validate's measurement)")
     pair.add_argument("--out", type=Path, required=True, help="the record (JSON)")
-    pair.add_argument("--steps", type=int, default=100, help="timed steps of each side (default 100; whole rounds of 10, at least 2)")
+    pair.add_argument("--steps", type=int, default=100,
+                      help="timed steps of each side (default 100; whole rounds of 10, at least 2)")
     pair.add_argument("--warmup", type=int, default=5, help="untimed steps of each side first (default 5)")
     pair.add_argument("overrides", nargs="*", help="the base configuration, e.g. workload=llama")
     pair.add_argument("--changed", nargs="+", required=True, metavar="OVERRIDE",
