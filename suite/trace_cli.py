@@ -357,7 +357,6 @@ def _stage_cost(args: argparse.Namespace, graph, world: int, changes: list[str],
     """The sharded stage's time at ``world`` ranks: ``--sharded-stage``, else the bundle's timing for these
     changes, else timed now (``trace time-stage`` under torchrun on this host, launches pooled; in this process
     group when this command already runs under torchrun at that world size)."""
-    import subprocess
 
     from harness.stage_probe import pooled
     from workloads.whatif.dataparallel import ShardedStageCost
@@ -384,19 +383,27 @@ def _stage_cost(args: argparse.Namespace, graph, world: int, changes: list[str],
             return ShardedStageCost.from_timing(record, str(cached))
         print(f"  timing {graph.workload}'s sharded embedding stage at {world} ranks ({STAGE_LAUNCHES} torchrun "
               f"launches of {STAGE_PASSES} passes) ...", flush=True)
-        launches = []
-        for i in range(STAGE_LAUNCHES):
-            part = cached.with_suffix(f".launch{i}.json")
-            done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-                                   "-m", "suite.cli", "trace", "time-stage", str(args.bundle), "--out", str(part),
-                                   *stage_changes], capture_output=True, text=True)
-            if done.returncode != 0 or not part.exists():
-                raise RuntimeError(f"timing the sharded stage at {world} ranks failed (exit {done.returncode}): "
-                                   f"{(done.stderr or done.stdout).strip()[-2000:]}")
-            launches.append(read_json_file(part))
-            part.unlink()
-        cached.write_text(json.dumps(pooled(launches), indent=1))
+        _launch_pooled(world, ["time-stage", str(args.bundle), *stage_changes], cached, STAGE_LAUNCHES, pooled,
+                       "the sharded stage")
     return ShardedStageCost.from_timing(read_json_file(cached), str(cached))
+
+
+def _launch_pooled(world: int, command: list[str], cached: Path, launches: int, pool, what: str) -> None:  # noqa: ANN001
+    """``launches`` torchrun launches at ``world`` ranks of ``cobench trace <command> --out PART``, their records
+    pooled (``pool``) into ``cached``: a launch's placement of ranks on a shared host's cores moves its figure."""
+    import subprocess
+
+    records = []
+    for i in range(launches):
+        part = cached.with_suffix(f".launch{i}.json")
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "-m",
+                               "suite.cli", "trace", *command, "--out", str(part)], capture_output=True, text=True)
+        if done.returncode != 0 or not part.exists():
+            raise RuntimeError(f"timing {what} at {world} ranks failed (exit {done.returncode}): "
+                               f"{(done.stderr or done.stdout).strip()[-2000:]}")
+        records.append(read_json_file(part))
+        part.unlink()
+    cached.write_text(json.dumps(pool(records), indent=1))
 
 
 def _changes_key(changes: list[str]) -> str:
@@ -411,7 +418,6 @@ def _sync_cost(args: argparse.Namespace, spec: dict | None, world: int, other_pl
     within :data:`SYNC_REUSE`), else timed now (``trace time-sync`` under
     torchrun on this host, launches pooled; in this process group when this command already runs at that
     world size). None: ``--sync-from table``, one rank, or another platform without a timing made there."""
-    import subprocess
 
     from harness.sync_probe import pooled
     from workloads.whatif.dataparallel import GradientSyncCost
@@ -444,18 +450,7 @@ def _sync_cost(args: argparse.Namespace, spec: dict | None, world: int, other_pl
         print(f"  timing DDP's gradient synchronisation at {world} ranks on a skeleton of this step ({SYNC_LAUNCHES} "
               f"torchrun launches of {SYNC_PASSES} passes) ...", flush=True)
         spec_file.write_text(json.dumps(spec))
-        launches = []
-        for i in range(SYNC_LAUNCHES):
-            part = cached.with_suffix(f".launch{i}.json")
-            done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-                                   "-m", "suite.cli", "trace", "time-sync", str(spec_file), "--out", str(part)],
-                                  capture_output=True, text=True)
-            if done.returncode != 0 or not part.exists():
-                raise RuntimeError(f"timing DDP's gradient sync at {world} ranks failed (exit {done.returncode}): "
-                                   f"{(done.stderr or done.stdout).strip()[-2000:]}")
-            launches.append(read_json_file(part))
-            part.unlink()
-        cached.write_text(json.dumps(pooled(launches), indent=1))
+        _launch_pooled(world, ["time-sync", str(spec_file)], cached, SYNC_LAUNCHES, pooled, "DDP's gradient sync")
     return GradientSyncCost.from_timing(read_json_file(cached), str(cached))
 
 
@@ -632,7 +627,9 @@ def _measure_pair(args: argparse.Namespace) -> int:
 
     if args.steps < 1 or args.warmup < 0:
         raise ValueError("--steps must be at least 1 and --warmup at least 0")
-    if any("world_size" in c or c.startswith("dp=") for c in args.changed):
+    from workloads.whatif.edits import WORLD_KEYS
+
+    if any(c.partition("=")[0] in WORLD_KEYS for c in args.changed):
         raise ValueError("measure-pair runs both sides in one process: a world-size change needs its own launch")
     record = measure_pair(args.overrides, [*args.overrides, *args.changed], args.out.parent / f"{args.out.stem}-work",
                           args.steps, args.warmup)
