@@ -28,6 +28,7 @@ from workloads import discover
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "xpu", "mps", "hpu", "mtia")
 DIST_BACKENDS = ("auto", "gloo", "nccl", "xccl")
+HOST_ALLOCATORS = ("steady", "system")
 DIVISIONS = ("open", "closed")
 STATUSES = ("onprem", "cloud", "research", "preview", "available")
 
@@ -54,11 +55,16 @@ class PlatformConfig:
     peak_flops: dict[str, float] = field(default_factory=dict)
     calibrate: bool = True  # measure an unknown part's peak (else MFU is reported unknown)
     calibration_cache: str = "~/.cache/cobench/calibration.json"
+    # Host memory: "steady" keeps freed heap memory in the process (glibc: no trimming, no per-tensor
+    # mmap), as a caching allocator does, so a step does not pay page faults for memory it freed one step
+    # before; "system" leaves the C library's defaults (harness/platform.py: configure_host_allocator).
+    host_allocator: str = "steady"
     cost: PlatformCost = field(default_factory=PlatformCost)  # one host's capex and power (harness/cost.py)
 
     def __post_init__(self) -> None:
         _require_choice(self.device.split(":")[0], "platform.device", DEVICE_CHOICES)
         _require_choice(self.dist_backend, "platform.dist_backend", DIST_BACKENDS)
+        _require_choice(self.host_allocator, "platform.host_allocator", HOST_ALLOCATORS)
         _require(self.num_threads >= 0, "platform.num_threads", f"got {self.num_threads}, must be >= 0")
         for dtype, peak in self.peak_flops.items():
             _require(

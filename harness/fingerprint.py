@@ -83,6 +83,7 @@ def environment_fingerprint(platform: Platform, config_hash: str, world_size: in
         "cpu_count": os.cpu_count(),
         "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
         "torch_threads": torch.get_num_threads(),
+        "host_allocator": platform.host_allocator,
         "device": str(platform.device),
         "device_name": platform.device_name,
         "platform": platform.name,

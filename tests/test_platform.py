@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import platform as platform_module
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -80,3 +83,42 @@ def test_damaged_calibration_cache_is_remeasured(tmp_path):
     platform = discover_platform(PlatformConfig(device="cpu", calibration_cache=str(cache)))
     assert platform.peak_flops(torch.float32).value > 1e8
     assert json.loads(cache.read_text())  # rewritten whole
+
+
+FAULTS_PER_STEP = """
+import resource, sys
+import torch
+from harness.config import PlatformConfig
+from harness.platform import discover_platform
+platform = discover_platform(PlatformConfig(device="cpu", host_allocator=sys.argv[1]))
+def step():  # a training step's shape: 48 MB of activations made, used and freed
+    x = torch.empty(12 * 2**20)
+    x.fill_(1.0)
+for _ in range(3):
+    step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(10):
+    step()
+print(platform.host_allocator, "|", (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 10)
+"""
+
+
+@pytest.mark.skipif(platform_module.libc_ver()[0] != "glibc", reason="the steady host allocator sets glibc's thresholds")
+def test_steady_host_memory_spares_each_step_the_page_faults_of_memory_it_freed():
+    """glibc unmaps a freed 48 MB block, so the next step faults it all in again (12,288 pages);
+    platform.host_allocator=steady keeps it, and the run's record says which applied."""
+    seen = {}
+    for mode in ("system", "steady"):
+        done = subprocess.run([sys.executable, "-c", FAULTS_PER_STEP, mode], capture_output=True, text=True,
+                              check=True)
+        applied, faults = done.stdout.strip().rsplit("|", 1)
+        seen[mode] = (applied.strip(), float(faults))
+    assert seen["system"][0].startswith("system (glibc")
+    assert seen["steady"][0].startswith("steady (glibc")
+    assert seen["system"][1] > 10_000  # every page of the block, every step
+    assert seen["steady"][1] < 100
+
+
+def test_a_host_allocator_that_does_not_exist_is_refused():
+    with pytest.raises(ValueError, match="platform.host_allocator.*allowed values: steady, system"):
+        PlatformConfig(host_allocator="jemalloc")
