@@ -103,7 +103,7 @@ print(platform.host_allocator, "|", (resource.getrusage(resource.RUSAGE_SELF).ru
 """
 
 
-@pytest.mark.skipif(platform_module.libc_ver()[0] != "glibc", reason="the steady host allocator sets glibc's thresholds")
+@pytest.mark.skipif(platform_module.libc_ver()[0] != "glibc", reason="steady sets glibc thresholds")
 def test_steady_host_memory_spares_each_step_the_page_faults_of_memory_it_freed():
     """glibc unmaps a freed 48 MB block, so the next step faults it all in again (12,288 pages);
     platform.host_allocator=steady keeps it, and the run's record says which applied."""
