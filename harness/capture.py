@@ -43,7 +43,7 @@ from harness.config import CobenchConfig, results_root
 from harness.distributed import broadcast_from_main, env_dist_info
 from harness.fingerprint import git_state, library_versions
 from harness.loop import MemoryMeter, seed_everything
-from harness.platform import Platform, device_name, synchronize
+from harness.platform import Platform, device_name, host_allocator_in_effect, synchronize
 from harness.runner import join, open_workload
 from workloads import discover
 from workloads.base import RunContext, Workload
@@ -104,6 +104,7 @@ def platform_record(device: torch.device, world_size: int) -> dict[str, Any]:
         "device_name": device_name(device),
         "num_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
+        "host_allocator": host_allocator_in_effect(),
         "world_size": world_size,
         "host": pyplatform.node(),
         "torch_version": torch.__version__,

@@ -143,6 +143,15 @@ STEADY_TRIM_THRESHOLD = 2**31 - 1  # (mallopt takes an int) the heap's free top 
 PRELOADED_ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
 
 
+_host_allocator: str | None = None  # what configure_host_allocator last applied in this process
+
+
+def host_allocator_in_effect() -> str:
+    """How host memory behaves in this process, as :func:`configure_host_allocator` words it (the C library's
+    defaults where nothing configured it), for records that outlive the process (a trace bundle's)."""
+    return _host_allocator or configure_host_allocator("system")
+
+
 def configure_host_allocator(mode: str) -> str:
     """Make host memory behave as a caching allocator's for this process (``platform.host_allocator``); returns
     what applies, for the run's record.
@@ -155,6 +164,12 @@ def configure_host_allocator(mode: str) -> str:
     work predicts. "steady" fixes the thresholds high (what ``MALLOC_MMAP_THRESHOLD_`` and
     ``MALLOC_TRIM_THRESHOLD_`` set at start-up), as PyTorch's CPU tuning guide gets by preloading jemalloc or
     tcmalloc; a preloaded allocator is left alone and named. Other C libraries are left as they are."""
+    global _host_allocator
+    _host_allocator = _configure_host_allocator(mode)
+    return _host_allocator
+
+
+def _configure_host_allocator(mode: str) -> str:
     preload = os.environ.get("LD_PRELOAD", "")
     preloaded = next((name for name in PRELOADED_ALLOCATORS if name in preload), None)
     if preloaded:
@@ -162,8 +177,11 @@ def configure_host_allocator(mode: str) -> str:
     libc, version = pyplatform.libc_ver()
     if libc != "glibc":
         return f"system ({libc or 'unknown C library'}: left as it is)"
+    if mode == "system" and _host_allocator and _host_allocator.startswith("steady"):
+        return _host_allocator  # thresholds once set stay set: the record says what holds
     if mode == "system":
-        return f"system (glibc {version} defaults)"
+        tuned = sorted(k for k in os.environ if k.startswith("MALLOC_") and k.endswith("_"))
+        return f"system (glibc {version} defaults{', ' + ' '.join(tuned) + ' from the environment' if tuned else ''})"
     mallopt = ctypes.CDLL(None).mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     if not (mallopt(M_TRIM_THRESHOLD, STEADY_TRIM_THRESHOLD) and mallopt(M_MMAP_THRESHOLD, STEADY_MMAP_THRESHOLD)):

@@ -156,6 +156,8 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--out", type=Path, required=True)
     cal.add_argument("--platform", default="cpu", help="a name for the platform (default cpu)")
     cal.add_argument("--threads", type=int, default=None, help="intra-op threads (default the current)")
+    cal.add_argument("--host-allocator", choices=["steady", "system"], default="steady",
+                     help="host memory as the runs to predict have it (platform.host_allocator; default steady)")
 
     exp = commands.add_parser("export", help="write the execution trace as Chakra protobuf (mlc-chakra)")
     exp.add_argument("bundle", type=Path)
@@ -237,6 +239,7 @@ def _fidelity(args: argparse.Namespace) -> int:
 
 
 def _predict(args: argparse.Namespace) -> int:
+    from harness.platform import configure_host_allocator, host_allocator_in_effect
     from workloads.whatif.chakra_export import edited_ops, export_edited_chakra
     from workloads.whatif.costmodel import calibrate, load_or_calibrate, read_calibration
     from workloads.whatif.dataparallel import (
@@ -254,6 +257,9 @@ def _predict(args: argparse.Namespace) -> int:
     graph = load_graph(args.bundle)
     parsed = parse_changes(graph, args.changes)
     change, world = parsed.change, parsed.world_size
+    # the curves are measured with host memory as the capture had it (a step's ops and the curves' alike pay
+    # for glibc returning freed memory, or neither does)
+    configure_host_allocator("steady" if graph.platform.get("host_allocator", "").startswith("steady") else "system")
     calibration = load_or_calibrate(args.calibration or Path(args.bundle) / "whatif_calibration.json")
     if args.target_calibration is not None:
         if not args.target_calibration.exists():
@@ -285,6 +291,7 @@ def _predict(args: argparse.Namespace) -> int:
         result = predict(graph, change, calibration)
     record = result.to_json()
     record["inputs"]["changes"] = list(parsed.items)
+    record["inputs"]["host_allocator"] = host_allocator_in_effect()  # the curves' (the capture's, see above)
     parts = ", ".join(f"{k} {v:.2f}" for k, v in sorted(result.breakdown_ms.items(), key=lambda kv: -kv[1]))
     print(f"{graph.workload or 'trace'} {parsed.describe() or '(as captured)'}: predicted step "
           f"{result.predicted_step_ms:.2f} ms (naive linear scaling {result.naive_step_ms:.2f} ms)\n"
@@ -644,12 +651,14 @@ def _measure_pair(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    from harness.platform import configure_host_allocator, host_allocator_in_effect
     from workloads.whatif.costmodel import calibrate
 
+    configure_host_allocator(args.host_allocator)
     calibration = calibrate(args.platform, args.threads)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(calibration.to_json(), indent=1))
-    print(f"calibration ({calibration.threads} threads): {args.out}")
+    args.out.write_text(json.dumps(calibration.to_json() | {"host_allocator": host_allocator_in_effect()}, indent=1))
+    print(f"calibration ({calibration.threads} threads, host memory {host_allocator_in_effect()}): {args.out}")
     return EXIT_OK
 
 

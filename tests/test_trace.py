@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import platform
 import shutil
 import subprocess
 import sys
@@ -121,6 +122,9 @@ def test_user_program_replays_every_op_with_the_captured_layout(program_bundle: 
 def test_llama_capture_generate_replay_through_the_harness(llama_bundle: Path, tmp_path: Path):
     proc = _cli("trace", "generate", str(llama_bundle), "--out", str(tmp_path / "spec.json"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
+    # the harness's capture ran with host memory steady (platform.host_allocator's default) and says so
+    if platform.libc_ver()[0] == "glibc":
+        assert read_meta(llama_bundle).platform["host_allocator"].startswith("steady (glibc")
     # ops carry their module's path in the model (the workload's root module), so --scope can cut by layer
     scopes = {s for op in load_spec(tmp_path / "spec.json")["ranks"][0]["ops"] for s in op["scopes"]}
     assert any(s.startswith("nn.Module: layers.0") for s in scopes), sorted(scopes)[:10]
