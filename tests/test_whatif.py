@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import platform
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,16 @@ def test_cobench_trace_predict_writes_its_inputs_and_refuses_bad_changes(cobench
     assert record["predicted_step_ms"] > 0 and record["inputs"]["change"] == {"layers": 4}
     assert record["inputs"]["captured"]["layers"] == 2 and "compute_gemm" in record["breakdown_ms"]
     assert (tmp_path / "calibration.json").exists()  # measured once, reused next time
+    # the curves were measured with host memory as the capture had it (the harness's steady default)
+    if platform.libc_ver()[0] == "glibc":
+        assert record["inputs"]["host_allocator"].startswith("steady (glibc")
+    # another platform's curves, made there with its runs' host memory, predict for it
+    target = tmp_path / "target.json"
+    proc = cobench("trace", "calibrate", "--out", str(target), "--threads", "1", "--host-allocator", "system")
+    assert proc.returncode == 0 and "1 threads, host memory system" in proc.stdout, proc.stderr
+    assert json.loads(target.read_text())["host_allocator"].startswith("system")
+    proc = cobench("trace", "predict", str(bundle), "--target-calibration", str(target))
+    assert proc.returncode == 0 and "predicted step" in proc.stdout, proc.stderr
 
     proc = cobench("trace", "predict", str(bundle), "workload.nlayers=4")
     assert proc.returncode == 2 and "workload.n_layers" in proc.stderr
