@@ -13,7 +13,10 @@ the prediction puts before it (busy matrix products, calibrated in this process 
 milliseconds, so that they slow down as the real compute does when the collective competes for the
 cores), the compute before the first gradient and after the last — run with the real DDP (the workload's
 own wrapper settings) and without it, interleaved, on every rank at once. The synchronisation's cost is
-the difference of the medians. The skeleton's spec comes from :mod:`workloads.whatif.dataparallel`
+what DDP adds to the step *as the job sees it* — at each pass the slowest rank's time, as the harness reports a
+real run's step (:mod:`harness.metrics`) — over a rank's own step without DDP: the median over passes of the
+slowest rank with DDP minus the ranks' mean median without. (A rank late in one pass makes the other wait; each
+rank's own median hides that: Llama tiny's skeleton 0.2 … 0.9 ms a step here, a real 2-rank run 0.2 … 1.8 ms.) The skeleton's spec comes from :mod:`workloads.whatif.dataparallel`
 (:func:`~workloads.whatif.dataparallel.sync_spec`); this module only runs it.
 """
 
@@ -47,7 +50,9 @@ class SyncTiming:
     passes: int  # of each variant
     plain_ms_p50: list[float]  # per rank: the skeleton without DDP (should be near spec_step_ms)
     ddp_ms_p50: list[float]  # per rank: with DDP
-    sync_ms: float  # what DDP adds: the ranks' mean of (DDP − plain) medians
+    job_ddp_ms_p50: float  # with DDP, the step as the job sees it: the median over passes of the slowest rank's
+    sync_ms: float  # what DDP adds to the job's step: job_ddp_ms_p50 − the ranks' mean plain median
+    rank_sync_ms: float  # what DDP adds to a rank's own median: the ranks' mean of (DDP − plain) medians
     ddp_settings: dict[str, Any]
 
     def to_json(self) -> dict[str, Any]:
@@ -187,12 +192,17 @@ def time_gradient_sync(spec: dict[str, Any], device: torch.device, passes: int, 
             timers[name].start()
             one(models[name])
             timers[name].stop()
-    mine = {name: statistics.median(1e3 * s for s in t.durations_s()) for name, t in timers.items()}
-    every = gather_to_all(mine)
+    every = gather_to_all({name: [1e3 * s for s in t.durations_s()] for name, t in timers.items()})
+    plain_p50 = [statistics.median(r["plain"]) for r in every]
+    ddp_p50 = [statistics.median(r["ddp"]) for r in every]
+    # DDP keeps the ranks in step, so pass k is the same step on every rank; the harness reports a real run's
+    # step as the slowest rank's at each step (harness.metrics), and so does this: a rank that is late in one
+    # pass makes the other wait, which each rank's own median does not show
+    job_ddp = statistics.median(max(times) for times in zip(*(r["ddp"] for r in every), strict=True))
     nbytes = sum(torch.Size(shape).numel() * DTYPES[dtype].itemsize for shape, dtype in gradients)
-    return SyncTiming(len(every), threads, len(gradients), nbytes, step_ms, passes,
-                      [r["plain"] for r in every], [r["ddp"] for r in every],
-                      statistics.fmean(r["ddp"] - r["plain"] for r in every), settings)
+    return SyncTiming(len(every), threads, len(gradients), nbytes, step_ms, passes, plain_p50, ddp_p50, job_ddp,
+                      job_ddp - statistics.fmean(plain_p50),
+                      statistics.fmean(d - p for d, p in zip(ddp_p50, plain_p50, strict=True)), settings)
 
 
 def pooled(timings: list[dict[str, Any]]) -> dict[str, Any]:

@@ -446,9 +446,11 @@ def _sync_cost(args: argparse.Namespace, spec: dict | None, world: int, other_pl
     cached = Path(args.bundle) / f"whatif_gradient_sync_{world}ranks{_changes_key(args.changes)}.json"
     if cached.exists():
         record = read_json_file(cached)
-        if record.get("gradients") != len(spec["gradients"]) or \
+        if record.get("gradients") != len(spec["gradients"]) or "job_ddp_ms_p50" not in record or \
                 abs(float(record.get("spec_step_ms", 0.0)) / spec["step_ms"] - 1.0) > SYNC_REUSE:
-            cached.unlink()  # a skeleton of another step (other curves, another stage timing): time this one
+            # a skeleton of another step (other curves, another stage timing), or a timing of each rank's own
+            # median (an earlier cobench): time this one
+            cached.unlink()
     spec_file = cached.with_suffix(".spec.json")
     if not cached.exists():
         if int(os.environ.get("WORLD_SIZE", "1")) == world:  # already W ranks: time it in this process group

@@ -326,6 +326,9 @@ def test_cobench_trace_predict_ranks_json_chakra_and_refusals(cobench, bundle: P
     assert timing["launches"] == 3 and len(timing["launch_sync_ms"]) == 3 and timing["world_size"] == 2
     assert timing["gradients"] == len(dp["sync_spec"]["gradients"]) and timing["gradient_bytes"] == dp["gradient_bytes"]
     assert len(timing["plain_ms_p50"]) == len(timing["ddp_ms_p50"]) == 2  # every rank's medians
+    # the job's step (the slowest rank's at each pass) is what a real run reports: never below a rank's own median
+    assert timing["job_ddp_ms_p50"] >= min(timing["ddp_ms_p50"])
+    assert timing["sync_ms"] == pytest.approx(timing["job_ddp_ms_p50"] - sum(timing["plain_ms_p50"]) / 2)
     assert record["breakdown_ms"]["communication"] == pytest.approx(dp["gradient_sync_ms"]) == \
         pytest.approx(timing["sync_ms"])
     rest = record["predicted_step_ms"] - dp["gradient_sync_ms"]
@@ -349,6 +352,12 @@ def test_cobench_trace_predict_ranks_json_chakra_and_refusals(cobench, bundle: P
     proc = cobench("trace", "predict", str(bundle), "world_size=2", "workload.parallelism=ddp", "workload.n_layers=4",
                    "--calibration", str(calibration), "--gradient-sync", str(made))
     assert proc.returncode == 2 and "timed for 21 gradients" in proc.stderr and "time-sync" in proc.stderr
+    # a timing of each rank's own median (no job step: an earlier cobench's) is refused, not taken as the job's
+    older = tmp_path / "older_sync.json"
+    older.write_text(json.dumps({k: v for k, v in json.loads(made.read_text()).items() if k != "job_ddp_ms_p50"}))
+    proc = cobench("trace", "predict", str(bundle), "world_size=2", "workload.parallelism=ddp",
+                   "--calibration", str(calibration), "--gradient-sync", str(older))
+    assert proc.returncode == 2 and "slowest rank's" in proc.stderr and "time it again" in proc.stderr
     proc = subprocess.run([sys.executable, "-m", "suite.cli", "trace", "time-sync", str(calibration), "--out",
                            str(made)], capture_output=True, text=True, timeout=300, env=clean_env())
     assert proc.returncode == 2 and "sync_spec" in proc.stderr

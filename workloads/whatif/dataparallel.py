@@ -97,6 +97,10 @@ class GradientSyncCost:
 
     @classmethod
     def from_timing(cls, record: dict[str, Any], source: str) -> GradientSyncCost:
+        if isinstance(record, dict) and "sync_ms" in record and "job_ddp_ms_p50" not in record:
+            raise ValueError(f"{source}: a gradient-sync timing of each rank's own median (an earlier cobench); the "
+                             "prediction is of the job's step (the slowest rank's at each step): time it again with "
+                             "`cobench trace time-sync`")
         try:
             return cls(int(record["world_size"]), float(record["sync_ms"]), source, record)
         except (KeyError, TypeError, ValueError) as err:
