@@ -9,8 +9,8 @@ the changed one. A change that keeps one process (layers, batch) is measured **s
 (:func:`measure_pair`: both models built, their steps interleaved in rounds of 10, as the fidelity judge
 runs a source beside its replay), so that both see the host's same state — runs back to back in their own
 processes moved Llama's 2× batch ratio from 1.71 to 2.03 as the state flipped between them. A change of
-world size runs as two short runs in their own processes, back to back (a base, then ``torchrun``). What is
-judged is the ratio:
+world size runs as short runs in their own processes, back to back, the changed run (``torchrun``) bracketed
+by two base runs whose geometric mean is its base. What is judged is the ratio:
 
     measured ratio  = changed step / base step of the same round (drift common to both cancels)
     predicted ratio = predicted changed step / predicted unchanged step (the edited graph against the
@@ -29,6 +29,7 @@ ranges, the ratios and the absolute figures.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -147,20 +148,24 @@ def _measure(where: Path, world: int, workload: list[str], changes: list[str], r
              warmup: int) -> tuple[list[float], bool]:
     """One round's [base, changed] step medians and whether a run was noisy: side by side in one process
     (``trace measure-pair``, its record ``<where>-pair.json``) when the change keeps one process; else a base
-    run, then the changed one under torchrun (``<where>-base``, ``<where>-changed``)."""
+    run, the changed one under torchrun and the base again (``<where>-base``, ``<where>-changed``,
+    ``<where>-base-after``), the base's step the two runs' geometric mean."""
     if world == 1:
         record = where.with_name(f"{where.name}-pair.json")
         subprocess.run([*HERE, "trace", "measure-pair", "--out", str(record), "--steps", str(steps), "--warmup",
                         str(warmup), *workload, "--changed", *changes], check=True, stdout=subprocess.DEVNULL)
         measured = json.loads(record.read_text())
         return [measured["base_ms"], measured["changed_ms"]], False
-    pair, noisy = [], False
-    for side, launch, extra in (("base", HERE, []), ("changed", [*TORCHRUN, str(world), "-m", "suite.cli"], changes)):
+    steps_ms, noisy = [], False
+    for side, launch, extra in (("base", HERE, []), ("changed", [*TORCHRUN, str(world), "-m", "suite.cli"], changes),
+                                ("base-after", HERE, [])):
         root = where.with_name(f"{where.name}-{side}")
         ms, flagged = _step_ms(root, [*launch, "run", *workload, *extra, *run, f"results_dir={root}"])
-        pair.append(ms)
+        steps_ms.append(ms)
         noisy |= flagged
-    return pair, noisy
+    # the changed run bracketed by two base runs: its ratio is to their geometric mean, so that the host's drift
+    # over the three runs moves both sides alike
+    return [math.sqrt(steps_ms[0] * steps_ms[2]), steps_ms[1]], noisy
 
 
 def _capture(bundle: Path, workload: list[str], steps: int, out: Path):  # noqa: ANN202

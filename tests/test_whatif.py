@@ -404,6 +404,26 @@ def test_validation_judges_each_rounds_predicted_ratio_against_its_measured_rati
     assert paired.summary()["predicted_ratio_min"] == 1.2 and paired.summary()["predicted_ratio_max"] == 1.6
 
 
+def test_a_world_size_change_is_measured_between_two_base_runs(tmp_path: Path, monkeypatch):
+    """A 2-rank run cannot share a process with its base: it runs between two base runs, and its ratio is to
+    their geometric mean, so a host that slows down over the three runs moves both sides alike."""
+    import suite.whatif_validate as validate
+
+    ran = []
+
+    def step_ms(root: Path, command: list[str]) -> tuple[float, bool]:
+        ran.append((root.name, command))
+        return {"r-base": 10.0, "r-changed": 18.0, "r-base-after": 12.1}[root.name], root.name == "r-changed"
+
+    monkeypatch.setattr(validate, "_step_ms", step_ms)
+    (base, changed), noisy = validate._measure(tmp_path / "r", 2, ["workload=llama"], ["workload.parallelism=ddp"],
+                                               ["runner.steps=8"], 8, 2)
+    assert [name for name, _ in ran] == ["r-base", "r-changed", "r-base-after"]
+    assert "torch.distributed.run" in ran[1][1] and "workload.parallelism=ddp" in ran[1][1]
+    assert all("torch.distributed.run" not in c and "workload.parallelism=ddp" not in c for _, c in (ran[0], ran[2]))
+    assert base == pytest.approx(11.0) and changed == 18.0 and noisy
+
+
 def test_a_batch_change_resizes_data_the_step_made_in_shapes_it_does_not_name():
     """Jagged data (seqrec): a length bucket's histories and Σ(length − 1) target rows are no batch-sized
     dimension, yet grow with the batch; a gradient in a parameter's shape (or transposed) does not."""
