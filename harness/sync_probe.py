@@ -16,8 +16,9 @@ own wrapper settings) and without it, interleaved, on every rank at once. The sy
 what DDP adds to the step *as the job sees it* — at each pass the slowest rank's time, as the harness reports a
 real run's step (:mod:`harness.metrics`) — over a rank's own step without DDP: the median over passes of the
 slowest rank with DDP minus the ranks' mean median without. (A rank late in one pass makes the other wait; each
-rank's own median hides that: Llama tiny's skeleton 0.2 … 0.9 ms a step here, a real 2-rank run 0.2 … 1.8 ms.) The skeleton's spec comes from :mod:`workloads.whatif.dataparallel`
-(:func:`~workloads.whatif.dataparallel.sync_spec`); this module only runs it.
+rank's own median hides that: Llama tiny's skeleton 0.2 … 0.9 ms a step here, a real 2-rank run 0.2 … 1.8 ms.)
+The skeleton's spec comes from :mod:`workloads.whatif.dataparallel` (:func:`~workloads.whatif.dataparallel.sync_spec`);
+this module only runs it.
 """
 
 from __future__ import annotations
