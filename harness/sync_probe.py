@@ -208,13 +208,17 @@ def time_gradient_sync(spec: dict[str, Any], device: torch.device, passes: int, 
 
 def pooled(timings: list[dict[str, Any]]) -> dict[str, Any]:
     """Launches of the same skeleton as one: the sync cost their median (a launch's placement of ranks on
-    a shared host's cores moves it)."""
+    a shared host's cores moves it); every launch's figures kept (``launch_*``; the rest are the first's)."""
     if not timings:
         raise ValueError("no sync timings to pool")
     keys = ("world_size", "gradients", "gradient_bytes", "spec_step_ms")
     if any(t.get(k) != timings[0].get(k) for t in timings for k in keys):
         raise ValueError("sync timings of different skeletons cannot be pooled: "
                          f"{[[t.get(k) for k in keys] for t in timings]}")
+    ranks = [t["rank_sync_ms"] for t in timings if "rank_sync_ms" in t]
     return timings[0] | {"launches": len(timings), "launch_sync_ms": [t["sync_ms"] for t in timings],
                          "sync_ms": statistics.median(t["sync_ms"] for t in timings),
+                         "launch_job_ddp_ms_p50": [t.get("job_ddp_ms_p50") for t in timings],
+                         "launch_plain_ms_p50": [t["plain_ms_p50"] for t in timings],
+                         "launch_rank_sync_ms": ranks, "rank_sync_ms": statistics.median(ranks) if ranks else None,
                          "timed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
