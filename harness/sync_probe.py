@@ -215,10 +215,10 @@ def pooled(timings: list[dict[str, Any]]) -> dict[str, Any]:
     if any(t.get(k) != timings[0].get(k) for t in timings for k in keys):
         raise ValueError("sync timings of different skeletons cannot be pooled: "
                          f"{[[t.get(k) for k in keys] for t in timings]}")
-    ranks = [t["rank_sync_ms"] for t in timings if "rank_sync_ms" in t]
+    ranks = [t["rank_sync_ms"] for t in timings]
     return timings[0] | {"launches": len(timings), "launch_sync_ms": [t["sync_ms"] for t in timings],
                          "sync_ms": statistics.median(t["sync_ms"] for t in timings),
-                         "launch_job_ddp_ms_p50": [t.get("job_ddp_ms_p50") for t in timings],
+                         "launch_job_ddp_ms_p50": [t["job_ddp_ms_p50"] for t in timings],
                          "launch_plain_ms_p50": [t["plain_ms_p50"] for t in timings],
-                         "launch_rank_sync_ms": ranks, "rank_sync_ms": statistics.median(ranks) if ranks else None,
+                         "launch_rank_sync_ms": ranks, "rank_sync_ms": statistics.median(ranks),
                          "timed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
