@@ -33,6 +33,9 @@ TORCH = os.environ.get("COBENCH_TORCH", "torch==2.13.0")
 FBGEMM = os.environ.get("COBENCH_FBGEMM", "fbgemm-gpu-cpu==1.8.0")
 TORCHREC = ["torchrec==1.8.0"]
 TORCHREC_DEPS = ["tensordict", "torchmetrics==1.0.3", "pyre-extensions", "tqdm"]
+# megatron-core's indexed dataset (the `.bin`/`.idx` format of MLPerf's Llama 3.1 8B data) runs on CPU; its
+# metadata pulls GPU-only packages, so it comes without its dependencies, with the `data` extra.
+MEGATRON = ["megatron-core==0.16.1"]
 
 
 SHARED = Path(".nox") / "cobench"  # the one environment the project's sessions share
@@ -47,7 +50,7 @@ def install(session: nox.Session, extras: str = "") -> dict[str, str]:
     if not python.exists():
         session.run(f"python{PYTHON}", "-m", "venv", str(SHARED), external=True)
         session.run(str(python), "-m", "pip", "install", "--quiet", "--upgrade", "pip", external=True)
-    key = hashlib.sha256("\n".join([TORCH, FBGEMM, *TORCHREC, *TORCHREC_DEPS, extras,
+    key = hashlib.sha256("\n".join([TORCH, FBGEMM, *TORCHREC, *TORCHREC_DEPS, *MEGATRON, extras,
                                     Path("pyproject.toml").read_text()]).encode()).hexdigest()[:16]
     stamp = SHARED / f".installed-{key}"
     if not stamp.exists():
@@ -57,6 +60,8 @@ def install(session: nox.Session, extras: str = "") -> dict[str, str]:
         session.run(*pip, "--no-deps", *TORCHREC, external=True)
         session.run(*pip, *TORCHREC_DEPS, external=True)
         session.run(*pip, "-e", f".[{extras}]" if extras else ".", external=True)
+        if "data" in extras.split(","):
+            session.run(*pip, "--no-deps", *MEGATRON, external=True)
         stamp.touch()
     home = SHARED.resolve()
     return {"PATH": str(home / "bin") + os.pathsep + os.environ.get("PATH", ""), "VIRTUAL_ENV": str(home)}
@@ -89,7 +94,7 @@ def report(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
     """The test suite; pytest arguments after `--`."""
-    env = install(session, "test,chakra")
+    env = install(session, "test,chakra,data")
     session.run(_bin("pytest"), *(session.posargs or ["-q"]), env=env, external=True)
 
 

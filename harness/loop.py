@@ -31,6 +31,7 @@ class RepetitionState:
 
     repetition: int
     step_times_s: list[float] = field(default_factory=list)
+    data_wait_s: list[float] = field(default_factory=list)  # timed steps' waits for their batch, when measured
     losses: list[float] = field(default_factory=list)  # warm-up and timed steps, in order
     timed_samples: int = 0
     timed_tokens: int = 0
@@ -181,6 +182,8 @@ def _train(
             pending_losses.append(result.loss)
             state.timed_samples += result.samples
             state.timed_tokens += result.tokens
+            if result.data_wait_s is not None:
+                state.data_wait_s.append(result.data_wait_s)
             state.trained_samples += result.samples
             state.steps_done += 1
             step += 1

@@ -27,6 +27,7 @@ class RepetitionSummary:
     achieved_flops: float | None  # global FLOP/s
     peak_memory_mb: float
     rank_step_time_ms_p50: list[float]
+    data_wait_ms_p50: float | None  # the slowest rank's median wait for a batch; None: not measured
 
 
 def summarise_repetition(per_rank: list[RepetitionState], throughput_unit: str) -> RepetitionSummary | None:
@@ -56,6 +57,8 @@ def summarise_repetition(per_rank: list[RepetitionState], throughput_unit: str) 
         achieved_flops=flops,
         peak_memory_mb=max(state.peak_memory_bytes for state in per_rank) / 2**20,
         rank_step_time_ms_p50=[s.p50_ms for s in stats],
+        data_wait_ms_p50=(max(step_stats(state.data_wait_s).p50_ms for state in per_rank)
+                          if all(state.data_wait_s for state in per_rank) else None),
     )
 
 
@@ -83,6 +86,9 @@ def benchmark_metrics(
             step_time_cv=olympic_mean([s.step_time_cv for s in summaries]),
             peak_memory_mb=max(s.peak_memory_mb for s in summaries),
         )
+        waits = [s.data_wait_ms_p50 for s in summaries]
+        if all(w is not None for w in waits):
+            metrics["data_wait_ms_p50"] = olympic_mean(waits)  # type: ignore[arg-type]
         flops = [s.achieved_flops for s in summaries]
         if all(f is not None for f in flops):
             achieved = olympic_mean(flops)  # type: ignore[arg-type]
@@ -145,6 +151,9 @@ METRIC_DEFINITIONS: dict[str, tuple[str, str]] = {
     "step_time_ms_p99": ("ms", "99th percentile of the job's step time, olympic mean over repetitions"),
     "step_time_ms_mean": ("ms", "mean of the job's step time, olympic mean over repetitions"),
     "step_time_cv": ("fraction", "standard deviation ÷ mean of the job's step times, olympic mean over repetitions"),
+    "data_wait_ms_p50": ("ms", "median time a timed step waited for its batch (reading, tokenizing and moving it to "
+                               "the device, beyond what the background prefetch had ready), the slowest rank's, "
+                               "olympic mean over repetitions; workloads that read data report it"),
     "step_time_ms_p50_rank<r>": ("ms", "rank r's own median step time, olympic mean over repetitions"),
     "rank_imbalance": ("fraction", "(slowest rank's step_time_ms_p50_rank<r> − fastest's) ÷ slowest's; "
                                    "only with more than one rank"),

@@ -36,6 +36,9 @@ commands:
                            `cobench qualify --help`
   compare [OPTIONS]        platform x benchmark table from MLflow: `cobench compare --help`
   report [OPTIONS]         MLPerf-style submission folder + HTML report: `cobench report --help`
+  data prepare NAME [OPTIONS]
+                           turn a dataset as distributed (C4 JSON, Criteo TSV) into the layout a
+                           workload reads, once: `cobench data prepare --help`
   upload RUN_DIR...        record run folders whose MLflow store was away when they ended
                            (they hold upload_pending.json) in their MLflow runs
   ft-scale [OPTIONS]       effective training time vs cluster size, synchronous vs replica-level
@@ -62,6 +65,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "reap": ("suite.cli", "reap_main"),
     "upload": ("suite.cli", "upload_main"),
     "ft-scale": ("suite.ft_scale", "run"),
+    "data": ("suite.data_cli", "run"),
 }
 
 # key=value settings shared by every command → the flag of the commands that parse flags

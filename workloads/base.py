@@ -107,6 +107,9 @@ class StepResult:
     samples: int
     tokens: int = 0
     loss: torch.Tensor | float | None = None
+    # seconds the step waited for its batch (reading, tokenizing, moving it to the device): the harness
+    # reports the timed steps' median as data_wait_ms_p50; None: the workload does not measure it
+    data_wait_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -281,6 +284,37 @@ def lazy_attributes(package: str, exports: dict[str, list[str]]) -> Callable[[st
         return getattr(importlib.import_module(where[name]), name)
 
     return attribute
+
+
+class Progress(Protocol):
+    """How a long preparation reports progress (the CLI draws it with ``rich``)."""
+
+    def task(self, description: str, total: float | None = None, unit: str = "") -> Callable[[float], None]:
+        """Start a task; returns the function that advances it by an amount."""
+        ...
+
+
+@dataclass(frozen=True)
+class PreparerSpec:
+    """A data preparation ``cobench data prepare NAME`` runs: ``module`` defines ``Options`` (a dataclass
+    whose fields become the command's options; ``field(metadata={"help": ...})`` documents each) and
+    ``prepare(options, progress) -> dict`` (what it wrote, printed as the command's summary). Declared
+    by the workload package whose data it prepares; imported only when run."""
+
+    name: str
+    module: str
+    description: str
+
+
+PREPARERS: dict[str, PreparerSpec] = {}
+
+
+def declare_preparer(name: str, module: str, description: str) -> None:
+    """Declare ``cobench data prepare NAME``, implemented in ``module`` (see :class:`PreparerSpec`)."""
+    existing = PREPARERS.get(name)
+    if existing is not None and existing.module != module:
+        raise ValueError(f"data preparer {name!r} is declared twice ({existing.module}, {module})")
+    PREPARERS[name] = PreparerSpec(name, module, description)
 
 
 def register(name: str, config_class: type, description: str = "", *,
