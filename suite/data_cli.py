@@ -81,7 +81,7 @@ class _RichProgress:
 def prepare_main(args: list[str]) -> int:
     preparers = _preparers()
     if not args or args[0] in ("-h", "--help"):
-        print(f"usage: cobench data prepare NAME [OPTIONS]\n\npreparers:")
+        print("usage: cobench data prepare NAME [OPTIONS]\n\npreparers:")
         for name, spec in sorted(preparers.items()):
             print(f"  {name:12s} {spec.description}")
         print("\n`cobench data prepare NAME --help` lists a preparer's options.")
