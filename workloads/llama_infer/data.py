@@ -6,7 +6,8 @@ new tokens). Here the prompt lengths are log-normal and the answer budgets unifo
 parameter declared in the config, so a tiny model gets the same *shape* scaled to its context.
 Token ids are uniform random (no download, no tokenizer); the answer's length is its budget
 unless the model emits EOS first. Everything is drawn from one seed: the same config gives the
-same requests on every platform.
+same requests on every platform. This is the default; ``workload.prompts`` serves a file's real
+prompts instead (:mod:`workloads.llama_infer.prompts`), in the same :class:`RequestSet`.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ class LengthDistribution:
 
 
 @dataclass(frozen=True)
-class SyntheticRequests:
-    """The sample library: ``prompts[i]`` and its new-token budget ``max_new_tokens[i]``."""
+class RequestSet:
+    """The sample library (LoadGen's QSL): ``prompts[i]`` and its new-token budget ``max_new_tokens[i]``,
+    drawn here or read from a prompts file (:mod:`workloads.llama_infer.prompts`)."""
 
     prompts: list[list[int]]
     max_new_tokens: list[int]
@@ -55,8 +57,16 @@ class SyntheticRequests:
     def __len__(self) -> int:
         return len(self.prompts)
 
+    @property
+    def longest_prompt(self) -> int:
+        return max(len(p) for p in self.prompts)
 
-def synthetic_requests(n: int, lengths: LengthDistribution, vocab_size: int, seed: int) -> SyntheticRequests:
+    @property
+    def largest_budget(self) -> int:
+        return max(self.max_new_tokens)
+
+
+def synthetic_requests(n: int, lengths: LengthDistribution, vocab_size: int, seed: int) -> RequestSet:
     """``n`` requests drawn from ``lengths`` with uniform random token ids below ``vocab_size``."""
     rng = np.random.default_rng(seed)
     mu = np.log(lengths.prompt_mean) - lengths.prompt_sigma**2 / 2  # so the mean before clipping is prompt_mean
@@ -64,7 +74,7 @@ def synthetic_requests(n: int, lengths: LengthDistribution, vocab_size: int, see
                           lengths.prompt_max).astype(int)
     budgets = rng.integers(lengths.output_min, lengths.output_max + 1, n)
     prompts = [rng.integers(0, vocab_size, int(length)).tolist() for length in prompt_lens]
-    return SyntheticRequests(prompts, [int(b) for b in budgets])
+    return RequestSet(prompts, [int(b) for b in budgets])
 
 
-__all__ = ["LengthDistribution", "SyntheticRequests", "synthetic_requests"]
+__all__ = ["LengthDistribution", "RequestSet", "synthetic_requests"]

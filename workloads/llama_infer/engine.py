@@ -16,6 +16,7 @@ from any thread (LoadGen's issue thread, in a benchmark).
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,9 @@ class Request:
     tokens: list[int] = field(default_factory=list)  # generated so far
     finish_reason: str | None = None  # "eos" or "length" once done
     record_logits: bool = False  # keep each step's logits (equivalence tests)
+    # seconds from the engine taking the request up until its prompt tokens were on the device (the
+    # prefill batch assembled and copied): what serving waits on its data, set at admission
+    data_wait_s: float | None = None
     logits: list[torch.Tensor] = field(default_factory=list)  # float32 (vocab,) per generated token
 
 
@@ -92,13 +96,19 @@ class ServingEngine:
             newcomers = [self.waiting.popleft() for _ in range(n)]
         if not newcomers:
             return 0
+        start = time.perf_counter()
         lengths = [len(r.prompt) for r in newcomers]
         tokens_bs = torch.zeros(len(newcomers), max(lengths), dtype=torch.long)
         for row, request in enumerate(newcomers):
             tokens_bs[row, : lengths[row]] = torch.as_tensor(request.prompt, dtype=torch.long)
+        tokens_bs, lengths_b = tokens_bs.to(self.device), torch.tensor(lengths, device=self.device)
+        # a blocking copy returns once the tokens are on the device; the device is idle here (the last step's
+        # tokens were read back), so the wait is the copy's own
+        waited = time.perf_counter() - start
+        for request in newcomers:  # each waited for the whole batch it was prefilled with
+            request.data_wait_s = waited
         first_slot = len(self.running)
-        logits_bv = self.decoder.prefill(tokens_bs.to(self.device), torch.tensor(lengths, device=self.device),
-                                         first_slot, self.cache)
+        logits_bv = self.decoder.prefill(tokens_bs, lengths_b, first_slot, self.cache)
         self.running.extend(newcomers)
         self.cached.extend(lengths)
         self._emit(logits_bv, first_slot, first=True)

@@ -9,7 +9,9 @@ early stopping and VALID/INVALID are LoadGen's, read back from its ``mlperf_log_
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import statistics
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +19,7 @@ from pathlib import Path
 import mlperf_loadgen as lg
 import numpy as np
 
-from workloads.llama_infer.data import SyntheticRequests
+from workloads.llama_infer.data import RequestSet
 from workloads.llama_infer.engine import Request, ServingEngine
 
 SCENARIOS = {"Offline": lg.TestScenario.Offline, "Server": lg.TestScenario.Server,
@@ -42,6 +44,9 @@ class LoadGenResult:
     latency_ms_p90: float
     latency_ms_p99: float
     log_dir: Path
+    # median over the completed queries of the time the engine waited to have a query's prompt tokens on
+    # the device (Request.data_wait_s); None: no query completed
+    data_wait_ms_p50: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -54,10 +59,11 @@ class LoadGenResult:
 class LoadGenSUT:
     """Serves LoadGen's queries with ``engine`` on a thread of its own (see the module docstring)."""
 
-    def __init__(self, engine: ServingEngine, requests: SyntheticRequests):
+    def __init__(self, engine: ServingEngine, requests: RequestSet):
         self.engine, self.requests = engine, requests
         engine.on_first_token, engine.on_finish = self._first_token, self._finished
         self.completed_samples = self.completed_tokens = 0
+        self.data_waits_s: list[float] = []
         self._stop = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._serve, name="llama-infer-sut", daemon=True)
@@ -82,6 +88,8 @@ class LoadGenSUT:
         lg.QuerySamplesComplete([response])
         self.completed_samples += 1
         self.completed_tokens += len(tokens)
+        if request.data_wait_s is not None:
+            self.data_waits_s.append(request.data_wait_s)
 
     def _serve(self) -> None:
         try:
@@ -103,7 +111,7 @@ class LoadGenSUT:
         log_settings.log_output.copy_summary_to_stdout = False
         log_settings.enable_trace = False
         sut = lg.ConstructSUT(self.issue_queries, self.flush_queries)
-        n = len(self.requests)
+        n = len(self.requests)  # as MLPerf's QSL: every sample is a performance sample
         qsl = lg.ConstructQSL(n, n, lambda _: None, lambda _: None)  # the samples live in memory already
         self._thread.start()
         try:
@@ -118,7 +126,10 @@ class LoadGenSUT:
             lg.DestroySUT(sut)
         if self._error is not None:
             raise RuntimeError(f"the serving thread failed: {self._error!r}") from self._error
-        return read_detail_log(log_dir, self.completed_samples, self.completed_tokens)
+        result = read_detail_log(log_dir, self.completed_samples, self.completed_tokens)
+        if self.data_waits_s:
+            result = dataclasses.replace(result, data_wait_ms_p50=1e3 * statistics.median(self.data_waits_s))
+        return result
 
 
 def detail_log_entries(path: Path) -> dict[str, object]:

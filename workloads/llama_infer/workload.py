@@ -13,6 +13,15 @@ LoadGen's VALID/INVALID is the run's verdict: it is the workload's quality targe
 (``result_valid >= 1``), so ``quality_target_reached`` and the MLPerf log's ``run_stop`` status carry
 it. LoadGen's summary and detail logs are written to the run folder, whose files the harness records
 as the run's artifacts.
+
+The sample library (LoadGen's QSL) is synthetic by default (``data.py``) or the queries of a prompts
+file (``workload.prompts``, ``prompts.py``), read, checked and tokenized in the constructor — a bad file
+stops the command before any run exists — and held in memory, as MLPerf's QSL holds its tokenized set;
+its performance sample count is the file's query count. A step's data wait (``data_wait_ms_p50``) is
+the median, over the test's completed queries, of the time the engine spent getting a query's prompt
+tokens onto the device once it took the query up (assembling the prefill batch and copying it): the
+serving counterpart of a training step waiting for its batch. Time a query spends queued behind
+other work is not data wait; LoadGen's TTFT counts it.
 """
 
 from __future__ import annotations
@@ -31,10 +40,11 @@ from workloads.base import MLPerfInfo, QualityTarget, RunContext, StepResult, Wo
 from workloads.base import invalid_config as _invalid
 from workloads.llama.model import PRESETS, ModelArgs, build_model
 from workloads.llama_infer.capacity import search_qps_at_slo
-from workloads.llama_infer.data import LengthDistribution, synthetic_requests
+from workloads.llama_infer.data import LengthDistribution, RequestSet, synthetic_requests
 from workloads.llama_infer.decoder import CachedDecoder, check_servable
 from workloads.llama_infer.engine import Request, ServingEngine, generate
 from workloads.llama_infer.loadgen_sut import LOG_DETAIL, LOG_SUMMARY, SCENARIOS, LoadGenResult, LoadGenSUT
+from workloads.llama_infer.prompts import PromptSet, load_prompts
 from workloads.llama_infer.settings import MLPERF_MODELS, RunPlan, official_limits, test_settings
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -60,7 +70,13 @@ class LlamaInferConfig:
     server_target_qps: float = 40.0  # Server: Poisson arrivals at this rate (the first probe with find_qps_at_slo)
     offline_expected_qps: float = 100.0  # Offline: LoadGen sizes its one query from this and min_duration_ms
     single_stream_expected_latency_ms: float = 50.0
-    # request lengths, shaped like MLPerf's llama3.1-8b set (data.py)
+    vocab_size: int | None = None  # the model's vocabulary; None: the preset's (a tokenizer or file ids may need more)
+    # real prompts (prompts.py): a JSON lines file; None: synthetic requests drawn as below
+    prompts: str | None = None
+    tokenizer: str | None = None  # tokenizer.json or a model folder: encodes the file's text prompts and answers
+    truncate_prompts: bool = False  # cut prompts that overflow the context from the left (else: refused)
+    # synthetic request lengths, shaped like MLPerf's llama3.1-8b set (data.py); output_max is also the
+    # budget of a file's query that gives none
     prompt_mean: int = 96
     prompt_sigma: float = 0.5
     prompt_min: int = 8
@@ -89,6 +105,11 @@ class LlamaInferConfig:
             value = getattr(self, key)
             if not (math.isfinite(value) and value > 0):
                 raise _invalid(key, f"got {value}, must be > 0")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise _invalid("vocab_size", f"got {self.vocab_size}, must be >= 1 (or null: the preset's)")
+        if self.tokenizer is not None and self.prompts is None:
+            raise _invalid("tokenizer", "the tokenizer encodes the prompts of workload.prompts, which is not set: add "
+                           "workload.prompts=<file.jsonl>, or drop workload.tokenizer to serve synthetic requests")
         for key in ("max_batch", "samples", "min_queries", "max_probes"):
             if getattr(self, key) < 1:
                 raise _invalid(key, f"got {getattr(self, key)}, must be >= 1")
@@ -104,8 +125,8 @@ class LlamaInferConfig:
             raise _invalid("target_load_qps", "hosts for a load come from qps_at_slo: add find_qps_at_slo=true")
 
     def model_args(self) -> ModelArgs:
-        args = PRESETS[self.preset]
-        return args if self.max_seq_len is None else dataclasses.replace(args, max_seq_len=self.max_seq_len)
+        overrides = {"max_seq_len": self.max_seq_len, "vocab_size": self.vocab_size}
+        return dataclasses.replace(PRESETS[self.preset], **{k: v for k, v in overrides.items() if v is not None})
 
     def lengths(self) -> LengthDistribution:
         return LengthDistribution(self.prompt_mean, self.prompt_sigma, self.prompt_min, self.prompt_max,
@@ -128,7 +149,17 @@ class LlamaInferWorkload(WorkloadBase):
             check_servable(self.args)
         except ValueError as err:
             raise _invalid("preset", str(err)) from err
-        config.lengths().validate(self.args.max_seq_len)
+        # the sample library: a prompts file is read, checked and tokenized here, so a bad file stops the
+        # command before any run exists; synthetic requests are drawn in setup
+        self.prompt_set: PromptSet | None = None
+        if config.prompts is not None:
+            if not 1 <= config.output_max < self.args.max_seq_len:
+                raise _invalid("output_max", f"got {config.output_max}: the new-token budget of a prompt that gives "
+                               f"none must be >= 1 and below the context of {self.args.max_seq_len} tokens")
+            self.prompt_set = load_prompts(config.prompts, config.tokenizer, self.args.vocab_size,
+                                           self.args.max_seq_len, config.output_max, config.truncate_prompts)
+        else:
+            config.lengths().validate(self.args.max_seq_len)
         if config.eos_token_id is not None and not 0 <= config.eos_token_id < self.args.vocab_size:
             raise _invalid("eos_token_id", f"got {config.eos_token_id}, must be a token id below the vocabulary "
                            f"size {self.args.vocab_size} (or null)")
@@ -146,30 +177,38 @@ class LlamaInferWorkload(WorkloadBase):
             torch.set_num_threads(cfg.num_threads)
         model = build_model(self.args, self.ctx.device, self.ctx.seed).to(self.compute_dtype)
         self.model = model
-        self.engine = ServingEngine(CachedDecoder(model), cfg.max_batch, cfg.prompt_max + cfg.output_max,
-                                    cfg.eos_token_id)
-        self.requests = synthetic_requests(cfg.samples, cfg.lengths(), self.args.vocab_size, cfg.data_seed)
-        if cfg.warmup_requests:
+        if self.prompt_set is None:
+            self.requests = synthetic_requests(cfg.samples, cfg.lengths(), self.args.vocab_size, cfg.data_seed)
             warm = synthetic_requests(cfg.warmup_requests, cfg.lengths(), self.args.vocab_size, cfg.data_seed + 1)
-            for prompt, budget in zip(warm.prompts, warm.max_new_tokens, strict=True):
-                self.engine.submit(Request(-1, prompt, budget))
-            while not self.engine.idle:
-                self.engine.step()
+            self.longest_prompt, self.largest_budget = cfg.prompt_max, cfg.output_max  # the distribution's bounds
+        else:
+            self.requests = self.prompt_set.requests
+            picks = [i % len(self.requests) for i in range(cfg.warmup_requests)]  # the file's own shapes
+            warm = RequestSet([self.requests.prompts[i] for i in picks],
+                              [self.requests.max_new_tokens[i] for i in picks])
+            self.longest_prompt, self.largest_budget = self.requests.longest_prompt, self.requests.largest_budget
+        # the cache holds the longest prompt with the largest budget (from different queries, maybe)
+        cache_len = min(self.longest_prompt + self.largest_budget, self.args.max_seq_len)
+        self.engine = ServingEngine(CachedDecoder(model), cfg.max_batch, cache_len, cfg.eos_token_id)
+        for prompt, budget in zip(warm.prompts, warm.max_new_tokens, strict=True):
+            self.engine.submit(Request(-1, prompt, budget))
+        while not self.engine.idle:
+            self.engine.step()
         self.unloaded_ttft_ms, self.unloaded_tpot_ms = self._unloaded_latencies()
         self._check_slo_reachable()
 
     def _unloaded_latencies(self) -> tuple[float, float]:
         """Median time (ms) to the first token of one longest prompt, and per further token, alone."""
-        cfg = self.config
-        prompt = [1] * cfg.prompt_max
+        prompt = [1] * self.longest_prompt
+        new_tokens = min(self.largest_budget, self.engine.max_len - self.longest_prompt + 1)
         first_token_s, per_token_s = [], []
         for _ in range(3):
             start = time.perf_counter()
             generate(self.engine, [prompt], 1)
             first_token_s.append(time.perf_counter() - start)
             start = time.perf_counter()
-            generate(self.engine, [prompt], cfg.output_max)
-            per_token_s.append((time.perf_counter() - start - first_token_s[-1]) / max(cfg.output_max - 1, 1))
+            generate(self.engine, [prompt], new_tokens)
+            per_token_s.append((time.perf_counter() - start - first_token_s[-1]) / max(new_tokens - 1, 1))
         return 1e3 * statistics.median(first_token_s), 1e3 * statistics.median(per_token_s)
 
     def _check_slo_reachable(self) -> None:
@@ -179,7 +218,7 @@ class LlamaInferWorkload(WorkloadBase):
         limits, problems = self.limits, []
         if self.unloaded_ttft_ms > limits.ttft_ms:
             problems.append(f"TTFT limit {limits.ttft_ms:.3g} ms < {self.unloaded_ttft_ms:.3g} ms to the first token "
-                            f"of one {self.config.prompt_max}-token prompt alone")
+                            f"of one {self.longest_prompt}-token prompt alone")
         if self.unloaded_tpot_ms > limits.tpot_ms:
             problems.append(f"TPOT limit {limits.tpot_ms:.3g} ms < {self.unloaded_tpot_ms:.3g} ms per token of one "
                             "request alone")
@@ -188,13 +227,14 @@ class LlamaInferWorkload(WorkloadBase):
             raise ValueError(
                 f"the SLO cannot be met at any load on this platform: {'; '.join(problems)} "
                 f"({self.config.mlperf_model} limits x latency_scale {limits.scale:g}). Raise workload.latency_scale "
-                f"to at least {1.5 * need:.3g}, pick a smaller model or shorter prompts (workload.prompt_max)")
+                f"to at least {1.5 * need:.3g}, pick a smaller model or shorter prompts ("
+                + ("a prompts file of shorter prompts" if self.prompt_set else "workload.prompt_max") + ")")
 
     # -- one step: one LoadGen test (or one capacity search) --
     def _plan(self, scenario: str, server_qps: float) -> RunPlan:
         cfg = self.config
         return RunPlan(scenario, cfg.min_queries, cfg.min_duration_ms, server_qps, cfg.offline_expected_qps,
-                       cfg.single_stream_expected_latency_ms, cfg.samples)
+                       cfg.single_stream_expected_latency_ms, len(self.requests))
 
     def _run_test(self, plan: RunPlan, label: str) -> LoadGenResult:
         settings = test_settings(plan, self.config.mlperf_model, self.limits)
@@ -210,7 +250,8 @@ class LlamaInferWorkload(WorkloadBase):
         for name in (LOG_SUMMARY, LOG_DETAIL):  # files in the run folder become the run's artifacts
             shutil.copyfile(result.log_dir / name, self.ctx.work_dir / name)
         self.results.append(result)
-        return StepResult(samples=result.completed_samples, tokens=result.completed_tokens)
+        wait_s = None if result.data_wait_ms_p50 is None else result.data_wait_ms_p50 / 1e3
+        return StepResult(samples=result.completed_samples, tokens=result.completed_tokens, data_wait_s=wait_s)
 
     def _search_capacity(self, label: str) -> LoadGenResult:
         cfg = self.config
@@ -264,6 +305,8 @@ class LlamaInferWorkload(WorkloadBase):
             value = getattr(last, key)
             if value is not None:
                 metrics[key] = value
+        if self.prompt_set is not None:
+            metrics["prompts_truncated"] = float(self.prompt_set.truncated)
         if self.server_qps is not None:
             metrics["server_qps"] = self.server_qps
         if self.qps_at_slo is not None:
@@ -273,7 +316,8 @@ class LlamaInferWorkload(WorkloadBase):
         return metrics
 
     def mlperf_info(self) -> MLPerfInfo:
-        return MLPerfInfo("llama3_1-8b", self.config.max_batch, self.config.samples, 0,
+        samples = self.config.samples if self.prompt_set is None else len(self.prompt_set.requests)
+        return MLPerfInfo("llama3_1-8b", self.config.max_batch, samples, 0,
                           hyperparameters={"scenario": self.config.scenario})
 
     def run_tags(self) -> dict[str, str]:
