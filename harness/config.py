@@ -12,6 +12,8 @@ import hashlib
 import json
 import math
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -304,9 +306,16 @@ def check_results_dir(results_dir: str) -> None:
         existing = existing.parent
     if not existing.is_dir():
         raise ValueError(f"invalid config 'results_dir': {existing} (on the way to {path}) is a file; {fix}")
+    so = "" if existing == path else f" (so {path} cannot be made)"
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"invalid config 'results_dir': {existing} is not writable"
-                         + ("" if existing == path else f" (so {path} cannot be made)") + f"; {fix}")
+        raise ValueError(f"invalid config 'results_dir': {existing} is not writable{so}; {fix}")
+    # os.access answers yes to root everywhere, and to anyone on a read-only or pseudo file system (/proc,
+    # /sys): making (and removing) a scratch folder there is the one test that says what mkdir will do
+    try:
+        shutil.rmtree(tempfile.mkdtemp(prefix=".cobench-check-", dir=existing))
+    except OSError as err:
+        raise ValueError(f"invalid config 'results_dir': cannot make a folder in {existing}{so} "
+                         f"({err.strerror or err}); {fix}") from None
 
 
 _NOT_MEASURED = ("progress", "noise_step_cv_max", "noise_rep_cv_max")  # how a run is shown or judged

@@ -136,12 +136,15 @@ def print_summary(results: list[BenchmarkResult], title: str = "cobench results"
         if r.upload_error:
             console.print(f"[yellow]{r.benchmark}: not recorded in MLflow ({r.upload_error}); everything is in "
                           f"{r.run_dir}: `cobench upload {r.run_dir}` once the store is back[/yellow]", soft_wrap=True)
-    folders = sorted({r.run_dir.parent for r in results if r.run_dir is not None})
-    for folder in folders:
-        store = folder.parent / "mlflow.db"
-        console.print(f"outputs: {folder}/<run>/ (metrics.json, MLPerf logs, config)"
-                      + (f"; MLflow: mlflow ui --backend-store-uri sqlite:///{store}" if store.is_file() else ""),
-                      soft_wrap=True)
+    ran = [r for r in results if r.run_dir is not None]
+    for r in ran:  # each run's own folder, named as the table names its row
+        name = f"{labels.get(results.index(r), r.benchmark) if labels else r.benchmark}: " if len(ran) > 1 else ""
+        console.print(f"outputs: {name}{r.run_dir}/", soft_wrap=True)
+    if ran:
+        stores = sorted({r.run_dir.parent.parent / "mlflow.db" for r in ran})
+        console.print("each run's folder holds metrics.json, its MLPerf logs and its config"
+                      + "".join(f"; MLflow: mlflow ui --backend-store-uri sqlite:///{store}"
+                                for store in stores if store.is_file()), soft_wrap=True)
 
 
 def named_by_differences(name: str, mine: dict[str, str], all_settings: list[dict[str, str]]) -> str:

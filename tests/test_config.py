@@ -129,6 +129,26 @@ def test_an_unusable_results_dir_is_bad_input_with_no_traceback(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results.txt"]
 
 
+def test_a_results_dir_on_a_pseudo_file_system_or_behind_a_dangling_link_is_bad_input(tmp_path):
+    """/proc and /sys accept no folders (even from root, whom os.access always answers yes): exit 2 with one line,
+    as for every other unusable results_dir."""
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    dangling = tmp_path / "gone"
+    dangling.symlink_to(tmp_path / "unmounted" / "results")
+    (tmp_path / "unmounted").write_text("a file where the link's folder should be")
+    for bad in ("/proc/cobench/res", "/sys/cobench", dangling):
+        with pytest.raises(ValueError, match="results_dir.*pass results_dir=DIR"):
+            to_run_config(compose_config([f"results_dir={bad}"]))
+    proc = subprocess.run([sys.executable, "-m", "suite.cli", "run", "workload=llama", "results_dir=/proc/cobench/res"],
+                          capture_output=True, text=True, timeout=120, env=clean_env(), cwd=tmp_path)
+    assert proc.returncode == 2 and "cannot make a folder in /proc" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
 def test_run_help_shows_the_choices_and_the_config_not_internal_groups(tmp_path):
     import subprocess
     import sys

@@ -43,9 +43,9 @@ def test_run_logs_a_finished_run_with_the_agreed_names(cobench, tmp_path):
     assert ("time_to_train_s" in run.data.metrics) == (run.data.metrics["quality_target_reached"] == 1.0)
     # the summary, and where the outputs went
     assert "llama" in proc.stdout and "tok/s" in proc.stdout and "FINISHED" in proc.stdout
-    assert f"outputs: {results / 'runs'}" in " ".join(proc.stdout.split())
-    # the local copy survives independently of MLflow
     (run_dir,) = (results / "runs").iterdir()
+    assert f"outputs: {run_dir}/" in " ".join(proc.stdout.split())  # the run's own folder, no placeholder
+    # the local copy survives independently of MLflow
     assert json.loads((run_dir / "metrics.json").read_text())["status"] == "FINISHED"
     keys = [line["key"] for line in read_mllog(run_dir / "mllog_rep0.txt")]
     assert keys.count("run_start") == 1 and keys.count("run_stop") == 1
