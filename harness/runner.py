@@ -48,6 +48,15 @@ from workloads.base import RunContext, Workload, WorkloadSpec
 
 logger = logging.getLogger(__name__)
 
+
+def _not_fx_tracing_notice(record: logging.LogRecord) -> bool:
+    """torch.fx's notice that ``is_fx_tracing`` also covers torch.export, logged the first time TorchRec's
+    modules ask it (every DLRM and seqrec run): advice to TorchRec's authors, nothing a user can act on."""
+    return not record.getMessage().startswith("is_fx_tracing will return true")
+
+
+logging.getLogger("torch.fx._symbolic_trace").addFilter(_not_fx_tracing_notice)
+
 STATUS_FINISHED, STATUS_FAILED, STATUS_KILLED = "FINISHED", "FAILED", "KILLED"
 STATUS_SKIPPED = "SKIPPED"  # a suite's benchmark this platform cannot run; no MLflow run is made
 

@@ -122,3 +122,19 @@ def test_steady_host_memory_spares_each_step_the_page_faults_of_memory_it_freed(
 def test_a_host_allocator_that_does_not_exist_is_refused():
     with pytest.raises(ValueError, match="platform.host_allocator.*allowed values: steady, system"):
         PlatformConfig(host_allocator="jemalloc")
+
+
+def test_torch_fx_tracing_notice_is_filtered_at_its_origin_and_nothing_else_there_is(caplog):
+    """TorchRec asks torch.fx's is_fx_tracing() on every DLRM/seqrec run, which logs advice meant for
+    TorchRec's authors; the runner filters that one message, not the logger."""
+    import logging
+
+    import torch.fx._symbolic_trace as symbolic_trace
+
+    import harness.runner  # noqa: F401 - installs the filter
+
+    symbolic_trace.is_fx_tracing_warning.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="torch.fx._symbolic_trace"):
+        symbolic_trace.is_fx_tracing()
+        logging.getLogger("torch.fx._symbolic_trace").warning("another warning")
+    assert [r.getMessage() for r in caplog.records] == ["another warning"]
