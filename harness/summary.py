@@ -38,8 +38,27 @@ def human(value: float | None, unit: str = "") -> str:
     return f"{value:.3g} {unit}".rstrip()
 
 
+def is_serving(m: dict[str, float]) -> bool:
+    """A serving benchmark's metrics (LoadGen's latency limits among them): one "step" is a whole LoadGen test,
+    so its step times say nothing; it is judged by TTFT/TPOT p99 against the limits and LoadGen's verdict."""
+    return "ttft_limit_ms" in m
+
+
+def serving_text(m: dict[str, float]) -> str:
+    """``VALID, TTFT p99 7.36 ms (limit 400), TPOT p99 1.2 ms (limit 40)``: what serving is judged by."""
+    parts = [("VALID" if m["result_valid"] >= 1 else "[red]INVALID[/red]") if "result_valid" in m else "-"]
+    for name, key, limit in (("TTFT", "ttft_ms_p99", "ttft_limit_ms"), ("TPOT", "tpot_ms_p99", "tpot_limit_ms")):
+        if key in m:
+            over = limit in m and m[key] > m[limit]
+            figure = f"{name} p99 {m[key]:.3g} ms" + (f" (limit {m[limit]:.3g})" if limit in m else "")
+            parts.append(f"[red]{figure}[/red]" if over else figure)
+    return ", ".join(parts)
+
+
 def quality_text(m: dict[str, float]) -> str:
     """Repetition 0's quality figures; with a target, the target and how many repetitions reached it."""
+    if is_serving(m):
+        return serving_text(m)
     figures = ", ".join(f"{k} {m[k]:.4g}" for k in QUALITY_KEYS if k in m)
     if "quality_target_value" in m:
         reps = int(m.get("repetitions_completed", 1))
@@ -68,16 +87,17 @@ def summary_table(results: list[BenchmarkResult], title: str = "cobench results"
         if m.get("noisy"):
             status += " [yellow]noisy[/yellow]"
         reps = int(m.get("repetitions_completed", 0))
+        step = {} if is_serving(m) else m  # a serving "step" is a whole LoadGen test: no step-time figures
         cells = {
             "benchmark": (labels or {}).get(i, r.benchmark),
             "platform": r.platform,
             "status": status,
             "throughput": human(m.get("throughput"), r.throughput_unit),
             "±": f"{100 * m['throughput_cv']:.0f} %" if reps > 1 and "throughput_cv" in m else "-",
-            "p50 ms": _fmt(m.get("step_time_ms_p50"), ".2f"),
-            "p90 ms": _fmt(m.get("step_time_ms_p90"), ".2f"),
-            "p99 ms": _fmt(m.get("step_time_ms_p99"), ".2f"),
-            "step cv": f"{100 * m['step_time_cv']:.0f} %" if "step_time_cv" in m else "-",
+            "p50 ms": _fmt(step.get("step_time_ms_p50"), ".2f"),
+            "p90 ms": _fmt(step.get("step_time_ms_p90"), ".2f"),
+            "p99 ms": _fmt(step.get("step_time_ms_p99"), ".2f"),
+            "step cv": f"{100 * m['step_time_cv']:.0f} %" if "step_time_cv" in step else "-",
             "MFU": f"{100 * m['mfu']:.2f} %" if "mfu" in m else "-",
             "peak MB": _fmt(m.get("peak_memory_mb"), ",.0f"),
             "reps": str(reps) if reps else "-",

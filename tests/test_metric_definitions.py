@@ -82,3 +82,21 @@ def test_a_suites_own_metrics_fit_the_terminal_in_as_many_tables_as_it_takes():
     text = console.export_text()
     assert max(len(line) for line in text.splitlines()) <= 100
     assert all(m in text for m in metrics) and "1235" in text  # whole names, numbers not cut
+
+
+def test_a_serving_row_shows_what_serving_is_judged_by_not_a_whole_loadgen_test_as_a_step():
+    from rich.console import Console
+
+    from harness.runner import BenchmarkResult
+    from harness.summary import summary_table
+
+    metrics = {"throughput": 1234.0, "repetitions_completed": 1.0, "step_time_ms_p50": 15028.0,
+               "step_time_cv": 0.0, "ttft_ms_p99": 7.36, "ttft_limit_ms": 400.0, "tpot_ms_p99": 52.5,
+               "tpot_limit_ms": 40.0, "result_valid": 0.0, "quality_target_value": 1.0,
+               "quality_target_reps_reached": 0.0}
+    console = Console(width=200, record=True)
+    console.print(summary_table([BenchmarkResult("llama_infer", "llama_infer", "cpu", "FINISHED", "tokens/s", None,
+                                                 metrics=metrics)]))
+    text = " ".join(console.export_text().split())
+    assert "INVALID, TTFT p99 7.36 ms (limit 400), TPOT p99 52.5 ms (limit 40)" in text
+    assert "15028" not in text and "15,028" not in text
