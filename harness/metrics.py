@@ -122,6 +122,22 @@ def benchmark_metrics(
     return metrics
 
 
+def mfu_doubt(metrics: dict[str, float], ceiling: float, peak_doubt: str | None) -> str | None:
+    """Why the run's MFU cannot be taken at face value (a sentence), or None: above what the platform
+    credibly reaches, or against a measured peak that is itself in doubt."""
+    if "mfu" not in metrics:
+        return None
+    reasons = []
+    if metrics["mfu"] > ceiling:
+        reasons.append(f"MFU {100 * metrics['mfu']:.0f} % is above the {100 * ceiling:.0f} % this platform credibly "
+                       f"reaches, so the peak it is measured against is likely low")
+    if peak_doubt:
+        reasons.append(f"the measured peak is doubtful ({peak_doubt})")
+    if not reasons:
+        return None
+    return "; ".join(reasons) + ": re-measure the peak on a quiet machine (cobench calibrate --force)"
+
+
 def noise_verdict(metrics: dict[str, float], step_cv_max: float, rep_cv_max: float) -> str | None:
     """Why a run's figures are too noisy to trust (a sentence), or None."""
     reasons = []
@@ -154,6 +170,9 @@ METRIC_DEFINITIONS: dict[str, tuple[str, str]] = {
     "data_wait_ms_p50": ("ms", "median time a timed step waited for its batch (reading, tokenizing and moving it to "
                                "the device, beyond what the background prefetch had ready), the slowest rank's, "
                                "olympic mean over repetitions; workloads that read data report it"),
+    "mfu_suspect": ("0 or 1", "1 when the MFU is above what the platform credibly reaches (70 % on a CPU, 85 % on "
+                              "an accelerator) or its measured peak is in doubt; tags `mfu_suspect`, "
+                              "`mfu_suspect_reason`"),
     "step_time_ms_p50_rank<r>": ("ms", "rank r's own median step time, olympic mean over repetitions"),
     "rank_imbalance": ("fraction", "(slowest rank's step_time_ms_p50_rank<r> − fastest's) ÷ slowest's; "
                                    "only with more than one rank"),

@@ -42,10 +42,20 @@ KNOWN_PEAKS: list[tuple[str, dict[str, float]]] = [
 
 @dataclass(frozen=True)
 class PeakFlops:
-    """A peak FLOP/s figure and where it came from (declared, table, measured, unknown)."""
+    """A peak FLOP/s figure and where it came from (declared, table, measured, unknown); a measured one
+    also says when and under what conditions (threads, the load average while it was measured)."""
 
     value: float | None
     source: str
+    conditions: dict[str, str] = field(default_factory=dict)
+    # the MFU above which a figure against this peak is not credible: eager PyTorch on a CPU reaches well under
+    # this share of its own best GEMM (attention, norms and the optimiser run far below it); on accelerators
+    # the best published training runs stay near 0.5-0.6 of the data-sheet peak
+    mfu_ceiling: float = 0.85
+
+    def tags(self) -> dict[str, str]:
+        """MLflow tags: ``peak_flops_source`` and, for a measured peak, ``peak_flops_<condition>``."""
+        return {"peak_flops_source": self.source, **{f"peak_flops_{k}": v for k, v in self.conditions.items()}}
 
 
 @dataclass
@@ -84,7 +94,12 @@ class Platform:
                 return PeakFlops(peaks[key], "table")
         if not self.config.calibrate:
             return PeakFlops(None, "unknown")
-        return PeakFlops(calibrated_gemm_flops(self, dtype), "measured_gemm")
+        entry = calibrated_gemm_entry(self, dtype)
+        conditions = {"measured_at": entry["measured_at"], "threads": str(entry["threads"]),
+                      "loadavg": f"{entry['loadavg']:.2f}", "cores": str(entry["cores"])}
+        if entry.get("doubt"):
+            conditions["doubt"] = entry["doubt"]
+        return PeakFlops(entry["flops"], "measured_gemm", conditions, 0.85 if self.is_accelerator else 0.7)
 
 
 def resolve_device(requested: str) -> torch.device:
@@ -211,24 +226,60 @@ def synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
-def measure_gemm_flops(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
-    """Best achieved FLOP/s of a square ``size`` GEMM: the practical peak of a part we don't know."""
+def measure_gemm_flops(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 5,
+                       min_seconds: float = 1.0) -> float:
+    """Best achieved FLOP/s of a square ``size`` GEMM: the practical peak of a part we don't know. At least
+    ``repeats`` GEMMs and ``min_seconds`` of them, so a burst of other work does not set the figure."""
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     for _ in range(2):  # warm-up: thread pools, kernel selection, clocks
         torch.mm(a, b)
     synchronize(device)
-    best = float("inf")
-    for _ in range(repeats):
+    best, spent, done = float("inf"), 0.0, 0
+    while done < repeats or spent < min_seconds:
         start = time.perf_counter()
         torch.mm(a, b)
         synchronize(device)
-        best = min(best, time.perf_counter() - start)
+        took = time.perf_counter() - start
+        best, spent, done = min(best, took), spent + took, done + 1
     return 2.0 * size**3 / best
 
 
-def calibrated_gemm_flops(platform: Platform, dtype: torch.dtype) -> float:
-    """Measured GEMM peak, cached in ``platform.calibration_cache`` by platform fingerprint."""
+def load_average() -> float:
+    """The 1-minute load average (0 where the OS has none)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
+def implausible(entry: dict, cache: dict[str, dict]) -> str | None:
+    """Why a cached peak cannot be trusted, or None. A measured peak is a lower bound of the real one: it is
+    doubted when it was measured while the machine was busier than its cores (or its conditions were not
+    recorded), and when the same device, dtype and torch measured *faster with fewer threads* (the figure
+    with more threads was then taken on a busy machine)."""
+    if not isinstance(entry.get("flops"), float) or "loadavg" not in entry or "cores" not in entry:
+        return "measured without its conditions recorded"
+    if entry["loadavg"] > entry["cores"]:
+        return f"measured while the machine was busy (load {entry['loadavg']:.1f} on {entry['cores']} cores)"
+    fewer = [other for other in cache.values()
+             if other is not entry and isinstance(other.get("flops"), float)
+             and (other.get("device_name"), other.get("dtype"), other.get("torch")) ==
+             (entry["device_name"], entry["dtype"], entry["torch"])
+             and other.get("threads", 0) < entry["threads"] and other["flops"] > 1.1 * entry["flops"]]
+    if fewer:
+        best = max(fewer, key=lambda other: other["flops"])
+        return (f"{entry['flops'] / 1e9:.3g} GFLOP/s at {entry['threads']} threads, below the "
+                f"{best['flops'] / 1e9:.3g} GFLOP/s measured at {best['threads']}")
+    return None
+
+
+def calibrated_gemm_entry(platform: Platform, dtype: torch.dtype, force: bool = False) -> dict:
+    """Measured GEMM peak and its conditions, cached in ``platform.calibration_cache`` by platform fingerprint.
+
+    A cached figure is used only while it is plausible (:func:`implausible`); otherwise, or with ``force``,
+    it is measured again. A figure still doubted after measuring (the machine is busy now too) is kept with
+    its doubt (tag ``peak_flops_doubt``) and measured again by the next run."""
     key = f"{platform.fingerprint()}:{dtype}"
     cache_path = Path(platform.config.calibration_cache).expanduser()
     cache: dict[str, dict] = {}
@@ -237,17 +288,35 @@ def calibrated_gemm_flops(platform: Platform, dtype: torch.dtype) -> float:
             cache = json.loads(cache_path.read_text())
         except (OSError, json.JSONDecodeError):
             cache = {}  # a damaged cache is only a cache: measure again and rewrite it
-    if key in cache and isinstance(cache[key].get("flops"), float):
-        return cache[key]["flops"]
+    cache = {k: v for k, v in cache.items() if isinstance(v, dict)}
+    if not force and key in cache and not implausible(cache[key], cache):
+        return cache[key]
+    before = load_average()
     flops = measure_gemm_flops(platform.device, dtype)
-    cache[key] = {
+    entry = {
         "flops": flops,
         "device_name": platform.device_name,
         "dtype": str(dtype),
         "threads": torch.get_num_threads(),
+        "cores": os.cpu_count() or 1,
+        "loadavg": max(before, load_average()),
         "torch": torch.__version__,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+    if platform.is_accelerator:
+        entry["loadavg"] = 0.0  # the host's load says nothing of an accelerator's GEMM
+    previous = cache.get(key)
+    if previous is not None and isinstance(previous.get("flops"), float) and previous["flops"] > flops and not force:
+        entry = {**previous, "loadavg": min(previous.get("loadavg", entry["loadavg"]), entry["loadavg"]),
+                 "cores": entry["cores"]}  # a measurement is a lower bound: keep the faster one
+    doubt = implausible(entry, {**cache, key: entry})
+    if doubt:
+        entry["doubt"] = doubt
+        warnings.warn(f"the measured peak of {platform.device_name} ({dtype}) is doubtful: {doubt}; MFU against "
+                      f"it reads high. Re-measure on a quiet machine: cobench calibrate --force", stacklevel=2)
+    else:
+        entry.pop("doubt", None)
+    cache[key] = entry
     try:
         cache_path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile("w", dir=cache_path.parent, delete=False, suffix=".tmp") as tmp:
@@ -255,4 +324,4 @@ def calibrated_gemm_flops(platform: Platform, dtype: torch.dtype) -> float:
         os.replace(tmp.name, cache_path)  # atomic: concurrent runs never read half a file
     except OSError as err:  # the measurement stands; only the cache is lost
         warnings.warn(f"cannot write calibration cache {cache_path}: {err}", stacklevel=2)
-    return flops
+    return entry

@@ -38,7 +38,7 @@ from harness.distributed import (
 from harness.fingerprint import environment_fingerprint
 from harness.interrupts import deferred_interrupts, signal_name
 from harness.loop import RepetitionState, run_repetition
-from harness.metrics import benchmark_metrics, noise_verdict
+from harness.metrics import benchmark_metrics, mfu_doubt, noise_verdict
 from harness.mlperf_log import MLPerfLogWriter
 from harness.platform import PeakFlops, Platform, discover_platform
 from harness.progress import step_progress
@@ -76,6 +76,7 @@ class BenchmarkResult:
     error: str | None = None
     losses: list[float] = field(default_factory=list)  # train loss per step: repetition 0, rank 0
     noise: str | None = None  # why the figures are too noisy to trust (tag noisy=1), or None
+    mfu_doubt: str | None = None  # why the MFU is not credible (tag mfu_suspect=1), or None
     upload_error: str | None = None  # the store could not take the run: it waits in run_dir (cobench upload)
 
     def to_json(self) -> str:
@@ -204,7 +205,7 @@ def run_benchmark(
             "throughput_unit": workload.throughput_unit,
             "world_size": dist_info.world_size,
             "nodes": fingerprint["nodes"],
-            "peak_flops_source": peak.source if peak else "unknown",
+            **(peak.tags() if peak else {"peak_flops_source": "unknown"}),
         }
         tags.update(workload.run_tags())  # e.g. a replay's source and portability
         result.run_id = tracker.start_run(cfg.run_name or name, tags, parent_run_id)
@@ -286,12 +287,15 @@ def _finish(
     if measured:
         result.noise = noise_verdict(result.metrics, runner.noise_step_cv_max, runner.noise_rep_cv_max)
         result.metrics["noisy"] = float(result.noise is not None)
+        if peak is not None and "mfu" in result.metrics:
+            result.mfu_doubt = mfu_doubt(result.metrics, peak.mfu_ceiling, peak.conditions.get("doubt"))
+            result.metrics["mfu_suspect"] = float(result.mfu_doubt is not None)
     if not env_dist_info().is_main:
         return
     first = measured[0][0] if measured else None
     record = {"status": status, "error": reason, "metrics": result.metrics, "losses": result.losses,
               "quality_history": [[n, q] for n, q in first.quality_history] if first else [],
-              "noise": result.noise}
+              "noise": result.noise, "mfu_doubt": result.mfu_doubt}
     write_and_publish(result, tracker, record)
 
 
@@ -325,6 +329,8 @@ def publish(tracker: Tracker, run_dir: Path) -> None:
     tracker.log_metrics(run_id, record["metrics"])
     if record.get("noise"):
         tracker.set_tags(run_id, {"noisy": "1", "noise_reason": record["noise"]})
+    if record.get("mfu_doubt"):
+        tracker.set_tags(run_id, {"mfu_suspect": "1", "mfu_suspect_reason": record["mfu_doubt"]})
     if record.get("losses"):
         tracker.log_series(run_id, "train_loss", record["losses"])
     for samples_count, quality in record.get("quality_history", []):

@@ -153,6 +153,8 @@ def print_summary(results: list[BenchmarkResult], title: str = "cobench results"
             console.print(f"[red]{r.benchmark}: {r.status}: {r.error}[/red]{where}")
         if r.noise:
             console.print(f"[yellow]warning: {r.benchmark} is noisy: {r.noise}[/yellow]")
+        if r.mfu_doubt:
+            console.print(f"[yellow]warning: {r.benchmark}'s MFU is suspect: {r.mfu_doubt}[/yellow]")
         if r.upload_error:
             console.print(f"[yellow]{r.benchmark}: not recorded in MLflow ({r.upload_error}); everything is in "
                           f"{r.run_dir}: `cobench upload {r.run_dir}` once the store is back[/yellow]", soft_wrap=True)

@@ -43,6 +43,9 @@ commands:
                            (they hold upload_pending.json) in their MLflow runs
   ft-scale [OPTIONS]       effective training time vs cluster size, synchronous vs replica-level
                            recovery (a model; runs nothing): `cobench ft-scale --help`
+  calibrate [--force] [OVERRIDES]
+                           this platform's measured peak FLOP/s behind MFU, with
+                           when and under what load it was measured; --force measures again
   reap [SETTINGS]          close as FAILED the MLflow runs left RUNNING by processes of this host that
                            are gone (every command does it when it connects), and list the RUNNING
                            runs of other hosts, with their host and pid
@@ -66,6 +69,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "upload": ("suite.cli", "upload_main"),
     "ft-scale": ("suite.ft_scale", "run"),
     "data": ("suite.data_cli", "run"),
+    "calibrate": ("suite.cli", "calibrate_main"),
 }
 
 # key=value settings shared by every command → the flag of the commands that parse flags
@@ -171,6 +175,36 @@ def list_main(args: list[str]) -> int:
     for group in ("suite", "platform", "tracking"):
         names = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
         print(f"{group}s: {', '.join(names)}")
+    return EXIT_OK
+
+
+def calibrate_main(args: list[str]) -> int:
+    """``cobench calibrate [--force] [platform overrides]``: the measured peaks MFU is taken against."""
+    import torch
+
+    from harness.config import compose_config, to_run_config
+    from harness.platform import calibrated_gemm_entry, discover_platform
+
+    if any(a in ("-h", "--help") for a in args):
+        print("usage: cobench calibrate [--force] [platform=NAME platform.num_threads=N ...]\n\n"
+              "Measures (or reads from platform.calibration_cache) this platform's GEMM peak per dtype, the peak\n"
+              "MFU is measured against where the platform declares none; a cached figure taken on a busy machine,\n"
+              "without its conditions, or slower than fewer threads measured is measured again. --force: always.")
+        return EXIT_OK
+    force = "--force" in args
+    cfg = to_run_config(compose_config([a for a in args if a != "--force"]))
+    platform = discover_platform(cfg.platform)
+    if platform.is_accelerator or cfg.platform.peak_flops:
+        print(f"{platform.name}: peaks come from " + ("platform.peak_flops" if cfg.platform.peak_flops
+                                                     else "the table of known parts, or are measured at run time"))
+    print(f"{platform.device_name} ({platform.name}), {torch.get_num_threads()} threads:")
+    # the dtypes runs measure MFU in here: float32 on a CPU (the workloads' auto dtype), bfloat16 too on accelerators
+    for dtype in (torch.float32, torch.bfloat16) if platform.is_accelerator else (torch.float32,):
+        entry = calibrated_gemm_entry(platform, dtype, force=force)
+        doubt = f"  DOUBTFUL: {entry['doubt']}" if entry.get("doubt") else ""
+        print(f"  {str(dtype).removeprefix('torch.'):9s} {entry['flops'] / 1e9:9.1f} GFLOP/s  measured "
+              f"{entry['measured_at']} at load {entry['loadavg']:.2f} on {entry['cores']} cores{doubt}")
+    print(f"cache: {cfg.platform.calibration_cache}")
     return EXIT_OK
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform as platform_module
 import subprocess
 import sys
@@ -71,10 +72,60 @@ def test_cpu_peak_is_measured_once_and_cached_per_fingerprint(tmp_path):
     (key, entry), = entries.items()
     assert key.startswith(platform.fingerprint())
     # A second process on the same platform reads the cache instead of measuring again.
-    entry["flops"] = 123.0e9
+    assert {"threads", "cores", "loadavg", "measured_at", "torch"} <= set(entry)  # the conditions it was taken in
+    entry["flops"], entry["loadavg"] = 123.0e9, 0.0  # as measured on a quiet machine
     cache.write_text(json.dumps({key: entry}))
     again = discover_platform(PlatformConfig(device="cpu", calibration_cache=str(cache)))
     assert again.peak_flops(torch.float32).value == 123.0e9
+
+
+def _cached(platform, cache, **entry):
+    """A cache holding this platform's float32 peak with ``entry``'s fields (the rest as measured quietly)."""
+    key = f"{platform.fingerprint()}:{torch.float32}"
+    fields = {"flops": 1.0e6, "device_name": platform.device_name, "dtype": str(torch.float32),
+              "threads": torch.get_num_threads(), "cores": os.cpu_count(), "loadavg": 0.0,
+              "torch": torch.__version__, "measured_at": "2026-01-01T00:00:00+0000", **entry}
+    cache.write_text(json.dumps({key: fields}))
+    return key, fields
+
+
+@pytest.mark.parametrize("stale", [{"loadavg": 99.0}, {"loadavg": None}], ids=["measured-busy", "no-conditions"])
+def test_a_peak_measured_on_a_busy_machine_or_without_its_conditions_is_measured_again(tmp_path, stale):
+    cache = tmp_path / "calibration.json"
+    platform = discover_platform(PlatformConfig(device="cpu", calibration_cache=str(cache)))
+    key, _ = _cached(platform, cache, **stale)
+    if stale["loadavg"] is None:
+        data = json.loads(cache.read_text())
+        del data[key]["loadavg"]
+        cache.write_text(json.dumps(data))
+    peak = platform.peak_flops(torch.float32)
+    assert peak.value > 1e8  # measured again, not the stale 1 MFLOP/s
+    assert set(peak.tags()) >= {"peak_flops_source", "peak_flops_threads", "peak_flops_loadavg",
+                                "peak_flops_measured_at"}
+
+
+def test_a_peak_slower_than_fewer_threads_measured_is_measured_again(tmp_path):
+    """More threads cannot be slower at a GEMM than fewer: the many-thread figure was taken on a busy machine
+    (a 2-thread peak of 68 GFLOP/s beside a 1-thread one of 188 read as 86 % MFU)."""
+    cache = tmp_path / "calibration.json"
+    platform = discover_platform(PlatformConfig(device="cpu", calibration_cache=str(cache)))
+    key, mine = _cached(platform, cache, threads=torch.get_num_threads() + 1)
+    fewer = {**mine, "threads": 0, "flops": 1.0e7}  # fewer threads, ten times faster than the stale figure
+    cache.write_text(json.dumps({key: mine, "other-fingerprint:torch.float32": fewer}))
+    from harness.platform import implausible
+
+    assert "below the" in implausible(mine, json.loads(cache.read_text()))
+    assert platform.peak_flops(torch.float32).value > 1e8
+    assert json.loads(cache.read_text())[key]["flops"] > 1e8
+
+
+def test_an_mfu_above_what_the_platform_reaches_is_flagged_with_the_fix():
+    from harness.metrics import mfu_doubt
+
+    assert mfu_doubt({"mfu": 0.3}, 0.7, None) is None
+    assert "86 % is above the 70 %" in mfu_doubt({"mfu": 0.86}, 0.7, None)
+    assert "cobench calibrate --force" in mfu_doubt({"mfu": 0.2}, 0.7, "measured while the machine was busy")
+    assert mfu_doubt({}, 0.7, "busy") is None  # no MFU, nothing to doubt
 
 
 def test_damaged_calibration_cache_is_remeasured(tmp_path):
@@ -138,3 +189,15 @@ def test_torch_fx_tracing_notice_is_filtered_at_its_origin_and_nothing_else_ther
         symbolic_trace.is_fx_tracing()
         logging.getLogger("torch.fx._symbolic_trace").warning("another warning")
     assert [r.getMessage() for r in caplog.records] == ["another warning"]
+
+
+def test_calibrate_force_measures_again_and_says_under_what_load(tmp_path, capsys):
+    from suite.cli import main
+
+    cache = tmp_path / "calibration.json"
+    platform = discover_platform(PlatformConfig(device="cpu", calibration_cache=str(cache)))
+    _cached(platform, cache, flops=1.0e6)  # plausible on its face: only --force replaces it
+    assert main(["calibrate", "--force", f"platform.calibration_cache={cache}"]) == 0
+    out = capsys.readouterr().out
+    assert "GFLOP/s  measured" in out and "at load" in out and f"cache: {cache}" in out
+    assert next(iter(json.loads(cache.read_text()).values()))["flops"] > 1e8
