@@ -1,9 +1,12 @@
 """DLRM-DCNv2 (MLPerf) training benchmark on TorchRec, with a measured, compressible all-to-all."""
 
-from workloads.base import declare, lazy_attributes
+from workloads.base import declare, declare_preparer, lazy_attributes
 
 declare("dlrm", "workloads.dlrm.workload",
-        "DLRM-DCNv2 (MLPerf) from TorchRec, on planted Criteo-like click data")
+        "DLRM-DCNv2 (MLPerf) from TorchRec, on planted Criteo-like click data or MLPerf's Criteo 1TB files")
+declare_preparer("criteo", "workloads.dlrm.prepare",
+                 "Criteo 1TB raw TSV days -> MLPerf's preprocessed numpy layout (+ the multi-hot .npz) for "
+                 "workload=dlrm workload.data=criteo_1tb")
 
 # the public names, imported on first use: the package itself stays cheap to import
 EXPORTS = {
@@ -11,6 +14,7 @@ EXPORTS = {
     "workloads.dlrm.comm": ["build_qcomm_registry"],
     "workloads.dlrm.a2a": ["PooledA2AMeter", "TimedCodec"],
     "workloads.dlrm.data": ["ClickBatch", "PlantedClickModel", "SyntheticCriteo"],
+    "workloads.dlrm.criteo": ["CriteoSource", "MLPERF_AUC_TARGET"],
     "workloads.dlrm.model": ["PRESETS", "DLRMShape", "build_dlrm"],
     "workloads.dlrm.workload": ["DLRMConfig", "DLRMWorkload", "roc_auc"],
 }

@@ -32,16 +32,16 @@ class ClickBatch:
     dense: torch.Tensor
     sparse: KeyedJaggedTensor
     labels: torch.Tensor
-    planted_logits: torch.Tensor  # the hidden model's logits: the oracle's scores
+    # the hidden model's logits (the oracle's scores); None for real data, which has no hidden model
+    planted_logits: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
         return self.labels.numel()
 
     def to(self, device: torch.device) -> ClickBatch:
-        return ClickBatch(
-            self.dense.to(device), self.sparse.to(device), self.labels.to(device), self.planted_logits.to(device)
-        )
+        planted = self.planted_logits.to(device) if self.planted_logits is not None else None
+        return ClickBatch(self.dense.to(device), self.sparse.to(device), self.labels.to(device), planted)
 
 
 def _hash32(x: torch.Tensor, salt: int) -> torch.Tensor:
@@ -139,3 +139,20 @@ class SyntheticCriteo:
         lengths = torch.cat([torch.full((batch_size,), hot, dtype=torch.int64) for hot in self.multi_hot_sizes])
         sparse = KeyedJaggedTensor(keys=self.keys, values=torch.cat([b.reshape(-1) for b in bags]), lengths=lengths)
         return ClickBatch(dense, sparse, labels, logits)
+
+
+def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Exact ROC AUC (Mann-Whitney U, ties counted half); NaN when one class is missing."""
+    scores, labels = scores.double().flatten(), labels.double().flatten()
+    positives = float(labels.sum())
+    negatives = labels.numel() - positives
+    if positives == 0 or negatives == 0:
+        return float("nan")
+    sorted_scores, order = torch.sort(scores)
+    _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
+    ends = torch.cumsum(counts, 0).double()
+    average_rank = ends - (counts.double() - 1) / 2  # 1-based mean rank of each group of equal scores
+    ranks = torch.empty_like(scores)
+    ranks[order] = average_rank[inverse]
+    rank_sum = float(ranks[labels == 1].sum())
+    return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives)

@@ -1,5 +1,9 @@
 """The DLRM-DCNv2 training benchmark: config, sharding, optimiser, train/eval steps, a2a metrics.
 
+Data (``workload.data``): the planted click model of :mod:`workloads.dlrm.data` (default), or MLPerf's
+preprocessed Criteo 1TB files read by :mod:`workloads.dlrm.criteo`, checked in the constructor (a bad
+file exits 2 before any run exists) and read ahead on a thread.
+
 One process trains the plain TorchRec model (``nn.EmbeddingBag`` tables); under ``torchrun``
 the tables are sharded by ``DistributedModelParallel`` following an ``EmbeddingShardingPlanner``
 plan restricted to the configured sharding type, the dense part is data-parallel (DDP, inside
@@ -19,6 +23,7 @@ import contextlib
 import itertools
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -40,11 +45,14 @@ from workloads.base import (
     unsupported,
 )
 from workloads.base import invalid_config as _invalid
-from workloads.dlrm import a2a, comm, compression  # noqa: F401 - compression registers comm_codec=eb
-from workloads.dlrm.data import ClickBatch, SyntheticCriteo
+from workloads.data_source import Prefetcher
+from workloads.dlrm import a2a, comm, compression, criteo  # noqa: F401 - compression registers comm_codec=eb
+from workloads.dlrm.data import ClickBatch, SyntheticCriteo, roc_auc
 from workloads.dlrm.model import PRESETS, DLRMShape, build_dlrm, count_params, dense_training_flops
 
 SHARDINGS = ("table_wise", "column_wise", "row_wise")
+DATA_SOURCES = ("synthetic", "criteo_1tb")
+ID_CHECKS = ("full", "batch")
 # auc_target null: this fraction of the way from chance (0.5) to the planted model's own AUC.
 AUC_TARGET_FRACTION = 0.85
 
@@ -71,11 +79,15 @@ class DLRMConfig:
     sharding: str = "table_wise"  # with >1 rank: table_wise | column_wise | row_wise (CUDA only)
     comm_codec: str = "none"  # compression of the pooled-embedding all-to-all (see comm.py)
     codec_options: dict[str, Any] = field(default_factory=dict)  # passed to a CUSTOM_CODECS factory
-    zipf_exponent: float = 1.1  # id popularity ∝ rank ** -zipf_exponent; 0 is uniform
-    data_seed: int = 0  # the planted click model; fixed so every run learns the same task
-    train_batches: int = 128  # size of the training set, in global batches (cycled)
-    eval_batches: int = 4
-    auc_target: float | None = None  # None: 85% of the way from 0.5 to the planted model's AUC
+    data: str = "synthetic"  # synthetic (planted click model) | criteo_1tb (MLPerf's preprocessed files)
+    data_path: str | None = None  # criteo_1tb: the folder of day_{d}_{dense,labels,sparse...} files
+    criteo_sparse: str = "multi_hot"  # criteo_1tb: day_{d}_sparse_multi_hot.npz | one_hot: day_{d}_sparse.npy
+    criteo_id_check: str = "full"  # full: every id checked before the run (cached) | batch: as each batch is read
+    zipf_exponent: float = 1.1  # synthetic: id popularity ∝ rank ** -zipf_exponent; 0 is uniform
+    data_seed: int = 0  # synthetic: the planted click model; fixed so every run learns the same task
+    train_batches: int = 128  # synthetic: size of the training set, in global batches (cycled)
+    eval_batches: int | None = 4  # held-out global batches; None (criteo_1tb): the whole validation half
+    auc_target: float | None = None  # None: criteo_1tb MLPerf's 0.80275; synthetic 85% of the way to the oracle
     # link bandwidths (GB/s per rank) at which to project the all-to-all and step time from the bytes
     projection_bandwidths_gbps: list[float] = field(default_factory=lambda: [12.5, 25.0, 50.0])
 
@@ -89,7 +101,7 @@ class DLRMConfig:
         if any(not (math.isfinite(b) and b > 0) for b in self.projection_bandwidths_gbps):
             raise _invalid("projection_bandwidths_gbps", f"got {self.projection_bandwidths_gbps}, must be positive")
         for key in ("max_table_rows", "num_dense", "train_batches", "eval_batches"):
-            if getattr(self, key) < 1:
+            if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise _invalid(key, f"got {getattr(self, key)}, must be >= 1")
         if not (math.isfinite(self.lr) and self.lr > 0):
             raise _invalid("lr", f"got {self.lr}, must be a positive number")
@@ -97,6 +109,13 @@ class DLRMConfig:
             raise _invalid("adagrad_eps", f"got {self.adagrad_eps}, must be a positive number")
         if not (math.isfinite(self.zipf_exponent) and self.zipf_exponent >= 0):
             raise _invalid("zipf_exponent", f"got {self.zipf_exponent}, must be >= 0")
+        for key, allowed in (("data", DATA_SOURCES), ("criteo_sparse", criteo.SPARSE_KINDS),
+                             ("criteo_id_check", ID_CHECKS)):
+            if getattr(self, key) not in allowed:
+                raise _invalid(key, f"got {getattr(self, key)!r}, allowed values: {', '.join(allowed)}")
+        if self.data == "synthetic" and self.eval_batches is None:
+            raise _invalid("eval_batches", "null (the whole validation set) is for workload.data=criteo_1tb; "
+                                           "the synthetic source needs a number of batches")
         if self.sharding not in SHARDINGS:
             raise _invalid("sharding", f"got {self.sharding!r}, allowed values: {', '.join(SHARDINGS)}")
         if self.comm_codec not in comm.codec_names():
@@ -135,23 +154,6 @@ class DLRMConfig:
         return shape
 
 
-def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """Exact ROC AUC (Mann-Whitney U, ties counted half); NaN when one class is missing."""
-    scores, labels = scores.double().flatten(), labels.double().flatten()
-    positives = float(labels.sum())
-    negatives = labels.numel() - positives
-    if positives == 0 or negatives == 0:
-        return float("nan")
-    sorted_scores, order = torch.sort(scores)
-    _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
-    ends = torch.cumsum(counts, 0).double()
-    average_rank = ends - (counts.double() - 1) / 2  # 1-based mean rank of each group of equal scores
-    ranks = torch.empty_like(scores)
-    ranks[order] = average_rank[inverse]
-    rank_sum = float(ranks[labels == 1].sum())
-    return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives)
-
-
 @register("dlrm", DLRMConfig)
 class DLRMWorkload(WorkloadBase):
     """DLRM-DCNv2 training; tables sharded by TorchRec DMP on more than one rank."""
@@ -168,6 +170,10 @@ class DLRMWorkload(WorkloadBase):
                 f"use a multiple of {ctx.world_size}",
             )
         self.local_batch = self.shape.batch_size // ctx.world_size
+        self.source: criteo.CriteoSource | None = None
+        if config.data == "criteo_1tb":  # every check of the files happens here, before any run exists
+            self.source, self.shape = criteo.open_source(config, self.shape, ctx.rank, ctx.world_size)
+        self._stream: Prefetcher[ClickBatch] | None = None
         problem = comm.codec_problem(config.comm_codec, config.codec_options)
         if problem:
             raise _invalid("comm_codec", problem)
@@ -217,17 +223,30 @@ class DLRMWorkload(WorkloadBase):
         from torchrec.optim.optimizers import in_backward_optimizer_filter
 
         cfg, shape = self.config, self.shape
-        self.data = SyntheticCriteo(shape.table_rows, shape.multi_hot_sizes, shape.num_dense,
-                                    cfg.zipf_exponent, seed=cfg.data_seed)
-        self.train_set = self._make_batches(cfg.train_batches, stream=0)
-        self.eval_set = self._make_batches(cfg.eval_batches, stream=1)
+        self.oracle_auc: float | None = None  # real data has no hidden model to compare with
+        if self.source is None:
+            self.data = SyntheticCriteo(shape.table_rows, shape.multi_hot_sizes, shape.num_dense,
+                                        cfg.zipf_exponent, seed=cfg.data_seed)
+            self.train_set = self._make_batches(cfg.train_batches, stream=0)
+            self.eval_set = self._make_batches(cfg.eval_batches, stream=1)
+            oracle_scores = torch.cat([batch.planted_logits for batch in self.eval_set])
+            labels = torch.cat([batch.labels for batch in self.eval_set])
+            self.oracle_auc = roc_auc(*self._gather(oracle_scores, labels))
+        else:  # read ahead on a thread: a step waits only when reading falls behind
+            self._stream = Prefetcher(self.source.train_batches, depth=8, name="criteo",
+                                      transfer=lambda batch: batch.to(self.ctx.device))
         self.model, self.plan = self._build_model()
         dense_params = [p for _, p in in_backward_optimizer_filter(self.model.named_parameters())]
         self.optimizer = torch.optim.Adagrad(dense_params, lr=cfg.lr, eps=cfg.adagrad_eps)
-        oracle_scores = torch.cat([batch.planted_logits for batch in self.eval_set])
-        labels = torch.cat([batch.labels for batch in self.eval_set])
-        self.oracle_auc = roc_auc(*self._gather(oracle_scores, labels))
         self._flops = dense_training_flops(shape, self.local_batch)
+
+    def _next_batch(self) -> tuple[ClickBatch, float]:
+        """The next training batch and the seconds the step waited for it (synthetic: the pool lookup)."""
+        if self._stream is not None:
+            return self._stream.next()
+        started = time.perf_counter()
+        batch = self.train_set[self._cursor % len(self.train_set)]
+        return batch, time.perf_counter() - started
 
     def _make_batches(self, count: int, stream: int) -> list[ClickBatch]:
         """Per-rank batches; ``stream`` 1 is held out (never seen in training)."""
@@ -299,7 +318,7 @@ class DLRMWorkload(WorkloadBase):
 
     def step(self) -> StepResult:
         self.model.train()
-        batch = self.train_set[self._cursor % len(self.train_set)]
+        batch, waited = self._next_batch()
         comm.advance_codecs(self.qcomm_registry, self._cursor, self._previous_loss)
         self._cursor += 1
         metered = self.a2a_meter.step() if self.a2a_meter is not None else contextlib.nullcontext()
@@ -315,26 +334,41 @@ class DLRMWorkload(WorkloadBase):
         self._codec_seconds.append(codec_after[0] - codec_before[0])
         self._exchange_seconds.append(codec_after[1] - codec_before[1])
         self._previous_loss = loss.detach()
-        return StepResult(samples=self.local_batch, loss=self._previous_loss)
+        return StepResult(samples=self.local_batch, loss=self._previous_loss, data_wait_s=waited)
 
     def _gather(self, *local: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's tensors, concatenated in rank order (equal sizes on every rank)."""
+        """Every rank's 1-D tensors, concatenated in rank order (lengths may differ by rank)."""
         if not self.ctx.distributed:
             return list(local)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=local[0].device) for _ in range(self.ctx.world_size)]
+        dist.all_gather(sizes, torch.tensor([local[0].numel()], device=local[0].device), group=self.ctx.process_group)
+        counts = [int(size) for size in sizes]
         gathered = []
         for tensor in local:
-            parts = [torch.empty_like(tensor) for _ in range(self.ctx.world_size)]
-            dist.all_gather(parts, tensor.contiguous(), group=self.ctx.process_group)
-            gathered.append(torch.cat(parts))
+            padded = torch.zeros(max(counts), dtype=tensor.dtype, device=tensor.device)
+            padded[: tensor.numel()] = tensor
+            parts = [torch.empty_like(padded) for _ in range(self.ctx.world_size)]
+            dist.all_gather(parts, padded, group=self.ctx.process_group)
+            gathered.append(torch.cat([part[:count] for part, count in zip(parts, counts, strict=True)]))
         return gathered
+
+    def _eval_batches(self) -> Iterator[ClickBatch]:
+        if self.source is None:
+            yield from self.eval_set
+            return
+        with Prefetcher(self.source.val_batches, depth=8, name="criteo-eval",
+                        transfer=lambda batch: batch.to(self.ctx.device)) as stream:
+            yield from stream
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """AUC and log loss over every rank's held-out batches (gathered, then exact)."""
         self.model.eval()
-        logits = torch.cat([self._logits(batch) for batch in self.eval_set]).float()
-        labels = torch.cat([batch.labels for batch in self.eval_set])
-        logits, labels = self._gather(logits, labels)
+        logits, labels = [], []
+        for batch in self._eval_batches():
+            logits.append(self._logits(batch).float())
+            labels.append(batch.labels)
+        logits, labels = self._gather(torch.cat(logits), torch.cat(labels))
         log_loss = F.binary_cross_entropy_with_logits(logits, labels)
         return {"auc": roc_auc(logits.cpu(), labels.cpu()), "log_loss": float(log_loss)}
 
@@ -346,6 +380,8 @@ class DLRMWorkload(WorkloadBase):
     def target_auc(self) -> float:
         if self.config.auc_target is not None:
             return self.config.auc_target
+        if self.oracle_auc is None:  # real data: the reference's published target
+            return criteo.MLPERF_AUC_TARGET
         return 0.5 + AUC_TARGET_FRACTION * (self.oracle_auc - 0.5)
 
     def quality_target(self) -> QualityTarget:
@@ -353,8 +389,13 @@ class DLRMWorkload(WorkloadBase):
 
     def mlperf_info(self) -> MLPerfInfo:
         cfg = self.config
-        return MLPerfInfo.of_batches(
-            "dlrm_dcnv2", self.shape.batch_size, cfg.train_batches, cfg.eval_batches,
+        if self.source is not None:  # the real sets: one epoch of whole global batches, the validation rows
+            samples = {"train_samples": self.source.train_samples, "eval_samples": self.source.val_rows}
+        else:
+            samples = {"train_samples": cfg.train_batches * self.shape.batch_size,
+                       "eval_samples": cfg.eval_batches * self.shape.batch_size}
+        return MLPerfInfo(
+            "dlrm_dcnv2", self.shape.batch_size, **samples,
             hyperparameters={
                 "opt_name": "adagrad",
                 "opt_base_learning_rate": cfg.lr,
@@ -385,10 +426,11 @@ class DLRMWorkload(WorkloadBase):
         backward, FBGEMM's fused Adagrad (sharded; unsharded, torch's Adagrad in backward) — on this rank's
         training batches, in the order the steps take them."""
         model = self.model.module if self.ctx.distributed else self.model  # DMP: the model with sharded tables
-        batches = itertools.cycle(self.train_set)
+        batches = itertools.cycle(self.train_set) if self.source is None else None
 
         def run() -> None:
-            model.sparse_arch(next(batches).sparse).sum().backward()
+            batch = next(batches) if batches is not None else self._next_batch()[0]
+            model.sparse_arch(batch.sparse).sum().backward()
 
         return ShardedStage("sparse_arch", run)
 
@@ -397,9 +439,10 @@ class DLRMWorkload(WorkloadBase):
         metrics = {
             "embedding_params": float(embedding_params),
             "dense_params": float(dense_params),
-            "auc_oracle": self.oracle_auc,
             "auc_target": self.target_auc(),
         }
+        if self.oracle_auc is not None:
+            metrics["auc_oracle"] = self.oracle_auc
         if self.a2a_meter is None:
             return metrics
         metrics.update(comm.codec_metrics(self.qcomm_registry))
@@ -433,5 +476,8 @@ class DLRMWorkload(WorkloadBase):
         return metrics
 
     def teardown(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
         for name in ("model", "optimizer", "train_set", "eval_set", "data", "plan"):
             self.__dict__.pop(name, None)
