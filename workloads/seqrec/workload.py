@@ -1,4 +1,11 @@
-"""The sequence-recommender benchmark: config, sharding, partitioned batches, train/eval steps, bubbles.
+"""The sequence-recommender benchmark: sharding, partitioned batches, train/eval steps, bubbles.
+
+Data (``workload.data``). ``synthetic``: histories from the planted preference model, a fixed set of
+``train_batches`` global batches built at set-up and cycled (:class:`~workloads.seqrec.feed.BatchPool`).
+``movielens``: a ratings file parsed and checked when the workload is built
+(:mod:`workloads.seqrec.movielens`), then epochs of shuffled users (seeded), each rank's share of every
+global batch built on a background thread (:class:`~workloads.seqrec.feed.BatchStream`). Either way a
+step reports how long it waited for its batch.
 
 The global batch is the unit. Every rank draws the *same* global batches (same seed) and keeps its
 own share: the even split (what a plain distributed sampler gives) or the balancer's partition on
@@ -20,8 +27,9 @@ gradient all-reduce, so every rank has every rank's time without an extra collec
 ``compare_even`` each global batch is trained twice in a row, once split evenly and once balanced:
 both bubble fractions and step times come from the same run, on the same data.
 
-Evaluation: HR@10 and NDCG@10 of the held-out next item, ranked against the whole catalogue, on
-histories never trained on. It reads the tables (gathered from their shards) instead of calling
+Evaluation: HR@10 and NDCG@10 of the held-out next item, ranked against the whole catalogue: on
+histories never trained on (synthetic), or every user's last item (test; ``val_``: the second-to-last,
+MovieLens), the ranks taking disjoint users. It reads the tables (gathered from their shards) instead of calling
 the collection: ``TrainPipelineSparseDist`` has rewritten the sharded collection's forward to
 consume the all-to-alls it prefetched, and detaching and re-attaching the pipeline around an
 evaluation re-issues the in-flight batch's input all-to-all (a gloo size mismatch, TorchRec 1.8).
@@ -35,7 +43,8 @@ import logging
 import math
 import time
 import warnings
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -55,35 +64,27 @@ from workloads.base import (
     register,
 )
 from workloads.base import invalid_config as _invalid
+from workloads.data_source import DataError, rank_shard
 from workloads.seqrec.balance import (
-    BALANCERS,
     CostModel,
     CostModelError,
     calibration_batches,
     fit_cost_model,
     partition,
 )
-from workloads.seqrec.data import (
-    LENGTH_DISTRIBUTIONS,
-    Histories,
-    LengthDistribution,
-    PlantedPreferences,
-    SeqBatch,
-    build_batch,
-    oracle_quality,
-    ranking_quality,
-)
+from workloads.seqrec.config import SeqRecConfig
+from workloads.seqrec.data import Histories, SeqBatch, build_batch, oracle_quality
+from workloads.seqrec.feed import BatchPool, BatchStream, EvalSet
 from workloads.seqrec.model import (
-    PRESETS,
     DataParallelDense,
     DenseComputeTimer,
     NextItemHead,
     SeqRecModel,
-    SeqRecShape,
     build_embedding_collection,
     dense_training_flops,
     time_dense_pass,
 )
+from workloads.seqrec.movielens import NUM_ACTIONS, MovieLensSource, load_ratings
 from workloads.seqrec.simulate import (
     ScalePrediction,
     StepRecord,
@@ -94,145 +95,11 @@ from workloads.seqrec.simulate import (
 
 logger = logging.getLogger(__name__)
 
-COST_MODELS = ("fit", "tokens")
 TOP_K = 10
-# hr_at_10_target None: this fraction of the way from chance (k / items) to the planted model's HR@10.
+# hr_at_10_target None: this fraction of the way from chance (k / items) to the planted model's HR@10;
+# on MovieLens this multiple of ranking by popularity's HR@10 (see target_hr)
 HR_TARGET_FRACTION = 0.5
-
-
-@dataclass
-class SeqRecConfig:
-    """``workload=seqrec``. Model fields left ``None`` take the preset's value."""
-
-    name: str = "seqrec"
-    preset: str = "tiny"
-    num_items: int | None = None
-    num_actions: int | None = None
-    embedding_dim: int | None = None
-    num_layers: int | None = None
-    num_heads: int | None = None
-    max_len: int | None = None
-    num_negatives: int | None = None
-    batch_size: int = 32  # global: histories per step, across all ranks
-    length_distribution: str = "lognormal"
-    length_median: float = 16.0  # lognormal
-    length_sigma: float = 1.5  # lognormal; with the tiny preset lengths span 2 .. 512
-    length_zipf_exponent: float = 1.2  # zipf
-    lr: float = 3e-3  # AdamW, dense part
-    embedding_lr: float = 0.5  # Adagrad, tables (fused into backward)
-    weight_decay: float = 0.0
-    temperature: float = 0.2  # sampled softmax over cosine similarities
-    balance: bool = True  # with >1 rank: train on the balancer's partition (False: the even split)
-    balancer: str = "karmarkar_karp"
-    compare_even: bool = True  # with >1 rank and balance: also train each batch split evenly, to compare
-    overlap: bool = True  # with >1 rank: TrainPipelineSparseDist (else TrainPipelineBase)
-    max_tokens_per_rank: int | None = None  # None: ceil(batch_size / world) * max_len
-    cost_model: str = "fit"
-    cost_model_min_r2: float = 0.8
-    cost_model_repeats: int = 3
-    stats_skip_steps: int = 3  # first steps left out of bubble statistics (the harness's warm-up)
-    simulate_world_sizes: list[int] = field(default_factory=lambda: [8, 16, 32, 64, 128, 256])
-    simulate_batches: int = 4  # 0: no simulation
-    data_seed: int = 0
-    num_topics: int = 10
-    data_branching: int = 4
-    data_follow_prob: float = 0.9
-    train_batches: int = 32
-    eval_batches: int = 4
-    hr_at_10_target: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
-            raise _invalid("preset", f"got {self.preset!r}, allowed values: {', '.join(PRESETS)}")
-        for key in ("batch_size", "cost_model_repeats", "train_batches", "eval_batches", "num_topics",
-                    "data_branching"):
-            if getattr(self, key) < 1:
-                raise _invalid(key, f"got {getattr(self, key)}, must be >= 1")
-        for key in ("stats_skip_steps", "simulate_batches", "data_seed"):
-            if getattr(self, key) < 0:
-                raise _invalid(key, f"got {getattr(self, key)}, must be >= 0")
-        choices = {"length_distribution": LENGTH_DISTRIBUTIONS, "balancer": BALANCERS, "cost_model": COST_MODELS}
-        for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                raise _invalid(key, f"got {getattr(self, key)!r}, allowed values: {', '.join(allowed)}")
-        for key in ("length_median", "length_sigma", "length_zipf_exponent", "lr", "embedding_lr", "temperature"):
-            value = getattr(self, key)
-            if not (math.isfinite(value) and value > 0):
-                raise _invalid(key, f"got {value}, must be a positive number")
-        if not 0 <= self.weight_decay < 1:
-            raise _invalid("weight_decay", f"got {self.weight_decay}, must be in [0, 1)")
-        if not 0 <= self.data_follow_prob <= 1:
-            raise _invalid("data_follow_prob", f"got {self.data_follow_prob}, must be in [0, 1]")
-        if not 0 < self.cost_model_min_r2 <= 1:
-            raise _invalid("cost_model_min_r2", f"got {self.cost_model_min_r2}, must be in (0, 1]")
-        if any(size < 1 for size in self.simulate_world_sizes):
-            raise _invalid("simulate_world_sizes", f"got {list(self.simulate_world_sizes)}, sizes must be >= 1")
-        shape = self.shape()
-        try:
-            shape.validate()
-        except ValueError as err:
-            raise ValueError(f"invalid config 'workload' (model from preset {self.preset!r}): {err}") from err
-        if shape.num_items % self.num_topics:
-            raise _invalid("num_topics", f"num_items {shape.num_items} is not a multiple of {self.num_topics}")
-        if not self.data_branching < shape.num_items // self.num_topics:
-            raise _invalid("data_branching", f"got {self.data_branching}, must be below the items per topic "
-                                             f"({shape.num_items // self.num_topics})")
-        if self.length_median > shape.max_len:
-            raise _invalid("length_median", f"got {self.length_median}, must be <= max_len {shape.max_len}")
-        if self.max_tokens_per_rank is not None and self.max_tokens_per_rank < shape.max_len:
-            raise _invalid("max_tokens_per_rank", f"got {self.max_tokens_per_rank}: a rank must hold the longest "
-                                                  f"history, so at least max_len ({shape.max_len})")
-
-    def shape(self) -> SeqRecShape:
-        keys = ("num_items", "num_actions", "embedding_dim", "num_layers", "num_heads", "max_len", "num_negatives")
-        overrides = {k: getattr(self, k) for k in keys if getattr(self, k) is not None}
-        return replace(PRESETS[self.preset], **overrides)
-
-    def lengths(self) -> LengthDistribution:
-        return LengthDistribution(self.length_distribution, self.shape().max_len, median=self.length_median,
-                                  sigma=self.length_sigma, zipf_exponent=self.length_zipf_exponent)
-
-    def preferences(self) -> PlantedPreferences:
-        shape = self.shape()
-        return PlantedPreferences(shape.num_items, shape.num_actions, self.num_topics, self.data_branching,
-                                  self.data_follow_prob, seed=self.data_seed)
-
-    def global_batches(self, seed: int, count: int, stream: int,
-                       preferences: PlantedPreferences | None = None) -> list[tuple[Histories, np.ndarray]]:
-        """The same global batches on every rank (and in what-if prediction, which reads the lengths of the
-        batches a changed configuration trains on): histories and their sampled negatives."""
-        preferences = preferences or self.preferences()
-        rng, lengths, shape = np.random.default_rng([seed, stream]), self.lengths(), self.shape()
-        batches = []
-        for _ in range(count):
-            sizes = lengths.sample(self.batch_size, rng)
-            histories = preferences.histories(sizes, rng)
-            negatives = rng.integers(shape.num_items, size=(sizes.size, shape.num_negatives))
-            batches.append((histories, negatives))
-        return batches
-
-    def train_lengths(self, seed: int, count: int | None = None) -> list[np.ndarray]:
-        """The history lengths of a run's training batches (run seed ``seed``), in the order it trains them
-        (the first ``count`` of them)."""
-        count = self.train_batches if count is None else min(count, self.train_batches)
-        return [histories.lengths for histories, _ in self.global_batches(seed, count, stream=0)]
-
-
-class _Holdable:
-    """The rank's batches in a cycle; while ``held``, the last one handed out again and again."""
-
-    def __init__(self, batches: list[Any]):
-        self._cycle = itertools.cycle(batches)
-        self._last: Any = None
-        self.held = False
-
-    def __iter__(self) -> _Holdable:
-        return self
-
-    def __next__(self) -> Any:
-        if not self.held or self._last is None:
-            self._last = next(self._cycle)
-        return self._last
+POPULARITY_MULTIPLE = 2.0
 
 
 @dataclass(frozen=True)
@@ -262,6 +129,11 @@ class SeqRecWorkload(WorkloadBase):
         self.config, self.ctx = config, ctx
         self.shape = config.shape()
         self.length_distribution = config.lengths()
+        self.sample_lengths = self.length_distribution.sample
+        self.source: MovieLensSource | None = None
+        if config.data == "movielens":  # the whole file is parsed and checked here, before any run exists
+            self.source = self._open_movielens()
+            self.sample_lengths = self.source.sample_lengths
         even_share = math.ceil(config.batch_size / ctx.world_size)
         self.token_budget = config.max_tokens_per_rank or even_share * self.shape.max_len  # even split's worst case
         self.balancing = config.balance and ctx.distributed
@@ -271,27 +143,52 @@ class SeqRecWorkload(WorkloadBase):
         self.cost_model_error: str | None = None
         self._steps = 0
 
+    def _open_movielens(self) -> MovieLensSource:
+        cfg = self.config
+        source = MovieLensSource(load_ratings(cfg.data_path), self.shape.max_len)
+        items = source.ratings.num_items
+        if cfg.num_items is not None and cfg.num_items < items:
+            raise DataError(f"'workload.num_items' {cfg.num_items} is below the {items} items of {source.describe()}; "
+                            "leave it null to take the data's")
+        if cfg.num_actions is not None and cfg.num_actions < NUM_ACTIONS:
+            raise DataError(f"'workload.num_actions' {cfg.num_actions}: MovieLens ratings become {NUM_ACTIONS} "
+                            "actions (1-5 stars); leave it null")
+        if source.num_users < cfg.batch_size:
+            raise DataError(f"{source.describe()}: fewer users than workload.batch_size={cfg.batch_size}; "
+                            "lower batch_size or give the whole file")
+        self.shape = replace(self.shape, num_items=cfg.num_items or items, num_actions=cfg.num_actions or NUM_ACTIONS)
+        self.popularity_hr, self.popularity_ndcg = source.popularity_quality(TOP_K)
+        logger.info("seqrec: %s", source.describe())
+        return source
+
     # -- set-up ---------------------------------------------------------------------------------
 
     def setup(self) -> None:
         cfg, ctx = self.config, self.ctx
-        self.preferences = cfg.preferences()
+        self.preferences = cfg.preferences() if self.source is None else None
         self.timer = DenseComputeTimer(ctx.device)
         self.model, self.head = self._build_model()
         dense_optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.dense = DataParallelDense(self.head, dense_optimizer, ctx)
         self.cost_model = self._fit_cost_model()
-        self.schedule = self._make_schedule()
-        self.rank_batches = [self._rank_batch(entry, i) for i, entry in enumerate(self.schedule)]
-        self._make_eval_set()
+        if self.source is None:
+            self.schedule = self._make_schedule()
+            self.rank_batches = [self._rank_batch(entry, i) for i, entry in enumerate(self.schedule)]
+            self._make_eval_set()
+            self._batch_iter: BatchPool | BatchStream = BatchPool(self.rank_batches)
+        else:
+            # the first train_batches global batches stand for the stream in FLOPs, shares and the sharded stage
+            self.schedule = [e for k in range(cfg.train_batches) for e in self._plan(k)]
+            self.rank_batches = []
+            self._make_movielens_eval_sets()
+            self._batch_iter = BatchStream(self._stream, ctx.device)
         if ctx.rank == 0 and cfg.simulate_batches:
             self.scale_predictions = simulate_scaling(
-                self.cost_model, self.length_distribution.sample, cfg.simulate_world_sizes,
+                self.cost_model, self.sample_lengths, cfg.simulate_world_sizes,
                 per_rank_batch=max(1, cfg.batch_size // ctx.world_size), method=cfg.balancer,
                 batches=cfg.simulate_batches, seed=cfg.data_seed, token_budget=self.token_budget,
             )
         self.pipeline = self._make_pipeline()
-        self._batch_iter = _Holdable(self.rank_batches)
 
     def _build_model(self) -> tuple[nn.Module, NextItemHead]:
         ctx = self.ctx
@@ -346,7 +243,7 @@ class SeqRecWorkload(WorkloadBase):
         if cfg.cost_model == "tokens":
             return CostModel.tokens()
         local = max(1, cfg.batch_size // ctx.world_size)
-        batches = calibration_batches(self.length_distribution.sample, local, self.shape.max_len, cfg.data_seed)
+        batches = calibration_batches(self.sample_lengths, local, self.shape.max_len, cfg.data_seed)
         time_dense_pass(self.head, batches[-1], self.shape, 1)  # first-call allocations stay out of the fit
         measured = [time_dense_pass(self.head, b, self.shape, cfg.cost_model_repeats) for b in batches]
         times = torch.tensor(measured, dtype=torch.float64)
@@ -368,20 +265,41 @@ class SeqRecWorkload(WorkloadBase):
         return self.config.global_batches(self.ctx.seed, count, stream, self.preferences)
 
     def _make_schedule(self) -> list[ScheduledBatch]:
-        cfg, world = self.config, self.ctx.world_size
-        self.train_set = self._global_batches(cfg.train_batches, stream=0)
-        schedule = []
-        for index, (histories, _) in enumerate(self.train_set):
-            lengths = histories.lengths
-            targets = int(lengths.sum()) - lengths.size
-            splits = []
-            if not self.balancing or self.comparing:
-                splits.append(("even", partition(lengths, self.cost_model, world, "even")))
-            if self.balancing:
-                balanced = partition(lengths, self.cost_model, world, cfg.balancer, self.token_budget)
-                splits.append((cfg.balancer, balanced))
-            schedule += [ScheduledBatch(index, split, lengths, parts, targets) for split, parts in splits]
-        return schedule
+        self.train_set = self._global_batches(self.config.train_batches, stream=0)
+        return [entry for index, (histories, _) in enumerate(self.train_set)
+                for entry in self._split(index, histories.lengths)]
+
+    def _split(self, index: int, lengths: np.ndarray) -> list[ScheduledBatch]:
+        """Global batch ``index`` split across ranks: evenly, by the balancer, or both (``compare_even``)."""
+        cfg, world, targets = self.config, self.ctx.world_size, int(lengths.sum()) - lengths.size
+        splits = []
+        if not self.balancing or self.comparing:
+            splits.append(("even", partition(lengths, self.cost_model, world, "even")))
+        if self.balancing:
+            splits.append((cfg.balancer, partition(lengths, self.cost_model, world, cfg.balancer, self.token_budget)))
+        return [ScheduledBatch(index, split, lengths, parts, targets) for split, parts in splits]
+
+    def _plan(self, index: int) -> list[ScheduledBatch]:
+        """MovieLens global batch ``index`` (every rank plans the same), split as :meth:`_split` does."""
+        users = self.source.batch_users(self.ctx.seed, index, self.config.batch_size)
+        return self._split(index, self.source.train_lengths[users])
+
+    def _movielens_batch(self, entry: ScheduledBatch, position: int) -> SeqBatch:
+        """This rank's share of a MovieLens global batch: its users' histories and their negatives."""
+        seed, source, batch_size = self.ctx.seed, self.source, self.config.batch_size
+        mine = entry.parts[self.ctx.rank]
+        users = source.batch_users(seed, entry.global_index, batch_size)[mine]
+        negatives = source.negatives(seed, entry.global_index, batch_size, self.shape.num_negatives)[mine]
+        return build_batch(source.train_histories(users), negatives, entry.num_targets, entry.split, position,
+                           self.shape.max_len)
+
+    def _stream(self) -> Iterator[tuple[ScheduledBatch, SeqBatch]]:
+        """The rank's batches, epoch after epoch (runs on the prefetch thread); ``position`` counts them."""
+        position = 0
+        for index in itertools.count():
+            for entry in self._plan(index):
+                yield entry, self._movielens_batch(entry, position)
+                position += 1
 
     def _rank_batch(self, entry: ScheduledBatch, index: int) -> SeqBatch:
         histories, negatives = self.train_set[entry.global_index]
@@ -399,13 +317,15 @@ class SeqRecWorkload(WorkloadBase):
         prefixes, targets = histories.split_last()
         self.oracle_hr, self.oracle_ndcg = oracle_quality(self.preferences, prefixes, targets, TOP_K)
         mine = np.array_split(np.arange(targets.size), self.ctx.world_size)[self.ctx.rank]
-        local = prefixes.select(mine)
-        device = self.ctx.device
-        self.eval_items = torch.from_numpy(local.items).to(device)
-        self.eval_actions = torch.from_numpy(local.actions).to(device)
-        self.eval_lengths = torch.from_numpy(local.lengths).to(device)
-        self.eval_targets = torch.from_numpy(targets[mine]).to(device)
-        self.eval_count = int(targets.size)
+        self.eval_sets = {"": EvalSet.of(prefixes.select(mine), targets[mine], int(targets.size), self.ctx.device)}
+
+    def _make_movielens_eval_sets(self) -> None:
+        """Every user's test (last item, the headline ``hr_at_10``) and validation (second-to-last, ``val_``)
+        targets; the ranks evaluate disjoint users."""
+        users = np.asarray(rank_shard(self.source.num_users, self.ctx.rank, self.ctx.world_size), dtype=np.int64)
+        self.eval_sets = {prefix: EvalSet.of(*self.source.eval_set(which, users), self.source.num_users,
+                                             self.ctx.device)
+                          for prefix, which in (("", "test"), ("val_", "validation"))}
 
     # -- steps ----------------------------------------------------------------------------------
 
@@ -418,9 +338,11 @@ class SeqRecWorkload(WorkloadBase):
 
     def step(self) -> StepResult:
         start = time.perf_counter()
+        self._batch_iter.waited_s = 0.0
         output = self.pipeline.progress(self._batch_iter)
         wall_s = time.perf_counter() - start
-        entry = self.schedule[output.index]
+        feed = self._batch_iter
+        entry = feed.entry(output.index) if isinstance(feed, BatchStream) else self.schedule[output.index]
         self._steps += 1
         if self._steps > self.config.stats_skip_steps:
             self.records.append(StepRecord(
@@ -429,7 +351,7 @@ class SeqRecWorkload(WorkloadBase):
                 samples=int(entry.lengths.size), tokens=int(entry.lengths.sum()),
             ))
         loss = self.dense.loss_sum / entry.num_targets
-        return StepResult(samples=output.samples, tokens=output.tokens, loss=loss)
+        return StepResult(samples=output.samples, tokens=output.tokens, loss=loss, data_wait_s=feed.waited_s)
 
     def _full_table(self, name: str) -> torch.Tensor:
         """A whole embedding table on every rank (gathered from its shards when sharded)."""
@@ -448,20 +370,24 @@ class SeqRecWorkload(WorkloadBase):
         """HR@10 and NDCG@10 over all ranks' held-out histories, against the whole catalogue."""
         items_nd, actions_ad = self._full_table("item"), self._full_table("action")
         catalogue_nd = torch.nn.functional.normalize(items_nd, dim=-1)
+
+        def user_vectors(items: torch.Tensor, actions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+            return self.head.user_vectors(items_nd[items], actions_ad[actions], lengths)
+
         self.head.eval()
         try:
-            users_bd = self.head.user_vectors(items_nd[self.eval_items], actions_ad[self.eval_actions],
-                                              self.eval_lengths)
+            sums = [s for eval_set in self.eval_sets.values() for s in eval_set.ranked_sums(user_vectors, catalogue_nd,
+                                                                                             TOP_K)]
         finally:
             self.head.train()
-        scores_bn = users_bd @ catalogue_nd.T
-        target_scores = scores_bn.gather(1, self.eval_targets[:, None])
-        greater = (scores_bn > target_scores).sum(dim=1).cpu().numpy()
-        hits, ndcg = ranking_quality(greater, np.ones_like(greater), TOP_K)
-        totals = torch.tensor([hits.sum(), ndcg.sum()], dtype=torch.float64, device=self.ctx.device)
+        totals = torch.tensor(sums, dtype=torch.float64, device=self.ctx.device)
         if self.ctx.distributed:
             dist.all_reduce(totals, group=self.ctx.process_group)
-        return {"hr_at_10": float(totals[0]) / self.eval_count, "ndcg_at_10": float(totals[1]) / self.eval_count}
+        quality = {}
+        for i, (prefix, eval_set) in enumerate(self.eval_sets.items()):
+            quality[f"{prefix}hr_at_10"] = float(totals[2 * i]) / eval_set.count
+            quality[f"{prefix}ndcg_at_10"] = float(totals[2 * i + 1]) / eval_set.count
+        return quality
 
     # -- what the harness reports ---------------------------------------------------------------
 
@@ -475,6 +401,8 @@ class SeqRecWorkload(WorkloadBase):
     def target_hr(self) -> float:
         if self.config.hr_at_10_target is not None:
             return self.config.hr_at_10_target
+        if self.source is not None:  # beat ranking by popularity clearly: twice its HR@10, at most halfway to 1
+            return min(POPULARITY_MULTIPLE * self.popularity_hr, (1 + self.popularity_hr) / 2)
         chance = TOP_K / self.shape.num_items
         return chance + HR_TARGET_FRACTION * (self.oracle_hr - chance)
 
@@ -483,8 +411,12 @@ class SeqRecWorkload(WorkloadBase):
 
     def mlperf_info(self) -> MLPerfInfo:
         cfg = self.config
-        return MLPerfInfo.of_batches(
-            "seqrec", cfg.batch_size, cfg.train_batches, cfg.eval_batches,
+        if self.source is not None:  # an epoch is every user's training history; every user is evaluated
+            train_samples, eval_samples = [self.source.num_users] * 2
+        else:
+            train_samples, eval_samples = cfg.train_batches * cfg.batch_size, cfg.eval_batches * cfg.batch_size
+        return MLPerfInfo(
+            "seqrec", cfg.batch_size, train_samples, eval_samples,
             hyperparameters={
                 "opt_name": "adamw",
                 "opt_base_learning_rate": cfg.lr,
@@ -501,7 +433,8 @@ class SeqRecWorkload(WorkloadBase):
         all-to-all and its backward, the tables' fused Adagrad — on this rank's batches, in the schedule's
         order (the balancer's split of each global batch)."""
         model = self.model.module if self.ctx.distributed else self.model  # DMP: the model with sharded tables
-        batches = itertools.cycle(self.rank_batches)
+        batches = itertools.cycle(self.rank_batches or [self._movielens_batch(entry, i).to(self.ctx.device)
+                                                        for i, entry in enumerate(self.schedule)])
 
         def run() -> None:
             looked_up = model.embeddings(next(batches).features)
@@ -511,9 +444,11 @@ class SeqRecWorkload(WorkloadBase):
         return ShardedStage("embeddings", run)
 
     def extra_metrics(self) -> dict[str, float]:
+        baseline = ("oracle", self.oracle_hr, self.oracle_ndcg) if self.source is None else (
+            "popularity", self.popularity_hr, self.popularity_ndcg)
         metrics: dict[str, float] = {
-            "oracle_hr_at_10": self.oracle_hr,
-            "oracle_ndcg_at_10": self.oracle_ndcg,
+            f"{baseline[0]}_hr_at_10": baseline[1],
+            f"{baseline[0]}_ndcg_at_10": baseline[2],
             "hr_at_10_target": self.target_hr(),
             "cost_model_fitted": float(self.cost_model.source == "fit"),
             "cost_model_r2": self.cost_model.r2,
@@ -551,6 +486,8 @@ class SeqRecWorkload(WorkloadBase):
         path.write_text(json.dumps(payload, indent=1))
 
     def teardown(self) -> None:
+        if isinstance(self.__dict__.get("_batch_iter"), BatchStream):
+            self._batch_iter.close()
         for name in ("pipeline", "model", "head", "dense", "train_set", "rank_batches", "_batch_iter"):
             self.__dict__.pop(name, None)
 
