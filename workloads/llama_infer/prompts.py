@@ -147,13 +147,24 @@ def _parse(path: Path, where: str, record: object) -> _Query:
     return query
 
 
-def _check_vocabulary(path: Path, query: _Query, ids: list[int], vocab_size: int) -> None:
-    bad = next((i for i in ids if not 0 <= i < vocab_size), None)
-    if bad is not None:
+def _check_vocabulary(path: Path, queries: list[_Query], vocab_size: int) -> None:
+    """Every prompt id must index the model's embedding; the error names the first line out of range and the
+    file's largest id, so one change of ``vocab_size`` covers the whole file."""
+    first: tuple[_Query, int] | None = None
+    largest = -1
+    for query in queries:
+        assert query.prompt_ids is not None  # _parse set ids or text, and _encode turned the text into ids
+        bad = next((i for i in query.prompt_ids if not 0 <= i < vocab_size), None)
+        if bad is not None:
+            first = first or (query, bad)
+            largest = max(largest, *query.prompt_ids)
+    if first is not None:
+        query, bad = first
+        advice = (f"set workload.vocab_size={largest + 1} (or the model's real size, 128256 for Llama 3)" if bad >= 0
+                  else "token ids are never negative: fix the file")
         raise DataError(f"'workload.prompts': {path} {query.where}: token id {bad} in '{query.prompt_field}' is "
-                        f"outside the model's vocabulary of {vocab_size} ids; the ids come from a tokenizer with a "
-                        f"larger vocabulary: set workload.vocab_size={max(max(ids) + 1, vocab_size)} (or the model's "
-                        "real size, 128256 for Llama 3) or give text prompts with workload.tokenizer")
+                        f"outside the model's vocabulary of {vocab_size} ids; the file's ids come from a tokenizer "
+                        f"with a larger vocabulary: {advice}, or give text prompts with workload.tokenizer")
 
 
 def _tokenizer_needed(path: Path, query: _Query) -> DataError:
@@ -205,13 +216,14 @@ def _fit(file: Path, queries: list[_Query], vocab_size: int, context: int, defau
     prompts: list[list[int]] = []
     budgets: list[int] = []
     too_long: list[tuple[_Query, int, int]] = []  # (query, prompt tokens, budget)
+    empty = next((q for q in queries if not q.prompt_ids), None)
+    if empty is not None:
+        raise DataError(f"'workload.prompts': {file} {empty.where}: the prompt ('{empty.prompt_field}') is empty; "
+                        "every query needs at least one prompt token")
+    _check_vocabulary(file, queries, vocab_size)
     for query in queries:
         ids = query.prompt_ids
-        assert ids is not None  # _parse set ids or text, and _encode turned the text into ids
-        if not ids:
-            raise DataError(f"'workload.prompts': {file} {query.where}: the prompt ('{query.prompt_field}') is empty; "
-                            "every query needs at least one prompt token")
-        _check_vocabulary(file, query, ids, vocab_size)
+        assert ids is not None
         if query.budget is not None:
             budget = query.budget
         elif query.answer_ids is not None:
