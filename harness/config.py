@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -343,3 +344,49 @@ def config_hash(cfg: CobenchConfig | DictConfig) -> str:
 
 def results_root(cfg: CobenchConfig) -> Path:
     return Path(cfg.results_dir).expanduser().resolve()
+
+
+# where a run's outputs went, and how it was shown: the user's to choose again, not part of what was run
+_NOT_REPRODUCED = ("results_dir", "tracking", "run_name", "runner.progress", "suite")
+
+
+def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"a.b": value}`` for every leaf of a nested dict (lists are leaves)."""
+    if isinstance(node, dict) and node:
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(_leaves(value, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): node}
+
+
+def _override_value(value: Any) -> str:
+    """A value in Hydra's override grammar (JSON is a subset for numbers, strings, lists and dicts)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value) if not re.fullmatch(r"[\w./~:+-]+", value) or value in ("null", "true", "false") \
+            else value
+    return json.dumps(value, separators=(",", ":"))
+
+
+def reproduce_overrides(config: dict[str, Any]) -> list[str]:
+    """The overrides that compose ``config`` (a run's resolved config, as its ``config.yaml`` holds it) again:
+    the workload's choice, then every setting whose value differs from what that choice composes by default,
+    the platform's included (``platform.num_threads=1`` run again at 1 thread). Where the outputs go
+    (results_dir, tracking) is left to whoever reproduces it."""
+    workload = config["workload"]["name"]
+    default = OmegaConf.to_container(compose_config([f"workload={workload}"]), resolve=True)
+    assert isinstance(default, dict)
+    mine, theirs = _leaves(config), _leaves(default)
+    overrides = [f"workload={workload}"]
+    for key, value in mine.items():
+        if key.startswith(_NOT_REPRODUCED) or key in ("workload.name",):
+            continue
+        if key not in theirs:
+            overrides.append(f"+{key}={_override_value(value)}")
+        elif theirs[key] != value:
+            overrides.append(f"{key}={_override_value(value)}")
+    return overrides

@@ -44,14 +44,18 @@ def is_serving(m: dict[str, float]) -> bool:
     return "ttft_limit_ms" in m
 
 
-def serving_text(m: dict[str, float]) -> str:
-    """``VALID, TTFT p99 7.36 ms (limit 400), TPOT p99 1.2 ms (limit 40)``: what serving is judged by."""
-    parts = [("VALID" if m["result_valid"] >= 1 else "[red]INVALID[/red]") if "result_valid" in m else "-"]
+def serving_text(m: dict[str, float], markup: bool = True) -> str:
+    """``VALID, TTFT p99 7.36 ms (limit 400), TPOT p99 1.2 ms (limit 40)``: what serving is judged by (``markup``:
+    what failed in rich's red)."""
+    def red(text: str) -> str:
+        return f"[red]{text}[/red]" if markup else text
+
+    parts = [("VALID" if m["result_valid"] >= 1 else red("INVALID")) if "result_valid" in m else "-"]
     for name, key, limit in (("TTFT", "ttft_ms_p99", "ttft_limit_ms"), ("TPOT", "tpot_ms_p99", "tpot_limit_ms")):
         if key in m:
             over = limit in m and m[key] > m[limit]
             figure = f"{name} p99 {m[key]:.3g} ms" + (f" (limit {m[limit]:.3g})" if limit in m else "")
-            parts.append(f"[red]{figure}[/red]" if over else figure)
+            parts.append(red(figure) if over else figure)
     return ", ".join(parts)
 
 

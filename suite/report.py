@@ -21,7 +21,9 @@ import argparse
 import datetime as dt
 import io
 import json
+import math
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -33,6 +35,8 @@ from typing import Any
 import yaml
 
 from harness.cli import EXIT_OK
+from harness.config import reproduce_overrides
+from harness.summary import is_serving, serving_text
 from suite.results import RunRecord, find_runs, open_store
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -148,20 +152,20 @@ def _plots(rows: list[dict[str, Any]], losses: dict[str, list[float]]) -> list[s
 
 
 def _command(config: dict[str, Any], workload: str) -> str:
-    """``cobench run`` with every workload, runner and seed setting of the resolved config."""
-    parts = [f"workload={workload}"]
-    for key, value in (config.get("workload") or {}).items():
-        if key != "name" and not isinstance(value, (dict, list)) and value is not None:
-            parts.append(f"workload.{key}={value}")
-    for key, value in (config.get("runner") or {}).items():
-        if key != "progress":
-            parts.append(f"runner.{key}={value}")
-    parts.append(f"seed={config.get('seed')}")
-    return "cobench run " + " ".join(parts)
+    """``cobench run`` with every setting of the run's resolved config that differs from what its workload
+    composes by default, the platform's included (:func:`harness.config.reproduce_overrides`)."""
+    overrides = reproduce_overrides(config) if config.get("workload") else [f"workload={workload}"]
+    return "cobench run " + " ".join(shlex.quote(o) for o in overrides)
 
 
 def _fmt(value: float | None, digits: int = 4) -> str:
-    return "-" if value is None else f"{value:.{digits}g}"
+    """A figure as people read it: ``46,910``, ``0.8025``, never ``4.691e+04``."""
+    if value is None:
+        return "-"
+    if abs(value) >= 10 ** digits:
+        return f"{value:,.0f}"
+    text = f"{value:.{digits}g}"
+    return f"{value:,.{max(digits - 1 - int(math.floor(math.log10(abs(value)))), 0)}f}" if "e" in text else text
 
 
 def report(ns: argparse.Namespace) -> int:
@@ -240,8 +244,7 @@ def _write(ns, client, parent_id, suite, runs, out, scratch, jinja2) -> int:
         system=system, suite=suite, parent_run_id=parent_id, ruleset=ns.ruleset, fidelity=fidelity,
         generated=dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"), compliance=compliance,
         plots=_plots(rows, losses), runs=[_row_view(r) for r in rows],
-        suite_command=f"cobench suite {suite} platform.name={system_name} "
-                      f"platform.device={(rows[0]['config'].get('platform') or {}).get('device', 'auto')}")
+        suite_command=_suite_command(suite, rows[0]["config"]))
     (out / "report.html").write_text(html)
     passed = sum(c["passed"] for c in compliance)
     print(f"report: {out / 'report.html'}\nsubmission folder: {base}\n"
@@ -250,11 +253,22 @@ def _write(ns, client, parent_id, suite, runs, out, scratch, jinja2) -> int:
     return EXIT_OK
 
 
+def _suite_command(suite: str, config: dict[str, Any]) -> str:
+    """``cobench suite`` on the platform the runs had: its settings that differ from the defaults."""
+    overrides = reproduce_overrides(config) if config.get("workload") else []
+    platform = [o for o in overrides if o.lstrip("+").startswith("platform.")]
+    return " ".join(["cobench suite", shlex.quote(suite), *(shlex.quote(o) for o in platform)])
+
+
 def _row_view(row: dict[str, Any]) -> dict[str, Any]:
     m = row["metrics"]
     quality = ", ".join(f"{k}={m[k]:.4g}" for k in ("eval_loss", "auc", "hr_at_10", "ndcg_at_10") if k in m)
-    if "quality_target_reached" in m:
-        quality += " (target reached)" if m["quality_target_reached"] == 1.0 else " (target not reached)"
+    if is_serving(m):  # judged by LoadGen's verdict and its latency limits
+        quality = serving_text(m, markup=False)
+    elif "quality_target_reached" in m:
+        target = f" {m['quality_target_value']:.4g}" if "quality_target_value" in m else ""
+        quality += f" (target{target} reached)" if m["quality_target_reached"] == 1.0 else \
+            f" (target{target} not reached)"
     return {"benchmark": row["benchmark"], "workload": row["workload"], "status": row["status"],
             "throughput": _fmt(m.get("throughput")), "unit": row["unit"], "cv": _fmt(m.get("throughput_cv"), 3),
             "range": f"{_fmt(m.get('throughput_min'))} – {_fmt(m.get('throughput_max'))}",

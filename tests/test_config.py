@@ -161,3 +161,23 @@ def test_run_help_shows_the_choices_and_the_config_not_internal_groups(tmp_path)
     assert "workload=NAME" in proc.stdout and "comm_codec" in proc.stdout  # the chosen workload's keys
     assert "gates:" not in proc.stdout and "schema/workload" not in proc.stdout
     assert list(tmp_path.iterdir()) == []  # showing help writes nothing
+
+
+def test_reproduce_overrides_compose_the_same_run_on_the_same_platform():
+    """Every setting a run had beyond its workload's defaults comes back, the platform's too (a run at
+    platform.num_threads=1 reproduced at the default 2 threads was the failure); where outputs go does not."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from harness.config import config_hash, reproduce_overrides
+
+    cfg = to_run_config(compose_config(["workload=dlrm", "platform.num_threads=1", "runner.steps=7",
+                                        "workload.table_rows=[100,200]", "+workload.codec_options.error_bound=0.01",
+                                        "workload.comm_codec=eb", "+platform.peak_flops.float32=1e9",
+                                        "results_dir=/tmp/elsewhere"]))
+    saved = yaml.safe_load(OmegaConf.to_yaml(OmegaConf.structured(cfg)))  # as the run folder's config.yaml
+    overrides = reproduce_overrides(saved)
+    assert overrides[0] == "workload=dlrm" and "platform.num_threads=1" in overrides
+    assert not any(o.startswith(("results_dir", "tracking")) for o in overrides)
+    again = to_run_config(compose_config(overrides))
+    assert config_hash(again) == config_hash(cfg) and again.platform == cfg.platform

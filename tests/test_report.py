@@ -84,3 +84,26 @@ def test_report_bad_input(cobench, smoke_results: Path, tmp_path: Path):
     assert proc.returncode == 2 and "no run of suite 'qualify'" in proc.stderr
     proc = cobench("report", "--results-dir", str(smoke_results), "--run", "0123456789abcdef")
     assert proc.returncode == 2 and "no run '0123456789abcdef'" in proc.stderr
+
+
+def test_a_reproduce_command_runs_the_same_configuration_on_the_same_platform(report_dir: Path, smoke_results: Path,
+                                                                             tmp_path: Path):
+    """The command a benchmark's README gives runs what the suite ran: the same config hash and the same
+    platform settings (none of the run's overrides dropped)."""
+    import shlex
+    import sys
+
+    from conftest import clean_env, mlflow_runs
+
+    readme = (report_dir / "acme" / "benchmarks" / "llama_tiny_train" / "README.md").read_text()
+    command = shlex.split(readme.split("Reproduce:", 1)[1].strip())
+    assert command[:2] == ["cobench", "run"] and "runner.repetitions=2" in command
+    again = tmp_path / "again"
+    proc = subprocess.run([sys.executable, "-m", "suite.cli", *command[1:], f"results_dir={again}"],
+                          capture_output=True, text=True, timeout=300, env=clean_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (rerun,) = mlflow_runs(again)
+    (original,) = [r for r in mlflow_runs(smoke_results) if r.data.tags.get("benchmark") == "llama_tiny_train"]
+    assert rerun.data.tags["config_hash"] == original.data.tags["config_hash"]
+    platform = {k: v for k, v in original.data.params.items() if k.startswith("platform.")}
+    assert platform and {k: rerun.data.params.get(k) for k in platform} == platform
