@@ -47,3 +47,52 @@ def make_bpe_tokenizer(folder: Path, vocab_size: int = 256, seed: int = 0) -> Pa
     (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>",
                                                               "eos_token": "<|end_of_text|>"}))
     return folder
+
+
+def c4_documents(count: int, seed: int = 0, words: int = 40) -> list[dict]:
+    """C4-shaped records (``text``, ``timestamp``, ``url``): each text a few sentences of :func:`sentences`."""
+    rng = random.Random(seed + 1)
+    lines = sentences(count * 4, seed, words=words // 4 or 1)
+    out = []
+    for i in range(count):
+        text = " ".join(lines[4 * i:4 * i + rng.randint(1, 4)])
+        out.append({"text": text, "timestamp": f"2019-04-{1 + i % 28:02d}T12:00:00Z",
+                    "url": f"https://example.com/{seed}/{i}"})
+    return out
+
+
+def write_c4(folder: Path, train_shards: range = range(768, 772), validation_shards: range = range(0, 2),
+             documents_per_shard: int = 60, seed: int = 0, words: int = 40) -> Path:
+    """C4's en layout: ``c4-train.XXXXX-of-01024.json.gz`` and ``c4-validation.XXXXX-of-00008.json.gz``, JSON
+    lines gzipped, as AllenAI distributes them. Every document differs (its url names its shard and line)."""
+    import gzip
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, shards, total in (("train", train_shards, 1024), ("validation", validation_shards, 8)):
+        for shard in shards:
+            records = c4_documents(documents_per_shard, seed=seed * 100_003 + shard * 2 + (split == "train"),
+                                   words=words)
+            for line, record in enumerate(records):
+                record["url"] = f"https://example.com/{split}/{shard}/{line}"
+            with gzip.open(folder / f"c4-{split}.{shard:05d}-of-{total:05d}.json.gz", "wt", encoding="utf-8") as f:
+                f.writelines(json.dumps(r) + "\n" for r in records)
+    return folder
+
+
+def write_indexed(prefix: Path, documents: list[list[int]], dtype: str = "int32") -> Path:
+    """A Megatron indexed dataset (``prefix.bin`` + ``prefix.idx``) written by megatron-core's own builder,
+    one sequence per document. Returns the prefix."""
+    import warnings
+
+    import numpy as np
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.dtype(dtype).type)
+    for ids in documents:
+        builder.add_document(np.asarray(ids), [len(ids)])
+    builder.finalize(f"{prefix}.idx")
+    return prefix

@@ -1,16 +1,18 @@
 """The Llama training benchmark: config, data, optimiser and the train/eval steps.
 
-Training data is a planted Markov chain (``data.MarkovTokenSource``), so the loss really falls
-and "eval loss ≤ target" is a meaningful, MLPerf-style quality target. The training set is a
-fixed pool of pre-generated batches on the device (cycled like epochs), so step time measures
-the model, not a synthetic data generator.
+By default (``workload.data=synthetic``) training data is a planted Markov chain
+(``data.MarkovTokenSource``), so the loss really falls and "eval loss ≤ target" is a meaningful,
+MLPerf-style quality target; the training set is a fixed pool of pre-generated batches on the device
+(cycled like epochs), so step time measures the model, not a synthetic data generator. Real text
+(``workload.data=c4|megatron``, ``workloads/llama/sources.py``) is read, tokenized and packed on a
+background thread; every step reports how long it waited for its batch.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
-from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -18,92 +20,18 @@ from torch import nn
 
 from workloads.base import MLPerfInfo, QualityTarget, RunContext, StepResult, WorkloadBase, register
 from workloads.base import invalid_config as _invalid
+from workloads.data_source import Prefetcher
+from workloads.llama.config import LlamaConfig
 from workloads.llama.data import MarkovTokenSource
 from workloads.llama.expert_parallel import AllToAllMeter, shard_experts
 from workloads.llama.model import (
-    PRESETS,
-    ModelArgs,
     build_model,
     count_active_params,
     count_params,
     training_flops_per_token,
 )
 from workloads.llama.moe import moe_aux_loss, moe_layers, update_expert_bias
-
-DTYPES = ("auto", "float32", "bfloat16")
-PARALLELISMS = ("auto", "ddp", "fsdp2")
-
-
-@dataclass
-class LlamaConfig:
-    """``workload=llama``. Model fields left ``None`` take the preset's value."""
-
-    name: str = "llama"
-    preset: str = "tiny"
-    dim: int | None = None
-    n_layers: int | None = None
-    n_heads: int | None = None
-    n_kv_heads: int | None = None
-    vocab_size: int | None = None
-    batch_size: int = 8  # global: sequences per optimiser step, across all ranks
-    seq_len: int = 64
-    grad_accum_steps: int = 1
-    lr: float = 3e-3
-    end_lr_ratio: float = 0.1  # the cosine decays to lr * end_lr_ratio
-    lr_warmup_steps: int = 10
-    lr_decay_steps: int = 200  # cosine horizon after warm-up; the lr then stays at its end value
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    dtype: str = "auto"  # auto: bfloat16 autocast on accelerators, float32 on CPU
-    parallelism: str = "auto"  # with >1 rank. auto: fsdp2 where torch has it, else ddp
-    data_seed: int = 0  # the planted chain; fixed so every run learns the same task
-    data_branching: int = 4  # likely successors per token: lower = easier task
-    train_batches: int = 64  # size of the training set, in global batches
-    eval_batches: int = 4
-    eval_loss_target: float | None = None  # None: halfway from ln(vocab) to the entropy rate
-    compile: bool = False  # torch.compile the model (the first steps then include compilation)
-    # -- mixture of experts (MoE presets only) --
-    moe_bias_update_coeff: float = 1e-3  # aux-loss-free balancing: bias step per optimiser step; 0 = off
-    moe_aux_loss_weight: float = 0.0  # Switch-style balance loss added to the training loss; 0 = off
-    router_init_skew: float = 0.0  # in [0, 1): tilt the initial routers towards few experts (balance tests)
-    expert_parallel: bool = True  # with >1 rank: shard the experts over the ranks (all-to-all)
-
-    def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
-            raise _invalid("preset", f"got {self.preset!r}, allowed values: {', '.join(PRESETS)}")
-        for key in ("batch_size", "seq_len", "grad_accum_steps", "train_batches", "eval_batches",
-                    "data_branching", "lr_decay_steps"):
-            if getattr(self, key) < 1:
-                raise _invalid(key, f"got {getattr(self, key)}, must be >= 1")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise _invalid("lr", f"got {self.lr}, must be a positive number")
-        if not 0 <= self.end_lr_ratio <= 1:
-            raise _invalid("end_lr_ratio", f"got {self.end_lr_ratio}, must be in [0, 1]")
-        if self.lr_warmup_steps < 0:
-            raise _invalid("lr_warmup_steps", f"got {self.lr_warmup_steps}, must be >= 0")
-        if self.dtype not in DTYPES:
-            raise _invalid("dtype", f"got {self.dtype!r}, allowed values: {', '.join(DTYPES)}")
-        for key in ("moe_bias_update_coeff", "moe_aux_loss_weight"):
-            if not (math.isfinite(getattr(self, key)) and getattr(self, key) >= 0):
-                raise _invalid(key, f"got {getattr(self, key)}, must be a number >= 0 (0 switches it off)")
-        if not 0 <= self.router_init_skew < 1:
-            raise _invalid("router_init_skew", f"got {self.router_init_skew}, must be in [0, 1)")
-        if self.parallelism not in PARALLELISMS:
-            raise _invalid("parallelism", f"got {self.parallelism!r}, allowed values: {', '.join(PARALLELISMS)}")
-        args = self.model_args()
-        try:
-            args.validate()
-        except ValueError as err:
-            raise ValueError(f"invalid config 'workload' (model from preset {self.preset!r}): {err}") from err
-        if self.seq_len > args.max_seq_len:
-            raise _invalid("seq_len", f"got {self.seq_len}, the model supports at most {args.max_seq_len}")
-
-    def model_args(self) -> ModelArgs:
-        overrides = {k: getattr(self, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")}
-        return replace(PRESETS[self.preset], **{k: v for k, v in overrides.items() if v is not None})
+from workloads.llama.sources import TextSource, open_text_source
 
 
 @register("llama", LlamaConfig)
@@ -145,6 +73,10 @@ class LlamaWorkload(WorkloadBase):
         self.compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
         self.parallelism = self._choose_parallelism()
         self._cursor = 0
+        # a real source is opened and checked here, before any run exists: bad input exits 2
+        self.text: TextSource | None = None
+        if config.data != "synthetic":
+            self.text = open_text_source(config, ctx, self.local_batch, self.args.vocab_size)
 
     def _choose_parallelism(self) -> str:
         if not self.ctx.distributed:
@@ -163,12 +95,21 @@ class LlamaWorkload(WorkloadBase):
 
     def setup(self) -> None:
         cfg, ctx = self.config, self.ctx
-        self.source = MarkovTokenSource(self.args.vocab_size, seed=cfg.data_seed, branching=cfg.data_branching)
-        self.entropy_rate = self.source.entropy_rate()
-        # replica groups of a fault-tolerant job each train on their own data (their gradients are averaged)
-        replica = ctx.fault_tolerance.replica if ctx.fault_tolerance is not None else None
-        self.train_set = self._make_batches(cfg.train_batches, stream=0 if replica is None else 2 + replica)
-        self.eval_set = self._make_batches(cfg.eval_batches, stream=1)
+        self.prefetcher: Prefetcher | None = None
+        if self.text is not None:
+            self.entropy_rate = None
+            windows = torch.from_numpy(self.text.eval_windows.astype("int64")).to(ctx.device)
+            self.eval_set = [(w[:, :-1], w[:, 1:]) for w in windows.split(self.local_batch)]
+            self.prefetcher = Prefetcher(self.text.make_batches, depth=cfg.prefetch_batches, name="llama",
+                                         transfer=lambda batch: tuple(t.to(ctx.device, non_blocking=True)
+                                                                      for t in batch))
+        else:
+            self.source = MarkovTokenSource(self.args.vocab_size, seed=cfg.data_seed, branching=cfg.data_branching)
+            self.entropy_rate = self.source.entropy_rate()
+            # replica groups of a fault-tolerant job each train on their own data (their gradients are averaged)
+            replica = ctx.fault_tolerance.replica if ctx.fault_tolerance is not None else None
+            self.train_set = self._make_batches(cfg.train_batches, stream=0 if replica is None else 2 + replica)
+            self.eval_set = self._make_batches(cfg.eval_batches, stream=1)
         model = build_model(self.args, ctx.device, seed=ctx.seed)
         if cfg.router_init_skew:
             _skew_routers(model, cfg.router_init_skew, seed=ctx.seed)
@@ -290,9 +231,17 @@ class LlamaWorkload(WorkloadBase):
         total = (dense_sq + expert_sq).sqrt()
         nn.utils.clip_grads_with_norm_(dense + experts, self.config.grad_clip, total)
 
+    def _next_batch(self) -> tuple[tuple[torch.Tensor, torch.Tensor], float]:
+        """The step's batch and the seconds it waited for it (for the synthetic pool: the lookup)."""
+        if self.prefetcher is not None:
+            return self.prefetcher.next()  # a reader's error (a file gone bad) ends the run here, with its reason
+        start = time.perf_counter()
+        batch = self.train_set[self._cursor % len(self.train_set)]
+        return batch, time.perf_counter() - start
+
     def step(self) -> StepResult:
         self.model.train()
-        inputs_bs, targets_bs = self.train_set[self._cursor % len(self.train_set)]
+        (inputs_bs, targets_bs), waited_s = self._next_batch()
         self._cursor += 1
         micro = self.config.grad_accum_steps
         total = torch.zeros((), device=self.ctx.device)
@@ -311,17 +260,20 @@ class LlamaWorkload(WorkloadBase):
             self._loads.append(torch.stack(loads).cpu())
             self._a2a_seconds.append(self.a2a_meter.seconds - a2a_seconds)
             self._a2a_bytes.append(self.a2a_meter.bytes_sent - a2a_bytes)
-        return StepResult(samples=self.local_batch, tokens=self.local_batch * self.config.seq_len, loss=total)
+        return StepResult(samples=self.local_batch, tokens=self.local_batch * self.config.seq_len, loss=total,
+                          data_wait_s=waited_s)
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
+        """Mean loss per evaluated token over all ranks' evaluation sequences (ranks may hold unequal shares)."""
         self.model.eval()
-        losses = torch.stack([self._loss(inputs, targets) for inputs, targets in self.eval_set])
-        mean = losses.mean()
+        sums = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        for inputs, targets in self.eval_set:
+            sums[0] += self._loss(inputs, targets).double() * targets.numel()
+            sums[1] += targets.numel()
         if self.ctx.distributed:
-            dist.all_reduce(mean, group=self.ctx.process_group)
-            mean /= self.ctx.world_size
-        return {"eval_loss": float(mean)}
+            dist.all_reduce(sums, group=self.ctx.process_group)
+        return {"eval_loss": float(sums[0] / sums[1])}
 
     # -- what the harness reports ---------------------------------------------------------------
 
@@ -329,6 +281,8 @@ class LlamaWorkload(WorkloadBase):
         return training_flops_per_token(self.args, self.config.seq_len) * self.local_batch * self.config.seq_len
 
     def target_eval_loss(self) -> float:
+        if self.text is not None:
+            return self.text.target
         if self.config.eval_loss_target is not None:
             return self.config.eval_loss_target
         floor = self.entropy_rate
@@ -339,8 +293,11 @@ class LlamaWorkload(WorkloadBase):
 
     def mlperf_info(self) -> MLPerfInfo:
         cfg = self.config
-        return MLPerfInfo.of_batches(
-            "llama31_8b", cfg.batch_size, cfg.train_batches, cfg.eval_batches,
+        train, evaluated = cfg.train_batches * cfg.batch_size, cfg.eval_batches * cfg.batch_size
+        if self.text is not None:  # a C4 stream's length is unknown: train_batches global batches stand for it
+            train, evaluated = self.text.train_sequences or train, self.text.eval_sequences
+        return MLPerfInfo(
+            "llama31_8b", cfg.batch_size, train, evaluated,
             gradient_accumulation_steps=cfg.grad_accum_steps,
             hyperparameters={
                 "opt_name": "adamw",
@@ -368,9 +325,10 @@ class LlamaWorkload(WorkloadBase):
         metrics = {
             "model_params": float(count_params(self.args)),
             "active_params": float(count_active_params(self.args)),
-            "data_entropy_nats": self.entropy_rate,
             "eval_loss_target": self.target_eval_loss(),
         }
+        if self.entropy_rate is not None:
+            metrics["data_entropy_nats"] = self.entropy_rate
         if self.is_moe:
             metrics.update(self._moe_metrics())
         return metrics
@@ -400,8 +358,20 @@ class LlamaWorkload(WorkloadBase):
                 metrics["a2a_share"] = a2a_s / self._timed_seconds
         return metrics
 
+    def run_tags(self) -> dict[str, str]:
+        if self.text is None:
+            return {"data": "synthetic"}
+        tags = {f"data_{k}" if k != "data" else k: v for k, v in self.text.details.items()}
+        tags["eval_loss_target_from"] = self.text.target_from
+        if self.text.recipe is not None:  # the harness's runner.eval_interval (steps) sets the evaluation points
+            tags["data_recipe"] = self.config.data_recipe
+            tags["recipe_eval_every_sequences"] = str(self.text.recipe.eval_every_sequences)
+        return tags
+
     def teardown(self) -> None:
-        for name in ("model", "raw_model", "optimizer", "scheduler", "train_set", "eval_set"):
+        if getattr(self, "prefetcher", None) is not None:
+            self.prefetcher.close()
+        for name in ("model", "raw_model", "optimizer", "scheduler", "train_set", "eval_set", "prefetcher"):
             self.__dict__.pop(name, None)
 
 

@@ -1,0 +1,199 @@
+"""The real-text sources of ``workload=llama`` (``workload.data=c4|megatron``), opened and checked in one place.
+
+:func:`open_text_source` runs while the workload is built (before any MLflow run exists): every path, file,
+tokenizer and size the run depends on is checked there, and the evaluation windows are read, so a bad input
+exits 2. Training windows are then made on a background thread (:class:`workloads.data_source.Prefetcher`).
+
+The MLPerf recipes (``workload.data_recipe``) hold what MLPerf's Llama 3.1 reference sets for its data; a
+config value left null takes the recipe's.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from workloads.base import RunContext
+from workloads.base import invalid_config as _invalid
+from workloads.data_source import DataError, rank_shard, require_path
+from workloads.llama import c4
+from workloads.llama.text_data import (
+    C4Stream,
+    IndexedStream,
+    IndexedTokens,
+    batches,
+    first_windows,
+    unigram_entropy,
+)
+from workloads.llama.tokenizer import load_tokenizer
+
+SOURCES = ("synthetic", "c4", "megatron")
+C4_READERS = ("datasets", "json")
+DATA_CHECKS = ("auto", "full", "head")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What an MLPerf reference fixes about its data and quality target."""
+
+    train_shards: str  # C4 training shards, inclusive
+    val_documents: int  # the validation set: the first N documents of the unshuffled validation files
+    eval_sequences: int  # sequences of seq_len evaluated (the first of the validation set)
+    eval_every_sequences: int  # training sequences between evaluations (the harness's runner.eval_interval)
+    seq_len: int
+    eval_loss_target: float  # log perplexity
+    cite: str
+
+
+# github.com/mlcommons/training, small_llm_pretraining/nemo (Llama 3.1 8B): README.md "Training and test data
+# separation" (c4-train.<x>-of-01024 for 768 <= x <= 1023; the first 91,205 validation documents = 47,185,920
+# tokens = 5,760 sequences of 8,192), "Evaluation frequency" (every 12,288 sequences), "Evaluation thoroughness"
+# (1,024 sequences), "Quality target" (log perplexity 3.3); pretrain_llama31.py: seq_length 8192, --eval_every
+# 12288, --eval_tokens 1024, --target_log_ppl 3.3. The 405B reference (large_language_model_pretraining/nemo)
+# uses the same files and validation set, evaluates all 5,760 sequences every 46,080, to log perplexity 5.6.
+RECIPES = {
+    "mlperf_llama31_8b": Recipe("768-1023", 91_205, 1_024, 12_288, 8_192, 3.3,
+                                "mlcommons/training small_llm_pretraining/nemo (Llama 3.1 8B)"),
+    "mlperf_llama31_405b": Recipe("768-1023", 91_205, 5_760, 46_080, 8_192, 5.6,
+                                  "mlcommons/training large_language_model_pretraining/nemo (Llama 3.1 405B)"),
+}
+
+
+@dataclass
+class TextSource:
+    """What the workload uses of an opened real source."""
+
+    kind: str
+    make_batches: Callable[[], Iterator[tuple[torch.Tensor, torch.Tensor]]]  # this rank's, endless
+    eval_windows: np.ndarray  # this rank's share of the evaluation windows, (n, seq_len + 1)
+    eval_sequences: int  # all ranks' evaluation windows
+    train_sequences: int  # windows in one pass over the training data; 0 when unknown (a C4 stream)
+    target: float
+    target_from: str  # where the target comes from: "config", the recipe, or "unigram entropy"
+    recipe: Recipe | None
+    details: dict[str, str]
+
+
+def recipe_of(name: str | None) -> Recipe | None:
+    if name is None:
+        return None
+    if name not in RECIPES:
+        raise _invalid("data_recipe", f"got {name!r}, allowed values: {', '.join(RECIPES)} (or null)")
+    return RECIPES[name]
+
+
+def check_text_config(cfg) -> None:
+    """The real-source fields' values alone (types and ranges); files are checked by :func:`open_text_source`."""
+    if cfg.data not in SOURCES:
+        raise _invalid("data", f"got {cfg.data!r}, allowed values: {', '.join(SOURCES)}")
+    if cfg.c4_reader not in C4_READERS:
+        raise _invalid("c4_reader", f"got {cfg.c4_reader!r}, allowed values: {', '.join(C4_READERS)}")
+    if cfg.data_check not in DATA_CHECKS:
+        raise _invalid("data_check", f"got {cfg.data_check!r}, allowed values: {', '.join(DATA_CHECKS)}")
+    recipe_of(cfg.data_recipe)
+    for key in ("val_documents", "eval_sequences", "shuffle_sequences", "prefetch_batches"):
+        value = getattr(cfg, key)
+        if value is not None and value < 1:
+            raise _invalid(key, f"got {value}, must be >= 1")
+    if cfg.train_shards is not None:
+        try:
+            c4.parse_shards(cfg.train_shards)
+        except ValueError as err:
+            raise _invalid("train_shards", str(err)) from err
+
+
+def _eval_share(windows: np.ndarray, ctx: RunContext) -> np.ndarray:
+    return windows[np.asarray(rank_shard(len(windows), ctx.rank, ctx.world_size), dtype=np.int64)]
+
+
+def _too_few(what: str, have: int, want: int, seq_len: int) -> DataError:
+    return DataError(f"{what} gives {have} evaluation sequences of {seq_len} tokens, the run evaluates {want}: "
+                     f"set workload.eval_sequences={have} or less, or give more validation data")
+
+
+def open_text_source(cfg, ctx: RunContext, local_batch: int, vocab_size: int) -> TextSource:
+    """Open and check ``workload.data`` (c4 or megatron) for this rank; a :class:`DataError` names what is wrong."""
+    recipe = recipe_of(cfg.data_recipe)
+    eval_sequences = cfg.eval_sequences or (recipe.eval_sequences if recipe else cfg.eval_batches * cfg.batch_size)
+    if eval_sequences < ctx.world_size:
+        raise _invalid("eval_sequences", f"{eval_sequences} cannot be shared by {ctx.world_size} ranks")
+    if cfg.data == "megatron" and not cfg.data_path:
+        IndexedTokens(cfg.data_path, 0, vocab_size)  # says what workload.data_path should be
+    if cfg.data == "c4":
+        require_path("data_path", cfg.data_path, "the C4 folder (c4-train.XXXXX-of-01024.json.gz, "
+                     "c4-validation.XXXXX-of-00008.json.gz)", c4.WHERE_FROM)
+    tokenizer = load_tokenizer(cfg.tokenizer, vocab_size)
+    seed = ctx.seed if ctx.fault_tolerance is None else ctx.seed + 7919 * (1 + ctx.fault_tolerance.replica)
+    details = {"data": cfg.data, "tokenizer": str(tokenizer.path)}
+    if cfg.data == "c4":
+        folder = require_path("data_path", cfg.data_path, "the C4 folder (c4-train.XXXXX-of-01024.json.gz, "
+                              "c4-validation.XXXXX-of-00008.json.gz)", c4.WHERE_FROM)
+        shards = cfg.train_shards or (recipe.train_shards if recipe else None)
+        train_files = c4.find_shards(folder, "train", c4.parse_shards(shards) if shards else None)
+        val_folder = require_path("val_data_path", cfg.val_data_path, "a folder of C4 validation files",
+                                  c4.WHERE_FROM) if cfg.val_data_path else folder
+        val_files = c4.find_shards(val_folder, "validation", None,
+                                   key="val_data_path" if cfg.val_data_path else "data_path")
+        stream = C4Stream(train_files, tokenizer, cfg.seq_len, ctx.rank, ctx.world_size, seed,
+                          cfg.shuffle_sequences, cfg.c4_reader)
+        budget = {"auto": c4.FULL_CHECK_BYTES, "full": float("inf"), "head": -1}[cfg.data_check]
+        details["checked"] = c4.check_files(stream.files + val_files, budget)
+        val_documents = cfg.val_documents or (recipe.val_documents if recipe else None)
+        texts = (text for f in val_files for text in c4.read_texts(f, cfg.c4_reader))
+        if val_documents is not None:
+            texts = itertools.islice(texts, val_documents)
+        windows = first_windows(texts, tokenizer, cfg.seq_len, eval_sequences)
+        if len(windows) < eval_sequences:
+            raise _too_few(f"{val_folder}: the validation files' first {val_documents or 'all'} documents",
+                           len(windows), eval_sequences, cfg.seq_len)
+
+        def make() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            return batches(stream.windows(), local_batch)
+
+        train_sequences = 0
+        details.update(train_files=str(len(train_files)), rank_files=str(len(stream.files)))
+    else:
+        train = IndexedTokens(cfg.data_path, tokenizer.eos_id, vocab_size)
+        if cfg.val_data_path:
+            val = IndexedTokens(cfg.val_data_path, tokenizer.eos_id, vocab_size, key="val_data_path")
+            have = val.window_count(cfg.seq_len)
+            if have < eval_sequences:
+                raise _too_few(f"{val.prefix}", have, eval_sequences, cfg.seq_len)
+            windows = val.windows(np.arange(eval_sequences), cfg.seq_len)
+            train_sequences = train.window_count(cfg.seq_len)
+            details["validation"] = str(val.prefix)
+        else:  # no validation set named: the training set's last windows are held out for it
+            total = train.window_count(cfg.seq_len)
+            train_sequences = total - eval_sequences
+            if train_sequences < cfg.batch_size:
+                raise DataError(f"'workload.data_path': {train.prefix} gives {total} sequences of {cfg.seq_len} "
+                                f"tokens: too few for {eval_sequences} held out for evaluation and one batch of "
+                                f"{cfg.batch_size} to train on; name a validation set (workload.val_data_path), or "
+                                f"lower workload.eval_sequences")
+            windows = train.windows(np.arange(train_sequences, total), cfg.seq_len)
+            details["validation"] = f"held out: the last {eval_sequences} sequences of {train.prefix}"
+        if train_sequences < cfg.batch_size:
+            raise DataError(f"'workload.data_path': {train.prefix} gives {train_sequences} sequences of "
+                            f"{cfg.seq_len} tokens, fewer than one batch of {cfg.batch_size}")
+        stream = IndexedStream(train, cfg.seq_len, train_sequences, ctx.rank, ctx.world_size, seed,
+                               block=max(local_batch, 64))
+
+        def make() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            return batches(stream.windows(), local_batch)
+
+        details.update(appends_eos=str(train.appends_eos), train_prefix=str(train.prefix))
+    if cfg.eval_loss_target is not None:
+        target, target_from = cfg.eval_loss_target, "config"
+    elif recipe is not None:
+        target, target_from = recipe.eval_loss_target, f"recipe {cfg.data_recipe}"
+    else:
+        target, target_from = unigram_entropy(windows), "unigram entropy of the evaluation tokens"
+    return TextSource(cfg.data, make, _eval_share(windows, ctx), eval_sequences, train_sequences, target,
+                      target_from, recipe, details)
+
+
+__all__ = ["RECIPES", "SOURCES", "Recipe", "TextSource", "check_text_config", "open_text_source", "recipe_of"]
