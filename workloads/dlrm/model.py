@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 
 # The MLPerf DLRM-DCNv2 reference (Criteo 1TB, multi-hot variant): rows per table, already
 # capped at 40M by MLPerf's preprocessing, and the fixed number of ids per sample per table.
+# Both from mlcommons/training recommendation_v2/torchrec_dlrm/README.MD, "Running the MLPerf DLRM v2
+# benchmark": --num_embeddings_per_feature and --multi_hot_sizes (the same lists its
+# scripts/materialize_synthetic_multihot_dataset.py takes). Ids of a capped table are taken modulo its rows.
 MLPERF_TABLE_ROWS = (
     40_000_000, 39_060, 17_295, 7_424, 20_265, 3, 7_122, 1_543, 63, 40_000_000, 3_067_956, 405_282, 10,
     2_209, 11_938, 155, 4, 976, 14, 40_000_000, 40_000_000, 40_000_000, 590_152, 12_973, 108, 36,
@@ -104,7 +107,11 @@ PRESETS: dict[str, DLRMShape] = {
         dcn_low_rank_dim=16,
         batch_size=4096,
     ),
-    # The MLPerf Training reference: 26 tables (~204M rows at the 40M cap), dim 128. Accelerators.
+    # The MLPerf Training reference: 26 tables (~204M rows at the 40M cap), dim 128. Accelerators. Every
+    # number is the reference's run command (recommendation_v2/torchrec_dlrm/README.MD): --embedding_dim 128,
+    # --dense_arch_layer_sizes 512,256,128, --over_arch_layer_sizes 1024,1024,512,256,1, --dcn_num_layers=3,
+    # --dcn_low_rank_dim=512, GLOBAL_BATCH_SIZE=65536; its --adagrad --learning_rate 0.005 is DLRMConfig's
+    # default lr, and its target (validation AUROC 0.80275) is workloads/dlrm/criteo.py's MLPERF_AUC_TARGET.
     "mlperf_dcnv2": DLRMShape(
         table_rows=MLPERF_TABLE_ROWS,
         multi_hot_sizes=MLPERF_MULTI_HOT_SIZES,
