@@ -81,16 +81,18 @@ def parse_ratings(path: Path, layout: str) -> tuple[np.ndarray, np.ndarray, np.n
     and the line for anything that is not four numbers in the layout's columns."""
     import pandas as pd
 
-    if layout == "ml-1m":  # '::' read as ':' (the fast C parser takes one character): empty fields between
-        options = dict(sep=":", header=None, names=list(range(7)), dtype={k: np.float32 if k % 2 else np.float64
-                                                                            for k in range(7)})
-    else:
-        options = dict(sep=",", header=0, dtype=np.float64)
     try:
-        frame = pd.read_csv(path, engine="c", encoding="latin-1", **options)
-    except (ValueError, pd.errors.ParserError) as err:
+        frame = _read(path, layout, exact=True)
+    except pd.errors.ParserError as err:  # a line with too many fields
         raise DataError(f"{path}: not a MovieLens ratings file ({_parser_message(err, layout)}); expected "
                         f"{LAYOUTS[layout]}, four numbers a line. {WHERE_FROM}") from err
+    except ValueError:  # a missing or non-numeric field: read again as floats, where NaN marks the line
+        try:
+            frame = _read(path, layout, exact=False)
+        except ValueError as err:
+            raise DataError(f"{path}: not a MovieLens ratings file ({_parser_message(err, layout)}); expected "
+                            f"{LAYOUTS[layout]}, four numbers a line. {WHERE_FROM}") from err
+    header_lines = 1 if layout == "ml-20m" else 0
     if layout == "ml-1m":
         between = frame[[1, 3, 5]].notna().to_numpy().any(axis=1)
         if between.any():
@@ -100,16 +102,28 @@ def parse_ratings(path: Path, layout: str) -> tuple[np.ndarray, np.ndarray, np.n
     columns = [frame[c].to_numpy() for c in frame.columns]
     missing = np.flatnonzero(np.isnan(np.stack(columns)).any(axis=0))
     if missing.size:
-        line = int(missing[0]) + 1 + (layout == "ml-20m")
-        raise DataError(f"{path}: line {line} has fewer than four fields ({missing.size} such lines); expected "
-                        f"{LAYOUTS[layout]}. Check the separator and the columns")
+        raise DataError(f"{path}: line {int(missing[0]) + 1 + header_lines} has fewer than four fields "
+                        f"({missing.size} such lines); expected {LAYOUTS[layout]}. Check the separator and the columns")
     users, movies, ratings, timestamps = columns
     bad = np.flatnonzero((ratings < 0.5) | (ratings > 5))
     if bad.size:
-        line = int(bad[0]) + 1 + (layout == "ml-20m")
-        raise DataError(f"{path}: line {line} has rating {ratings[bad[0]]}, outside MovieLens' 0.5-5 stars "
-                        f"({bad.size} such lines); the third column is the rating")
+        raise DataError(f"{path}: line {int(bad[0]) + 1 + header_lines} has rating {ratings[bad[0]]}, outside "
+                        f"MovieLens' 0.5-5 stars ({bad.size} such lines); the third column is the rating")
     return users.astype(np.int64), movies.astype(np.int64), ratings, timestamps.astype(np.int64)
+
+
+def _read(path: Path, layout: str, exact: bool):  # -> pandas.DataFrame
+    """The file's columns: ids and times as int64 (``exact``: fast, but a missing field fails the whole read),
+    or everything as float64 (a missing field is NaN, so its line can be named)."""
+    import pandas as pd
+
+    kinds = (np.int64, np.int64, np.float64, np.int64) if exact else (np.float64,) * 4
+    if layout == "ml-1m":  # '::' read as ':' (the fast C parser takes one character): empty fields between
+        dtype = {2 * k: kind for k, kind in enumerate(kinds)} | {k: np.float32 for k in (1, 3, 5)}
+        options = dict(header=None, sep=":", names=list(range(7)), dtype=dtype)
+    else:
+        options = dict(header=0, sep=",", dtype=dict(zip(ML20M_HEADER.split(","), kinds, strict=True)))
+    return pd.read_csv(path, engine="c", encoding="latin-1", **options)
 
 
 def _parser_message(err: Exception, layout: str) -> str:
@@ -149,7 +163,8 @@ def prepare_ratings(path: Path) -> Ratings:
     users, movies, stars, timestamps = parse_ratings(path, layout)
     if users.size == 0:
         raise DataError(f"{path}: no ratings in the file; expected {LAYOUTS[layout]}")
-    _, user_index, counts = np.unique(users, return_inverse=True, return_counts=True)
+    user_index, num_users = _dense(users)
+    counts = np.bincount(user_index, minlength=num_users)
     keep = counts[user_index] >= MIN_INTERACTIONS
     dropped = int((counts < MIN_INTERACTIONS).sum())
     if not keep.any():
@@ -157,19 +172,31 @@ def prepare_ratings(path: Path) -> Ratings:
                         f"and a test item); is this the whole file?")
     if not keep.all():
         users, movies, stars, timestamps = users[keep], movies[keep], stars[keep], timestamps[keep]
-        _, user_index = np.unique(users, return_inverse=True)
+        user_index, num_users = _dense(users)
     order = _user_time_order(user_index, timestamps)
-    user_index = user_index[order]
-    _, items = np.unique(movies[order], return_inverse=True)
-    offsets = np.concatenate([[0], np.cumsum(np.bincount(user_index))]).astype(np.int64)
+    items, num_items = _dense(movies[order])
+    offsets = np.concatenate([[0], np.cumsum(np.bincount(user_index, minlength=num_users))]).astype(np.int64)
     actions = (np.ceil(stars[order]) - 1).astype(np.int64)
-    return Ratings(path, layout, offsets, items.astype(np.int64), actions, int(items.max()) + 1, dropped)
+    return Ratings(path, layout, offsets, items, actions, num_items, dropped)
+
+
+def _dense(ids: np.ndarray) -> tuple[np.ndarray, int]:
+    """``ids`` renumbered 0 .. n-1 in ascending order of id, and n. MovieLens ids are small positive numbers:
+    a lookup table does it in one pass (``np.unique`` sorts, ten times slower on ML-20M); any other ids sort."""
+    lowest, highest = int(ids.min()), int(ids.max())
+    if lowest >= 0 and highest < max(4 * ids.size, 1 << 24):
+        present = np.zeros(highest + 1, dtype=bool)
+        present[ids] = True
+        renumbered = np.cumsum(present) - 1
+        return renumbered[ids], int(renumbered[-1]) + 1
+    unique, inverse = np.unique(ids, return_inverse=True)
+    return inverse.astype(np.int64), int(unique.size)
 
 
 def _user_time_order(user_index: np.ndarray, timestamps: np.ndarray) -> np.ndarray:
     """The stable order by (user, time): one stable argsort of a packed key where the times fit 32 bits."""
-    span = int(timestamps.max() - timestamps.min()) if timestamps.size else 0
-    if span < 2**32:
+    span = int(timestamps.max() - timestamps.min())
+    if span < 2**32 and int(user_index.max()) < 2**31:
         key = (user_index.astype(np.int64) << 32) | (timestamps - timestamps.min())
         return np.argsort(key, kind="stable")
     return np.lexsort((timestamps, user_index))
