@@ -73,7 +73,7 @@ class _Query:
 
 
 def _records(path: Path) -> Iterator[tuple[str, object]]:
-    """``(where, value)`` of every record: ``line N`` of a JSON lines file, ``record N`` of a JSON array."""
+    """``(where, value)`` of every record: ``line N`` of a JSON lines file, ``element N`` of a JSON array."""
     try:
         with path.open(encoding="utf-8") as file:
             head = file.read(4096).lstrip()
@@ -84,7 +84,7 @@ def _records(path: Path) -> Iterator[tuple[str, object]]:
                 except json.JSONDecodeError as err:
                     raise DataError(f"'workload.prompts': {path} starts as a JSON array but is not valid JSON "
                                     f"(line {err.lineno}: {err.msg}); write one JSON object per line instead") from err
-                yield from ((f"record {i}", value) for i, value in enumerate(values, 1))
+                yield from ((f"element {i} of its JSON array", value) for i, value in enumerate(values, 1))
                 return
             for number, line in enumerate(file, 1):
                 if not line.strip():
@@ -102,9 +102,14 @@ def _records(path: Path) -> Iterator[tuple[str, object]]:
 
 
 def _ids(path: Path, where: str, field: str, value: object) -> list[int]:
-    if not (isinstance(value, list) and set(map(type, value)) <= {int}):  # type, not isinstance: bools are refused
+    if not isinstance(value, list):
         raise DataError(f"'workload.prompts': {path} {where}: '{field}' must be a list of token ids (integers), "
                         f"got {type(value).__name__}")
+    kinds = set(map(type, value))  # type, not isinstance: JSON's true/false are not token ids
+    if not kinds <= {int}:
+        others = ", ".join(sorted(k.__name__ for k in kinds - {int}))
+        raise DataError(f"'workload.prompts': {path} {where}: '{field}' must be a list of token ids (integers), "
+                        f"it holds {others}")
     return value
 
 
@@ -162,11 +167,13 @@ def _check_vocabulary(path: Path, queries: list[_Query], vocab_size: int) -> Non
             largest = max(largest, *query.prompt_ids)
     if first is not None:
         query, bad = first
-        advice = (f"set workload.vocab_size={largest + 1} (or the model's real size, 128256 for Llama 3)" if bad >= 0
-                  else "token ids are never negative: fix the file")
+        if bad < 0:
+            raise DataError(f"'workload.prompts': {path} {query.where}: token id {bad} in '{query.prompt_field}' is "
+                            "negative; token ids count from 0: fix the file")
         raise DataError(f"'workload.prompts': {path} {query.where}: token id {bad} in '{query.prompt_field}' is "
                         f"outside the model's vocabulary of {vocab_size} ids; the file's ids come from a tokenizer "
-                        f"with a larger vocabulary: {advice}, or give text prompts with workload.tokenizer")
+                        f"with a larger vocabulary: set workload.vocab_size={largest + 1} (or the model's real size, "
+                        "128256 for Llama 3), or give text prompts with workload.tokenizer")
 
 
 def _tokenizer_needed(path: Path, query: _Query) -> DataError:
