@@ -172,6 +172,11 @@ def list_main(args: list[str]) -> int:
     print("workloads:")
     for name, spec in sorted(discover().items()):
         print(f"  {name:12s} {spec.description}")
+    from workloads.base import PREPARERS
+
+    print("data preparers (cobench data prepare NAME):")
+    for name, spec in sorted(PREPARERS.items()):
+        print(f"  {name:12s} {spec.description}")
     for group in ("suite", "platform", "tracking"):
         names = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
         print(f"{group}s: {', '.join(names)}")
