@@ -51,6 +51,10 @@ def one_thread():
         ({"bottom_mlp": [64, 32]}, "bottom_mlp must end in embedding_dim=16"),
         ({"top_mlp": [64, 2]}, "top_mlp"),
         ({"train_batches": 0}, "'workload.train_batches'"),
+        ({"data": "kaggle"}, "'workload.data'.*allowed values: synthetic, criteo_1tb"),
+        ({"criteo_sparse": "two_hot"}, "'workload.criteo_sparse'.*allowed values: multi_hot, one_hot"),
+        ({"criteo_id_check": "none"}, "'workload.criteo_id_check'.*allowed values: full, batch"),
+        ({"eval_batches": None}, "'workload.eval_batches': null .* is for workload.data=criteo_1tb"),
     ],
 )
 def test_config_rejects_bad_values(overrides, message):
@@ -222,6 +226,7 @@ def test_single_process_run_logs_auc_and_throughput(cobench, tmp_path):
     metrics = run.data.metrics
     assert 0.0 < metrics["auc"] <= 1.0 and metrics["throughput"] > 0 and metrics["log_loss"] > 0
     assert metrics["achieved_tflops"] > 0  # flops_per_step was counted
+    assert metrics["data_wait_ms_p50"] >= 0  # the synthetic pool's lookup, timed like a real source's wait
     assert run.data.tags["throughput_unit"] == "samples/s"
     assert not any(name.startswith("a2a_") for name in metrics)  # one process: no all-to-all
 

@@ -37,6 +37,7 @@ import json
 import math
 import os
 import struct
+import threading
 import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -77,17 +78,44 @@ class StoredArray:
     rows: int
     width: int
 
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Rows ``[start, stop)``, copied into memory; a :class:`DataError` if the file is shorter now."""
+    def read_into(self, start: int, stop: int, out: np.ndarray) -> None:
+        """Rows ``[start, stop)`` into ``out`` (contiguous, as many elements; another dtype is converted), read
+        straight from the file; a :class:`DataError` if the file is shorter now than when it was checked."""
+        if out.dtype != self.dtype:
+            out.reshape(-1)[:] = self.read(start, stop).reshape(-1)
+            return
         row_bytes = self.width * self.dtype.itemsize
         want = (stop - start) * row_bytes
-        with open(self.path, "rb", buffering=0) as handle:
-            data = os.pread(handle.fileno(), want, self.offset + start * row_bytes)
-        if len(data) != want:
+        got = os.preadv(_descriptor(self.path), [out.reshape(-1).view(np.uint8)], self.offset + start * row_bytes)
+        if got != want:
             raise DataError(f"{self.name}: rows {start}…{stop} could not be read (the file ends early: it was "
                             f"truncated or replaced while training); copy it again or re-run "
                             f"`cobench data prepare criteo`")
-        return np.frombuffer(data, dtype=self.dtype).reshape(stop - start, self.width)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Rows ``[start, stop)`` as a new ``[n, width]`` array."""
+        out = np.empty((stop - start, self.width), dtype=self.dtype)
+        self.read_into(start, stop, out)
+        return out
+
+
+_DESCRIPTORS: dict[Path, int] = {}  # one read-only descriptor per file, shared by threads (pread has no position)
+_DESCRIPTORS_LOCK = threading.Lock()
+
+
+def _descriptor(path: Path) -> int:
+    with _DESCRIPTORS_LOCK:
+        if path not in _DESCRIPTORS:
+            _DESCRIPTORS[path] = os.open(path, os.O_RDONLY)
+        return _DESCRIPTORS[path]
+
+
+def close_files() -> None:
+    """Close the descriptors reading opened (the next read opens its file again)."""
+    with _DESCRIPTORS_LOCK:
+        for descriptor in _DESCRIPTORS.values():
+            os.close(descriptor)
+        _DESCRIPTORS.clear()
 
 
 def _array_header(handle, name: str) -> tuple[np.dtype, tuple[int, ...], int]:
@@ -161,12 +189,6 @@ class CriteoDay:
     def rows(self) -> int:
         return self.dense.rows
 
-    def read(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
-        """Dense ``[n, 13]``, labels ``[n]`` and each feature's ids ``[n, hot]``."""
-        sparse = [array.read(start, stop) for array in self.sparse]
-        if len(sparse) == 1:  # one-hot: split the [n, 26] array into its columns
-            sparse = [sparse[0][:, k:k + 1] for k in range(sparse[0].shape[1])]
-        return self.dense.read(start, stop), self.labels.read(start, stop).reshape(-1), sparse
 
 
 def find_days(folder: Path, sparse_kind: str) -> list[CriteoDay]:
@@ -280,8 +302,10 @@ def id_ranges(day: CriteoDay) -> tuple[list[int], list[int]]:
     return lows, highs
 
 
-def check_ids(days: list[CriteoDay], table_rows: Sequence[int], hashed: Sequence[bool]) -> None:
-    """Every id of every day fits its table (tables in ``hashed`` take ids modulo their rows)."""
+def check_ids(days: list[CriteoDay], table_rows: Sequence[int], hashed: Sequence[bool]) -> list[int]:
+    """Every id of every day fits its table (tables in ``hashed`` take ids modulo their rows); each feature's
+    largest id over the days."""
+    largest = [0] * len(table_rows)
     for day in days:
         lows, highs = id_ranges(day)
         bad = [k for k, (low, high) in enumerate(zip(lows, highs, strict=True))
@@ -294,18 +318,31 @@ def check_ids(days: list[CriteoDay], table_rows: Sequence[int], hashed: Sequence
                 f"table has {table_rows[worst]} rows (features out of range: {', '.join(f'cat_{k}' for k in bad)}). "
                 f"Set workload.table_rows=[{','.join(map(str, need))}] (at least each feature's largest id + 1), "
                 f"or prepare the data for these tables")
+        largest = [max(a, b) for a, b in zip(largest, highs, strict=True)]
+    return largest
 
 
 class CriteoSource:
-    """Rank ``rank``'s batches of the train days (endless, epoch after epoch) and of the validation half."""
+    """Rank ``rank``'s batches of the train days (endless, epoch after epoch) and of the validation half.
+
+    A batch is read straight into its final buffers: the dense features, the labels, and the KJT's values,
+    feature-major (feature ``k``'s ``[n, hot_k]`` rows of a multi-hot ``.npz`` are already its ids in KJT
+    order, so they are ``pread`` into place). Ids are hashed only where a table's largest id (known from the
+    full check) can exceed its rows, and checked per batch only when no full check was made."""
 
     def __init__(self, days: list[CriteoDay], global_batch: int, rank: int, world_size: int,
-                 table_rows: Sequence[int], hashed: Sequence[bool], eval_rows: int | None = None):
+                 table_rows: Sequence[int], hashed: Sequence[bool], eval_rows: int | None = None,
+                 max_ids: Sequence[int] | None = None):
         self.train_days, self.last_day = days[:-1], days[-1]
         self.global_batch, self.rank, self.world_size = global_batch, rank, world_size
         self.local_batch = global_batch // world_size
-        self.table_rows = np.asarray(table_rows, dtype=np.int64)
-        self.hashed = list(hashed)
+        self.table_rows = list(table_rows)
+        first = days[0].sparse
+        self.hot = [array.width for array in first] if len(first) > 1 else [1] * first[0].width
+        known = max_ids is not None  # every id's range is known: hash only what can exceed, check nothing
+        self.modulo = [h and (not known or max_ids[k] >= rows)
+                       for k, (h, rows) in enumerate(zip(hashed, table_rows, strict=True))]
+        self.check = [not h and not known for h in hashed]
         self.keys = [f"cat_{k}" for k in range(len(table_rows))]
         self.train_rows = sum(day.rows for day in self.train_days)
         self.batches_per_epoch = self.train_rows // global_batch
@@ -316,46 +353,58 @@ class CriteoSource:
         self.val_rows = half if eval_rows is None else min(half, eval_rows)
         self.test_rows = self.last_day.rows - half
         self._day_starts = np.cumsum([0] + [day.rows for day in self.train_days])
+        self._layouts: dict[int, tuple] = {}
 
     @property
     def train_samples(self) -> int:
         return self.batches_per_epoch * self.global_batch
 
+    def _layout(self, size: int) -> tuple:
+        """What every batch of ``size`` samples shares (TorchRec's reader precomputes the same)."""
+        if size not in self._layouts:
+            per_key = [hot * size for hot in self.hot]
+            offset_per_key = np.concatenate([[0], np.cumsum(per_key)]).tolist()
+            lengths = torch.tensor([hot for hot in self.hot for _ in range(size)], dtype=torch.int32)
+            offsets = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(lengths, 0, dtype=torch.int32)])
+            self._layouts[size] = (per_key, offset_per_key, lengths, offsets)
+        return self._layouts[size]
+
     def _read(self, days: list[CriteoDay], starts: np.ndarray, start: int, stop: int) -> ClickBatch:
         """Rows ``[start, stop)`` of ``days`` laid end to end, as a batch."""
-        parts = []
-        first = int(np.searchsorted(starts, start, side="right")) - 1
-        while start < stop:
-            day, offset = days[first], start - int(starts[first])
-            take = min(stop - start, day.rows - offset)
-            parts.append(day.read(offset, offset + take))
-            start, first = start + take, first + 1
-        dense = np.concatenate([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
-        labels = np.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
-        features = ([np.concatenate([p[2][k] for p in parts]) for k in range(len(self.keys))]
-                    if len(parts) > 1 else parts[0][2])
-        return self._batch(dense, labels, features, days[first - 1].sparse[0].name)
-
-    def _batch(self, dense: np.ndarray, labels: np.ndarray, features: list[np.ndarray], where: str) -> ClickBatch:
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-        size = len(labels)
-        values, lengths = [], []
-        for k, ids in enumerate(features):
-            ids = ids.astype(np.int64)
-            rows = int(self.table_rows[k])
-            if self.hashed[k]:
-                ids %= rows
-            elif size and (ids.max() >= rows or ids.min() < 0):
-                raise DataError(f"{where}: feature cat_{k} has id {int(ids.max())} but its table has {rows} rows "
-                                f"(the file changed since the run's check, or workload.criteo_id_check=batch let it "
+        size = stop - start
+        per_key, offset_per_key, lengths, offsets = self._layout(size)
+        dense = np.empty((size, days[0].dense.width), dtype=np.float32)
+        labels = np.empty(size, dtype=days[0].labels.dtype)
+        values = np.empty(offset_per_key[-1], dtype=np.int32)
+        index, row = int(np.searchsorted(starts, start, side="right")) - 1, 0
+        while row < size:
+            day = days[index]
+            first = start + row - int(starts[index])
+            take = min(size - row, day.rows - first)
+            day.dense.read_into(first, first + take, dense[row:row + take])
+            day.labels.read_into(first, first + take, labels[row:row + take])
+            if len(day.sparse) == 1:  # one-hot [n, 26]: transposed into feature-major order
+                by_feature = values.reshape(len(self.hot), size)
+                by_feature[:, row:row + take] = day.sparse[0].read(first, first + take).T
+            else:
+                for k, array in enumerate(day.sparse):
+                    base, hot = offset_per_key[k], self.hot[k]
+                    array.read_into(first, first + take, values[base + row * hot:base + (row + take) * hot])
+            row, index = row + take, index + 1
+        for k, rows in enumerate(self.table_rows):
+            ids = values[offset_per_key[k]:offset_per_key[k + 1]]
+            if self.modulo[k]:
+                np.remainder(ids, rows, out=ids)
+            elif self.check[k] and ids.size and (ids.max() >= rows or ids.min() < 0):
+                raise DataError(f"{days[index - 1].sparse[0].path.name}: feature cat_{k} has id {int(ids.max())} "
+                                f"but its table has {rows} rows (workload.criteo_id_check=batch let the file "
                                 f"through); set workload.table_rows or prepare the data again")
-            values.append(ids.reshape(-1))
-            lengths.append(np.full(size, ids.shape[1], dtype=np.int64))
-        sparse = KeyedJaggedTensor(keys=self.keys, values=torch.from_numpy(np.concatenate(values)),
-                                   lengths=torch.from_numpy(np.concatenate(lengths)))
-        return ClickBatch(torch.from_numpy(dense.astype(np.float32)), sparse,
-                          torch.from_numpy(labels.astype(np.float32)))
+        sparse = KeyedJaggedTensor(keys=self.keys, values=torch.from_numpy(values), lengths=lengths, offsets=offsets,
+                                   stride=size, length_per_key=per_key, offset_per_key=offset_per_key,
+                                   index_per_key={key: k for k, key in enumerate(self.keys)})
+        return ClickBatch(torch.from_numpy(dense), sparse, torch.from_numpy(labels.astype(np.float32)))
 
     def train_batches(self, first_step: int = 0) -> Iterator[ClickBatch]:
         """This rank's share of global batch ``step % batches_per_epoch`` for ``step = first_step, …``."""
@@ -391,8 +440,7 @@ def open_source(config: DLRMConfig, shape: DLRMShape, rank: int, world_size: int
     check_layout(days, shape.num_dense, shape.num_tables,
                  shape.multi_hot_sizes if config.criteo_sparse == "multi_hot" else None)
     hashed = [rows == config.max_table_rows for rows in shape.table_rows]  # cut to the cap: ids modulo rows
-    if config.criteo_id_check == "full":
-        check_ids(days, shape.table_rows, hashed)
+    max_ids = check_ids(days, shape.table_rows, hashed) if config.criteo_id_check == "full" else None
     eval_rows = config.eval_batches * shape.batch_size if config.eval_batches is not None else None
-    source = CriteoSource(days, shape.batch_size, rank, world_size, shape.table_rows, hashed, eval_rows)
+    source = CriteoSource(days, shape.batch_size, rank, world_size, shape.table_rows, hashed, eval_rows, max_ids)
     return source, shape

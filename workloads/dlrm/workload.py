@@ -479,5 +479,6 @@ class DLRMWorkload(WorkloadBase):
         if self._stream is not None:
             self._stream.close()
             self._stream = None
+            criteo.close_files()
         for name in ("model", "optimizer", "train_set", "eval_set", "data", "plan"):
             self.__dict__.pop(name, None)
