@@ -46,10 +46,12 @@ ANSWERS = sentences(6, seed=4, words=4)
 
 
 def test_text_prompts_are_tokenized_after_bos_with_budgets_from_the_file(tmp_path, tokenizer_dir, tok):
-    records = [{"prompt": TEXTS[0], "max_new_tokens": 7}, {"text": TEXTS[1], "max_tokens": 3}, {"prompt": TEXTS[2]}]
+    records = [{"prompt": TEXTS[0], "max_new_tokens": 7}, {"text": TEXTS[1], "max_tokens": 3}, {"prompt": TEXTS[2]},
+               {"prompt": TEXTS[3], "ref_output": ANSWERS[3]}]
     loaded = load(write_jsonl(tmp_path / "p.jsonl", records), tokenizer_dir)
-    assert loaded.requests.prompts == [[tok.bos_id, *tok.encode(t)] for t in TEXTS[:3]]
-    assert loaded.requests.max_new_tokens == [7, 3, DEFAULT_BUDGET]  # no budget: workload.output_max
+    assert loaded.requests.prompts == [[tok.bos_id, *tok.encode(t)] for t in TEXTS[:4]]
+    # no budget: workload.output_max; a reference answer: its length in tokens
+    assert loaded.requests.max_new_tokens == [7, 3, DEFAULT_BUDGET, len(tok.encode(ANSWERS[3]))]
     assert loaded.truncated == 0
 
 

@@ -6,10 +6,10 @@ one JSON array of such objects, the layout of MLPerf's ``cnn_eval.json``. Each o
 - **the prompt**, token ids or text. Token ids win when a line has both, because MLPerf's ``tok_input``
   is the templated prompt its reference serves, while its ``input`` is the bare article:
 
-  ============================================  ==========================================
+  ============================================  ================================================
   token ids (lists of ints)                     ``tok_input`` (MLPerf), ``input_ids``, ``tokens``
   text (tokenized with ``workload.tokenizer``)  ``prompt``, ``text``, ``input`` (MLPerf)
-  ============================================  ==========================================
+  ============================================  ================================================
 
   Text is encoded with the tokenizer's BOS first when it has one (as a Hugging Face Llama tokenizer
   encodes a prompt); token ids are served as given.
