@@ -20,8 +20,8 @@ global batches; rank ``r`` of ``W`` reads rows ``[r * B/W, (r + 1) * B/W)`` of e
 ranks' shares are disjoint and together every whole global batch (a tail of fewer than one global batch
 is left out each epoch, as ``drop_last``). Validation splits its rows into one contiguous range per rank
 with TorchRec's ``BinaryCriteoUtils.get_file_row_ranges_and_remainder`` (sizes differ by at most one), so
-the ranks together evaluate every row. Reading is ``pread`` at computed offsets, never ``mmap``: a file
-truncated while training gives a :class:`DataError` naming it (an ``mmap`` would die of SIGBUS).
+the ranks together evaluate every row. Reading is ``pread`` at computed offsets, never ``mmap``
+(:mod:`workloads.dlrm.stored_arrays`): a file truncated while training gives a :class:`DataError` naming it.
 
 Ids: a table cut to ``max_table_rows`` (MLPerf's 40M cap) takes its ids modulo its rows, as the reference
 passes ``hashes=num_embeddings_per_feature`` to TorchRec's reader; any other table must hold every id.
@@ -35,10 +35,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import struct
-import threading
-import zipfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -49,6 +45,7 @@ import torch
 
 from workloads.data_source import DataError, cache_dir, require_path
 from workloads.dlrm.data import ClickBatch
+from workloads.dlrm.stored_arrays import StoredArray, npz_member_count, open_npy, open_npz
 
 if TYPE_CHECKING:
     from workloads.dlrm.model import DLRMShape
@@ -64,116 +61,6 @@ WHERE_FROM = ("Criteo 1TB comes from https://ailab.criteo.com/ressources/criteo-
               "preprocessed from MLCommons (see mlcommons/training recommendation_v2/torchrec_dlrm/README.MD)")
 SPARSE_KINDS = ("multi_hot", "one_hot")
 _SCAN_ROWS = 1 << 20  # rows per read of the full id scan
-_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}
-
-
-@dataclass(frozen=True)
-class StoredArray:
-    """A C-order 2-D array stored at ``offset`` of ``path`` (an ``.npy`` file or a member of an ``.npz``)."""
-
-    path: Path
-    name: str  # how errors call it: the file, or file:member
-    offset: int
-    dtype: np.dtype
-    rows: int
-    width: int
-
-    def read_into(self, start: int, stop: int, out: np.ndarray) -> None:
-        """Rows ``[start, stop)`` into ``out`` (contiguous, as many elements; another dtype is converted), read
-        straight from the file; a :class:`DataError` if the file is shorter now than when it was checked."""
-        if out.dtype != self.dtype:
-            out.reshape(-1)[:] = self.read(start, stop).reshape(-1)
-            return
-        row_bytes = self.width * self.dtype.itemsize
-        want = (stop - start) * row_bytes
-        got = os.preadv(_descriptor(self.path), [out.reshape(-1).view(np.uint8)], self.offset + start * row_bytes)
-        if got != want:
-            raise DataError(f"{self.name}: rows {start}…{stop} could not be read (the file ends early: it was "
-                            f"truncated or replaced while training); copy it again or re-run "
-                            f"`cobench data prepare criteo`")
-
-    def read(self, start: int, stop: int) -> np.ndarray:
-        """Rows ``[start, stop)`` as a new ``[n, width]`` array."""
-        out = np.empty((stop - start, self.width), dtype=self.dtype)
-        self.read_into(start, stop, out)
-        return out
-
-
-_DESCRIPTORS: dict[Path, int] = {}  # one read-only descriptor per file, shared by threads (pread has no position)
-_DESCRIPTORS_LOCK = threading.Lock()
-
-
-def _descriptor(path: Path) -> int:
-    with _DESCRIPTORS_LOCK:
-        if path not in _DESCRIPTORS:
-            _DESCRIPTORS[path] = os.open(path, os.O_RDONLY)
-        return _DESCRIPTORS[path]
-
-
-def close_files() -> None:
-    """Close the descriptors reading opened (the next read opens its file again)."""
-    with _DESCRIPTORS_LOCK:
-        for descriptor in _DESCRIPTORS.values():
-            os.close(descriptor)
-        _DESCRIPTORS.clear()
-
-
-def _array_header(handle, name: str) -> tuple[np.dtype, tuple[int, ...], int]:
-    try:
-        version = np.lib.format.read_magic(handle)
-        if version not in _HEADER_READERS:
-            raise ValueError(f"format version {version} (np.save writes 1.0 or 2.0)")
-        shape, fortran_order, dtype = _HEADER_READERS[version](handle)
-    except ValueError as err:
-        raise DataError(f"{name}: not a NumPy array file ({err}); re-run `cobench data prepare criteo`") from err
-    if fortran_order or len(shape) not in (1, 2):
-        raise DataError(f"{name}: expected a C-order 2-D array, got shape {shape} "
-                        f"({'Fortran' if fortran_order else 'C'} order)")
-    return np.dtype(dtype), tuple(shape), handle.tell()
-
-
-def _stored(path: Path, name: str, dtype: np.dtype, shape: tuple[int, ...], offset: int) -> StoredArray:
-    rows, width = (shape[0], shape[1]) if len(shape) == 2 else (shape[0], 1)
-    array = StoredArray(path, name, offset, dtype, rows, width)
-    if offset + rows * width * dtype.itemsize > path.stat().st_size:
-        raise DataError(f"{name}: its header says {rows} rows but the file is shorter (truncated); copy it again "
-                        f"or re-run `cobench data prepare criteo`")
-    return array
-
-
-def open_npy(path: Path) -> StoredArray:
-    with open(path, "rb") as handle:
-        dtype, shape, offset = _array_header(handle, path.name)
-    return _stored(path, path.name, dtype, shape, offset)
-
-
-def open_npz(path: Path, members: Sequence[str]) -> list[StoredArray]:
-    """The named ``.npy`` members of an uncompressed ``.npz``, read in place (the zip's local headers give
-    where each member's bytes start)."""
-    try:
-        archive = zipfile.ZipFile(path)
-    except zipfile.BadZipFile as err:
-        raise DataError(f"{path.name}: not a readable .npz ({err}); re-run `cobench data prepare criteo`") from err
-    with archive, open(path, "rb") as handle:
-        present = {info.filename: info for info in archive.infolist()}
-        missing = [m for m in members if f"{m}.npy" not in present]
-        if missing:
-            raise DataError(f"{path.name}: no array {', '.join(missing)} (expected one array per sparse feature, "
-                            f"named 0 … {len(members) - 1}; it has {', '.join(sorted(present)) or 'none'})")
-        arrays = []
-        for member in members:
-            info = present[f"{member}.npy"]
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise DataError(f"{path.name}: array {member} is compressed (np.savez_compressed); it must be "
-                                f"stored (np.savez) to be read in place")
-            handle.seek(info.header_offset)
-            local = handle.read(30)
-            name_len, extra_len = struct.unpack("<HH", local[26:30])
-            handle.seek(info.header_offset + 30 + name_len + extra_len)
-            name = f"{path.name}:{member}"
-            dtype, shape, offset = _array_header(handle, name)
-            arrays.append(_stored(path, name, dtype, shape, offset))
-    return arrays
 
 
 @dataclass
@@ -184,6 +71,15 @@ class CriteoDay:
     dense: StoredArray
     labels: StoredArray
     sparse: list[StoredArray]
+
+    @property
+    def one_hot(self) -> bool:
+        return self.sparse[0].path.suffix == ".npy"
+
+    @property
+    def hot(self) -> list[int]:
+        """Ids per sample of each feature."""
+        return [1] * self.sparse[0].width if self.one_hot else [array.width for array in self.sparse]
 
     @property
     def rows(self) -> int:
@@ -220,18 +116,10 @@ def find_days(folder: Path, sparse_kind: str) -> list[CriteoDay]:
                         "or write the multi-hot files with `cobench data prepare criteo --multi-hot`)")
             raise DataError(f"{folder}: {', '.join(missing)} missing; each day needs {', '.join(names)}{hint}")
         sparse_path = folder / names[2]
-        sparse = (open_npz(sparse_path, [str(k) for k in range(_npz_member_count(sparse_path))])
+        sparse = (open_npz(sparse_path, [str(k) for k in range(npz_member_count(sparse_path))])
                   if sparse_kind == "multi_hot" else [open_npy(sparse_path)])
         days.append(CriteoDay(d, open_npy(folder / names[0]), open_npy(folder / names[1]), sparse))
     return days
-
-
-def _npz_member_count(path: Path) -> int:
-    try:
-        with zipfile.ZipFile(path) as archive:
-            return sum(1 for info in archive.infolist() if info.filename.removesuffix(".npy").isdigit())
-    except zipfile.BadZipFile as err:
-        raise DataError(f"{path.name}: not a readable .npz ({err}); re-run `cobench data prepare criteo`") from err
 
 
 def check_layout(days: list[CriteoDay], num_dense: int, num_tables: int, multi_hot_sizes: Sequence[int] | None) -> None:
@@ -249,7 +137,7 @@ def check_layout(days: list[CriteoDay], num_dense: int, num_tables: int, multi_h
         if day.labels.dtype.kind not in "iub" or day.labels.width != 1:
             raise DataError(f"{day.labels.name}: expected [rows, 1] integer labels, got {day.labels.dtype} "
                             f"with {day.labels.width} columns")
-        widths = [array.width for array in day.sparse] if len(day.sparse) > 1 else [1] * day.sparse[0].width
+        widths = day.hot
         for array in day.sparse:
             if array.dtype.kind not in "iu":
                 raise DataError(f"{array.name}: expected integer ids, got {array.dtype}")
@@ -289,7 +177,7 @@ def id_ranges(day: CriteoDay) -> tuple[list[int], list[int]]:
         for start in range(0, array.rows, _SCAN_ROWS):
             chunk = array.read(start, min(start + _SCAN_ROWS, array.rows))
             low, high = np.minimum(low, chunk.min(axis=0)), np.maximum(high, chunk.max(axis=0))
-        if len(day.sparse) == 1:
+        if day.one_hot:
             lows, highs = low.tolist(), high.tolist()
         else:
             lows.append(int(low.min()) if array.rows else 0)
@@ -337,8 +225,7 @@ class CriteoSource:
         self.global_batch, self.rank, self.world_size = global_batch, rank, world_size
         self.local_batch = global_batch // world_size
         self.table_rows = list(table_rows)
-        first = days[0].sparse
-        self.hot = [array.width for array in first] if len(first) > 1 else [1] * first[0].width
+        self.hot = days[0].hot
         known = max_ids is not None  # every id's range is known: hash only what can exceed, check nothing
         self.modulo = [h and (not known or max_ids[k] >= rows)
                        for k, (h, rows) in enumerate(zip(hashed, table_rows, strict=True))]
@@ -385,7 +272,7 @@ class CriteoSource:
             take = min(size - row, day.rows - first)
             day.dense.read_into(first, first + take, dense[row:row + take])
             day.labels.read_into(first, first + take, labels[row:row + take])
-            if len(day.sparse) == 1:  # one-hot [n, 26]: transposed into feature-major order
+            if day.one_hot:  # [n, 26]: transposed into feature-major order
                 by_feature = values.reshape(len(self.hot), size)
                 by_feature[:, row:row + take] = day.sparse[0].read(first, first + take).T
             else:

@@ -46,7 +46,7 @@ from workloads.base import (
 )
 from workloads.base import invalid_config as _invalid
 from workloads.data_source import Prefetcher
-from workloads.dlrm import a2a, comm, compression, criteo  # noqa: F401 - compression registers comm_codec=eb
+from workloads.dlrm import a2a, comm, compression, criteo, stored_arrays  # noqa: F401 - compression: comm_codec=eb
 from workloads.dlrm.data import ClickBatch, SyntheticCriteo, roc_auc
 from workloads.dlrm.model import PRESETS, DLRMShape, build_dlrm, count_params, dense_training_flops
 
@@ -368,7 +368,8 @@ class DLRMWorkload(WorkloadBase):
         for batch in self._eval_batches():
             logits.append(self._logits(batch).float())
             labels.append(batch.labels)
-        logits, labels = self._gather(torch.cat(logits), torch.cat(labels))
+        empty = torch.empty(0, device=self.ctx.device)  # a rank may hold no validation rows (fewer than ranks)
+        logits, labels = self._gather(torch.cat(logits) if logits else empty, torch.cat(labels) if labels else empty)
         log_loss = F.binary_cross_entropy_with_logits(logits, labels)
         return {"auc": roc_auc(logits.cpu(), labels.cpu()), "log_loss": float(log_loss)}
 
@@ -479,6 +480,6 @@ class DLRMWorkload(WorkloadBase):
         if self._stream is not None:
             self._stream.close()
             self._stream = None
-            criteo.close_files()
+            stored_arrays.close_files()
         for name in ("model", "optimizer", "train_set", "eval_set", "data", "plan"):
             self.__dict__.pop(name, None)
