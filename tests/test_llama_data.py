@@ -40,7 +40,6 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tok = load_tokenizer(tokenizer)
     documents = [tok.encode(text) + [tok.eos_id] for text in c4.read_texts(folder / c4.shard_name("train", 768),
                                                                               "json")]
-    # two documents of two sequences each in the validation set: EOS goes after a document, not a sequence
     train = write_indexed(root / "megatron" / "train", documents)
     val = write_indexed(root / "megatron" / "val", documents[:40])
     return {"root": root, "tokenizer": tokenizer, "c4": folder, "train": train, "val": val}
@@ -75,6 +74,21 @@ def test_each_source_gives_shifted_int64_batches_of_the_local_size(data, kind):
         assert torch.equal(inputs[:, 1:], targets[:, :-1])
         assert 0 <= int(inputs.min()) and int(inputs.max()) < 320
     assert source.eval_windows.shape == (4, 33)  # rank 1's half of the 8 evaluation sequences
+
+
+@pytest.mark.parametrize("reader", ["json", "datasets"])
+def test_both_c4_readers_give_the_documents_in_order_and_name_a_bad_file(data, tmp_path, reader):
+    good = data["c4"] / c4.shard_name("train", 768)
+    expected = [json.loads(line)["text"] for line in gzip.open(good, "rt")]
+    assert list(c4.read_texts(good, reader)) == expected
+    for spoil, message in ((_truncate, "truncated"), (_no_text, "line 6 has no \"text\"")):
+        bad = tmp_path / spoil.__name__ / good.name
+        bad.parent.mkdir()
+        shutil.copy(good, bad)
+        spoil(bad)
+        with pytest.raises(DataError, match=message) as caught:
+            list(c4.read_texts(bad, reader))
+        assert str(bad) in str(caught.value)
 
 
 def test_two_ranks_read_disjoint_c4_files_that_together_are_all_of_them(data):
@@ -122,6 +136,23 @@ def test_megatron_documents_without_eos_get_it_after_each_document(data):
     assert not with_eos.appends_eos and bare.appends_eos and bare.total_tokens == with_eos.total_tokens
     picks = np.array([0, 3, bare.window_count(32) - 1])
     assert np.array_equal(bare.windows(picks, 32), with_eos.windows(picks, 32))
+
+
+def test_eos_is_inserted_after_a_document_not_after_each_of_its_sequences(tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    builder = IndexedDatasetBuilder(f"{tmp_path / 'two'}.bin", dtype=np.int32)
+    builder.add_document(np.array([1, 2, 3, 4, 5]), [2, 3])  # two documents of two sequences each
+    builder.add_document(np.array([6, 7, 8]), [1, 2])
+    builder.finalize(f"{tmp_path / 'two'}.idx")
+    tokens = IndexedTokens(tmp_path / "two", eos_id=9, vocab_size=16)
+    assert tokens.appends_eos and tokens.total_tokens == 10
+    assert tokens.windows(np.array([0]), 9).tolist() == [[1, 2, 3, 4, 5, 9, 6, 7, 8, 9]]
+    assert tokens.windows(np.array([1, 2]), 3).tolist() == [[4, 5, 9, 6], [6, 7, 8, 9]]
 
 
 # -- through the CLI ------------------------------------------------------------------------------------------------

@@ -29,10 +29,10 @@ from workloads.llama.text_data import (
     first_windows,
     unigram_entropy,
 )
-from workloads.llama.tokenizer import load_tokenizer
+from workloads.llama.tokenizer import TextTokenizer, load_tokenizer
 
 SOURCES = ("synthetic", "c4", "megatron")
-C4_READERS = ("datasets", "json")
+C4_READERS = ("json", "datasets")
 DATA_CHECKS = ("auto", "full", "head")
 
 
@@ -115,77 +115,25 @@ def _too_few(what: str, have: int, want: int, seq_len: int) -> DataError:
                      f"set workload.eval_sequences={have} or less, or give more validation data")
 
 
+C4_FOLDER = "the C4 folder (c4-train.XXXXX-of-01024.json.gz, c4-validation.XXXXX-of-00008.json.gz)"
+
+
 def open_text_source(cfg, ctx: RunContext, local_batch: int, vocab_size: int) -> TextSource:
     """Open and check ``workload.data`` (c4 or megatron) for this rank; a :class:`DataError` names what is wrong."""
     recipe = recipe_of(cfg.data_recipe)
     eval_sequences = cfg.eval_sequences or (recipe.eval_sequences if recipe else cfg.eval_batches * cfg.batch_size)
     if eval_sequences < ctx.world_size:
         raise _invalid("eval_sequences", f"{eval_sequences} cannot be shared by {ctx.world_size} ranks")
-    if cfg.data == "megatron" and not cfg.data_path:
+    if cfg.data == "c4":  # the data before the tokenizer: a missing folder is the first thing to say
+        require_path("data_path", cfg.data_path, C4_FOLDER, c4.WHERE_FROM)
+    elif not cfg.data_path:
         IndexedTokens(cfg.data_path, 0, vocab_size)  # says what workload.data_path should be
-    if cfg.data == "c4":
-        require_path("data_path", cfg.data_path, "the C4 folder (c4-train.XXXXX-of-01024.json.gz, "
-                     "c4-validation.XXXXX-of-00008.json.gz)", c4.WHERE_FROM)
     tokenizer = load_tokenizer(cfg.tokenizer, vocab_size)
+    # replica groups of a fault-tolerant job each train on their own order of the data
     seed = ctx.seed if ctx.fault_tolerance is None else ctx.seed + 7919 * (1 + ctx.fault_tolerance.replica)
-    details = {"data": cfg.data, "tokenizer": str(tokenizer.path)}
-    if cfg.data == "c4":
-        folder = require_path("data_path", cfg.data_path, "the C4 folder (c4-train.XXXXX-of-01024.json.gz, "
-                              "c4-validation.XXXXX-of-00008.json.gz)", c4.WHERE_FROM)
-        shards = cfg.train_shards or (recipe.train_shards if recipe else None)
-        train_files = c4.find_shards(folder, "train", c4.parse_shards(shards) if shards else None)
-        val_folder = require_path("val_data_path", cfg.val_data_path, "a folder of C4 validation files",
-                                  c4.WHERE_FROM) if cfg.val_data_path else folder
-        val_files = c4.find_shards(val_folder, "validation", None,
-                                   key="val_data_path" if cfg.val_data_path else "data_path")
-        stream = C4Stream(train_files, tokenizer, cfg.seq_len, ctx.rank, ctx.world_size, seed,
-                          cfg.shuffle_sequences, cfg.c4_reader)
-        budget = {"auto": c4.FULL_CHECK_BYTES, "full": float("inf"), "head": -1}[cfg.data_check]
-        details["checked"] = c4.check_files(stream.files + val_files, budget)
-        val_documents = cfg.val_documents or (recipe.val_documents if recipe else None)
-        texts = (text for f in val_files for text in c4.read_texts(f, cfg.c4_reader))
-        if val_documents is not None:
-            texts = itertools.islice(texts, val_documents)
-        windows = first_windows(texts, tokenizer, cfg.seq_len, eval_sequences)
-        if len(windows) < eval_sequences:
-            raise _too_few(f"{val_folder}: the validation files' first {val_documents or 'all'} documents",
-                           len(windows), eval_sequences, cfg.seq_len)
-
-        def make() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-            return batches(stream.windows(), local_batch)
-
-        train_sequences = 0
-        details.update(train_files=str(len(train_files)), rank_files=str(len(stream.files)))
-    else:
-        train = IndexedTokens(cfg.data_path, tokenizer.eos_id, vocab_size)
-        if cfg.val_data_path:
-            val = IndexedTokens(cfg.val_data_path, tokenizer.eos_id, vocab_size, key="val_data_path")
-            have = val.window_count(cfg.seq_len)
-            if have < eval_sequences:
-                raise _too_few(f"{val.prefix}", have, eval_sequences, cfg.seq_len)
-            windows = val.windows(np.arange(eval_sequences), cfg.seq_len)
-            train_sequences = train.window_count(cfg.seq_len)
-            details["validation"] = str(val.prefix)
-        else:  # no validation set named: the training set's last windows are held out for it
-            total = train.window_count(cfg.seq_len)
-            train_sequences = total - eval_sequences
-            if train_sequences < cfg.batch_size:
-                raise DataError(f"'workload.data_path': {train.prefix} gives {total} sequences of {cfg.seq_len} "
-                                f"tokens: too few for {eval_sequences} held out for evaluation and one batch of "
-                                f"{cfg.batch_size} to train on; name a validation set (workload.val_data_path), or "
-                                f"lower workload.eval_sequences")
-            windows = train.windows(np.arange(train_sequences, total), cfg.seq_len)
-            details["validation"] = f"held out: the last {eval_sequences} sequences of {train.prefix}"
-        if train_sequences < cfg.batch_size:
-            raise DataError(f"'workload.data_path': {train.prefix} gives {train_sequences} sequences of "
-                            f"{cfg.seq_len} tokens, fewer than one batch of {cfg.batch_size}")
-        stream = IndexedStream(train, cfg.seq_len, train_sequences, ctx.rank, ctx.world_size, seed,
-                               block=max(local_batch, 64))
-
-        def make() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-            return batches(stream.windows(), local_batch)
-
-        details.update(appends_eos=str(train.appends_eos), train_prefix=str(train.prefix))
+    opened = _open_c4 if cfg.data == "c4" else _open_megatron
+    make, windows, train_sequences, details = opened(cfg, ctx, recipe, tokenizer, eval_sequences, local_batch,
+                                                     seed, vocab_size)
     if cfg.eval_loss_target is not None:
         target, target_from = cfg.eval_loss_target, "config"
     elif recipe is not None:
@@ -193,7 +141,58 @@ def open_text_source(cfg, ctx: RunContext, local_batch: int, vocab_size: int) ->
     else:
         target, target_from = unigram_entropy(windows), "unigram entropy of the evaluation tokens"
     return TextSource(cfg.data, make, _eval_share(windows, ctx), eval_sequences, train_sequences, target,
-                      target_from, recipe, details)
+                      target_from, recipe, {"data": cfg.data, "tokenizer": str(tokenizer.path), **details})
+
+
+def _open_c4(cfg, ctx: RunContext, recipe: Recipe | None, tokenizer: TextTokenizer, eval_sequences: int,
+             local_batch: int, seed: int, vocab_size: int) -> tuple:
+    """This rank's training files, checked; the evaluation windows: the first of the validation documents."""
+    folder = require_path("data_path", cfg.data_path, C4_FOLDER, c4.WHERE_FROM)
+    shards = cfg.train_shards or (recipe.train_shards if recipe else None)
+    train_files = c4.find_shards(folder, "train", c4.parse_shards(shards) if shards else None)
+    val_folder = require_path("val_data_path", cfg.val_data_path, "a folder of C4 validation files",
+                              c4.WHERE_FROM) if cfg.val_data_path else folder
+    val_files = c4.find_shards(val_folder, "validation", None,
+                               key="val_data_path" if cfg.val_data_path else "data_path")
+    stream = C4Stream(train_files, tokenizer, cfg.seq_len, ctx.rank, ctx.world_size, seed, cfg.shuffle_sequences,
+                      cfg.c4_reader)
+    budget = {"auto": c4.FULL_CHECK_BYTES, "full": float("inf"), "head": -1}[cfg.data_check]
+    checked = c4.check_files(stream.files + val_files, budget)
+    val_documents = cfg.val_documents or (recipe.val_documents if recipe else None)
+    texts = (text for f in val_files for text in c4.read_texts(f, cfg.c4_reader))
+    windows = first_windows(itertools.islice(texts, val_documents), tokenizer, cfg.seq_len, eval_sequences)
+    if len(windows) < eval_sequences:
+        raise _too_few(f"{val_folder}: the validation files' first {val_documents or 'all'} documents",
+                       len(windows), eval_sequences, cfg.seq_len)
+    details = {"checked": checked, "train_files": str(len(train_files)), "rank_files": str(len(stream.files))}
+    return (lambda: batches(stream.windows(), local_batch)), windows, 0, details
+
+
+def _open_megatron(cfg, ctx: RunContext, recipe: Recipe | None, tokenizer: TextTokenizer, eval_sequences: int,
+                   local_batch: int, seed: int, vocab_size: int) -> tuple:
+    """The training prefix, checked; the evaluation windows: the validation prefix's first, or the training
+    set's last (then held out of training)."""
+    train = IndexedTokens(cfg.data_path, tokenizer.eos_id, vocab_size)
+    total = train.window_count(cfg.seq_len)
+    if cfg.val_data_path:
+        val = IndexedTokens(cfg.val_data_path, tokenizer.eos_id, vocab_size, key="val_data_path")
+        if val.window_count(cfg.seq_len) < eval_sequences:
+            raise _too_few(f"{val.prefix}", val.window_count(cfg.seq_len), eval_sequences, cfg.seq_len)
+        windows, train_sequences = val.windows(np.arange(eval_sequences), cfg.seq_len), total
+        validation = str(val.prefix)
+    else:
+        train_sequences = total - eval_sequences
+        windows = train.windows(np.arange(max(0, train_sequences), total), cfg.seq_len)
+        validation = f"held out: the last {eval_sequences} sequences of {train.prefix}"
+    if train_sequences < cfg.batch_size:
+        held = "" if cfg.val_data_path else f" once {eval_sequences} are held out for evaluation"
+        raise DataError(f"'workload.data_path': {train.prefix} gives {train_sequences} sequences of {cfg.seq_len} "
+                        f"tokens{held}, fewer than one batch of {cfg.batch_size}; give more data, name a "
+                        f"validation set (workload.val_data_path) or lower workload.eval_sequences")
+    stream = IndexedStream(train, cfg.seq_len, train_sequences, ctx.rank, ctx.world_size, seed,
+                           block=max(local_batch, 256))
+    details = {"validation": validation, "appends_eos": str(train.appends_eos), "train_prefix": str(train.prefix)}
+    return (lambda: batches(stream.windows(), local_batch)), windows, train_sequences, details
 
 
 __all__ = ["RECIPES", "SOURCES", "Recipe", "TextSource", "check_text_config", "open_text_source", "recipe_of"]

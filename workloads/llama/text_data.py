@@ -30,7 +30,7 @@ WHERE_MEGATRON = ("a Megatron-LM/NeMo indexed dataset is made from C4 by `cobenc
                   "--tokenizer T --out PREFIX`, or is MLCommons' preprocessed C4 for Llama 3.1 8B "
                   "(c4-train.en_6_text_document.{bin,idx}; github.com/mlcommons/training, "
                   "small_llm_pretraining/nemo/README.md)")
-DOCS_PER_ENCODE = 256  # texts handed to the tokenizer at once: enough to keep its threads busy
+DOCS_PER_ENCODE = 128  # texts per tokenizer call: enough for its threads, small enough to keep blocks coming
 
 
 class Packer:
@@ -85,7 +85,7 @@ class C4Stream:
     """Endless packed windows from this rank's C4 training files (epoch after epoch)."""
 
     def __init__(self, files: list[Path], tokenizer: TextTokenizer, seq_len: int, rank: int, world_size: int,
-                 seed: int, shuffle_sequences: int, reader: str = "datasets"):
+                 seed: int, shuffle_sequences: int, reader: str = "json"):
         self.files = [files[i] for i in rank_shard(len(files), rank, world_size)]
         if not self.files:
             raise DataError(f"{len(files)} C4 training file(s) cannot feed {world_size} ranks: each rank reads whole "
@@ -97,22 +97,25 @@ class C4Stream:
         return [self.files[i] for i in epoch_rng(self.seed, epoch).permutation(len(self.files))]
 
     def windows(self) -> Iterator[np.ndarray]:
-        """Blocks of windows: read, tokenized and packed, shuffled within blocks of ``shuffle_sequences``."""
+        """Blocks of windows: read, tokenized and packed, then through a shuffle buffer of ``shuffle_sequences``
+        windows (each new window takes a random slot's place, the one it displaces goes out). Blocks leave as
+        each tokenizer call packs them, so the reader never stalls the trainer for a whole buffer."""
         for epoch in itertools.count():
             texts = itertools.chain.from_iterable(read_texts(f, self.reader) for f in self.file_order(epoch))
             rng = epoch_rng(self.seed, epoch, stream=1)
-            held: list[np.ndarray] = []
-            have = 0
+            held = np.empty((0, self.seq_len + 1), dtype=np.int32)
             for block in pack_texts(texts, self.tokenizer, self.seq_len):
-                held.append(block)
-                have += len(block)
-                if have >= self.shuffle_sequences:
-                    merged = np.concatenate(held)
-                    yield merged[rng.permutation(len(merged))]
-                    held, have = [], 0
-            if held:
-                merged = np.concatenate(held)
-                yield merged[rng.permutation(len(merged))]
+                room = self.shuffle_sequences - len(held)
+                if room > 0:  # filling the buffer
+                    held, block = np.concatenate([held, block[:room]]), block[room:]
+                if not len(block):
+                    continue
+                slots = rng.choice(len(held), size=min(len(block), len(held)), replace=False)
+                out = np.concatenate([held[slots], block[len(slots):]])
+                held[slots] = block[:len(slots)]
+                yield out[rng.permutation(len(out))]
+            if len(held):
+                yield held[rng.permutation(len(held))]
 
 
 class IndexedTokens:
@@ -141,31 +144,34 @@ class IndexedTokens:
                             f"match {prefix}.bin ({type(err).__name__}: {err}); write both again together "
                             f"({WHERE_MEGATRON})") from err
         index = self.dataset.index
-        lengths = np.asarray(index.sequence_lengths, dtype=np.int64)
-        pointers = np.asarray(index.sequence_pointers, dtype=np.int64)
-        itemsize = np.dtype(index.dtype).itemsize
-        expected = int(pointers[-1] + lengths[-1] * itemsize) if len(lengths) else 0
-        actual = Path(f"{prefix}.bin").stat().st_size
-        if expected != actual:
-            raise DataError(f"'workload.{key}': {prefix}.idx does not match {prefix}.bin: the index describes "
-                            f"{expected:,} bytes of {np.dtype(index.dtype).name} tokens, the .bin holds {actual:,}; "
-                            f"the pair was written separately or the .bin is truncated: write both again together")
+        lengths = index.sequence_lengths  # views of the memory-mapped index: no copy of 45 M entries per rank
         if not len(lengths):
             raise DataError(f"'workload.{key}': {prefix} holds no documents")
-        documents = np.asarray(self.dataset.document_indices, dtype=np.int64)
-        last_of_document = np.zeros(len(lengths), dtype=bool)
-        last_of_document[documents[1:] - 1] = True
-        head = [int(i) for i in documents[1:1001] - 1]
-        self.appends_eos = not all(int(self.dataset.get(i, lengths[i] - 1, 1)[0]) == eos_id for i in head if lengths[i])
+        itemsize = np.dtype(index.dtype).itemsize
+        expected = int(index.sequence_pointers[-1]) + int(lengths[-1]) * itemsize
+        actual = Path(f"{prefix}.bin").stat().st_size
+        data_tokens = int(lengths.sum(dtype=np.int64))
+        if expected != actual or data_tokens * itemsize != actual:
+            raise DataError(f"'workload.{key}': {prefix}.idx does not match {prefix}.bin: the index describes "
+                            f"{data_tokens * itemsize:,} bytes of {np.dtype(index.dtype).name} tokens ending at byte "
+                            f"{expected:,}, the .bin holds {actual:,}; the pair was written separately or the .bin "
+                            f"is truncated: write both again together")
+        documents = self.dataset.document_indices
+        ends = documents[1:1001] - 1
         self.eos_id = eos_id
-        extra = last_of_document.astype(np.int64) if self.appends_eos else np.zeros(len(lengths), dtype=np.int64)
-        self.spans = lengths + extra  # tokens each sequence occupies in the stream
-        self.starts = np.concatenate([[0], np.cumsum(self.spans)[:-1]])
+        self.appends_eos = not all(int(self.dataset.get(int(i), int(lengths[i]) - 1, 1)[0]) == eos_id
+                                   for i in ends if lengths[i])
         self.lengths = lengths
-        self.total_tokens = int(self.spans.sum())
-        contiguous = bool(np.array_equal(pointers, self.starts * itemsize))  # as the builder writes them
-        self._flat = None if self.appends_eos or not contiguous else \
-            np.memmap(f"{prefix}.bin", dtype=index.dtype, mode="r")
+        if self.appends_eos:  # the stream is the .bin with EOS after each document's last sequence
+            self.eos_after = np.zeros(len(lengths), dtype=bool)
+            self.eos_after[documents[1:] - 1] = True
+            spans = lengths.astype(np.int64) + self.eos_after
+            self.starts = np.concatenate([[0], np.cumsum(spans)[:-1]])
+            self.total_tokens = int(spans.sum())
+            self._flat = None
+        else:  # the stream is the .bin itself (every byte belongs to one sequence, in order)
+            self.total_tokens = data_tokens
+            self._flat = np.memmap(f"{prefix}.bin", dtype=index.dtype, mode="r")
         self._check_ids(vocab_size, key)
 
     def _check_ids(self, vocab_size: int, key: str) -> None:
@@ -182,7 +188,8 @@ class IndexedTokens:
         return max(0, (self.total_tokens - 1) // seq_len)
 
     def window(self, index: int, seq_len: int) -> np.ndarray:
-        """Window ``index``: stream tokens ``[index * seq_len, index * seq_len + seq_len + 1)``, int32."""
+        """Window ``index``: stream tokens ``[index * seq_len, index * seq_len + seq_len + 1)``, int32, when
+        EOS is inserted after each document (else :meth:`windows` gathers straight from the ``.bin``)."""
         position, end = index * seq_len, index * seq_len + seq_len + 1
         sequence = int(np.searchsorted(self.starts, position, side="right")) - 1
         parts = []
@@ -192,18 +199,18 @@ class IndexedTokens:
                 take = min(length - offset, end - position)
                 parts.append(self.dataset.get(sequence, offset, take))
                 position, offset = position + take, offset + take
-            if position < end and offset == length and self.spans[sequence] > length:
+            if position < end and offset == length and self.eos_after[sequence]:
                 parts.append(np.array([self.eos_id], dtype=np.int32))
                 position += 1
             sequence += 1
         return np.concatenate(parts).astype(np.int32, copy=False)
 
     def windows(self, indices: np.ndarray, seq_len: int) -> np.ndarray:
-        """Windows ``indices`` as ``(len(indices), seq_len + 1)`` int32. When the documents end with EOS
+        """Windows ``indices`` as ``(len(indices), seq_len + 1)`` integers. When the documents end with EOS
         already, the stream is the ``.bin`` itself and a block is one gather from its memory map."""
         if self._flat is not None:
             positions = indices.astype(np.int64)[:, None] * seq_len + np.arange(seq_len + 1)
-            return self._flat[positions].astype(np.int32, copy=False)
+            return self._flat[positions]  # the file's dtype (uint16 for vocabularies under 65,500)
         if not len(indices):
             return np.empty((0, seq_len + 1), dtype=np.int32)
         return np.stack([self.window(int(i), seq_len) for i in indices])
@@ -229,14 +236,18 @@ class IndexedStream:
 
 
 def batches(blocks: Iterator[np.ndarray], batch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """``(inputs, targets)`` int64 CPU tensors of ``batch`` windows each, from blocks of windows."""
-    held = np.empty((0, 0), dtype=np.int32)
+    """``(inputs, targets)`` int64 CPU tensors of ``batch`` windows each, from blocks of windows (converted
+    once per block: the batches are views of it)."""
+    held: np.ndarray | None = None
     for block in blocks:
-        held = block if not held.size else np.concatenate([held, block])
-        while len(held) >= batch:
-            tokens_bs = torch.from_numpy(held[:batch].astype(np.int64))
-            held = held[batch:]
+        if held is not None and len(held):
+            block = np.concatenate([held, block.astype(held.dtype, copy=False)])
+        usable = len(block) // batch * batch
+        tokens = torch.from_numpy(block[:usable].astype(np.int64))
+        for start in range(0, usable, batch):
+            tokens_bs = tokens[start:start + batch]
             yield tokens_bs[:, :-1], tokens_bs[:, 1:]
+        held = block[usable:]
 
 
 def unigram_entropy(windows: np.ndarray) -> float:
