@@ -63,7 +63,7 @@ class Options:
         "help": "ids per sample per feature (26 values; default MLPerf's 3 2 1 2 6 … 100 27 10 3 1 1)"})
     num_embeddings_per_feature: list[int] | None = field(default=None, metadata={
         "help": "the tables' rows the multi-hot ids are hashed into (26 values; default: each feature's largest "
-                "id + 1, capped at 40M, which on the full set are MLPerf's 40000000 39060 17295 …)"})
+                "id + 1, capped at 40M; MLPerf's run passes 40000000 39060 17295 … for the full set)"})
     multi_hot_distribution: str = field(default="uniform", metadata={"help": "uniform | pareto (MLPerf: uniform)"})
 
     def __post_init__(self) -> None:
