@@ -280,6 +280,9 @@ def test_prepared_c4_trains_as_megatron_data(data, tmp_path, calibration_cache):
     from suite.cli import main
 
     prefix = tmp_path / "prepared" / "c4-train"
+    assert main(["data", "prepare", "c4", "--input", str(tmp_path / "nowhere"), "--tokenizer", str(data["tokenizer"]),
+                 "--out", str(prefix)]) == 2
+    assert not prefix.parent.exists()
     assert main(["data", "prepare", "c4", "--input", str(data["c4"]), "--tokenizer", str(data["tokenizer"]),
                  "--out", str(prefix)]) == 0
     tok = load_tokenizer(data["tokenizer"])
