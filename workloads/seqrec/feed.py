@@ -12,6 +12,7 @@ While ``held`` (a trace capture's op-by-op steps), either hands out its last bat
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 from collections.abc import Callable, Iterator
@@ -49,11 +50,27 @@ class BatchPool:
 
 class BatchStream:
     """Rank batches made ahead on a thread from ``make()``'s ``(entry, batch)`` pairs; ``entry(batch.index)``
-    is the schedule entry a batch came from (the step needs its lengths and partition)."""
+    is the schedule entry a batch came from (the step needs its lengths and partition).
 
-    def __init__(self, make: Callable[[], Iterator[tuple[Any, SeqBatch]]], device: torch.device, depth: int = 4):
-        self._prefetcher: Prefetcher[tuple[Any, SeqBatch]] = Prefetcher(
-            make, depth=depth, name="seqrec", transfer=lambda pair: (pair[0], pair[1].to(device)))
+    The thread hands batches over ``chunk`` at a time. Handed over one by one, the producer wakes after
+    every step's ``next()`` and, holding the GIL while it builds, makes the following ``next()`` wait for
+    the interpreter's thread switch (up to 5 ms) though a batch is ready; in chunks it wakes once every
+    ``chunk`` steps, and the steps between take a batch the consumer already holds.
+    """
+
+    def __init__(self, make: Callable[[], Iterator[tuple[Any, SeqBatch]]], device: torch.device, depth: int = 2,
+                 chunk: int = 8):
+        def chunks() -> Iterator[list[tuple[Any, SeqBatch]]]:
+            pairs = make()
+            while chunk_ := list(itertools.islice(pairs, chunk)):
+                yield chunk_
+
+        def transfer(pairs: list[tuple[Any, SeqBatch]]) -> list[tuple[Any, SeqBatch]]:
+            return [(entry, batch.to(device)) for entry, batch in pairs]
+
+        self._prefetcher: Prefetcher[list[tuple[Any, SeqBatch]]] = Prefetcher(
+            chunks, depth=depth, name="seqrec", transfer=None if device.type == "cpu" else transfer)
+        self._ready: collections.deque[tuple[Any, SeqBatch]] = collections.deque()
         self._entries: dict[int, Any] = {}
         self._last: SeqBatch | None = None
         self.held = False
@@ -65,8 +82,11 @@ class BatchStream:
     def __next__(self) -> SeqBatch:
         if self.held and self._last is not None:
             return self._last
-        (entry, batch), waited = self._prefetcher.next()
-        self.waited_s += waited
+        start = time.perf_counter()
+        if not self._ready:
+            self._ready.extend(self._prefetcher.next()[0])
+        entry, batch = self._ready.popleft()
+        self.waited_s += time.perf_counter() - start
         self._entries[batch.index] = entry
         self._entries.pop(batch.index - KEEP_ENTRIES, None)
         self._last = batch
