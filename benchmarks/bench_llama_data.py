@@ -6,7 +6,8 @@ Writes C4-shaped shards of generated text (documents of ~400 words, as C4's aver
 prepares them into a Megatron indexed dataset, then measures, each ``--repeats`` times with the machine's
 load beside it:
 
-- ``c4 read``: documents' text out of the .json.gz files (both readers: Hugging Face ``datasets``, ``json``);
+- ``c4 read``: documents' text out of the .json.gz files, the two readers (``json``: gzip + json; Hugging Face
+  ``datasets``) interleaved, per wall-second and per CPU-second of the process (all its threads);
 - ``c4 -> batches``: read, tokenized, packed and batched as a training run does (``C4Stream`` + ``batches``);
 - ``megatron -> batches``: windows of the indexed dataset batched (EOS already in the file, and inserted);
 - ``prepare``: ``cobench data prepare c4`` (tokens/s written);
@@ -94,10 +95,17 @@ def main() -> None:
     rows: list[dict] = []
 
     epoch_windows = _epoch_windows(files, tokenizer)  # one pass over the files, counted untimed
-    for reader in ("datasets", "json"):
-        timed(f"c4 read ({reader})", lambda r=reader: (sum(len(t) for f in files for t in c4.read_texts(f, r)),
-                                                        "chars"), args.repeats, rows)
-
+    list(c4.read_texts(files[0], "datasets"))  # import datasets before timing it
+    for run in range(args.repeats + 2):  # the two readers interleaved: both see the same load
+        for reader in ("json", "datasets"):
+            before, start, cpu = load(), time.perf_counter(), time.process_time()
+            chars = sum(len(t) for f in files for t in c4.read_texts(f, reader))
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+            rows.append({"stage": f"c4 read ({reader})", "run": run, "chars": chars, "seconds": round(wall, 2),
+                         "chars_per_s": round(chars / wall), "chars_per_cpu_s": round(chars / cpu),
+                         "load_before": before, "load_after": load()})
+            print(json.dumps(rows[-1]), flush=True)
+    for reader in ("json", "datasets"):
         def c4_batches(r: str = reader) -> tuple[int, str]:
             stream = C4Stream(files, tokenizer, SEQ_LEN, 0, 1, seed=0, shuffle_sequences=1024, reader=r)
             count = 0  # the stream is endless: one epoch's batches

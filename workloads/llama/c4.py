@@ -140,10 +140,11 @@ def read_texts(path: Path, reader: str = "json") -> Iterator[str]:
     """The documents' text in one C4 file, in file order. ``reader``: ``json`` (the standard library's gzip +
     json, line by line) or ``datasets`` (Hugging Face's JSON builder, streamed). Errors name the file.
 
-    ``json`` is the default: on this project's 2-core CPU it reads C4 text at ~118 M characters/s against
-    ``datasets``' ~11 M (which parses every column into Arrow, converts back to Python, and reads each file's
-    first 10 MB twice to learn its columns), and the whole read-tokenize-pack pipeline runs 1.5-1.75x faster
-    (benchmarks/bench_llama_data.py); with many cores tokenizing, reading is the single-threaded part."""
+    ``json`` is the default: it spends about a third of ``datasets``' CPU time per character (interleaved runs on
+    this project's 2-core CPU: 95-119 M characters per CPU-second against 30-38 M; benchmarks/bench_llama_data.py)
+    — ``datasets`` parses every column into Arrow, converts the text back to Python strings and reads each
+    file's first 10 MB twice to learn its columns. Tokenizing costs more than either, but it spreads over the
+    tokenizer's threads while reading is single-threaded, so reading bounds the pipeline on many cores."""
     if reader == "json":
         yield from _read_texts_json(path)
         return
