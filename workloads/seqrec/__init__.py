@@ -10,6 +10,7 @@ EXPORTS = {
     "workloads.seqrec.balance": ["CostModel", "bubble_fraction", "fit_cost_model", "partition"],
     "workloads.seqrec.data": ["LengthDistribution", "PlantedPreferences", "SeqBatch"],
     "workloads.seqrec.model": ["PRESETS", "SeqRecModel", "SeqRecShape"],
+    "workloads.seqrec.movielens": ["MovieLensSource", "load_ratings"],
     "workloads.seqrec.simulate": ["ScalePrediction", "simulate_scaling"],
     "workloads.seqrec.workload": ["SeqRecConfig", "SeqRecWorkload"],
 }

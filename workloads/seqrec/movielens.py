@@ -224,6 +224,7 @@ class MovieLensSource:
         self.train_end = ends - 2  # exclusive: the validation and test items stay out
         self.train_start = np.maximum(starts, self.train_end - max_len)
         self.train_lengths = self.train_end - self.train_start
+        self._epoch_order: tuple[tuple[int, int] | None, np.ndarray] = (None, np.zeros(0, dtype=np.int64))
         self.popularity = np.bincount(ratings.items[_ranges(starts, self.train_end)], minlength=ratings.num_items)
 
     @property
@@ -235,9 +236,11 @@ class MovieLensSource:
 
     def batch_users(self, seed: int, index: int, batch_size: int) -> np.ndarray:
         """Global batch ``index``'s users: a slice of its epoch's permutation of all users (seeded)."""
-        per_epoch = self.batches_per_epoch(batch_size)
-        epoch, position = divmod(index, per_epoch)
-        order = np.random.default_rng([seed, 1, epoch]).permutation(self.num_users)
+        epoch, position = divmod(index, self.batches_per_epoch(batch_size))
+        key, order = self._epoch_order  # one tuple, read and replaced whole: the prefetch thread shares it
+        if key != (seed, epoch):
+            order = np.random.default_rng([seed, 1, epoch]).permutation(self.num_users)
+            self._epoch_order = ((seed, epoch), order)
         return order[position * batch_size:(position + 1) * batch_size]
 
     def negatives(self, seed: int, index: int, count: int, num_negatives: int) -> np.ndarray:

@@ -28,9 +28,9 @@ gradient all-reduce, so every rank has every rank's time without an extra collec
 both bubble fractions and step times come from the same run, on the same data.
 
 Evaluation: HR@10 and NDCG@10 of the held-out next item, ranked against the whole catalogue: on
-histories never trained on (synthetic), or every user's last item (test; ``val_``: the second-to-last,
-MovieLens), the ranks taking disjoint users. It reads the tables (gathered from their shards) instead of calling
-the collection: ``TrainPipelineSparseDist`` has rewritten the sharded collection's forward to
+histories never trained on (synthetic), or every user's last item (MovieLens; ``val_``: the
+second-to-last), the ranks taking disjoint users. It reads the tables (gathered from their shards)
+instead of calling the collection: ``TrainPipelineSparseDist`` has rewritten the sharded collection's forward to
 consume the all-to-alls it prefetched, and detaching and re-attaching the pipeline around an
 evaluation re-issues the in-flight batch's input all-to-all (a gloo size mismatch, TorchRec 1.8).
 """
