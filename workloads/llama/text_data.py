@@ -168,10 +168,12 @@ class IndexedTokens:
             spans = lengths.astype(np.int64) + self.eos_after
             self.starts = np.concatenate([[0], np.cumsum(spans)[:-1]])
             self.total_tokens = int(spans.sum())
-            self._flat = None
-        else:  # the stream is the .bin itself (every byte belongs to one sequence, in order)
+        else:  # the stream is the .bin itself
             self.total_tokens = data_tokens
-            self._flat = np.memmap(f"{prefix}.bin", dtype=index.dtype, mode="r")
+        # every byte of the .bin belongs to one sequence, in order (checked above): a window's tokens are one
+        # slice of it, with EOS inserted where a document ends
+        self._flat = np.memmap(f"{prefix}.bin", dtype=index.dtype, mode="r")
+        self._itemsize = itemsize
         self._check_ids(vocab_size, key)
 
     def _check_ids(self, vocab_size: int, key: str) -> None:
@@ -187,33 +189,35 @@ class IndexedTokens:
     def window_count(self, seq_len: int) -> int:
         return max(0, (self.total_tokens - 1) // seq_len)
 
-    def window(self, index: int, seq_len: int) -> np.ndarray:
-        """Window ``index``: stream tokens ``[index * seq_len, index * seq_len + seq_len + 1)``, int32, when
-        EOS is inserted after each document (else :meth:`windows` gathers straight from the ``.bin``)."""
-        position, end = index * seq_len, index * seq_len + seq_len + 1
-        sequence = int(np.searchsorted(self.starts, position, side="right")) - 1
-        parts = []
-        while position < end:
-            offset, length = position - int(self.starts[sequence]), int(self.lengths[sequence])
-            if offset < length:
-                take = min(length - offset, end - position)
-                parts.append(self.dataset.get(sequence, offset, take))
-                position, offset = position + take, offset + take
-            if position < end and offset == length and self.eos_after[sequence]:
-                parts.append(np.array([self.eos_id], dtype=np.int32))
-                position += 1
-            sequence += 1
-        return np.concatenate(parts).astype(np.int32, copy=False)
-
     def windows(self, indices: np.ndarray, seq_len: int) -> np.ndarray:
-        """Windows ``indices`` as ``(len(indices), seq_len + 1)`` integers. When the documents end with EOS
-        already, the stream is the ``.bin`` itself and a block is one gather from its memory map."""
-        if self._flat is not None:
-            positions = indices.astype(np.int64)[:, None] * seq_len + np.arange(seq_len + 1)
-            return self._flat[positions]  # the file's dtype (uint16 for vocabularies under 65,500)
-        if not len(indices):
-            return np.empty((0, seq_len + 1), dtype=np.int32)
-        return np.stack([self.window(int(i), seq_len) for i in indices])
+        """Windows ``indices`` (window ``i``: stream tokens ``[i * seq_len, i * seq_len + seq_len + 1)``) as
+        ``(len(indices), seq_len + 1)`` integers of the file's dtype, gathered at once from the ``.bin``'s memory
+        map. Where EOS is inserted, short windows place every position in its sequence at once; long ones
+        (>= 1,024 tokens: few documents each) take one slice of the ``.bin`` and insert EOS into it."""
+        if self.appends_eos and seq_len >= 1024:
+            return np.stack([self._sliced(int(i), seq_len) for i in indices])
+        positions = np.asarray(indices, dtype=np.int64)[:, None] * seq_len + np.arange(seq_len + 1)
+        if not self.appends_eos:
+            return self._flat[positions]
+        sequence = np.searchsorted(self.starts, positions, side="right") - 1
+        offset = positions - self.starts[sequence]
+        at_eos = offset >= self.lengths[sequence]  # the one position past a document's last sequence
+        in_bin = self.dataset.index.sequence_pointers[sequence] // self._itemsize + offset
+        tokens = self._flat[np.where(at_eos, 0, in_bin)]
+        tokens[at_eos] = self.eos_id
+        return tokens
+
+
+    def _sliced(self, index: int, seq_len: int) -> np.ndarray:
+        start, end = index * seq_len, index * seq_len + seq_len + 1
+        first, last = np.searchsorted(self.starts, [start, end - 1], side="right") - 1
+        spanned = slice(int(first), int(last) + 1)
+        eos_at = (self.starts[spanned] + self.lengths[spanned])[self.eos_after[spanned]]
+        eos_at = eos_at[(eos_at >= start) & (eos_at < end)] - start  # offsets in the window
+        offset = min(start - int(self.starts[first]), int(self.lengths[first]))
+        begin = int(self.dataset.index.sequence_pointers[first]) // self._itemsize + offset
+        data = np.asarray(self._flat[begin:begin + seq_len + 1 - len(eos_at)])
+        return np.insert(data, eos_at - np.arange(len(eos_at)), self.eos_id)
 
 
 class IndexedStream:
