@@ -9,6 +9,7 @@ come from a hidden logistic model of the ids, so the AUC a run reaches means som
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import numpy as np
@@ -283,3 +284,23 @@ def test_prepared_tsv_days_train_to_the_target_through_the_cli(tmp_path, calibra
     assert "auc_oracle" not in metrics  # real data has no hidden model to compare with
     (history,) = [json.loads(p.read_text())["quality_history"] for p in results.glob("runs/*/metrics.json")]
     assert history[-1][0] < budget * 256  # stopped at the target, inside the budget
+
+
+def test_one_hot_days_read_as_torchrecs_own_criteo_reader_reads_them(criteo):
+    """The in-place reader gives, batch for batch, what TorchRec's InMemoryBinaryCriteoIterDataPipe gives for
+    the same one-hot files: training days in file order, then the last day's first half as validation."""
+    from torchrec.datasets.criteo import InMemoryBinaryCriteoIterDataPipe
+
+    def files(days):
+        return [[str(criteo / f"day_{d}_{kind}.npy") for d in days] for kind in ("dense", "sparse", "labels")]
+
+    ours = CriteoSource(find_days(criteo, "one_hot"), 256, 0, 1, TABLES, [False] * 26)
+    for stage, days, mine in (("train", (0, 1), ours.train_batches()), ("val", (2,), ours.val_batches())):
+        theirs = list(InMemoryBinaryCriteoIterDataPipe(stage, *files(days), batch_size=256, rank=0, world_size=1,
+                                                       drop_last=stage == "train"))
+        assert len(theirs) == (ours.batches_per_epoch if stage == "train" else math.ceil(1500 / 256))
+        for reference, batch in zip(theirs, mine, strict=False):
+            assert torch.equal(batch.dense, reference.dense_features)
+            assert torch.equal(batch.labels, reference.labels.float())
+            assert torch.equal(batch.sparse.values(), reference.sparse_features.values())
+            assert torch.equal(batch.sparse.lengths(), reference.sparse_features.lengths())
