@@ -10,9 +10,11 @@ background thread; every step reports how long it waited for its batch.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import deque
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -32,6 +34,8 @@ from workloads.llama.model import (
 )
 from workloads.llama.moe import moe_aux_loss, moe_layers, update_expert_bias
 from workloads.llama.sources import TextSource, open_text_source
+
+HANDOVER = 8  # real data: batches taken from the prefetch thread at a time
 
 
 @register("llama", LlamaConfig)
@@ -100,9 +104,13 @@ class LlamaWorkload(WorkloadBase):
             self.entropy_rate = None
             windows = torch.from_numpy(self.text.eval_windows.astype("int64")).to(ctx.device)
             self.eval_set = [(w[:, :-1], w[:, 1:]) for w in windows.split(self.local_batch)]
-            self.prefetcher = Prefetcher(self.text.make_batches, depth=cfg.prefetch_batches, name="llama",
-                                         transfer=lambda batch: tuple(t.to(ctx.device, non_blocking=True)
-                                                                      for t in batch))
+            # handed over HANDOVER batches at a time: taking an item from the thread can wait for the interpreter
+            # to switch threads even when it is ready, so that wait is paid once per HANDOVER steps
+            self.prefetcher = Prefetcher(lambda: _groups(self.text.make_batches(), HANDOVER),
+                                         depth=max(1, cfg.prefetch_batches // HANDOVER), name="llama",
+                                         transfer=lambda group: [tuple(t.to(ctx.device, non_blocking=True)
+                                                                       for t in batch) for batch in group])
+            self._ready: deque = deque()
         else:
             self.source = MarkovTokenSource(self.args.vocab_size, seed=cfg.data_seed, branching=cfg.data_branching)
             self.entropy_rate = self.source.entropy_rate()
@@ -234,7 +242,10 @@ class LlamaWorkload(WorkloadBase):
     def _next_batch(self) -> tuple[tuple[torch.Tensor, torch.Tensor], float]:
         """The step's batch and the seconds it waited for it (for the synthetic pool: the lookup)."""
         if self.prefetcher is not None:
-            return self.prefetcher.next()  # a reader's error (a file gone bad) ends the run here, with its reason
+            start = time.perf_counter()
+            if not self._ready:  # a reader's error (a file gone bad) ends the run here, with its reason
+                self._ready.extend(self.prefetcher.next()[0])
+            return self._ready.popleft(), time.perf_counter() - start
         start = time.perf_counter()
         batch = self.train_set[self._cursor % len(self.train_set)]
         return batch, time.perf_counter() - start
@@ -373,6 +384,12 @@ class LlamaWorkload(WorkloadBase):
             self.prefetcher.close()
         for name in ("model", "raw_model", "optimizer", "scheduler", "train_set", "eval_set", "prefetcher"):
             self.__dict__.pop(name, None)
+
+
+def _groups(items: Iterator, size: int) -> Iterator[list]:
+    """``items`` in lists of ``size`` (the last may be shorter)."""
+    while group := list(itertools.islice(items, size)):
+        yield group
 
 
 @torch.no_grad()
