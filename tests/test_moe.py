@@ -313,3 +313,15 @@ def test_active_parameter_flops_match_the_flop_counter():
         model(tokens_bs).sum().backward()
     analytic = training_flops_per_token(args, seq_len) * batch * seq_len
     assert counter.get_total_flops() == pytest.approx(analytic, rel=0.01)
+
+
+def test_the_moe_logs_no_mlperf_benchmark_name_it_does_not_mirror():
+    """MLPerf Training has no MoE LLM benchmark: the MoE's MLPerf logs must not claim Llama 3.1 8B's rules."""
+    import torch
+
+    from workloads.base import RunContext
+    from workloads.llama.workload import LlamaConfig, LlamaWorkload
+
+    ctx = RunContext(device=torch.device("cpu"), seed=0)
+    assert LlamaWorkload(LlamaConfig(preset="tiny_moe"), ctx).mlperf_info().benchmark == "llama4_moe"
+    assert LlamaWorkload(LlamaConfig(preset="tiny"), ctx).mlperf_info().benchmark == "llama31_8b"

@@ -37,7 +37,8 @@ def report_dir(smoke_results: Path) -> Path:
                            "--org", "acme", "--system", "ci-cpu", "--out", str(out)],
                           capture_output=True, text=True, timeout=300, env=clean_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "compliance: 6 of 6 MLPerf logs pass" in proc.stdout  # llama, dlrm, the MoE: 2 repetitions each
+    # llama and dlrm, 2 repetitions each; the MoE's logs name no MLPerf benchmark (MLPerf has no MoE LLM one)
+    assert "compliance: 4 of 4 MLPerf logs pass" in proc.stdout
     return out
 
 
@@ -69,7 +70,7 @@ def test_html_report_renders_in_headless_chromium(report_dir: Path):
                  "moe_tiny_train", "llama_infer_tiny", "tokens/s", "MLPerf compliance", "llama31_8b",
                  "cobench run workload=llama", "Reproduce"):
         assert text in dom, text
-    assert dom.count("<svg") >= 2 and dom.count(">PASS<") == 6  # the compliance rows: 3 training logs x 2
+    assert dom.count("<svg") >= 2 and dom.count(">PASS<") == 4  # the compliance rows: 2 training logs x 2
     shot = report_dir / "report.png"
     subprocess.run([CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
                     "--window-size=1200,2000", (report_dir / "report.html").as_uri()],
