@@ -169,9 +169,9 @@ METRIC_DEFINITIONS: dict[str, tuple[str, str]] = {
     "step_time_cv": ("fraction", "standard deviation ÷ mean of the job's step times, olympic mean over repetitions"),
     "data_wait_ms_p50": ("ms", "median time a timed step waited for its batch (reading, tokenizing and moving it to "
                                "the device, beyond what the background prefetch had ready), the slowest rank's, "
-                               "olympic mean over repetitions; workloads that read data report it (serving: the median, over a "
-                               "test's queries, of the time from the engine taking a query up to its prompt tokens "
-                               "being on the device)"),
+                               "olympic mean over repetitions; workloads that read data report it (serving: the "
+                               "median, over a test's queries, of the time from the engine taking a query up to its "
+                               "prompt tokens being on the device)"),
     "mfu_suspect": ("0 or 1", "1 when the MFU is above what the platform credibly reaches (70 % on a CPU, 85 % on "
                               "an accelerator) or its measured peak is in doubt; tags `mfu_suspect`, "
                               "`mfu_suspect_reason`"),

@@ -245,3 +245,14 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscrib
                 os.kill(int((base / pid_file).read_text()), signal.SIGTERM)
             except (OSError, ValueError):
                 pass
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny ops gain nothing from 2 threads, and spinning ones crawl when other jobs share the CPU."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -25,15 +25,6 @@ def context(world_size: int = 1, device: torch.device = CPU) -> RunContext:
     return RunContext(device=device, seed=7, world_size=world_size)
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny ops gain nothing from 2 threads, and spinning ones crawl when other jobs share the CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 # -- configuration ------------------------------------------------------------------------------
 
 

@@ -71,14 +71,6 @@ def criteo(tmp_path_factory):
     return folder
 
 
-@pytest.fixture
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(autouse=True)
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("COBENCH_CACHE_DIR", str(tmp_path / "cache"))
