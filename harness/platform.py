@@ -277,9 +277,10 @@ def implausible(entry: dict, cache: dict[str, dict]) -> str | None:
 def calibrated_gemm_entry(platform: Platform, dtype: torch.dtype, force: bool = False) -> dict:
     """Measured GEMM peak and its conditions, cached in ``platform.calibration_cache`` by platform fingerprint.
 
-    A cached figure is used only while it is plausible (:func:`implausible`); otherwise, or with ``force``,
-    it is measured again. A figure still doubted after measuring (the machine is busy now too) is kept with
-    its doubt (tag ``peak_flops_doubt``) and measured again by the next run."""
+    A cached figure is used while it is plausible (:func:`implausible`); a doubtful one is measured again
+    once the machine is quiet (load average within its cores) — measuring on a busy machine would give no
+    better figure, and would cost every run its time — and until then is used with its doubt (tag
+    ``peak_flops_doubt``). ``force`` measures again whatever the load."""
     key = f"{platform.fingerprint()}:{dtype}"
     cache_path = Path(platform.config.calibration_cache).expanduser()
     cache: dict[str, dict] = {}
@@ -289,9 +290,14 @@ def calibrated_gemm_entry(platform: Platform, dtype: torch.dtype, force: bool = 
         except (OSError, json.JSONDecodeError):
             cache = {}  # a damaged cache is only a cache: measure again and rewrite it
     cache = {k: v for k, v in cache.items() if isinstance(v, dict)}
-    if not force and key in cache and not implausible(cache[key], cache):
-        return cache[key]
     before = load_average()
+    if not force and key in cache and isinstance(cache[key].get("flops"), float):
+        doubt = implausible(cache[key], cache)
+        if doubt is None:
+            return cache[key]
+        if before > (os.cpu_count() or 1) and platform.device.type == "cpu":
+            return {**{"loadavg": 0.0, "cores": os.cpu_count() or 1, "threads": torch.get_num_threads(),
+                       "measured_at": "unknown"}, **cache[key], "doubt": doubt}
     flops = measure_gemm_flops(platform.device, dtype)
     entry = {
         "flops": flops,

@@ -63,7 +63,7 @@ def test_declared_peak_wins():
     assert (peak.value, peak.source) == (1e15, "declared")
 
 
-def test_cpu_peak_is_measured_once_and_cached_per_fingerprint(tmp_path):
+def test_cpu_peak_is_measured_once_and_cached_per_fingerprint(tmp_path, quiet_now):
     cache = tmp_path / "calibration.json"
     platform = discover_platform(PlatformConfig(device="cpu", calibration_cache=str(cache)))
     peak = platform.peak_flops(torch.float32)
@@ -73,6 +73,7 @@ def test_cpu_peak_is_measured_once_and_cached_per_fingerprint(tmp_path):
     assert key.startswith(platform.fingerprint())
     # A second process on the same platform reads the cache instead of measuring again.
     assert {"threads", "cores", "loadavg", "measured_at", "torch"} <= set(entry)  # the conditions it was taken in
+    entry.pop("doubt", None)  # measured while this machine was busy: here, as if it had been quiet
     entry["flops"], entry["loadavg"] = 123.0e9, 0.0  # as measured on a quiet machine
     cache.write_text(json.dumps({key: entry}))
     again = discover_platform(PlatformConfig(device="cpu", calibration_cache=str(cache)))
@@ -89,8 +90,14 @@ def _cached(platform, cache, **entry):
     return key, fields
 
 
+@pytest.fixture
+def quiet_now(monkeypatch):
+    """The machine as a calibration sees it when nothing else runs."""
+    monkeypatch.setattr("harness.platform.load_average", lambda: 0.0)
+
+
 @pytest.mark.parametrize("stale", [{"loadavg": 99.0}, {"loadavg": None}], ids=["measured-busy", "no-conditions"])
-def test_a_peak_measured_on_a_busy_machine_or_without_its_conditions_is_measured_again(tmp_path, stale):
+def test_a_peak_measured_on_a_busy_machine_or_without_its_conditions_is_measured_again(tmp_path, stale, quiet_now):
     cache = tmp_path / "calibration.json"
     platform = discover_platform(PlatformConfig(device="cpu", calibration_cache=str(cache)))
     key, _ = _cached(platform, cache, **stale)
@@ -104,7 +111,18 @@ def test_a_peak_measured_on_a_busy_machine_or_without_its_conditions_is_measured
                                 "peak_flops_measured_at"}
 
 
-def test_a_peak_slower_than_fewer_threads_measured_is_measured_again(tmp_path):
+def test_a_doubtful_peak_waits_for_a_quiet_machine_and_says_why_meanwhile(tmp_path, monkeypatch):
+    """Measuring again while the machine is busy would give no better figure and cost every run its time: the
+    cached figure is used, with its doubt in the run's tags."""
+    monkeypatch.setattr("harness.platform.load_average", lambda: 99.0)
+    cache = tmp_path / "calibration.json"
+    platform = discover_platform(PlatformConfig(device="cpu", calibration_cache=str(cache)))
+    _cached(platform, cache, loadavg=50.0)
+    peak = platform.peak_flops(torch.float32)
+    assert peak.value == 1.0e6 and "busy (load 50.0" in peak.tags()["peak_flops_doubt"]
+
+
+def test_a_peak_slower_than_fewer_threads_measured_is_measured_again(tmp_path, quiet_now):
     """More threads cannot be slower at a GEMM than fewer: the many-thread figure was taken on a busy machine
     (a 2-thread peak of 68 GFLOP/s beside a 1-thread one of 188 read as 86 % MFU)."""
     cache = tmp_path / "calibration.json"
