@@ -227,22 +227,31 @@ def synchronize(device: torch.device) -> None:
 
 
 def measure_gemm_flops(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 5,
-                       min_seconds: float = 1.0) -> float:
-    """Best achieved FLOP/s of a square ``size`` GEMM: the practical peak of a part we don't know. At least
-    ``repeats`` GEMMs and ``min_seconds`` of them, so a burst of other work does not set the figure."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    for _ in range(2):  # warm-up: thread pools, kernel selection, clocks
-        torch.mm(a, b)
-    synchronize(device)
-    best, spent, done = float("inf"), 0.0, 0
-    while done < repeats or spent < min_seconds:
+                       min_seconds: float = 1.0, max_gemm_seconds: float = 0.25) -> float:
+    """Best achieved FLOP/s of a square GEMM: the practical peak of a part we don't know. The GEMM grows from
+    256 to ``size`` while one takes at most ``max_gemm_seconds`` (a dtype the part has no fast path for — bf16
+    on a CPU without bf16 instructions: 106 s for one 2048 GEMM on one thread here — is measured at a size that
+    takes a moment, at the same FLOP rate), then at least ``repeats`` GEMMs and ``min_seconds`` of them are
+    timed, so a burst of other work does not set the figure."""
+    def one(a: torch.Tensor, b: torch.Tensor) -> float:
         start = time.perf_counter()
         torch.mm(a, b)
         synchronize(device)
-        took = time.perf_counter() - start
+        return time.perf_counter() - start
+
+    chosen = 256
+    while True:
+        a = torch.randn(chosen, chosen, device=device, dtype=dtype)
+        b = torch.randn(chosen, chosen, device=device, dtype=dtype)
+        one(a, b)  # warm-up: thread pools, kernel selection, clocks
+        if chosen * 2 > size or one(a, b) > max_gemm_seconds / 8:  # the next size costs ~8x this one
+            break
+        chosen *= 2
+    best, spent, done = float("inf"), 0.0, 0
+    while done < repeats or spent < min_seconds:
+        took = one(a, b)
         best, spent, done = min(best, took), spent + took, done + 1
-    return 2.0 * size**3 / best
+    return 2.0 * chosen**3 / best
 
 
 def load_average() -> float:
