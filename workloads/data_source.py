@@ -91,25 +91,21 @@ class Prefetcher(Generic[T]):
     def _produce(self, make: Callable[[], Iterator[T]]) -> None:
         try:
             for item in make():
-                while not self._stop.is_set():
-                    try:
-                        self._queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self._stop.is_set():
+                if not self._put(item):
                     return
-            self._put_last(_END)
+            self._put(_END)
         except BaseException as err:  # handed to the consumer: the step that asked for the batch fails with it
-            self._put_last(_Failure(err))
+            self._put(_Failure(err))
 
-    def _put_last(self, item: object) -> None:
+    def _put(self, item: object) -> bool:
+        """Queue ``item`` unless closed meanwhile; False when closed."""
         while not self._stop.is_set():
             try:
                 self._queue.put(item, timeout=0.1)
-                return
+                return True
             except queue.Full:
                 continue
+        return False
 
     def next(self) -> tuple[T, float]:
         """The next item and the seconds this call waited for it. StopIteration once the iterator is
