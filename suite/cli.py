@@ -46,6 +46,9 @@ commands:
   calibrate [--force] [OVERRIDES]
                            this platform's measured peak FLOP/s behind MFU, with
                            when and under what load it was measured; --force measures again
+  doctor [--json] [--measure]
+                           what this machine is to cobench: host, device, versions, peaks, and
+                           which workloads and options run here (and why not)
   reap [SETTINGS]          close as FAILED the MLflow runs left RUNNING by processes of this host that
                            are gone (every command does it when it connects), and list the RUNNING
                            runs of other hosts, with their host and pid
@@ -70,6 +73,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "ft-scale": ("suite.ft_scale", "run"),
     "data": ("suite.data_cli", "run"),
     "calibrate": ("suite.cli", "calibrate_main"),
+    "doctor": ("suite.doctor", "run"),
 }
 
 # key=value settings shared by every command → the flag of the commands that parse flags
