@@ -23,6 +23,7 @@ from harness.mlperf_log import MLPerfLogWriter
 from harness.platform import synchronize
 from harness.timing import StepTimer
 from workloads.base import QualityTarget, RunContext, Workload
+from workloads.device import max_memory_allocated, reset_peak_memory_stats
 
 
 @dataclass
@@ -75,8 +76,7 @@ class MemoryMeter:
         self.device = device
         self._process = psutil.Process()
         self.peak = 0
-        if device.type != "cpu":
-            torch.accelerator.reset_peak_memory_stats(device)
+        reset_peak_memory_stats(device)  # the accelerator's allocator; nothing on the CPU
 
     @property
     def source(self) -> str:
@@ -88,7 +88,7 @@ class MemoryMeter:
 
     def read(self) -> int:
         if self.device.type != "cpu":
-            return int(torch.accelerator.max_memory_allocated(self.device))
+            return max_memory_allocated(self.device)
         self.sample()
         return self.peak
 

@@ -10,6 +10,7 @@ whatever happens.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import time
@@ -45,6 +46,7 @@ from harness.progress import step_progress
 from harness.tracking import Tracker, TrackingError
 from workloads import discover
 from workloads.base import RunContext, Workload, WorkloadSpec
+from workloads.device import empty_cache
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +231,9 @@ def run_benchmark(
                     run_repetition(workload, cfg, rep_ctx, writer, state, platform.name, advance)
                 finally:
                     workload.teardown()
+                    if ctx.is_accelerator:  # the next repetition (or a sweep's next run) starts with the memory free
+                        gc.collect()
+                        empty_cache(ctx.device)
                     if writer is not None:
                         writer.close()
                 repetitions.append(gather_to_all(state))

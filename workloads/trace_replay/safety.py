@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from workloads.device import free_memory_bytes
 from workloads.trace_bundle import TraceError
 from workloads.trace_replay.ops import ET_DTYPES, LAYOUTS, MEMORY_FORMATS, SCALAR_TYPES, at, list_types
 
@@ -418,9 +419,10 @@ def estimate_peak_bytes(rank_spec: dict[str, Any]) -> int:
 
 
 def available_memory_bytes(device: torch.device) -> int:
-    """What the device can still give: free accelerator memory, or the host's available memory."""
+    """What the device can still give: free accelerator memory (the allocator's unused cache counted as free),
+    or the host's available memory."""
     if device.type != "cpu":
-        return int(torch.accelerator.get_memory_info(device)[0])
+        return free_memory_bytes(device)
     meminfo = Path("/proc/meminfo")
     if meminfo.exists():
         for line in meminfo.read_text().splitlines():

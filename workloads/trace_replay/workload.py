@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from workloads.base import MLPerfInfo, RunContext, StepResult, WorkloadBase, invalid_config, register
+from workloads.device import max_memory_allocated
 from workloads.trace_bundle import TraceError, rank_dirs, read_meta
 from workloads.trace_replay.fidelity import FIDELITY_FILE, compute_fidelity
 from workloads.trace_replay.probe import find_crashing_ops
@@ -56,7 +57,7 @@ _PLATFORM_KEYS = ("device_type", "device_name", "num_threads", "world_size")
 
 def _process_peak_bytes(device: torch.device) -> int:
     if device.type != "cpu":
-        return int(torch.accelerator.max_memory_allocated(device))
+        return max_memory_allocated(device)
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
