@@ -25,19 +25,74 @@ import torch
 
 from harness.config import PlatformConfig
 
-# Dense (no sparsity) peak FLOP/s per GPU, from the vendors' data sheets. "float32" is the
-# non-tensor-core rate, since torch's default matmul precision for float32 is "highest".
-# Order matters: the first pattern that matches the device name wins.
+# Dense (no sparsity) peak FLOP/s per device, from the vendors' data sheets (each row names its source; a
+# sheet's "with sparsity" figure is halved). "float32" is the non-tensor-core rate, since torch's default
+# matmul precision for float32 is "highest" (no TF32); the 66.9 and 51.2 TFLOP/s of the H100/H200 rows are
+# SMs x 128 FP32 lanes x 2 x boost clock, which the sheets round to 67 and 51. A part whose sheet gives no
+# figure for a dtype has none here: its peak for that dtype is measured (or unknown), never borrowed.
+# Order matters: the first pattern that matches the device name wins, so a variant (NVL, PCIe, GH200, GB200)
+# comes before the plain part whose name it contains.
 KNOWN_PEAKS: list[tuple[str, dict[str, float]]] = [
+    # NVIDIA H100 NVL (data sheet "NVIDIA H100 Tensor Core GPU", H100 NVL column; "NVIDIA H100 NVL")
+    (r"H100.*NVL", {"bfloat16": 835.5e12, "float16": 835.5e12, "float8": 1670.5e12, "float32": 60e12}),
+    # NVIDIA H100 PCIe (data sheet "NVIDIA H100 Tensor Core GPU", H100 PCIe column; "NVIDIA H100 PCIe")
     (r"H100.*PCIe", {"bfloat16": 756e12, "float16": 756e12, "float8": 1513e12, "float32": 51.2e12}),
-    (r"H100|GH200", {"bfloat16": 989.4e12, "float16": 989.4e12, "float8": 1978.9e12, "float32": 66.9e12}),
+    # NVIDIA GH200 Grace Hopper: the H100 SXM's compute (data sheet "NVIDIA GH200 Grace Hopper Superchip")
+    (r"GH200", {"bfloat16": 989.4e12, "float16": 989.4e12, "float8": 1978.9e12, "float32": 66.9e12}),
+    # NVIDIA H100 SXM (data sheet "NVIDIA H100 Tensor Core GPU", H100 SXM column; "NVIDIA H100 80GB HBM3")
+    (r"H100", {"bfloat16": 989.4e12, "float16": 989.4e12, "float8": 1978.9e12, "float32": 66.9e12}),
+    # NVIDIA H200 NVL (data sheet "NVIDIA H200 Tensor Core GPU", H200 NVL column; "NVIDIA H200 NVL")
+    (r"H200.*NVL", {"bfloat16": 835.5e12, "float16": 835.5e12, "float8": 1670.5e12, "float32": 60e12}),
+    # NVIDIA H200 SXM (data sheet "NVIDIA H200 Tensor Core GPU", H200 SXM column; "NVIDIA H200")
     (r"H200", {"bfloat16": 989.4e12, "float16": 989.4e12, "float8": 1978.9e12, "float32": 66.9e12}),
-    (r"B200", {"bfloat16": 2250e12, "float16": 2250e12, "float8": 4500e12}),
+    # NVIDIA GB200's Blackwell GPU at up to 1200 W (data sheet "NVIDIA GB200 NVL72", per-GPU column)
+    (r"GB200", {"bfloat16": 2500e12, "float16": 2500e12, "float8": 5000e12, "float32": 80e12}),
+    # NVIDIA B200 at up to 1000 W (data sheet "NVIDIA HGX B200" / "NVIDIA DGX B200": 8 GPUs, sparse tensor
+    # figures; per GPU dense 2.25 PF bf16, 4.5 PF fp8; FP32 600 TFLOPS / 8)
+    (r"B200", {"bfloat16": 2250e12, "float16": 2250e12, "float8": 4500e12, "float32": 75e12}),
+    # NVIDIA A100 SXM4 40/80 GB and PCIe 40/80 GB: one dense peak (data sheet "NVIDIA A100 Tensor Core GPU")
     (r"A100", {"bfloat16": 312e12, "float16": 312e12, "float32": 19.5e12}),
+    # AMD Instinct MI325X: the MI300X's compute (data sheet "AMD Instinct MI325X Accelerator")
+    (r"MI325X", {"bfloat16": 1307.4e12, "float16": 1307.4e12, "float8": 2614.9e12, "float32": 163.4e12}),
+    # AMD Instinct MI300X (data sheet "AMD Instinct MI300X Accelerator"; FP32 matrix = vector, 163.4)
     (r"MI300X", {"bfloat16": 1307.4e12, "float16": 1307.4e12, "float8": 2614.9e12, "float32": 163.4e12}),
+    # AMD Instinct MI250X (data sheet "AMD Instinct MI250X Accelerator"; FP32 matrix rate)
     (r"MI250X", {"bfloat16": 383e12, "float16": 383e12, "float32": 95.7e12}),
-    (r"L40S", {"bfloat16": 362e12, "float16": 362e12, "float8": 733e12, "float32": 91.6e12}),
+    # NVIDIA L40S (data sheet "NVIDIA L40S GPU"; tensor figures without sparsity)
+    (r"L40S", {"bfloat16": 362.05e12, "float16": 362.05e12, "float8": 733e12, "float32": 91.6e12}),
+    # Intel Gaudi 3, device type "hpu" (Intel, "Intel Gaudi 3 AI Accelerator" white paper and Hot Chips 2024:
+    # MME 1835 TFLOPS in BF16 and FP8; no float32 matrix figure published). Names: "Intel(R) Gaudi(R) 3",
+    # "GAUDI3", "Gaudi 3"; the OAM and PCIe cards are HL-325L and HL-338.
+    (r"(?i)gaudi(\(r\))?[\s-]*3|HL-3[23]\d", {"bfloat16": 1835e12, "float8": 1835e12}),
 ]
+
+# The platform label (``<device type>-<label>``, e.g. cuda-h100) of each KNOWN_PEAKS row: variants apart,
+# since an H100 PCIe is not an H100 SXM to compare against
+PART_LABELS: dict[str, str] = {
+    r"H100.*NVL": "h100-nvl", r"H100.*PCIe": "h100-pcie", r"GH200": "gh200", r"H100": "h100",
+    r"H200.*NVL": "h200-nvl", r"H200": "h200", r"GB200": "gb200", r"B200": "b200", r"A100": "a100",
+    r"MI325X": "mi325x", r"MI300X": "mi300x", r"MI250X": "mi250x", r"L40S": "l40s",
+    KNOWN_PEAKS[-1][0]: "gaudi3",
+}
+
+
+def known_part(device_name: str) -> tuple[str, dict[str, float]] | None:
+    """The KNOWN_PEAKS row (pattern, peaks) whose pattern is the first to match ``device_name``, or None."""
+    return next(((pattern, peaks) for pattern, peaks in KNOWN_PEAKS if re.search(pattern, device_name)), None)
+
+
+# The oldest torch cobench supports (pyproject.toml's floor; docs/accelerators.md says why)
+MIN_TORCH = (2, 10)
+
+
+def torch_too_old(version: str = torch.__version__) -> str | None:
+    """Why this torch is below cobench's floor, or None: a release older than MIN_TORCH lacks APIs the device
+    paths use (they fall back where they can, but the MoE's grouped GEMM and the memory figures may not)."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is None or (int(match[1]), int(match[2])) >= MIN_TORCH:
+        return None
+    return (f"torch {version} is older than {MIN_TORCH[0]}.{MIN_TORCH[1]}, the oldest cobench supports "
+            f"(torch.nn.functional.grouped_mm and torch.accelerator.get_memory_info are 2.10's)")
 
 
 @dataclass(frozen=True)
@@ -89,9 +144,9 @@ class Platform:
     def _resolve_peak(self, key: str, dtype: torch.dtype) -> PeakFlops:
         if key in self.config.peak_flops:
             return PeakFlops(float(self.config.peak_flops[key]), "declared")
-        for pattern, peaks in KNOWN_PEAKS:
-            if self.is_accelerator and re.search(pattern, self.device_name) and key in peaks:
-                return PeakFlops(peaks[key], "table")
+        part = known_part(self.device_name) if self.is_accelerator else None
+        if part is not None and key in part[1]:
+            return PeakFlops(part[1][key], "table")
         if not self.config.calibrate:
             return PeakFlops(None, "unknown")
         entry = calibrated_gemm_entry(self, dtype)
@@ -132,23 +187,26 @@ def cpu_model_name() -> str:
 
 
 def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    if device.type == "xpu":
-        return torch.xpu.get_device_name(device)
+    """What the hardware calls itself: the device module's ``get_device_name`` (``torch.cuda`` on CUDA and
+    ROCm, ``torch.xpu``, ``torch.hpu`` once Intel Gaudi's bridge is imported, ...), the CPU's model name."""
     if device.type == "cpu":
         return cpu_model_name()
+    get_name = getattr(getattr(torch, device.type, None), "get_device_name", None)
+    if get_name is not None:
+        try:
+            return str(get_name(device))
+        except (RuntimeError, TypeError):  # a backend whose get_device_name takes no device
+            return str(get_name())
     return device.type
 
 
 def _label(device: torch.device, name: str) -> str:
+    """``cpu``, ``<device type>-<part>`` for a known part (cuda-h100, cuda-h200-nvl, hpu-gaudi3), else the
+    device type alone (an unknown accelerator: name it with ``platform.name``)."""
     if device.type == "cpu":
         return "cpu"
-    for pattern, _ in KNOWN_PEAKS:
-        match = re.search(pattern, name)
-        if match:
-            return f"{device.type}-{pattern.split('.')[0].split('|')[0].lower()}"
-    return device.type
+    part = known_part(name)
+    return f"{device.type}-{PART_LABELS[part[0]]}" if part is not None else device.type
 
 
 # glibc's mallopt parameters (malloc.h) and the values "steady" sets
@@ -209,6 +267,8 @@ def _configure_host_allocator(mode: str) -> str:
 def discover_platform(config: PlatformConfig, local_rank: int = 0) -> Platform:
     """Resolve the device (one per local rank on accelerators), set up host memory and name the platform."""
     allocator = configure_host_allocator(config.host_allocator)
+    if (too_old := torch_too_old()) is not None:
+        warnings.warn(too_old, stacklevel=2)
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device = resolve_device(config.device)
@@ -307,7 +367,9 @@ def calibrated_gemm_entry(platform: Platform, dtype: torch.dtype, force: bool = 
         if before > (os.cpu_count() or 1) and platform.device.type == "cpu":
             return {**{"loadavg": 0.0, "cores": os.cpu_count() or 1, "threads": torch.get_num_threads(),
                        "measured_at": "unknown"}, **cache[key], "doubt": doubt}
-    flops = measure_gemm_flops(platform.device, dtype)
+    # an accelerator's GEMM units fill only at large sizes (an H200 reaches 47 % of its bf16 peak at 2048, 99 %
+    # at 8192); a CPU reaches its rate well below 2048
+    flops = measure_gemm_flops(platform.device, dtype, size=8192 if platform.is_accelerator else 2048)
     entry = {
         "flops": flops,
         "device_name": platform.device_name,

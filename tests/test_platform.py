@@ -36,26 +36,127 @@ def _fake(name: str, device: str = "cuda", **cfg) -> Platform:
     return Platform(device=torch.device(device), device_name=name, name="x", config=PlatformConfig(**cfg))
 
 
-@pytest.mark.parametrize(
-    "name, dtype, expected",
-    [
-        ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989.4e12),
-        ("NVIDIA H100 PCIe", torch.bfloat16, 756e12),
-        ("NVIDIA H200", torch.float32, 66.9e12),
-        ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312e12),
-        ("AMD Instinct MI300X", torch.bfloat16, 1307.4e12),
-    ],
-)
-def test_known_parts_use_the_declared_table(name, dtype, expected):
-    peak = _fake(name).peak_flops(dtype)
+# What each part calls itself (torch.cuda.get_device_name on CUDA and ROCm, Gaudi's bridge on HPU), the
+# data sheet's dense figure and the platform label: a variant never falls into the plain part's row.
+KNOWN_NAMES = [
+    ("NVIDIA H100 80GB HBM3", "cuda", torch.bfloat16, 989.4e12, "cuda-h100"),
+    ("NVIDIA H100 80GB HBM3", "cuda", torch.float32, 66.9e12, "cuda-h100"),
+    ("NVIDIA H100 PCIe", "cuda", torch.bfloat16, 756e12, "cuda-h100-pcie"),
+    ("NVIDIA H100 NVL", "cuda", torch.bfloat16, 835.5e12, "cuda-h100-nvl"),
+    ("NVIDIA GH200 480GB", "cuda", torch.bfloat16, 989.4e12, "cuda-gh200"),
+    ("NVIDIA H200", "cuda", torch.bfloat16, 989.4e12, "cuda-h200"),
+    ("NVIDIA H200", "cuda", torch.float32, 66.9e12, "cuda-h200"),
+    ("NVIDIA H200 NVL", "cuda", torch.bfloat16, 835.5e12, "cuda-h200-nvl"),
+    ("NVIDIA B200", "cuda", torch.bfloat16, 2250e12, "cuda-b200"),
+    ("NVIDIA B200", "cuda", torch.float32, 75e12, "cuda-b200"),
+    ("NVIDIA GB200", "cuda", torch.bfloat16, 2500e12, "cuda-gb200"),
+    ("NVIDIA A100-SXM4-80GB", "cuda", torch.bfloat16, 312e12, "cuda-a100"),
+    ("NVIDIA A100-SXM4-40GB", "cuda", torch.bfloat16, 312e12, "cuda-a100"),
+    ("NVIDIA A100 80GB PCIe", "cuda", torch.bfloat16, 312e12, "cuda-a100"),
+    ("NVIDIA A100-PCIE-40GB", "cuda", torch.float32, 19.5e12, "cuda-a100"),
+    ("AMD Instinct MI300X", "cuda", torch.bfloat16, 1307.4e12, "cuda-mi300x"),
+    ("AMD Instinct MI325X", "cuda", torch.bfloat16, 1307.4e12, "cuda-mi325x"),
+    ("AMD Instinct MI250X", "cuda", torch.bfloat16, 383e12, "cuda-mi250x"),
+    ("NVIDIA L40S", "cuda", torch.bfloat16, 362.05e12, "cuda-l40s"),
+    ("Intel(R) Gaudi(R) 3", "hpu", torch.bfloat16, 1835e12, "hpu-gaudi3"),
+    ("GAUDI3", "hpu", torch.bfloat16, 1835e12, "hpu-gaudi3"),
+]
+
+
+@pytest.mark.parametrize("name, device, dtype, expected, label", KNOWN_NAMES)
+def test_known_parts_use_the_declared_table(name, device, dtype, expected, label):
+    from harness.platform import _label
+
+    peak = _fake(name, device).peak_flops(dtype)
     assert (peak.value, peak.source) == (expected, "table")
+    assert _label(torch.device(device), name) == label
+
+
+def test_every_table_row_has_a_label_and_no_row_hides_behind_an_earlier_one():
+    from harness.platform import KNOWN_PEAKS, PART_LABELS, known_part
+
+    assert [pattern for pattern, _ in KNOWN_PEAKS] == list(PART_LABELS)
+    for name, device, _, _, label in KNOWN_NAMES:  # each name lands on the row that carries its label
+        pattern, _ = known_part(name)
+        assert f"{device}-{PART_LABELS[pattern]}" == label
+    reached = {known_part(name)[0] for name, *_ in KNOWN_NAMES}
+    assert reached == set(PART_LABELS)  # every row is some name's first match
 
 
 def test_unknown_part_never_borrows_a_peak():
     peak = _fake("Mystery Accelerator 9000", calibrate=False).peak_flops(torch.bfloat16)
     assert peak.value is None and peak.source == "unknown"
-    # B200 has no float32 entry: unknown too, not the bf16 figure
-    assert _fake("NVIDIA B200", calibrate=False).peak_flops(torch.float32).value is None
+    # Gaudi 3's sheet gives no float32 matrix figure: unknown too, not the bf16 figure
+    assert _fake("Intel(R) Gaudi(R) 3", "hpu", calibrate=False).peak_flops(torch.float32).value is None
+    # nor does a name that only resembles a known one (an L40 is not an L40S, a Gaudi 2 not a Gaudi 3)
+    assert _fake("NVIDIA L40", calibrate=False).peak_flops(torch.bfloat16).value is None
+    assert _fake("GAUDI2", "hpu", calibrate=False).peak_flops(torch.bfloat16).value is None
+
+
+def test_an_unknown_accelerator_is_measured_on_its_device(tmp_path, monkeypatch):
+    """A part the table lacks gets a measured GEMM peak on its own device, tagged measured_gemm; the host's
+    load average says nothing of an accelerator's GEMM and is not recorded as doubt."""
+    measured = []
+
+    def gemm(device, dtype, **_):
+        measured.append((device, dtype))
+        return 123e12
+
+    monkeypatch.setattr("harness.platform.measure_gemm_flops", gemm)
+    monkeypatch.setattr("harness.platform.load_average", lambda: 99.0)  # a busy host
+    platform = _fake("Mystery Accelerator 9000", calibration_cache=str(tmp_path / "calibration.json"))
+    peak = platform.peak_flops(torch.bfloat16)
+    assert measured == [(torch.device("cuda"), torch.bfloat16)]
+    assert (peak.value, peak.source, peak.mfu_ceiling) == (123e12, "measured_gemm", 0.85)
+    assert peak.conditions["loadavg"] == "0.00" and "doubt" not in peak.conditions
+    assert _fake("Mystery Accelerator 9000").name == "x"  # a label of its own comes from platform.name
+
+
+def test_the_measured_gemm_synchronises_the_device_around_every_timed_product(monkeypatch):
+    """Device work is asynchronous: each GEMM's clock is read only after the device has finished it."""
+    from harness import platform as platform_module_
+
+    calls = []
+    monkeypatch.setattr(platform_module_, "synchronize", lambda device: calls.append(device))
+    flops = platform_module_.measure_gemm_flops(torch.device("cpu"), torch.float32, size=256, repeats=3,
+                                                min_seconds=0.0)
+    assert flops > 0 and len(calls) >= 4  # warm-up, size probe, then every timed product
+    synced = []
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: synced.append(device))
+    from workloads.device import synchronize
+
+    synchronize(torch.device("cuda", 0))
+    synchronize(torch.device("cpu"))
+    assert synced == [torch.device("cuda", 0)]  # any accelerator through torch.accelerator; nothing on the CPU
+
+
+def test_a_torch_below_the_floor_is_named():
+    from harness.platform import torch_too_old
+
+    assert torch_too_old("2.9.1+cu128") is not None and "2.10" in torch_too_old("2.9.1+cu128")
+    assert torch_too_old("2.10.0") is None and torch_too_old("2.11.0+cu130") is None
+    assert torch_too_old(torch.__version__) is None
+
+
+def test_memory_calls_fall_back_to_the_device_module_where_torch_accelerator_lacks_them(monkeypatch):
+    """torch.accelerator's memory functions came in torch 2.9 (get_memory_info in 2.10): older ones answer
+    through torch.<device type>."""
+    import types
+
+    from workloads import device as device_module
+
+    fake_cuda = types.SimpleNamespace(max_memory_allocated=lambda d: 7, mem_get_info=lambda d: (100, 200),
+                                      memory_reserved=lambda d: 50, memory_allocated=lambda d: 30,
+                                      reset_peak_memory_stats=lambda d: None)
+    monkeypatch.setattr(torch, "cuda", fake_cuda)
+    for name in ("max_memory_allocated", "get_memory_info", "memory_reserved", "memory_allocated",
+                 "reset_peak_memory_stats"):
+        monkeypatch.delattr(torch.accelerator, name, raising=False)
+    cuda = torch.device("cuda", 0)
+    device_module.reset_peak_memory_stats(cuda)
+    assert device_module.max_memory_allocated(cuda) == 7
+    assert device_module.free_memory_bytes(cuda) == 100 + 20  # the driver's free plus the allocator's unused cache
+    assert device_module.max_memory_allocated(torch.device("cpu")) == 0
 
 
 def test_declared_peak_wins():
