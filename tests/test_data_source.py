@@ -50,6 +50,26 @@ def test_the_prefetcher_reads_ahead_so_a_step_waits_only_for_what_is_not_ready()
     assert item == 0 and wait >= 0.04  # nothing ready: the step waited for the read
 
 
+def test_the_prefetchers_prepare_runs_on_the_producer_thread_and_transfer_on_the_callers():
+    """Pinning a batch (prepare) is host work the step must not wait for; the copy (transfer) stays in the
+    step's stream."""
+    import threading
+
+    seen = {}
+
+    def prepare(item):
+        seen.setdefault("prepare", set()).add(threading.current_thread().name)
+        return item * 10
+
+    def transfer(item):
+        seen.setdefault("transfer", set()).add(threading.current_thread().name)
+        return item + 1
+
+    with Prefetcher(lambda: iter(range(3)), depth=2, name="t", transfer=transfer, prepare=prepare) as prefetch:
+        assert [prefetch.next()[0] for _ in range(3)] == [1, 11, 21]
+    assert seen == {"prepare": {"cobench-t-prefetch"}, "transfer": {threading.current_thread().name}}
+
+
 def test_a_source_that_fails_mid_run_fails_the_step_that_asked_with_its_reason():
     def breaks():
         yield 1
