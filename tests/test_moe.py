@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from workloads.llama import PRESETS, Transformer, from_hf_config, load_hf_state_dict
+from workloads.llama import moe as moe_module
 from workloads.llama.model import (
     ModelArgs,
     build_model,
@@ -17,7 +18,7 @@ from workloads.llama.model import (
     count_active_params,
     count_params,
 )
-from workloads.llama.moe import GroupedExperts, MoE, update_expert_bias
+from workloads.llama.moe import GroupedExperts, MoE, grouped_mm, grouped_mm_loop, update_expert_bias
 
 # Every Llama 4 feature at once, small: NoPE every 2nd layer, MoE every 2nd layer (top-2 of 4, so
 # the sum over a token's experts is exercised), a 16-token attention chunk (sequences of 40 cross
@@ -120,6 +121,40 @@ def test_grouped_experts_equal_a_loop_over_experts_forward_and_backward():
     assert torch.count_nonzero(experts.gate_up_proj.grad[1]) == 0
 
 
+def test_the_grouped_gemm_loop_equals_torchs_grouped_mm_forward_and_backward():
+    """The stand-in for a torch without F.grouped_mm computes what it computes, gradients included."""
+    generator = torch.Generator().manual_seed(0)
+    offsets = torch.tensor([3, 3, 9, 10], dtype=torch.int32)  # an idle group too
+    x = torch.randn(10, 16, generator=generator, requires_grad=True)
+    w = torch.randn(4, 16, 8, generator=generator, requires_grad=True)
+    grouped_mm(x, w, offsets).square().sum().backward()
+    expected = (x.grad, w.grad)
+    x.grad = w.grad = None
+    grouped_mm_loop(x, w, offsets).square().sum().backward()
+    torch.testing.assert_close((x.grad, w.grad), expected)
+
+
+def test_experts_run_without_torchs_grouped_mm(monkeypatch):
+    """A torch whose nn.functional has no grouped_mm runs the experts through the loop, to the same result."""
+    experts = GroupedExperts(n_experts=4, dim=16, hidden_dim=8)
+    experts.init_weights(0.5, 0.5, torch.Generator().manual_seed(0))
+    tokens_per_expert = torch.tensor([3, 0, 6, 1])
+    x_nd = torch.randn(10, 16, generator=torch.Generator().manual_seed(1))
+    expected = experts(x_nd, tokens_per_expert)
+    monkeypatch.setattr(moe_module, "_GROUPED_MM", None)
+    torch.testing.assert_close(experts(x_nd, tokens_per_expert), expected)
+
+
+def test_routed_copies_per_expert_are_counted_like_bincount():
+    layer = MoE(dim=16, hidden_dim=8, n_experts=5, top_k=2).train()
+    layer.init_weights(0.5, 0.5, torch.Generator().manual_seed(0))
+    x = torch.randn(2, 7, 16, generator=torch.Generator().manual_seed(1))
+    experts_tk, _, _ = layer.route(x.reshape(-1, 16))
+    layer(x)
+    expected = torch.bincount(experts_tk.flatten(), minlength=5).float()
+    torch.testing.assert_close(layer.tokens_per_expert, expected)
+
+
 def test_chunked_attention_equals_sdpa_with_the_chunked_causal_mask():
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, heads, 37, 8, generator=generator) for heads in (4, 2, 2))
@@ -127,6 +162,21 @@ def test_chunked_attention_equals_sdpa_with_the_chunked_causal_mask():
     mask = (positions[:, None] >= positions) & (positions[:, None] // 10 == positions // 10)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(chunked_causal_attention(q, k, v, 10), expected)
+
+
+def test_chunked_attention_calls_sdpa_with_4d_tensors(monkeypatch):
+    """SDPA's fused CUDA kernels take only 4-D inputs: the blocks are folded into the batch dimension."""
+    shapes = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(q, k, v, **kwargs):
+        shapes.append((q.dim(), k.dim(), v.dim()))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    q, k, v = (torch.randn(2, heads, 37, 8) for heads in (4, 2, 2))
+    out = chunked_causal_attention(q, k, v, 10)
+    assert shapes == [(4, 4, 4)] and out.shape == (2, 4, 37, 8)
 
 
 def test_moe_training_counts_every_routed_token_and_drops_none():

@@ -171,7 +171,10 @@ def chunked_causal_attention(q_bhse: torch.Tensor, k_bgse: torch.Tensor, v_bgse:
 
     The blocks become a batch dimension of one causal SDPA call, so the work is
     ``seq * chunk`` rather than ``seq^2``. A ragged tail is padded to a whole block: padding sits
-    after every real token of its block, so causality keeps it out of their results.
+    after every real token of its block, so causality keeps it out of their results. The call's
+    tensors are 4-D (batch x blocks folded into one dimension): SDPA's fused CUDA kernels (flash,
+    memory-efficient, cuDNN) take only 4-D inputs, and would otherwise leave it to the unfused math
+    kernel, which stores every block's score matrix.
     """
     b, h, s, e = q_bhse.shape
     pad = -s % chunk
@@ -179,13 +182,13 @@ def chunked_causal_attention(q_bhse: torch.Tensor, k_bgse: torch.Tensor, v_bgse:
         q_bhse, k_bgse, v_bgse = (F.pad(t, (0, 0, 0, pad)) for t in (q_bhse, k_bgse, v_bgse))
     n = (s + pad) // chunk
 
-    def blocks(t: torch.Tensor) -> torch.Tensor:  # (b, heads, n*c, e) -> (b, n, heads, c, e)
-        return t.unflatten(2, (n, chunk)).transpose(1, 2)
+    def blocks(t: torch.Tensor) -> torch.Tensor:  # (b, heads, n*c, e) -> (b*n, heads, c, e)
+        return t.unflatten(2, (n, chunk)).transpose(1, 2).flatten(0, 1)
 
-    out_bnhce = F.scaled_dot_product_attention(
+    out_Bhce = F.scaled_dot_product_attention(  # B = b*n
         blocks(q_bhse), blocks(k_bgse), blocks(v_bgse), is_causal=True, enable_gqa=True
     )
-    return out_bnhce.transpose(1, 2).flatten(2, 3)[:, :, :s]
+    return out_Bhce.unflatten(0, (b, n)).transpose(1, 2).flatten(2, 3)[:, :, :s]
 
 
 class FeedForward(nn.Module):

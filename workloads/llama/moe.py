@@ -7,7 +7,7 @@ hidden dim.
 Routing is token-choice and dropless: every token goes to its ``top_k`` experts, however uneven the
 load, so no token is ever dropped (``tokens_dropped`` is 0 by construction). The routed copies are
 sorted by expert so each expert's tokens are one contiguous slice, and the experts run as one
-grouped GEMM (``torch.nn.functional.grouped_mm``) over those slices: the work is proportional to
+grouped GEMM (``torch.nn.functional.grouped_mm``, see :func:`grouped_mm`) over those slices: the work is proportional to
 the tokens routed, not to ``tokens x experts`` as in transformers' dense ``Llama4TextMoe``.
 
 Load balancing follows DeepSeek-V3's auxiliary-loss-free scheme (as torchtitan does): a per-expert
@@ -24,6 +24,30 @@ import torch.nn.functional as F
 from torch import nn
 
 ROUTER_SCORE_FUNCTIONS = ("sigmoid", "softmax")
+
+# torch.nn.functional.grouped_mm is public from torch 2.10 (its op, torch._grouped_mm, runs on the CPU and in
+# float32 from 2.9; in 2.8 only on CUDA sm90 in bf16). Where this torch lacks it, grouped_mm_loop stands in.
+# On CUDA the fused kernel needs sm90+ (Hopper, Blackwell) and bf16 inputs (bf16 autocast: workload.dtype
+# auto or bfloat16); other GPUs and dtypes run torch's own per-group fallback, which reads the offsets on
+# the host (one device-to-host wait per call). Every row stride must be a multiple of 16 bytes (ModelArgs
+# checks dim and moe_hidden_dim are multiples of 8).
+_GROUPED_MM = getattr(F, "grouped_mm", None)
+
+
+def grouped_mm_loop(x_nd: torch.Tensor, w_xdf: torch.Tensor, offsets_x: torch.Tensor) -> torch.Tensor:
+    """What ``F.grouped_mm(x_nd, w_xdf, offs=offsets_x)`` computes, one matmul per group: rows
+    ``offsets[i-1]:offsets[i]`` of ``x_nd`` times ``w_xdf[i]``. Reads the offsets on the host."""
+    ends = offsets_x.tolist()
+    sizes = [end - start for start, end in zip([0, *ends[:-1]], ends, strict=True)]
+    parts = [x_md @ w_df for x_md, w_df in zip(x_nd[: sum(sizes)].split(sizes), w_xdf.unbind(0), strict=True)]
+    return torch.cat(parts) if parts else x_nd.new_empty(0, w_xdf.shape[-1])
+
+
+def grouped_mm(x_nd: torch.Tensor, w_xdf: torch.Tensor, offsets_x: torch.Tensor) -> torch.Tensor:
+    """Grouped GEMM of consecutive row slices by per-group weights: torch's where it has one, else a loop."""
+    if _GROUPED_MM is not None:
+        return _GROUPED_MM(x_nd, w_xdf, offs=offsets_x)
+    return grouped_mm_loop(x_nd, w_xdf, offsets_x)
 
 
 class GroupedExperts(nn.Module):
@@ -45,8 +69,8 @@ class GroupedExperts(nn.Module):
             dtype = torch.get_autocast_dtype(x_nd.device.type)
             x_nd, gate_up, down = x_nd.to(dtype), gate_up.to(dtype), down.to(dtype)
         offsets_x = tokens_per_expert_x.cumsum(0).to(torch.int32)
-        gate_nf, up_nf = F.grouped_mm(x_nd, gate_up, offs=offsets_x).chunk(2, dim=-1)
-        out_nd = F.grouped_mm(F.silu(gate_nf) * up_nf, down, offs=offsets_x)
+        gate_nf, up_nf = grouped_mm(x_nd, gate_up, offsets_x).chunk(2, dim=-1)
+        out_nd = grouped_mm(F.silu(gate_nf) * up_nf, down, offsets_x)
         if out_nd.requires_grad:
             # grouped_mm's backward rejects a stride-0 gradient (what `out.sum()` sends back)
             out_nd.register_hook(torch.Tensor.contiguous)
@@ -113,7 +137,9 @@ class MoE(nn.Module):
         experts_n = experts_tk.flatten()
         order_n = torch.argsort(experts_n, stable=True)
         tokens_n = order_n // self.top_k
-        tokens_per_expert_x = torch.bincount(experts_n, minlength=self.n_experts)
+        # counted on the device without a host wait (bincount on CUDA reads its input's maximum on the host)
+        tokens_per_expert_x = torch.zeros(self.n_experts, dtype=torch.int64, device=experts_n.device)
+        tokens_per_expert_x.scatter_add_(0, experts_n, torch.ones_like(experts_n))
         routed_nd = x_td[tokens_n] * gates_tk.flatten()[order_n, None].to(x_td.dtype)
         routed_nd = self.dispatcher(routed_nd, tokens_per_expert_x, self.experts)
 
@@ -196,5 +222,5 @@ def _trunc_normal(weight: torch.Tensor, std: float, generator: torch.Generator |
     nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
 
 
-__all__ = ["ROUTER_SCORE_FUNCTIONS", "MoE", "GroupedExperts", "SharedExpert", "ExpertDispatcher",
-           "LocalDispatcher", "moe_layers", "update_expert_bias", "moe_aux_loss"]
+__all__ = ["ROUTER_SCORE_FUNCTIONS", "grouped_mm", "grouped_mm_loop", "MoE", "GroupedExperts", "SharedExpert",
+           "ExpertDispatcher", "LocalDispatcher", "moe_layers", "update_expert_bias", "moe_aux_loss"]

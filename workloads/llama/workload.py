@@ -23,6 +23,7 @@ from torch import nn
 from workloads.base import MLPerfInfo, QualityTarget, RunContext, StepResult, WorkloadBase, register
 from workloads.base import invalid_config as _invalid
 from workloads.data_source import Prefetcher
+from workloads.device import bf16_supported, pin, pins_host_memory
 from workloads.llama.config import LlamaConfig
 from workloads.llama.data import MarkovTokenSource
 from workloads.llama.expert_parallel import AllToAllMeter, shard_experts
@@ -73,7 +74,10 @@ class LlamaWorkload(WorkloadBase):
                 "fsdp2 does not combine with expert parallelism here (the dense part runs under DDP); "
                 "use workload.parallelism=ddp (or auto), or workload.expert_parallel=false",
             )
-        use_bf16 = config.dtype == "bfloat16" or (config.dtype == "auto" and ctx.is_accelerator)
+        # auto: bf16 autocast on an accelerator with native bf16 (CUDA from Ampere, ROCm CDNA2+, XPU, ...);
+        # float32 on the CPU and on a GPU without it (emulated bf16 would run far below its float32 speed)
+        use_bf16 = config.dtype == "bfloat16" or (config.dtype == "auto" and ctx.is_accelerator
+                                                  and bf16_supported(ctx.device))
         self.compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
         self.parallelism = self._choose_parallelism()
         self._cursor = 0
@@ -106,10 +110,14 @@ class LlamaWorkload(WorkloadBase):
             self.eval_set = [(w[:, :-1], w[:, 1:]) for w in windows.split(self.local_batch)]
             # handed over HANDOVER batches at a time: taking an item from the thread can wait for the interpreter
             # to switch threads even when it is ready, so that wait is paid once per HANDOVER steps
+            # bound for a GPU, batches are pinned on the reading thread: the step's copy is then asynchronous
+            pinned = pins_host_memory(ctx.device)
             self.prefetcher = Prefetcher(lambda: _groups(self.text.make_batches(), HANDOVER),
                                          depth=max(1, cfg.prefetch_batches // HANDOVER), name="llama",
                                          transfer=lambda group: [tuple(t.to(ctx.device, non_blocking=True)
-                                                                       for t in batch) for batch in group])
+                                                                       for t in batch) for batch in group],
+                                         prepare=(lambda group: [tuple(pin(t) for t in batch) for batch in group])
+                                         if pinned else None)
             self._ready: deque = deque()
         else:
             self.source = MarkovTokenSource(self.args.vocab_size, seed=cfg.data_seed, branching=cfg.data_branching)
@@ -268,7 +276,7 @@ class LlamaWorkload(WorkloadBase):
         if self.is_moe:
             group = self.ctx.process_group if self.ctx.distributed else None
             loads = update_expert_bias(self.raw_model, self.config.moe_bias_update_coeff, group)
-            self._loads.append(torch.stack(loads).cpu())
+            self._loads.append(torch.stack(loads))  # stays on the device: read once, by extra_metrics
             self._a2a_seconds.append(self.a2a_meter.seconds - a2a_seconds)
             self._a2a_bytes.append(self.a2a_meter.bytes_sent - a2a_bytes)
         return StepResult(samples=self.local_batch, tokens=self.local_batch * self.config.seq_len, loss=total,
@@ -361,7 +369,7 @@ class LlamaWorkload(WorkloadBase):
         steps = min(self._timed_steps or len(self._loads), len(self._loads))
         if not steps:
             return {}
-        loads_tle = torch.stack(list(self._loads)[-steps:])
+        loads_tle = torch.stack(list(self._loads)[-steps:]).cpu()
         ratio_tl = loads_tle.amax(dim=-1) / loads_tle.mean(dim=-1)
         per_layer = ratio_tl.mean(dim=0)
         moe_ids = [i for i in range(self.args.n_layers) if self.args.is_moe_layer(i)]
