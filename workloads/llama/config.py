@@ -36,7 +36,7 @@ class LlamaConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     grad_clip: float = 1.0
-    dtype: str = "auto"  # auto: bfloat16 autocast on accelerators, float32 on CPU
+    dtype: str = "auto"  # auto: bfloat16 autocast on accelerators with native bf16, else float32
     parallelism: str = "auto"  # with >1 rank. auto: fsdp2 where torch has it, else ddp
     # -- data: synthetic (a planted chain), c4 (AllenAI's JSON shards) or megatron (PREFIX.bin/.idx) --
     data: str = "synthetic"
