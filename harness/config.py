@@ -30,7 +30,7 @@ from workloads import discover
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "xpu", "mps", "hpu", "mtia")
-DIST_BACKENDS = ("auto", "gloo", "nccl", "xccl")
+DIST_BACKENDS = ("auto", "gloo", "nccl", "xccl", "hccl")
 HOST_ALLOCATORS = ("steady", "system")
 DIVISIONS = ("open", "closed")
 STATUSES = ("onprem", "cloud", "research", "preview", "available")
@@ -52,7 +52,7 @@ class PlatformConfig:
     name: str = "auto"  # label in tags and reports; "auto" derives it from the device
     device: str = "auto"  # auto: the current torch.accelerator, else CPU
     num_threads: int = 0  # intra-op CPU threads; 0 keeps torch's default
-    dist_backend: str = "auto"  # auto: nccl on CUDA, xccl on XPU, gloo otherwise
+    dist_backend: str = "auto"  # auto: nccl on CUDA (RCCL on ROCm), xccl on XPU, hccl on HPU, gloo otherwise
     # Declared peak FLOP/s per dtype for this platform (e.g. {bfloat16: 989e12}); wins over the
     # built-in table. Empty: the table for known parts, else a measured GEMM calibration.
     peak_flops: dict[str, float] = field(default_factory=dict)

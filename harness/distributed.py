@@ -65,7 +65,10 @@ def env_dist_info() -> DistInfo:
 
 
 def default_backend(device: torch.device) -> str:
-    return {"cuda": "nccl", "xpu": "xccl"}.get(device.type, "gloo")
+    """The collective library of ``device``'s vendor: NCCL on CUDA (ROCm's torch maps it to RCCL), oneCCL on
+    XPU, HCCL on Intel Gaudi (HPU; registered by its bridge, ``habana_frameworks.torch``), gloo on the CPU and
+    anything else. A collective on a CPU tensor needs gloo: with nccl, keep such tensors on the device."""
+    return {"cuda": "nccl", "xpu": "xccl", "hpu": "hccl"}.get(device.type, "gloo")
 
 
 def init_distributed(device: torch.device, backend: str = "auto", timeout_s: float = 600.0) -> DistInfo:

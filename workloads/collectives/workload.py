@@ -132,10 +132,11 @@ class CollectivesWorkload(WorkloadBase):
 
     def _rows(self) -> list[SweepRow]:
         """Every rank's samples, the slowest rank's per sample, into one row per size."""
-        mine = torch.tensor(self.samples_s, dtype=torch.float64)
+        # on the run's device: nccl (and xccl, hccl) gather no CPU tensors
+        mine = torch.tensor(self.samples_s, dtype=torch.float64, device=self.ctx.device)
         gathered = [torch.empty_like(mine) for _ in range(self.ctx.world_size)]
         dist.all_gather(gathered, mine, group=self.group)
-        slowest = torch.stack(gathered).amax(dim=0).numpy()  # size × sample
+        slowest = torch.stack(gathered).amax(dim=0).cpu().numpy()  # size × sample
         factor = bus_factor(self.config.collective, self.ctx.world_size)
         rows = []
         for size_bytes, samples in zip(self.moved_bytes, slowest, strict=True):
