@@ -604,8 +604,8 @@ class ErrorBoundedCodec(CustomCodec):
 
     @staticmethod
     def _sync(tensor: torch.Tensor) -> None:
-        if tensor.device.type == "cuda":
-            torch.cuda.synchronize(tensor.device)  # time kernels, not launches
+        if tensor.device.type != "cpu":
+            torch.accelerator.synchronize(tensor.device)  # time kernels, not launches (any accelerator)
 
 
 @dataclass(frozen=True)

@@ -39,9 +39,18 @@ class ClickBatch:
     def size(self) -> int:
         return self.labels.numel()
 
-    def to(self, device: torch.device) -> ClickBatch:
-        planted = self.planted_logits.to(device) if self.planted_logits is not None else None
-        return ClickBatch(self.dense.to(device), self.sparse.to(device), self.labels.to(device), planted)
+    def to(self, device: torch.device, non_blocking: bool = False) -> ClickBatch:
+        """On ``device``; ``non_blocking`` copies from pinned memory (:meth:`pin_memory`) asynchronously."""
+        planted = self.planted_logits.to(device, non_blocking=non_blocking) if self.planted_logits is not None \
+            else None
+        return ClickBatch(self.dense.to(device, non_blocking=non_blocking),
+                          self.sparse.to(device, non_blocking=non_blocking),
+                          self.labels.to(device, non_blocking=non_blocking), planted)
+
+    def pin_memory(self) -> ClickBatch:
+        """In pinned host memory, so that :meth:`to` with ``non_blocking`` overlaps the device's work."""
+        planted = self.planted_logits.pin_memory() if self.planted_logits is not None else None
+        return ClickBatch(self.dense.pin_memory(), self.sparse.pin_memory(), self.labels.pin_memory(), planted)
 
 
 def _hash32(x: torch.Tensor, salt: int) -> torch.Tensor:

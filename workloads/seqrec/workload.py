@@ -72,8 +72,9 @@ from workloads.seqrec.balance import (
     fit_cost_model,
     partition,
 )
+from workloads.seqrec.batch import SeqBatch, build_batch
 from workloads.seqrec.config import SeqRecConfig
-from workloads.seqrec.data import Histories, SeqBatch, build_batch, oracle_quality
+from workloads.seqrec.data import Histories, oracle_quality
 from workloads.seqrec.feed import BatchPool, BatchStream, EvalSet
 from workloads.seqrec.model import (
     DataParallelDense,
@@ -247,9 +248,10 @@ class SeqRecWorkload(WorkloadBase):
         time_dense_pass(self.head, batches[-1], self.shape, 1)  # first-call allocations stay out of the fit
         measured = [time_dense_pass(self.head, b, self.shape, cfg.cost_model_repeats) for b in batches]
         times = torch.tensor(measured, dtype=torch.float64)
-        if ctx.distributed:
+        if ctx.distributed:  # reduced on the run's device: nccl reduces no CPU tensors
+            times = times.to(ctx.device)
             dist.all_reduce(times, group=ctx.process_group)
-            times /= ctx.world_size
+            times = times.cpu() / ctx.world_size
         try:
             return fit_cost_model(batches, times.tolist(), self.shape.max_len, cfg.cost_model_min_r2)
         except CostModelError as err:
