@@ -27,11 +27,11 @@ from workloads.seqrec.balance import (
     karmarkar_karp_partition,
     partition,
 )
+from workloads.seqrec.batch import build_batch
 from workloads.seqrec.data import (
     FEATURES,
     LengthDistribution,
     PlantedPreferences,
-    build_batch,
     validate_lengths,
 )
 from workloads.seqrec.model import PRESETS, SequenceEncoder, build_embedding_collection

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from workloads.data_source import Prefetcher
-from workloads.seqrec.data import Histories, SeqBatch, ranking_quality
+from workloads.seqrec.batch import SeqBatch
+from workloads.seqrec.data import Histories, ranking_quality
 
 KEEP_ENTRIES = 64  # schedule entries a stream remembers: far more than the pipelines run ahead
 

@@ -41,37 +41,9 @@ from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from workloads.base import RunContext
-from workloads.seqrec.data import Histories, SeqBatch, build_batch
-
-
-@dataclass(frozen=True)
-class SeqRecShape:
-    num_items: int
-    num_actions: int
-    embedding_dim: int
-    num_layers: int
-    num_heads: int
-    max_len: int
-    num_negatives: int  # sampled negatives per history (shared by its positions)
-
-    def validate(self) -> None:
-        for key in ("num_items", "num_actions", "embedding_dim", "num_layers", "num_heads", "max_len", "num_negatives"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
-        if self.embedding_dim % self.num_heads:
-            raise ValueError(f"embedding_dim {self.embedding_dim} is not divisible by num_heads {self.num_heads}")
-        if self.max_len < 2:
-            raise ValueError(f"max_len must be >= 2 (one interaction to read, one to predict), got {self.max_len}")
-
-
-PRESETS = {
-    # CPU: a step of 32 histories in a few tens of milliseconds
-    "tiny": SeqRecShape(num_items=500, num_actions=3, embedding_dim=32, num_layers=2, num_heads=2, max_len=512,
-                        num_negatives=64),
-    # accelerators: SASRec/HSTU-scale sequences
-    "base": SeqRecShape(num_items=100_000, num_actions=3, embedding_dim=256, num_layers=4, num_heads=4, max_len=1024,
-                        num_negatives=512),
-}
+from workloads.seqrec.batch import SeqBatch, build_batch
+from workloads.seqrec.config import PRESETS, SeqRecShape  # noqa: F401 - PRESETS: the model's shapes, named here too
+from workloads.seqrec.data import Histories
 
 
 def build_embedding_collection(shape: SeqRecShape, device: torch.device) -> EmbeddingCollection:

@@ -72,8 +72,9 @@ from workloads.seqrec.balance import (
     fit_cost_model,
     partition,
 )
+from workloads.seqrec.batch import SeqBatch, build_batch
 from workloads.seqrec.config import SeqRecConfig
-from workloads.seqrec.data import Histories, SeqBatch, build_batch, oracle_quality
+from workloads.seqrec.data import Histories, oracle_quality
 from workloads.seqrec.feed import BatchPool, BatchStream, EvalSet
 from workloads.seqrec.model import (
     DataParallelDense,
