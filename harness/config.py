@@ -241,7 +241,16 @@ def register_configs() -> None:
     store = ConfigStore.instance()
     store.store(name="cobench_schema", node=CobenchConfig)
     for name, spec in discover().items():
-        store.store(group="schema/workload", name=name, node=spec.config_class)
+        try:
+            node = spec.config_class
+        except (ImportError, OSError) as err:  # its libraries are not here (TorchRec on a bare GPU image): the
+            UNAVAILABLE[name] = f"{type(err).__name__}: {err}"  # other workloads still compose and run
+            continue
+        store.store(group="schema/workload", name=name, node=node)
+
+
+# workload → why its module does not import on this machine (a library it needs is missing or broken)
+UNAVAILABLE: dict[str, str] = {}
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
@@ -259,6 +268,10 @@ def compose_config(overrides: list[str]) -> DictConfig:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             return compose(config_name="config", overrides=overrides)
     except HydraException as err:
+        missing = [name for name in UNAVAILABLE if f"schema/workload/{name}" in str(err)]
+        if missing:
+            raise ValueError(f"workload {missing[0]} cannot run on this machine: {UNAVAILABLE[missing[0]]} "
+                             f"(`cobench doctor` lists what each workload needs)") from err
         raise ValueError(explain_composition_error(err)) from err
     finally:
         if running:
