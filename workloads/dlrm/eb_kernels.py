@@ -82,7 +82,7 @@ def kernel_name(device: torch.device) -> str:
     """Which implementation runs on ``device``: ``cpp`` (CPU kernels), ``compiled`` or ``tensor``."""
     if device.type == "cpu":
         return "cpp" if cpu_kernels() is not None else "tensor"
-    return "compiled" if _compiled() is not None else "tensor"
+    return f"tensor (eager: {_eager_because[0]})" if _eager_because else "compiled"
 
 
 def encode_fast(x: torch.Tensor, factor: torch.Tensor, rel: bool, bits: int
@@ -99,8 +99,9 @@ def encode_fast(x: torch.Tensor, factor: torch.Tensor, rel: bool, bits: int
     if x.device.type == "cpu" and (kernels := cpu_kernels()) is not None:
         message, status, errors, summary = kernels.encode(x, factor.contiguous(), rel, bits)
         return message, status, errors, summary
-    compiled = _compiled() if x.device.type != "cpu" else None
-    return (compiled[0] if compiled else _encode_tensor)(x, factor, rel, bits)
+    if x.device.type == "cpu":
+        return _encode_tensor(x, factor, rel, bits)
+    return _run_compiled(0, (x, factor), rel, bits, x.shape[1])
 
 
 def block_minmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,8 +119,9 @@ def decode_fast(message: torch.Tensor, bits: int, block: int) -> torch.Tensor:
     message = message.contiguous()
     if message.device.type == "cpu" and (kernels := cpu_kernels()) is not None:
         return kernels.decode(message, bits, block)
-    compiled = _compiled() if message.device.type != "cpu" else None
-    return (compiled[1] if compiled else _decode_tensor)(message, bits, block)
+    if message.device.type == "cpu":
+        return _decode_tensor(message, bits, block)
+    return _run_compiled(1, (message,), False, bits, block)
 
 
 # ---- the tensor program (every device; the reference the C++ kernels must match) -----------------
@@ -193,7 +195,9 @@ def _encode_tensor(x: torch.Tensor, factor: torch.Tensor, rel: bool, bits: int
 def summarise(status: torch.Tensor, errors: torch.Tensor) -> torch.Tensor:
     """(6,) float64: blocks sent, for the exact path, non-finite; largest error, largest error ÷
     bound, sum of errors."""
-    counts = torch.bincount(status.view(torch.uint8).long(), minlength=3)[:3].double()
+    # three comparisons, not bincount: its output size depends on the data, which the compiler cannot trace
+    counts = torch.stack([(status == kind).sum() for kind in (STATUS_SENT, STATUS_EXACT_PATH, STATUS_NONFINITE)])
+    counts = counts.double()
     if not errors.numel():
         return torch.cat([counts, counts.new_zeros(3)])
     return torch.cat([counts, errors[:, :2].amax(0).double(), errors[:, 2:].double().sum(0)])
@@ -215,10 +219,35 @@ def _decode_tensor(message: torch.Tensor, bits: int, block: int) -> torch.Tensor
 
 
 @functools.cache
-def _compiled() -> tuple[Any, Any] | None:
-    """The tensor program under ``torch.compile`` (Triton on CUDA), or None where it cannot compile."""
-    try:
-        return (torch.compile(_encode_tensor, dynamic=True), torch.compile(_decode_tensor, dynamic=True))
-    except Exception as err:  # noqa: BLE001
-        logger.warning("error-bounded codec: torch.compile unavailable (%s); running the tensor program eagerly", err)
-        return None
+def _compiled(rel: bool, bits: int, block: int) -> tuple[Any, Any]:
+    """The tensor program under ``torch.compile`` (Triton on CUDA) for one width: ``rel``, ``bits`` and
+    ``block`` are the closures' constants, so no integer arithmetic on them is traced symbolically (torch
+    2.11's dynamo fails on ``1 << bits`` with ``bits`` a symbolic int); shapes stay dynamic."""
+
+    def encode(x: torch.Tensor, factor: torch.Tensor):
+        return _encode_tensor(x, factor, rel, bits)
+
+    def decode(message: torch.Tensor) -> torch.Tensor:
+        return _decode_tensor(message, bits, block)
+
+    return torch.compile(encode, dynamic=True), torch.compile(decode, dynamic=True)
+
+
+_eager_because: list[str] = []  # why the compiled program is not used in this process, once it failed
+
+
+def _run_compiled(which: int, args: tuple, rel: bool, bits: int, block: int) -> Any:
+    """The compiled program where it compiles and runs, else the same tensor program eagerly (the same bytes),
+    said once in a warning."""
+    if not _eager_because:
+        try:
+            return _compiled(rel, bits, block)[which](*args)
+        except Exception as err:  # noqa: BLE001 - any compiler failure: the eager program computes the same
+            causes, cause = [], err  # the compiler's own error is a chain: its first lines name the op
+            while cause is not None and len(causes) < 3:
+                causes.append(f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}")
+                cause = cause.__cause__
+            _eager_because.append(" <- ".join(causes))
+            logger.warning("error-bounded codec: torch.compile failed (%s); running the tensor program eagerly",
+                           _eager_because[0])
+    return _encode_tensor(*args, rel, bits) if which == 0 else _decode_tensor(*args, bits, block)
