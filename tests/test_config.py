@@ -181,3 +181,25 @@ def test_reproduce_overrides_compose_the_same_run_on_the_same_platform():
     assert not any(o.startswith(("results_dir", "tracking")) for o in overrides)
     again = to_run_config(compose_config(overrides))
     assert config_hash(again) == config_hash(cfg) and again.platform == cfg.platform
+
+
+def test_a_workload_whose_libraries_are_missing_leaves_the_others_runnable(tmp_path):
+    """A machine without TorchRec (a bare GPU image): llama still composes and runs; asking for seqrec says
+    which import failed, with exit 2, before anything ran."""
+    import subprocess
+    import sys
+
+    block = ("import sys\nfor m in ('torchrec', 'fbgemm_gpu'): sys.modules[m] = None\n"
+             "from suite.cli import main\nsys.exit(main(sys.argv[1:]))\n")
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-c", block, "run", *args, "tracking=off", f"results_dir={tmp_path}",
+                               "runner.progress=false"], capture_output=True, text=True, timeout=300)
+
+    llama = run("workload=llama", "runner.warmup_steps=1", "runner.steps=2", "workload.train_batches=2",
+                "workload.eval_batches=1")
+    assert llama.returncode == 0, llama.stderr[-2000:]
+    seqrec = run("workload=seqrec")
+    assert seqrec.returncode == 2
+    assert "workload seqrec cannot run on this machine: ModuleNotFoundError" in seqrec.stderr
+    assert "Traceback" not in seqrec.stderr

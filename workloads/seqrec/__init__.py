@@ -8,8 +8,10 @@ declare("seqrec", "workloads.seqrec.workload",
 # the public names, imported on first use: the package itself stays cheap to import
 EXPORTS = {
     "workloads.seqrec.balance": ["CostModel", "bubble_fraction", "fit_cost_model", "partition"],
-    "workloads.seqrec.data": ["LengthDistribution", "PlantedPreferences", "SeqBatch"],
-    "workloads.seqrec.model": ["PRESETS", "SeqRecModel", "SeqRecShape"],
+    "workloads.seqrec.batch": ["SeqBatch"],
+    "workloads.seqrec.config": ["PRESETS", "SeqRecShape"],
+    "workloads.seqrec.data": ["LengthDistribution", "PlantedPreferences"],
+    "workloads.seqrec.model": ["SeqRecModel"],
     "workloads.seqrec.movielens": ["MovieLensSource", "load_ratings"],
     "workloads.seqrec.simulate": ["ScalePrediction", "simulate_scaling"],
     "workloads.seqrec.workload": ["SeqRecConfig", "SeqRecWorkload"],
