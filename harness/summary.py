@@ -67,7 +67,7 @@ def quality_text(m: dict[str, float]) -> str:
     if "quality_target_value" in m:
         reps = int(m.get("repetitions_completed", 1))
         reached = int(m.get("quality_target_reps_reached", 0))
-        mark = "✓" if reached == reps else "✗"
+        mark = "✓" if reached == reps else "✗ not reached in the steps run: raise runner.steps"
         figures += f" (target {m['quality_target_value']:.4g}: {reached}/{reps} {mark})"
     return figures or "-"
 
