@@ -59,7 +59,7 @@ def test_the_summary_fits_a_100_column_terminal_and_names_sweep_rows():
     text = console.export_text()
     assert max(len(line) for line in text.splitlines()) <= 100
     assert "…" not in text  # nothing cut
-    assert "llama batch_size=2" in text and "llama batch_size=4" in text and "steps" not in text
+    assert "llama batch_size=2" in text and "llama batch_size=4" in text and "steps=5" not in text
     assert "36.9 k tok/s" in text and "3 %" in text  # people's numbers; cv in percent, said so
     assert "(target" in text and "2/3 ✗" in text  # the target, and how many repetitions reached it
 
