@@ -1,4 +1,4 @@
-"""What-if prediction from a trace bundle (issue 19): no model runs.
+"""What-if prediction from a trace bundle: no model runs.
 
 :mod:`.graph` (the captured step as an execution graph and its scheduler), :mod:`.costmodel` (the
 calibrated cost curves and their microbenchmarks), :mod:`.predict` (layer, batch, sequence and platform
