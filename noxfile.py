@@ -106,6 +106,15 @@ def perf(session: nox.Session) -> None:
                 "--benchmark-columns=min,median,max,stddev,rounds", *session.posargs, env=env, external=True)
 
 
+@nox.session(venv_backend="none")
+def accelerator(session: nox.Session) -> None:
+    """The accelerator check's whole dry run, offline, in a bare venv with torch and the wheelhouse (~5 min);
+    the tests run a subset of its steps in the project's environment."""
+    env = install(session, "test")
+    session.run(_bin("pytest"), "tests/test_accelerator_check.py", "-m", "wheelhouse", "-p", "no:cacheprovider",
+                *session.posargs, env=env, external=True)
+
+
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     session.install("ruff")

@@ -55,6 +55,22 @@ def test_markdown_shows_failures_with_their_command():
 
 
 @pytest.mark.slow
+def test_a_dry_run_of_the_steps_each_kind_of_step_passes(tmp_path):
+    """CI's subset of the dry run, in the project's environment: the doctor, a child-process step (the codec),
+    a training run, a serving run, a torchrun step and DLRM (TorchRec here)."""
+    only = ["doctor", "codec", "llama_tiny_bf16", "infer_offline", "collectives", "dlrm"]
+    proc = subprocess.run([sys.executable, str(CHECK), str(tmp_path), "--platform", "cpu", "--only", ",".join(only)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = {s["step"]: s for s in json.loads((tmp_path / "check.json").read_text())["steps"]}
+    assert {name: s["status"] for name, s in steps.items()} == dict.fromkeys(only, PASS)
+    assert steps["collectives"]["figures"]["world_size"] == 2 and steps["dlrm"]["figures"]["throughput"] > 0
+    assert all(row["bound_violations"] == 0 for row in steps["codec"]["figures"]["table"]
+               if row["codec"].startswith("eb"))
+    assert f"{len(only)} PASS, 0 FAIL, 0 SKIPPED" in proc.stdout
+
+
+@pytest.mark.wheelhouse
 def test_the_dry_run_passes_offline_in_a_bare_venv_with_torch_and_the_wheelhouse(tmp_path):
     """What the GPU machine has (torch and a GPU image's common packages, none of cobench's own dependencies,
     no network) plus the wheelhouse runs the whole dry run: the wheels are installed offline by the check's
