@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from harness.config import PlatformConfig
+from workloads.device import synchronize  # noqa: F401 - the harness's modules take it from here
 
 # Dense (no sparsity) peak FLOP/s per device, from the vendors' data sheets (each row names its source; a
 # sheet's "with sparsity" figure is halved). "float32" is the non-tensor-core rate, since torch's default
@@ -279,11 +280,6 @@ def discover_platform(config: PlatformConfig, local_rank: int = 0) -> Platform:
     name = device_name(device)
     label = config.name if config.name != "auto" else _label(device, name)
     return Platform(device=device, device_name=name, name=label, config=config, host_allocator=allocator)
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
 
 
 def measure_gemm_flops(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 5,
