@@ -22,6 +22,7 @@ import json
 import math
 import random
 import statistics
+import sys
 import tempfile
 import time
 import traceback
@@ -215,6 +216,10 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
     cross = {k: record["metrics"].pop(k) for k in ("time_error_pct", "time_error_signed_pct", "reference_step_ms",
                                                    "reference_step_cv_pct", "replay_step_ms", "replay_step_cv_pct")
              if k in record["metrics"]}
+    if record.get("unfaithful"):  # a replay that did not run every op as captured is no verdict on time
+        side.fidelity_valid = False
+        side.invalid_reason = "; ".join(r for r in (f"the replay is not the program: {record['unfaithful']}",
+                                                    side.invalid_reason) if r)
     record["metrics"].update(side.metrics())
     for category, shares in record.get("categories", {}).items():  # replay's share − source's, in points
         record["metrics"][f"category_error_pp_{category}"] = 100.0 * (shares["replay_share"] - shares["source_share"])
@@ -300,14 +305,15 @@ def _cv_pct(values: list[float]) -> float:
 def judge(step: Callable[[], Any], out_dir: str | Path, *, device: torch.device | str | None = None,
           model: torch.nn.Module | None = None, rounds: int = 10, steps_per_round: int = 10, warmup: int = 5,
           capture_steps: int = 3, baseline_steps: int = 20, source: str = "program",
-          replay_options: dict[str, Any] | None = None) -> dict[str, Any]:
+          replay_options: dict[str, Any] | None = None, verbose: bool = True) -> dict[str, Any]:
     """Capture ``step`` (your callable running one training step), generate its spec, and judge the replay
     side by side with ``step`` in this process (see :mod:`harness.judge`).
 
     Returns the fidelity record, also written to ``<out_dir>/fidelity.json``; its ``metrics`` hold
     ``time_error_pct`` (signed: ``time_error_signed_pct``) with its 95 % interval, ``fidelity_valid``
     and the replay's coverage and per-category figures. ``replay_options``: settings of the replay
-    workload (e.g. ``{"trust_spec": True}`` for a program that uses its own op library).
+    workload (e.g. ``{"trust_spec": True}`` for a program that uses its own op library). ``verbose``:
+    print the verdict line (with the reason when it is not valid) to stderr.
     """
     device = torch.device(device) if device is not None else torch.device("cpu")
     out_dir = Path(out_dir)
@@ -316,9 +322,25 @@ def judge(step: Callable[[], Any], out_dir: str | Path, *, device: torch.device 
         while not cap.done:
             with cap.step():
                 step()
-    ctx = RunContext(device=device, seed=0, work_dir=out_dir, device_name=device_name(device))
-    return judge_bundle(step, out_dir, ctx, rounds=rounds, steps_per_round=steps_per_round, warmup=warmup,
-                        replay_options=replay_options)
+    distributed = torch.distributed.is_initialized()  # under torchrun: each rank judges its own rank
+    ctx = RunContext(device=device, seed=0, work_dir=out_dir, device_name=device_name(device),
+                     rank=torch.distributed.get_rank() if distributed else 0,
+                     world_size=torch.distributed.get_world_size() if distributed else 1,
+                     process_group=torch.distributed.group.WORLD if distributed else None)
+    record = judge_bundle(step, out_dir, ctx, rounds=rounds, steps_per_round=steps_per_round, warmup=warmup,
+                          replay_options=replay_options)
+    if verbose:
+        print(verdict_line(source, record), file=sys.stderr)
+    return record
+
+
+def verdict_line(name: str, record: dict[str, Any]) -> str:
+    """One line for the console: the figure with its interval, and the verdict with its reason."""
+    m, side = record["metrics"], record["side_by_side"]
+    verdict = "valid" if side["fidelity_valid"] else f"NOT VALID: {side['invalid_reason']}"
+    return (f"{name}: replay {m['time_error_signed_pct']:+.1f} % [{m['time_error_ci_low_pct']:+.1f}, "
+            f"{m['time_error_ci_high_pct']:+.1f}] vs the program, op coverage {m['op_coverage_pct']:.1f} %, "
+            f"memory {m.get('memory_error_pct', math.nan):+.1f} %: {verdict}")
 
 
 def judge_benchmark(cfg: CobenchConfig, *, benchmark: str | None = None, rounds: int = 10, steps_per_round: int = 10,

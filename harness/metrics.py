@@ -204,9 +204,12 @@ METRIC_DEFINITIONS: dict[str, tuple[str, str]] = {
     "time_error_ci_low_pct": ("%", "lower end of the 95 % bootstrap interval of time_error_signed_pct "
                                    "(resampling whole rounds)"),
     "time_error_ci_high_pct": ("%", "upper end of that interval"),
-    "fidelity_valid": ("0 or 1", "1 when there were ≥ 5 rounds, the source's round-to-round cv ≤ 10 % and the "
-                                 "interval's half-width ≤ 5 %"),
+    "fidelity_valid": ("0 or 1", "1 when every op of the replay ran and made the shapes the program made, there "
+                                 "were ≥ 5 rounds, the source's round-to-round cv ≤ 10 % and the interval's "
+                                 "half-width ≤ 5 %"),
     "op_coverage_pct": ("%", "ops of the spec that ran ÷ ops of the spec × 100"),
+    "ops_divergent": ("ops", "ops of a replay that ran but made other output shapes than the program did (values "
+                             "that decide shapes, replayed otherwise): any makes fidelity_valid 0"),
     "category_distance": ("0 … 1", "total variation distance between the source's and the replay's time shares per "
                                    "op category: ½ Σ abs(share_replay − share_source)"),
     "a2a_compression_ratio": ("ratio", "dlrm: float32 bytes this rank's pooled-embedding all-to-alls would send per "

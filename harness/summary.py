@@ -90,6 +90,10 @@ def summary_table(results: list[BenchmarkResult], title: str = "cobench results"
         status = r.status if r.status in (STATUS_FINISHED, STATUS_SKIPPED) else f"[red]{r.status}[/red]"
         if m.get("noisy"):
             status += " [yellow]noisy[/yellow]"
+        if m.get("ops_failed") or m.get("ops_divergent"):
+            status += " [red]unfaithful[/red]"
+        elif m.get("fidelity_valid") == 0.0:
+            status += " [yellow]fidelity not valid[/yellow]"
         reps = int(m.get("repetitions_completed", 0))
         step = {} if is_serving(m) else m  # a serving "step" is a whole LoadGen test: no step-time figures
         cells = {
@@ -157,6 +161,10 @@ def print_summary(results: list[BenchmarkResult], title: str = "cobench results"
             console.print(f"[red]{r.benchmark}: {r.status}: {r.error}[/red]{where}")
         if r.noise:
             console.print(f"[yellow]warning: {r.benchmark} is noisy: {r.noise}[/yellow]")
+        if r.metrics.get("ops_failed") or r.metrics.get("ops_divergent"):
+            console.print(f"[red]warning: {r.benchmark}: the replay is not the program: "
+                          f"{r.metrics.get('ops_failed', 0):.0f} ops failed, {r.metrics.get('ops_divergent', 0):.0f} "
+                          f"made other shapes than captured (which, and why: fidelity.json in {r.run_dir})[/red]")
         if r.mfu_doubt:
             console.print(f"[yellow]warning: {r.benchmark}'s MFU is suspect: {r.mfu_doubt}[/yellow]")
         if r.upload_error:

@@ -75,6 +75,23 @@ def reference_step_ms(spec: SpecRecord, rank: int, reference_times_ms: list[floa
     return full * selected / captured * spec.repeat
 
 
+def unfaithful_reason(ops: list[Any], errors: dict[int, str], divergent: dict[int, str]) -> str:
+    """Why the replay is not the program (ops that failed, ops that made other shapes), naming the ops and
+    their share of the captured op time; empty when every op ran as captured."""
+    total = sum(op.dur_us or 0.0 for op in ops) or math.nan
+    parts = []
+    for label, found in (("failed", errors), ("made other shapes than captured", divergent)):
+        if not found:
+            continue
+        by_name: dict[str, list[int]] = defaultdict(list)
+        for index in found:
+            by_name[ops[index].name].append(index)
+        share = 100.0 * sum(ops[i].dur_us or 0.0 for i in found) / total
+        named = ", ".join(f"{name} x{len(idx)} ({found[idx[0]]})" for name, idx in sorted(by_name.items()))
+        parts.append(f"{len(found)} ops {label}, {share:.1f} % of the op time: {named}")
+    return "; ".join(parts)
+
+
 def compute_fidelity(
     spec: SpecRecord,
     rank: int,
@@ -86,6 +103,7 @@ def compute_fidelity(
     replay_peak_memory_bytes: int = 0,
     portability: bool = False,
     host_gaps: bool = False,
+    divergent: dict[int, str] | None = None,
 ) -> dict[str, Any]:
     """The fidelity record (``fidelity.json``) and its headline metrics."""
     rank_spec = spec.ranks[min(rank, len(spec.ranks) - 1)]
@@ -132,6 +150,7 @@ def compute_fidelity(
         "time_coverage_pct": 100.0 * ran_dur / total_dur if total_dur > 0 else math.nan,
         "ops_per_step": len(ops) / max(len(rank_spec.steps), 1),
         "ops_failed": float(len(errors)),
+        "ops_divergent": float(len(divergent or {})),
         "category_distance": distance,
         "op_time_spearman": spearman([a for a, _ in logs], [b for _, b in logs]),
         "op_time_pearson_log": pearson([a for a, _ in logs], [b for _, b in logs]),
@@ -153,6 +172,9 @@ def compute_fidelity(
         "categories": categories,
         "failed_ops": [{"index": i, "name": ops[i].name, "schema": ops[i].schema, "error": err}
                        for i, err in sorted(errors.items())],
+        "divergent_ops": [{"index": i, "name": ops[i].name, "schema": ops[i].schema, "difference": why}
+                          for i, why in sorted((divergent or {}).items())],
+        "unfaithful": unfaithful_reason(ops, errors, divergent or {}),
         "source": {"workload": spec.source.workload, "run_id": spec.source.run_id,
                    "platform": spec.source.platform, "world_size": spec.source.world_size},
         "options": spec.options,

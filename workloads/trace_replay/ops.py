@@ -133,6 +133,9 @@ class CompiledOp:
     # Integer outputs an uninitialised-memory op (aten::empty…) makes, filled later by a copy the
     # trace does not show (e.g. torch.tensor(list)): slot → the value range its consumer recorded.
     fills: list[tuple[int, tuple[int, int]]] = field(default_factory=list)
+    # Boolean masks this op makes (or last writes) whose count of True decides a later op's shape
+    # (``x[mask]``, ``nonzero``, ``masked_select``): slot → a mask with the captured count.
+    pins: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
     def call(self, vals: list[Any]) -> Any:
         args = [list(a) if isinstance(a, list) else a for a in self.args]
@@ -164,6 +167,8 @@ class CompiledOp:
         for slot, (low, high) in self.fills:
             target = vals[slot]
             target.copy_(torch.randint(low, high + 1, target.shape, generator=generator))
+        for slot, mask in self.pins:
+            vals[slot].copy_(mask)
 
 
 def flatten_tensors(result: Any) -> list[Any]:

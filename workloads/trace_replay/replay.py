@@ -23,6 +23,7 @@ all is :mod:`.safety`'s policy, checked before a replay is built.
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 import tempfile
@@ -55,6 +56,12 @@ from workloads.trace_replay.records import OpRecord, RankRecord
 from workloads.trace_replay.safety import op_refusal
 from workloads.trace_replay.spec import STEP_ANNOTATION, _is_tensor_ref, kineto_host_gaps
 from workloads.trace_replay.tensors import copy_recorded, fill_view, recorded_view, stand_in
+
+# Ops whose output shape follows a boolean mask's count of True, with the mask's argument position
+# (``aten::index`` and ``index_put``, whose masks sit in an index list, are read apart).
+_MASK_ARGUMENT = {"aten::nonzero": 0, "aten::argwhere": 0, "aten::nonzero_numpy": 0, "aten::where": 0,
+                  "aten::masked_select": 1, "aten::masked_scatter": 1, "aten::masked_scatter_": 1}
+_NONZERO = ("aten::nonzero", "aten::argwhere", "aten::nonzero_numpy", "aten::where")  # one row per True
 
 
 @dataclass
@@ -90,10 +97,18 @@ class Replayer:
         self._births = self._find_births()  # flat position → storages made right after it
         self._birth_plans: dict[int, tuple[dict, list]] = {}
         self._find_uninitialised_fills()
+        self._external_masks: dict[int, torch.Tensor] = {}
+        self._find_mask_pins()
+        self._wrapped = self._find_wrapped_numbers()
+        # The program's forward ran with autograd on (a training step: some kernels then keep what their
+        # backward needs, e.g. an RNN layer's workspace); nothing the replay makes requires grad, so no
+        # graph is recorded either way.
+        self.grad_mode = any(s.startswith("autograd::engine::") for op in self.ops_spec for s in op.scopes)
         self._clears = self._liveness()
         self._next = 0
         self._steps: list[tuple[Callable[[list[Any]], None], int] | None] = [None] * len(self.sequence)
         self.errors: dict[int, str] = {}  # op index → why it did not run (compile, dry run or later)
+        self.divergent: dict[int, str] = {}  # op index → how what it made differs from what the program made
         self.call_s = 0.0  # the replay's own host time per op call: set by calibrate_host_cost()
         self.static_bytes = 0  # synthesised tensors (parameters, optimiser state, inputs): set by materialize()
 
@@ -333,6 +348,129 @@ class Replayer:
                             and info.dtype != torch.bool:
                         pending[slot] = op
 
+    def _find_mask_pins(self) -> None:
+        """Boolean masks whose count of True decides a shape get exactly the captured count.
+
+        ``x[mask]``, ``nonzero(mask)``, ``masked_select`` and ``x[mask] = v`` make (or read) as many rows
+        as the mask holds True values; a mask computed from synthesised floats would hold another
+        number, and every shape after it — and any recorded integer data it meets, such as a loss's
+        targets — would disagree. The captured shapes say how many: the op that last wrote the mask
+        before such a reader writes a mask with exactly that many True values (positions drawn from
+        the replay's seed) after it runs (:attr:`CompiledOp.pins`); a mask the steps read but never
+        made gets it when synthesised.
+        """
+        decided: set[tuple[int, int]] = set()
+        for step in self.sequence:
+            writer: dict[int, CompiledOp] = {}
+            for position in step:
+                op = self.ops[position]
+                for slot, info, count in self._mask_counts(position):
+                    if (op.step, slot) in decided or not 0 <= count <= math.prod(info.shape):
+                        continue
+                    decided.add((op.step, slot))
+                    flat = torch.zeros(math.prod(info.shape), dtype=torch.bool)
+                    flat[torch.randperm(flat.numel(), generator=self.generator)[:count]] = True
+                    mask = flat.reshape(info.shape).to(self.device)
+                    if slot in writer:
+                        writer[slot].pins.append((slot, mask))
+                    elif slot in self._externals:
+                        self._external_masks[slot] = mask
+                writer.update((slot, op) for slot in op.out_slots if slot is not None)
+
+    def _find_wrapped_numbers(self) -> dict[int, list[int]]:
+        """Op index → its 0-dim inputs that were Python numbers in the program (``loss * 1e-3``).
+
+        A Python number passed where an op takes a tensor becomes a 0-dim double (or long) "wrapped
+        number", which never promotes the other operand: ``float32 scalar × 1e-3`` stays float32. The
+        trace shows only a 0-dim double tensor; synthesised as one, it would promote the result to
+        double and every op after it would disagree. Such an input (made by no op, of a binary op whose
+        captured result type only a wrapped number explains) is passed as a Python number instead
+        (:meth:`materialize` puts its value in).
+        """
+        wrapped: dict[int, list[int]] = {}
+        wrappable = (torch.float64, torch.int64, torch.complex128, torch.bool)
+        for op in self.ops:
+            out = op.out_infos[0] if op.out_infos else None
+            infos = {slot: info for slot, info, *_ in self._inputs_of(op.index)}
+            tensors = [(slot, infos[slot]) for _, sub, slot in op.arg_slots if sub < 0 and slot in infos]
+            if op.error is not None or out is None or len(tensors) != 2 or len(op.arg_slots) != 2:
+                continue
+
+            def probe(info: TensorInfo) -> torch.Tensor:
+                return torch.empty((1,) * min(len(info.shape), 1), dtype=info.dtype)
+
+            (slot_a, a), (slot_b, b) = tensors
+            if torch.result_type(probe(a), probe(b)) == out.dtype:
+                continue
+            for slot, info, other in ((slot_b, b, a), (slot_a, a, b)):
+                if info.shape == () and info.dtype in wrappable and slot in self._externals \
+                        and torch.result_type(probe(other), probe(info).item()) == out.dtype:
+                    wrapped.setdefault(op.index, []).append(slot)
+                    break
+        return wrapped
+
+    def _mask_counts(self, position: int) -> list[tuple[int, TensorInfo, int]]:
+        """(slot, layout, captured count of True) of each boolean mask this op's output shape depends on."""
+        spec = self.ops_spec[position]
+        name, inputs = spec.name, spec.inputs
+        shapes = [s if isinstance(s, list) else [] for s in inputs.shapes]
+        out = spec.outputs.shapes[0] if spec.outputs.shapes and isinstance(spec.outputs.shapes[0], list) else None
+        if out is None or not any("Tensor(bool)" in t for t in inputs.types):
+            return []
+        while out and isinstance(out[0], list):  # a list of tensors (``where(condition)``): the first one's
+            out = out[0]
+        if name == "aten::where" and len(inputs.values) != 1:
+            return []  # where(condition, x, y) keeps its shape whatever the condition holds
+
+        def slot_of(value: Any, shape: Any, stride: Any, et_type: str) -> tuple[int, TensorInfo] | None:
+            if not _is_tensor_ref(value) or et_type != "Tensor(bool)":
+                return None
+            try:
+                info = tensor_info(value, shape, stride, et_type)
+            except OpUnavailable:
+                return None
+            return (self._slots[info.key], info) if info.key in self._slots else None
+
+        if name in _MASK_ARGUMENT:
+            arg = _MASK_ARGUMENT[name]
+            found = slot_of(inputs.values[arg], at(inputs.shapes, arg), at(inputs.strides, arg), inputs.types[arg]) \
+                if len(inputs.values) > arg else None
+            if found is None or not out:
+                return []
+            slot, info = found
+            if name in _NONZERO:
+                return [(slot, info, int(out[0]))]
+            if name.startswith("aten::masked_scatter"):  # reads as many source elements as the mask holds
+                source = shapes[2] if len(shapes) > 2 else []
+                return [(slot, info, min(math.prod(info.shape), math.prod(source)))]
+            # masked_select: the mask broadcasts against self; each True counts once per repetition
+            spread = math.prod(torch.broadcast_shapes(tuple(shapes[0]), info.shape)) // max(math.prod(info.shape), 1)
+            return [(slot, info, int(out[0]) // spread)] if spread and int(out[0]) % spread == 0 else []
+        if name not in ("aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"):
+            return []
+        if len(inputs.values) < 2 or not inputs.types[1].startswith("GenericList[") or not shapes[0]:
+            return []
+        items, types = inputs.values[1], list_types(inputs.types[1])
+        tensors = [j for j, t in enumerate(types) if t.startswith("Tensor(") and j < len(items)
+                   and _is_tensor_ref(items[j])]
+        if len(tensors) != 1 or types[tensors[0]] != "Tensor(bool)":
+            return []  # a lone mask among None entries: mixed advanced indexing broadcasts otherwise
+        j = tensors[0]
+        found = slot_of(items[j], at(inputs.shapes[1], j), at(inputs.strides[1], j) if isinstance(
+            at(inputs.strides, 1), list) else None, types[j])
+        if found is None:
+            return []
+        slot, info = found
+        if name == "aten::index":
+            return [(slot, info, int(out[j]))] if len(out) > j else []
+        # index_put: the values broadcast to self[:j] + [count] + self[j + mask dims:], aligned right
+        values = shapes[2] if len(shapes) > 2 else []
+        expected = len(shapes[0]) - len(info.shape) + 1
+        from_right = expected - 1 - j
+        if len(values) <= from_right or values[len(values) - 1 - from_right] == 1:
+            return []  # broadcast along the masked rows: any count fits
+        return [(slot, info, int(values[len(values) - 1 - from_right]))]
+
     def _inputs_of(self, position: int) -> list[tuple[int, TensorInfo, int, str]]:
         """(slot, layout, tensor index, schema argument name) of every tensor an op reads.
 
@@ -446,6 +584,15 @@ class Replayer:
         views laid over it (those the program makes during a step are made there: :meth:`_give_birth`)."""
         static = {slot: entry for slot, entry in self._externals.items() if slot not in self._born_slots}
         self.static_bytes = self._lay_out(static)  # what lives across steps
+        for slot, mask in self._external_masks.items():
+            if slot in static:
+                self.vals[slot].copy_(mask)
+        for index, slots in self._wrapped.items():  # Python numbers in the program: Python numbers again
+            op = self.ops[index]
+            for pos, sub, slot in [entry for entry in op.arg_slots if entry[2] in slots and entry[1] < 0]:
+                if isinstance(self.vals[slot], torch.Tensor):
+                    op.args[pos] = self.vals[slot].item()
+                    op.arg_slots.remove((pos, sub, slot))
 
     def _give_birth(self, k: int) -> None:
         """Make the storages the program made right after flat position ``k``, with defined contents."""
@@ -503,6 +650,10 @@ class Replayer:
                     fill_view(view, rng, is_offsets, self.generator)
         return sum(max(n, 1) for n in nbytes.values())
 
+    def autograd(self) -> Any:
+        """Autograd on while replaying a training step's ops (as the program's forward ran), off otherwise."""
+        return torch.enable_grad() if self.grad_mode else torch.no_grad()
+
     def nonfinite_tensors(self) -> int:
         """How many of the tensors carried across steps (parameters, optimiser state, inputs) now hold an
         infinite or NaN element: 0 in a sane replay. (A step's intermediates may hold them by design,
@@ -535,7 +686,7 @@ class Replayer:
             if op.error is not None:
                 stats.errors[op.index] = op.error
         integer_stand_ins: dict[int, int] = {}  # slot → the failed op whose output it stands in for
-        with torch.no_grad():
+        with self.autograd():
             for k in range(len(self.sequence)) if steps is None else steps:
                 offset = sum(len(s) for s in self.sequence[:k])
                 for j, position in enumerate(self.sequence[k]):
@@ -553,6 +704,7 @@ class Replayer:
                             before_op(op.index)
                         try:
                             self._call_or_unalias(position)
+                            self._check_shapes(op)
                         except Exception as err:  # noqa: BLE001 - recorded per op; replay goes on
                             op.error = describe(err)
                             stats.errors[op.index] = op.error
@@ -567,6 +719,16 @@ class Replayer:
         self._steps = [None] * len(self.sequence)  # regenerate: ops that failed are stood in for now
         self.errors.update(stats.errors)
         return stats
+
+    def _check_shapes(self, op: CompiledOp) -> None:
+        """Record in :attr:`divergent` an op whose outputs' shapes differ from the captured ones (its inputs'
+        values decided them differently): it ran, but not as the program's did."""
+        for slot, info in zip(op.out_slots, op.out_infos, strict=False):
+            value = self.vals[slot] if slot is not None else None
+            if info is not None and isinstance(value, torch.Tensor) and tuple(value.shape) != info.shape:
+                self.divergent.setdefault(op.index, f"made shape {list(value.shape)} where the program made "
+                                                    f"{list(info.shape)}")
+                return
 
     def _call_or_unalias(self, position: int) -> None:
         """Run an op; if it refuses inputs that overlap in memory, give its synthesised inputs storage of
@@ -591,7 +753,7 @@ class Replayer:
             self._steps[k] = self._codegen(k)
         step, ran = self._steps[k]
         try:
-            with torch.no_grad():
+            with self.autograd():
                 step(self.vals)
         except Exception:  # noqa: BLE001 - an op failed only now (its inputs differ from the dry run's)
             self.dry_run(steps=[k])  # find it op by op: recorded, stood in for, the code regenerated
@@ -629,7 +791,7 @@ class Replayer:
         generated = [self._codegen(k, no_gap_time=True) for k in range(steps)]
 
         def run(k: int) -> None:
-            with torch.no_grad():
+            with self.autograd():
                 generated[k][0](self.vals)
 
         for k in range(steps):  # warm
@@ -662,7 +824,7 @@ class Replayer:
         """One pass over every step with each op timed alone (synchronised): op index → seconds."""
         times: dict[int, list[float]] = {}
         vals = self.vals
-        with torch.no_grad():
+        with self.autograd():
             for k, step in enumerate(self.sequence):
                 offset = sum(len(s) for s in self.sequence[:k])
                 for j, position in enumerate(step):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,7 +179,7 @@ class GeneratedWorkload(WorkloadBase):
         record = compute_fidelity(
             self.spec, self.rank_index, self.step_times_s, op_times, self.replayer.errors,
             reference_times_ms=self.reference_ms, replay_peak_memory_bytes=_process_peak_bytes(self.ctx.device),
-            portability=self.portability, host_gaps=self.replayer.host_gaps,
+            portability=self.portability, host_gaps=self.replayer.host_gaps, divergent=self.replayer.divergent,
         )
         record["metrics"]["replay_static_mb"] = self.replayer.static_bytes / 2**20
         if self.replayer.host_gaps:
@@ -187,6 +188,8 @@ class GeneratedWorkload(WorkloadBase):
         record["replay_platform"] = self.platform
         if self.reference_platform is not None:
             record["reference_platform"] = self.reference_platform
+        if self.ctx.rank == 0 and record["unfaithful"]:
+            print(f"warning: the replay is not the program: {record['unfaithful']}", file=sys.stderr)
         if self.ctx.rank == 0:
             path = self.ctx.work_dir / FIDELITY_FILE
             tmp = path.with_suffix(".tmp")
