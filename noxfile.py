@@ -6,6 +6,7 @@
     nox -s report -- --suite smoke      MLPerf-style submission folder + HTML report of the latest smoke run
     nox -s tests              the test suite (what CI runs)
     nox -s perf               the performance benchmarks (pytest-benchmark), not part of tests
+    nox -s zoo                the model zoo, whole (its own environment: torchvision, timm, TorchRec, ...)
     nox -s lint               ruff
 
 bench, qualify, report, tests and perf share one virtualenv, .nox/cobench: made by whichever
@@ -113,6 +114,40 @@ def accelerator(session: nox.Session) -> None:
     env = install(session, "test")
     session.run(_bin("pytest"), "tests/test_accelerator_check.py", "-m", "wheelhouse", "-p", "no:cacheprovider",
                 *session.posargs, env=env, external=True)
+
+
+# The model zoo needs torchvision, and PyPI's torchvision imports only beside the torch it was built with:
+# no CPU build of torchvision matches the project's CPU torch on PyPI, so the zoo has an environment of its
+# own with the torch/torchvision pair that does (a CUDA build, which runs on the CPU too) and the FBGEMM/TorchRec
+# built for that torch.
+ZOO_TORCH = os.environ.get("COBENCH_ZOO_TORCH", "torch==2.14.1 torchvision==0.29.1")
+ZOO_LIBRARIES = ["timm==1.0.31", "transformers>=4.45", "diffusers==0.42.1", "torch_geometric==2.8.1",
+                 "fbgemm-gpu-cpu==1.9.0"]
+ZOO_TORCHREC = ["torchrec==1.9.2"]
+
+
+@nox.session(venv_backend="none")
+def zoo(session: nox.Session) -> None:
+    """The model zoo, whole: every program judged twice from fresh captures, the table in
+    <results_dir>/zoo/<time>/ (zoo.md, zoo.csv, zoo.json) and MLflow; `cobench trace zoo` options after `--`."""
+    home = Path(".nox") / "zoo"
+    python = home / "bin" / "python"
+    if not python.exists():
+        session.run(f"python{PYTHON}", "-m", "venv", str(home), external=True)
+    key = hashlib.sha256("\n".join([ZOO_TORCH, *ZOO_LIBRARIES, *ZOO_TORCHREC, *TORCHREC_DEPS,
+                                    Path("pyproject.toml").read_text()]).encode()).hexdigest()[:16]
+    stamp = home / f".installed-{key}"
+    if not stamp.exists():
+        pip = [str(python), "-m", "pip", "install", "--quiet"]
+        session.run(*pip, *ZOO_TORCH.split(), external=True)
+        session.run(*pip, *ZOO_LIBRARIES, external=True)
+        session.run(*pip, "--no-deps", *ZOO_TORCHREC, external=True)
+        session.run(*pip, *TORCHREC_DEPS, external=True)
+        session.run(*pip, "-e", ".", external=True)
+        stamp.touch()
+    env = {"PATH": str(home.resolve() / "bin") + os.pathsep + os.environ.get("PATH", ""),
+           "VIRTUAL_ENV": str(home.resolve())}
+    session.run(str(home / "bin" / "cobench"), "trace", "zoo", *session.posargs, env=env, external=True)
 
 
 @nox.session(python=PYTHON)

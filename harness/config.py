@@ -137,11 +137,13 @@ class SuiteBenchmark:
     overrides: list[str] = field(default_factory=list)
     # A generated trace benchmark: the suite captures this source (Hydra overrides, e.g.
     # [workload=llama]) and judges the replay of its spec side by side with it, in one process
-    # (harness/judge.py): `rounds` interleaved rounds of `round_steps` steps of each. The entry's
-    # workload must be one that replays bundles (workload: generated).
+    # (harness/judge.py): at least `rounds` interleaved rounds of `round_steps` samples of each, more
+    # until the interval is within ±2.5 % or `budget_s` seconds are spent. The entry's workload must
+    # be one that replays bundles (workload: generated).
     capture: list[str] | None = None
     rounds: int = 10
     round_steps: int = 10
+    budget_s: float = 60.0
 
 
 @dataclass
@@ -169,6 +171,8 @@ class SuiteConfig:
                      f"capture: needs a workload that replays bundles, {replays} (got {bench.workload!r})")
             _require(bench.rounds >= 2 and bench.round_steps >= 1, f"suite.benchmarks.{bench.name}",
                      f"rounds must be >= 2 and round_steps >= 1 (got {bench.rounds}, {bench.round_steps})")
+            _require(bench.budget_s > 0, f"suite.benchmarks.{bench.name}",
+                     f"budget_s must be > 0 seconds (got {bench.budget_s})")
         if self.baseline is not None:
             _require_choice(self.baseline, "suite.baseline", tuple(names))
         _require(not self.delta_metrics or self.baseline is not None, "suite.delta_metrics", "needs suite.baseline")

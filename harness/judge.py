@@ -6,8 +6,10 @@ much as the replay. Here the source and its replay run in one process, interleav
 source K steps, replay K steps, the order alternating every round — so machine drift lands on both
 sides alike. The figure is the ratio of the two sides' median step times, with a 95 % interval
 from a bootstrap over rounds (each round's pair is resampled together, so drift between rounds
-does not widen it), and it is declared invalid, with the reason, when the source's own round-to-
-round spread is too wide for a difference of the gated size to show.
+does not widen it). Short steps are timed in batches (a sample lasts at least 20 ms), and the judge
+adds rounds until the interval's half-width is within ±2.5 % or its time budget (60 s by default)
+runs out: only then is the figure declared invalid, with the interval it reached. A replay that did
+not run every op as captured is never a valid verdict either.
 
     from harness.judge import judge
     record = judge(train_step, "traces/mine", model=model)   # capture → generate → side by side
@@ -17,6 +19,7 @@ round spread is too wide for a difference of the gated size to show.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -57,11 +60,13 @@ from workloads.base import RunContext
 from workloads.trace_bundle import KINETO_FILE, STEP_ANNOTATION, rank_dirs, read_json, read_meta
 
 FIDELITY_FILE = "fidelity.json"
-# The figure means something only when the source itself is steady: its round medians' spread (cv)
-# must stay under this, and the interval's half-width under the next, for a 10 % gate to decide.
-MAX_SOURCE_ROUND_CV_PCT = 10.0
-MAX_CI_HALF_WIDTH_PCT = 5.0
+# A verdict needs the 95 % interval of the replay ÷ source ratio within ±TARGET_HALF_WIDTH_PCT: the judge
+# adds rounds until it is, or until its time budget runs out (then, and only then, no verdict).
+TARGET_HALF_WIDTH_PCT = 2.5
 MIN_VALID_ROUNDS = 5  # a bootstrap over fewer rounds gives an interval too narrow to believe
+DEFAULT_BUDGET_S = 60.0  # the side-by-side rounds' time budget, by default
+MAX_ROUNDS = 400
+MIN_SAMPLE_MS = 20.0  # a sample times enough consecutive steps to last this long: timer and sync costs vanish
 BOOTSTRAP_SAMPLES = 2000
 # c10::DeviceType codes, as the profiler's memory events name devices (others: any non-CPU event)
 _C10_DEVICE_TYPES = {"cpu": 0, "cuda": 1, "xpu": 12, "mps": 13, "privateuseone": 20}
@@ -69,11 +74,23 @@ _C10_DEVICE_TYPES = {"cpu": 0, "cuda": 1, "xpu": 12, "mps": 13, "privateuseone":
 
 @dataclass
 class SideBySide:
-    """Interleaved step times of the source and its replay, round by round (ms), and the verdict."""
+    """Interleaved step times of the source and its replay, round by round (ms per step), and the verdict.
+
+    Each value is one sample: ``batch`` consecutive steps timed together, divided by ``batch``.
+    """
 
     source_ms: list[list[float]]
     replay_ms: list[list[float]]
     order: list[str]  # which side went first in each round
+    batch: int = 1  # steps per timed sample
+    target_half_width_pct: float = TARGET_HALF_WIDTH_PCT
+    budget_s: float | None = None  # None: a fixed number of rounds
+    elapsed_s: float = 0.0  # what the rounds took
+    budget_exhausted: bool = False
+    # bootstrap draws of how much a replay step would move were the capture's host time and the replay's
+    # own call cost measured again (ms; see capture_shift_draws): the interval covers them too
+    replay_shift_ms: list[float] | None = None
+    capture_half_width_pct: float = 0.0  # that alone, as a half-width of the figure
     time_error_signed_pct: float = math.nan
     time_error_pct: float = math.nan
     time_error_ci_low_pct: float = math.nan
@@ -86,6 +103,10 @@ class SideBySide:
     invalid_reason: str = ""
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def half_width_pct(self) -> float:
+        return (self.time_error_ci_high_pct - self.time_error_ci_low_pct) / 2
+
     def summarise(self, seed: int = 0) -> SideBySide:
         """Fill in the figures from the step times."""
         source = [t for r in self.source_ms for t in r]
@@ -94,22 +115,27 @@ class SideBySide:
         ratio = self.replay_step_ms / self.source_step_ms
         self.time_error_signed_pct = 100.0 * (ratio - 1.0)
         self.time_error_pct = abs(self.time_error_signed_pct)
-        low, high = bootstrap_ratio_interval(self.source_ms, self.replay_ms, seed=seed)
+        low, high = bootstrap_ratio_interval(self.source_ms, self.replay_ms, seed=seed, shift_ms=self.replay_shift_ms)
+        if self.replay_shift_ms:
+            shifts = sorted(100.0 * d / self.replay_step_ms for d in self.replay_shift_ms)
+            last = len(shifts) - 1
+            self.capture_half_width_pct = (shifts[int(0.975 * last)] - shifts[int(0.025 * last)]) / 2
         self.time_error_ci_low_pct, self.time_error_ci_high_pct = 100.0 * (low - 1.0), 100.0 * (high - 1.0)
         self.source_round_cv_pct = _cv_pct([statistics.median(r) for r in self.source_ms])
         self.replay_round_cv_pct = _cv_pct([statistics.median(r) for r in self.replay_ms])
-        half_width = (self.time_error_ci_high_pct - self.time_error_ci_low_pct) / 2
         reasons = []
         if len(self.order) < MIN_VALID_ROUNDS:
             reasons.append(f"{len(self.order)} rounds are too few for an interval (at least {MIN_VALID_ROUNDS}: "
                            f"--rounds)")
-        if self.source_round_cv_pct > MAX_SOURCE_ROUND_CV_PCT:
-            reasons.append(f"the source's own step time varies {self.source_round_cv_pct:.1f} % between rounds "
-                           f"(> {MAX_SOURCE_ROUND_CV_PCT:.0f} %): the machine was busy, or the program's steps "
-                           f"differ (data-dependent work); run more steps per round (--round-steps)")
-        if half_width > MAX_CI_HALF_WIDTH_PCT:
-            reasons.append(f"the 95 % interval is ±{half_width:.1f} % (> ±{MAX_CI_HALF_WIDTH_PCT:.0f} %): "
-                           f"run more rounds (--rounds) or on a quieter machine")
+        if not self.half_width_pct <= self.target_half_width_pct:
+            spent = (f" after {len(self.order)} rounds in {self.elapsed_s:.0f} s, the budget spent "
+                     f"(--budget-s {self.budget_s:.0f})" if self.budget_s is not None else
+                     f" after {len(self.order)} rounds (--rounds)")
+            reasons.append(f"the 95 % interval is ±{self.half_width_pct:.1f} % (> ±{self.target_half_width_pct:g} %)"
+                           f"{spent}: the source's round medians vary {self.source_round_cv_pct:.1f} %"
+                           + (f", and re-measuring the capture's host time and the replay's call cost alone moves "
+                              f"it ±{self.capture_half_width_pct:.1f} %" if self.replay_shift_ms else "")
+                           + "; a larger budget or a quieter machine narrows it")
         self.fidelity_valid = not reasons
         self.invalid_reason = "; ".join(reasons)
         return self
@@ -120,7 +146,7 @@ class SideBySide:
             "time_error_signed_pct": self.time_error_signed_pct,
             "time_error_ci_low_pct": self.time_error_ci_low_pct,
             "time_error_ci_high_pct": self.time_error_ci_high_pct,
-            "time_error_ci_pct": (self.time_error_ci_high_pct - self.time_error_ci_low_pct) / 2,
+            "time_error_ci_pct": self.half_width_pct,
             "source_step_ms": self.source_step_ms,
             "replay_step_ms": self.replay_step_ms,
             "reference_step_ms": self.source_step_ms,
@@ -128,50 +154,101 @@ class SideBySide:
             "replay_round_cv_pct": self.replay_round_cv_pct,
             "fidelity_valid": float(self.fidelity_valid),
             "judgement_rounds": float(len(self.order)),
+            "judgement_batch_steps": float(self.batch),
+            "judgement_elapsed_s": self.elapsed_s,
+            "capture_half_width_pct": self.capture_half_width_pct,
+            **({"judgement_budget_s": self.budget_s} if self.budget_s is not None else {}),
         }
 
 
 def bootstrap_ratio_interval(source_ms: list[list[float]], replay_ms: list[list[float]], *, seed: int = 0,
-                             samples: int = BOOTSTRAP_SAMPLES, level: float = 0.95) -> tuple[float, float]:
-    """95 % interval of median(replay) ÷ median(source), resampling whole rounds (pairs stay together)."""
+                             samples: int = BOOTSTRAP_SAMPLES, level: float = 0.95,
+                             shift_ms: list[float] | None = None) -> tuple[float, float]:
+    """95 % interval of median(replay) ÷ median(source), resampling whole rounds (pairs stay together);
+    ``shift_ms``: draws of what re-measuring the capture would add to a replay step, one per sample."""
     rng = random.Random(seed)
     rounds = len(source_ms)
     ratios = []
-    for _ in range(samples):
+    for b in range(samples):
         picked = [rng.randrange(rounds) for _ in range(rounds)]
         source = [t for i in picked for t in source_ms[i]]
         replay = [t for i in picked for t in replay_ms[i]]
-        ratios.append(statistics.median(replay) / statistics.median(source))
+        shift = shift_ms[b % len(shift_ms)] if shift_ms else 0.0
+        ratios.append((statistics.median(replay) + shift) / statistics.median(source))
     ratios.sort()
     tail = (1.0 - level) / 2
     return ratios[int(tail * (samples - 1))], ratios[int(math.ceil((1.0 - tail) * (samples - 1)))]
 
 
 def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], device: torch.device, *,
-               rounds: int = 10, steps_per_round: int = 10, warmup: int = 3, seed: int = 0) -> SideBySide:
-    """Run both sides in alternating rounds and time each step (device-synchronised)."""
+               rounds: int = 10, steps_per_round: int = 10, warmup: int = 3, seed: int = 0,
+               budget_s: float | None = None, target_half_width_pct: float = TARGET_HALF_WIDTH_PCT,
+               batch: int | None = None, agree: Callable[[Any], Any] | None = None,
+               replay_shift_ms: list[float] | None = None) -> SideBySide:
+    """Run both sides in alternating rounds of ``steps_per_round`` samples each, timed device-synchronised.
+
+    A sample is ``batch`` consecutive steps timed together (default: as many as last
+    :data:`MIN_SAMPLE_MS`, from the warm-up steps' times), so that short steps are not lost in the
+    timer's and the synchronisation's own cost. With ``budget_s``, ``rounds`` is the least: more are
+    added until the interval's half-width is within ``target_half_width_pct`` or the rounds have
+    taken ``budget_s`` (the figure is then reported as reached, and not valid). ``agree``: under
+    torchrun, returns rank 0's value of what it is given, so that every rank runs the same batch and
+    rounds (the steps hold collectives). ``replay_shift_ms``: see :func:`capture_shift_draws`.
+    """
+    agree = agree or (lambda value: value)
     if rounds < 2 or steps_per_round < 1 or warmup < 0:
         raise ValueError(f"side-by-side needs rounds >= 2, steps per round >= 1, warmup >= 0; got rounds={rounds}, "
                          f"steps per round={steps_per_round}, warmup={warmup}")
+    if budget_s is not None and not budget_s > 0:
+        raise ValueError(f"the judgement's time budget must be > 0 s, got {budget_s}")
     sides = {"source": source_step, "replay": replay_step}
+    warm_ms = []
     for step in sides.values():  # both warm: caches, allocator, lazy init
         for _ in range(warmup):
-            step()
+            warm_ms.append(_timed(step, device, 1))
+    if batch is None:
+        typical = statistics.median(warm_ms[len(warm_ms) // 4:]) if warm_ms else MIN_SAMPLE_MS
+        batch = agree(max(1, min(1000, math.ceil(MIN_SAMPLE_MS / max(typical, 1e-3)))))
     times: dict[str, list[list[float]]] = {"source": [], "replay": []}
-    order = []
-    for r in range(rounds):
-        first, second = ("source", "replay") if r % 2 == 0 else ("replay", "source")
+    order: list[str] = []
+    started = time.perf_counter()
+
+    def run_round() -> None:
+        first, second = ("source", "replay") if len(order) % 2 == 0 else ("replay", "source")
         order.append(first)
         for name in (first, second):
-            step, measured = sides[name], []
-            for _ in range(steps_per_round):
-                synchronize(device)
-                started = time.perf_counter()
-                step()
-                synchronize(device)
-                measured.append(1e3 * (time.perf_counter() - started))
-            times[name].append(measured)
-    return SideBySide(times["source"], times["replay"], order).summarise(seed)
+            times[name].append([_timed(sides[name], device, batch) for _ in range(steps_per_round)])
+
+    for _ in range(rounds):
+        run_round()
+    side = SideBySide(times["source"], times["replay"], order, batch=batch, budget_s=budget_s,
+                      target_half_width_pct=target_half_width_pct, replay_shift_ms=replay_shift_ms)
+    side.elapsed_s = time.perf_counter() - started
+    side.summarise(seed)
+    while budget_s is not None and not side.half_width_pct <= target_half_width_pct and len(order) < MAX_ROUNDS:
+        per_round = side.elapsed_s / len(order)
+        # a quarter more rounds at a time (the bootstrap is recomputed each time), within the budget
+        more = max(1, min(max(2, len(order) // 4), int((budget_s - side.elapsed_s) / per_round),
+                          MAX_ROUNDS - len(order)))
+        if agree(side.elapsed_s + per_round > budget_s):
+            side.budget_exhausted = True
+            break
+        more = agree(more)
+        for _ in range(more):
+            run_round()
+        side.elapsed_s = time.perf_counter() - started
+        side.summarise(seed)
+    return side
+
+
+def _timed(step: Callable[[], Any], device: torch.device, batch: int) -> float:
+    """Milliseconds per step over ``batch`` consecutive steps, device-synchronised before and after."""
+    synchronize(device)
+    started = time.perf_counter()
+    for _ in range(batch):
+        step()
+    synchronize(device)
+    return 1e3 * (time.perf_counter() - started) / batch
 
 
 def replay_workload_spec():
@@ -184,7 +261,8 @@ def replay_workload_spec():
 
 
 def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, *, rounds: int, steps_per_round: int,
-                 warmup: int, replay_options: dict[str, Any] | None = None) -> dict[str, Any]:
+                 warmup: int, replay_options: dict[str, Any] | None = None,
+                 budget_s: float | None = DEFAULT_BUDGET_S) -> dict[str, Any]:
     """Generate the bundle's spec, replay it beside ``source_step`` and return the fidelity record.
 
     The record is the replay workload's own (coverage, categories, per-op figures) with the
@@ -196,7 +274,9 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
     replay.setup()
     try:
         side = interleave(source_step, replay.step, ctx.device, rounds=rounds, steps_per_round=steps_per_round,
-                          warmup=warmup, seed=ctx.seed)
+                          warmup=warmup, seed=ctx.seed, budget_s=budget_s,
+                          agree=_rank0_value(ctx.process_group) if ctx.distributed else None,
+                          replay_shift_ms=capture_shift_draws(getattr(replay, "replayer", None), seed=ctx.seed))
         rank_dir = rank_dirs(bundle)[min(ctx.rank, len(rank_dirs(bundle)) - 1)]
         memory_steps = len(read_meta(rank_dir).traced_step_times_s)  # each captured step once
         # The source's peak over the very steps the replay replays (the capture's allocator events, same
@@ -208,11 +288,11 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
             source_peak, source_peak_from = step_memory_peak_bytes(source_step, ctx.device, memory_steps), "next steps"
         replay_peak = step_memory_peak_bytes(replay.step, ctx.device, memory_steps)
         replay.observe_step_times([t / 1e3 for r in side.replay_ms for t in r])
-        replay.extra_metrics()  # coverage, categories, per-op timing: writes the replay's fidelity.json
+        replay.extra_metrics()  # coverage, categories, per-op timing: this rank's record (rank 0 writes it)
     finally:
         replay.teardown()
     path = ctx.work_dir / FIDELITY_FILE
-    record = json.loads(path.read_text())
+    record = copy.deepcopy(replay.record)
     cross = {k: record["metrics"].pop(k) for k in ("time_error_pct", "time_error_signed_pct", "reference_step_ms",
                                                    "reference_step_cv_pct", "replay_step_ms", "replay_step_cv_pct")
              if k in record["metrics"]}
@@ -238,13 +318,49 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
     })
     record["source_step_peak_from"] = source_peak_from
     record["judgement"] = "side_by_side"
-    record["side_by_side"] = {k: v for k, v in asdict(side).items() if k not in ("source_ms", "replay_ms")}
+    record["side_by_side"] = {k: v for k, v in asdict(side).items()
+                              if k not in ("source_ms", "replay_ms", "replay_shift_ms")}
     record["side_by_side"]["source_ms"], record["side_by_side"]["replay_ms"] = side.source_ms, side.replay_ms
     record["cross_process_against_capture"] = cross  # for reference: what the old judgement said
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=2))
-    tmp.replace(path)
+    if ctx.rank == 0:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record, indent=2))
+        tmp.replace(path)
     return record
+
+
+def capture_shift_draws(replayer: Any, *, seed: int = 0, samples: int = BOOTSTRAP_SAMPLES) -> list[float] | None:
+    """Bootstrap draws (ms) of how far a replay step would move were its two measured inputs measured again.
+
+    A replay spends the program's host time per step, measured once at capture (the median of the
+    Kineto-alone steps), less its own cost per op call, measured once at setup (the median of its
+    calibration steps). Two judgements of one program differ mostly by these two medians. Each draw
+    resamples both sets of measurements: the median gap moves the step by as much; the median call cost
+    moves it the other way, once per op. None when the replay spends no host gaps.
+    """
+    if replayer is None or not getattr(replayer, "host_gaps", False):
+        return None
+    gaps, calls = list(replayer.gap_samples_us), list(replayer.call_samples_s)
+    if len(gaps) < 2 and len(calls) < 2:
+        return None
+    ops = statistics.fmean(len(step) for step in replayer.sequence)
+    gap, call = (statistics.median(gaps) if gaps else 0.0), replayer.call_s
+    rng = random.Random(seed + 1)
+    draws = []
+    for _ in range(samples):
+        g = statistics.median(rng.choices(gaps, k=len(gaps))) if len(gaps) > 1 else gap
+        c = statistics.median(rng.choices(calls, k=len(calls))) if len(calls) > 1 else call
+        draws.append(((g - gap) - ops * 1e6 * (c - call)) / 1e3)
+    return draws
+
+
+def _rank0_value(group: Any) -> Callable[[Any], Any]:
+    def agree(value: Any) -> Any:
+        box = [value]
+        torch.distributed.broadcast_object_list(box, src=0, group=group)
+        return box[0]
+
+    return agree
 
 
 def _memory_totals(events: list, device: torch.device) -> list[tuple[float, float, float]]:
@@ -305,7 +421,8 @@ def _cv_pct(values: list[float]) -> float:
 def judge(step: Callable[[], Any], out_dir: str | Path, *, device: torch.device | str | None = None,
           model: torch.nn.Module | None = None, rounds: int = 10, steps_per_round: int = 10, warmup: int = 5,
           capture_steps: int = 3, baseline_steps: int = 20, source: str = "program",
-          replay_options: dict[str, Any] | None = None, verbose: bool = True) -> dict[str, Any]:
+          replay_options: dict[str, Any] | None = None, verbose: bool = True,
+          budget_s: float | None = DEFAULT_BUDGET_S) -> dict[str, Any]:
     """Capture ``step`` (your callable running one training step), generate its spec, and judge the replay
     side by side with ``step`` in this process (see :mod:`harness.judge`).
 
@@ -313,7 +430,9 @@ def judge(step: Callable[[], Any], out_dir: str | Path, *, device: torch.device 
     ``time_error_pct`` (signed: ``time_error_signed_pct``) with its 95 % interval, ``fidelity_valid``
     and the replay's coverage and per-category figures. ``replay_options``: settings of the replay
     workload (e.g. ``{"trust_spec": True}`` for a program that uses its own op library). ``verbose``:
-    print the verdict line (with the reason when it is not valid) to stderr.
+    print the verdict line (with the reason when it is not valid) to stderr. ``rounds`` is the least
+    number of rounds: more are added until the interval is within ±2.5 % or ``budget_s`` runs out
+    (None: exactly ``rounds``).
     """
     device = torch.device(device) if device is not None else torch.device("cpu")
     out_dir = Path(out_dir)
@@ -328,7 +447,7 @@ def judge(step: Callable[[], Any], out_dir: str | Path, *, device: torch.device 
                      world_size=torch.distributed.get_world_size() if distributed else 1,
                      process_group=torch.distributed.group.WORLD if distributed else None)
     record = judge_bundle(step, out_dir, ctx, rounds=rounds, steps_per_round=steps_per_round, warmup=warmup,
-                          replay_options=replay_options)
+                          replay_options=replay_options, budget_s=budget_s)
     if verbose:
         print(verdict_line(source, record), file=sys.stderr)
     return record
@@ -346,7 +465,7 @@ def verdict_line(name: str, record: dict[str, Any]) -> str:
 def judge_benchmark(cfg: CobenchConfig, *, benchmark: str | None = None, rounds: int = 10, steps_per_round: int = 10,
                     warmup: int = 5, capture_steps: int = 3, baseline_steps: int = 20, suite: str = "",
                     parent_run_id: str | None = None, tracker: Tracker | None = None,
-                    connect: bool = True) -> BenchmarkResult:
+                    connect: bool = True, budget_s: float | None = DEFAULT_BUDGET_S) -> BenchmarkResult:
     """``cobench trace fidelity``: capture the workload ``cfg`` names, replay it beside itself, log one run.
 
     The MLflow run (tags ``workload=generated``, ``source_workload``, ``fidelity_judgement=
@@ -379,6 +498,7 @@ def judge_benchmark(cfg: CobenchConfig, *, benchmark: str | None = None, rounds:
                     "world_size": ctx.world_size}
             result.run_id = tracker.start_run(cfg.run_name or name, tags, parent_run_id)
             tracker.log_params(result.run_id, {"judge": {"rounds": rounds, "steps_per_round": steps_per_round,
+                                                         "budget_s": budget_s,
                                                          "warmup": warmup, "capture_steps": capture_steps,
                                                          "baseline_steps": baseline_steps},
                                                **OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)})
@@ -390,7 +510,7 @@ def judge_benchmark(cfg: CobenchConfig, *, benchmark: str | None = None, rounds:
         if ctx.distributed:
             torch.distributed.barrier()  # every rank's bundle is written
         record = judge_bundle(source.workload.step, bundle, ctx, rounds=rounds, steps_per_round=steps_per_round,
-                              warmup=warmup)
+                              warmup=warmup, budget_s=budget_s)
         result.metrics = dict(record["metrics"])
         replay_rounds = [statistics.median(r) for r in record["side_by_side"]["replay_ms"]]
         result.metrics["throughput"] = 1e3 / result.metrics["replay_step_ms"]

@@ -50,6 +50,7 @@ class Plan:
     source: CobenchConfig | None = None  # the workload to capture and judge beside (entries with `capture:`)
     rounds: int = 10
     round_steps: int = 10
+    budget_s: float = 60.0
     skip: str | None = None  # why this platform cannot run it (the benchmark is SKIPPED), or None
 
 
@@ -133,7 +134,7 @@ def _plan(suite: str, bench: SuiteBenchmark, overrides: list[str], base: Cobench
         raise ValueError(f"suite {suite!r}, benchmark {bench.name!r}: capture: must name a source workload")
     bundle = results_root(base) / "traces" / suite / bench.name  # validated now; judged in the run's folder
     cfg = to_run_config(compose_config([*bench_overrides, f"workload.spec={bundle / 'spec.json'}"]))
-    return Plan(bench.name, cfg, source, bench.rounds, bench.round_steps)
+    return Plan(bench.name, cfg, source, bench.rounds, bench.round_steps, bench.budget_s)
 
 
 def _run_one(plan: Plan, suite: str, parent_id: str | None, tracker: Tracker | None,
@@ -146,7 +147,7 @@ def _run_one(plan: Plan, suite: str, parent_id: str | None, tracker: Tracker | N
         return judge_benchmark(plan.source, benchmark=plan.name, rounds=plan.rounds,
                                steps_per_round=plan.round_steps, warmup=CAPTURE_WARMUP,
                                capture_steps=CAPTURE_STEPS, baseline_steps=CAPTURE_BASELINE, suite=suite,
-                               parent_run_id=parent_id, tracker=tracker, connect=False)
+                               parent_run_id=parent_id, tracker=tracker, connect=False, budget_s=plan.budget_s)
     return run_benchmark(cfg, benchmark=plan.name, suite=suite, parent_run_id=parent_id, tracker=tracker,
                          connect=False, derived=derived)
 

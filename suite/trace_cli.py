@@ -5,6 +5,7 @@
                            [--steps I,J] [--window-ms A:B] [--repeat N] [--obfuscate]
     cobench trace export --format chakra BUNDLE [--out DIR]
     cobench trace fidelity [--rounds R] [--round-steps K] [--warmup W] [--steps N] [--baseline-steps B] [OVERRIDES]
+    cobench trace zoo [--programs A,B] [--judgements J] [--rounds R] [--round-steps K] [--out DIR] [OVERRIDES]
     cobench trace predict BUNDLE [workload.n_layers=N] [workload.batch_size=B] [workload.seq_len=S] [world_size=W]
                           [--calibration FILE] [--target-calibration FILE] [--collectives TABLE]
                           [--sharded-stage FILE] [--gradient-sync FILE | --sync-from table]
@@ -62,12 +63,30 @@ def _parser() -> argparse.ArgumentParser:
 
     fid = commands.add_parser("fidelity", help="capture → generate → replay side by side with the source, one "
                                                 "MLflow run: the trustworthy fidelity figure")
-    fid.add_argument("--rounds", type=int, default=10, help="interleaved rounds (default 10)")
-    fid.add_argument("--round-steps", type=int, default=10, help="steps of each side per round (default 10)")
+    fid.add_argument("--rounds", type=int, default=10, help="interleaved rounds, at least (default 10)")
+    fid.add_argument("--round-steps", type=int, default=10, help="samples of each side per round (default 10)")
+    fid.add_argument("--budget-s", type=float, default=60.0, help="seconds of rounds at most: rounds are added until "
+                                                                  "the interval is within ±2.5 %% (default 60)")
     fid.add_argument("--warmup", type=int, default=5, help="untimed steps of each side first (default 5)")
     fid.add_argument("--steps", type=int, default=3, help="steps traced by the capture (default 3)")
     fid.add_argument("--baseline-steps", type=int, default=20, help="plain timed steps in the capture (default 20)")
     fid.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. workload=llama")
+
+    zoo = commands.add_parser("zoo", help="judge generated benchmarks on the model zoo (transformers, torchvision, "
+                                          "timm, TorchRec, ...): one table, Markdown/CSV/JSON and MLflow")
+    zoo.add_argument("--programs", default=None, help="comma list of zoo programs (default: all)")
+    zoo.add_argument("--judgements", type=int, default=2, help="judgements per program, each from a fresh capture "
+                                                                "(default 2)")
+    zoo.add_argument("--rounds", type=int, default=10, help="interleaved rounds per judgement (default 10)")
+    zoo.add_argument("--round-steps", type=int, default=5, help="samples of each side per round (default 5)")
+    zoo.add_argument("--budget-s", type=float, default=60.0, help="seconds of rounds per judgement at most (default "
+                                                                  "60)")
+    zoo.add_argument("--warmup", type=int, default=3, help="untimed steps of each side first (default 3)")
+    zoo.add_argument("--steps", type=int, default=3, help="steps traced by each capture (default 3)")
+    zoo.add_argument("--baseline-steps", type=int, default=10, help="plain timed steps in each capture (default 10)")
+    zoo.add_argument("--timeout-s", type=float, default=1800, help="per program (default 1800)")
+    zoo.add_argument("--out", type=Path, default=None, help="output folder (default <results_dir>/zoo/<time>)")
+    zoo.add_argument("overrides", nargs="*", help="results_dir=..., tracking.*")
 
     pre = commands.add_parser("predict", help="what-if: the captured step's time under changed settings, from "
                                                "the trace's graph and calibrated cost models (no model runs)")
@@ -215,7 +234,7 @@ def _fidelity(args: argparse.Namespace) -> int:
     cfg = to_run_config(compose_config(args.overrides))
     try:
         result = judge_benchmark(cfg, rounds=args.rounds, steps_per_round=args.round_steps, warmup=args.warmup,
-                                 capture_steps=args.steps, baseline_steps=args.baseline_steps)
+                                 capture_steps=args.steps, baseline_steps=args.baseline_steps, budget_s=args.budget_s)
     finally:
         shutdown_distributed()
     if not env_dist_info().is_main:
@@ -228,13 +247,56 @@ def _fidelity(args: argparse.Namespace) -> int:
     record = json.loads((result.run_dir / "fidelity.json").read_text())
     verdict = "valid" if m["fidelity_valid"] else f"NOT VALID: {record['side_by_side']['invalid_reason']}"
     print(f"{cfg.workload.name}: replay {m['replay_step_ms']:.2f} ms vs source {m['source_step_ms']:.2f} ms per step, "
-          f"side by side in one process ({args.rounds} rounds of {args.round_steps} steps)\n"
+          f"side by side in one process ({m['judgement_rounds']:.0f} rounds of {args.round_steps} samples of "
+          f"{m['judgement_batch_steps']:.0f} step(s), {m['judgement_elapsed_s']:.0f} s of a {args.budget_s:.0f} s "
+          f"budget)\n"
           f"  time_error_pct {m['time_error_signed_pct']:+.1f} % (95 % interval {m['time_error_ci_low_pct']:+.1f} … "
           f"{m['time_error_ci_high_pct']:+.1f} %), source round cv {m['source_round_cv_pct']:.1f} %: {verdict}\n"
           f"  op coverage {m['op_coverage_pct']:.1f} %, category distance {m['category_distance']:.3f}, peak tensor "
           f"memory {m['replay_peak_memory_mb']:.1f} vs {m['source_peak_memory_mb']:.1f} MB "
           f"({m['memory_error_pct']:+.1f} %)\n"
           f"  run folder: {result.run_dir} (fidelity.json); MLflow run {result.run_id or '(tracking off)'}")
+    return EXIT_OK
+
+
+def _zoo(args: argparse.Namespace) -> int:
+    import time
+
+    from harness.config import compose_config, results_root, to_run_config
+    from harness.runner import connect_tracker
+    from suite.zoo import markdown, run_program, write_tables
+    from suite.zoo_programs import ZOO
+
+    cfg = to_run_config(compose_config(args.overrides))
+    names = list(ZOO) if not args.programs else [n.strip() for n in args.programs.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ZOO]
+    if unknown:
+        raise ValueError(f"unknown zoo program(s) {', '.join(unknown)}; known: {', '.join(ZOO)}")
+    if args.judgements < 1:
+        raise ValueError(f"--judgements must be >= 1, got {args.judgements}")
+    out = args.out or results_root(cfg) / "zoo" / time.strftime("%Y%m%d-%H%M%S")
+    tracker = connect_tracker(cfg)  # before hours of work: a store that cannot be reached is said now
+    options = {"judgements": args.judgements, "rounds": args.rounds, "steps_per_round": args.round_steps,
+               "warmup": args.warmup, "capture_steps": args.steps, "baseline_steps": args.baseline_steps,
+               "budget_s": args.budget_s}
+    rows = []
+    header = (f"Model zoo: {args.judgements} judgement(s) per program, each from a fresh capture; at least "
+              f"{args.rounds} rounds of {args.round_steps} samples each side, more until the interval is within "
+              f"±2.5 % or {args.budget_s:.0f} s are spent")
+    for i, name in enumerate(names, 1):
+        print(f"[{i}/{len(names)}] {name} ({ZOO[name].library})", file=sys.stderr, flush=True)
+        rows.append(run_program(name, out / name, options, args.timeout_s))
+        if rows[-1]["status"] != "judged":
+            print(f"  {rows[-1]['status']}: {rows[-1].get('reason', '')}", file=sys.stderr)
+        write_tables(rows, out, header)  # what is done survives an interruption
+    print(markdown(rows, header))
+    run_id = None
+    if tracker is not None:
+        from suite.zoo import log_to_mlflow
+
+        run_id = log_to_mlflow(rows, out, tracker)
+    print(f"tables: {out}/zoo.md, zoo.csv, zoo.json; each program's bundles and log in {out}/<program>/"
+          + (f"; MLflow run {run_id}" if run_id else ""))
     return EXIT_OK
 
 
@@ -679,7 +741,7 @@ def run(argv: list[str]) -> int:
     from suite.cli import CommandFailed
 
     args = _parser().parse_args(argv)
-    handlers = {"capture": _capture, "generate": _generate, "fidelity": _fidelity, "export": _export,
+    handlers = {"capture": _capture, "generate": _generate, "fidelity": _fidelity, "export": _export, "zoo": _zoo,
                 "predict": _predict, "calibrate": _calibrate, "predict-validate": _predict_validate,
                 "time-stage": _time_stage_command, "time-sync": _time_sync_command, "measure-pair": _measure_pair}
     try:

@@ -47,6 +47,20 @@ def bool_mask_rows() -> Callable[[], None]:
     return _train(head, loss)
 
 
+def column_mask_and_index_list() -> Callable[[], None]:
+    """``h[:, keep]`` (an index list with a leading undefined entry) and ``h[rows, cols]`` from a scatter graph."""
+    lin = nn.Linear(16, 16)
+
+    def loss() -> torch.Tensor:
+        h = lin(torch.randn(24, 16))
+        keep = h.detach().std(0) > 0.5
+        src, dst = torch.randint(0, 24, (2, 60))
+        agg = torch.zeros_like(h).index_add_(0, dst, h[src])
+        return h[:, keep].pow(2).mean() + agg[dst, src % 16].mean()
+
+    return _train(lin, loss)
+
+
 def mask_nonzero_index_put() -> Callable[[], None]:
     """A data-dependent mask feeding ``nonzero`` and a masked assignment (``index_put`` with a bool index)."""
     lin = nn.Linear(16, 16)
@@ -167,9 +181,10 @@ def lstm_packed_lengths() -> Callable[[], None]:
     return _train(model, loss)
 
 
-FAMILIES = {f.__name__: f for f in (bool_mask_rows, mask_nonzero_index_put, masked_select_pairs,
-                                     unique_inverse_lookup, bincount_repeat_interleave, topk_sort_indices,
-                                     argwhere_where_cond, box_keep_list, masked_scatter_fill, lstm_packed_lengths)}
+FAMILIES = {f.__name__: f for f in (
+    bool_mask_rows, column_mask_and_index_list, mask_nonzero_index_put, masked_select_pairs, unique_inverse_lookup,
+    bincount_repeat_interleave, topk_sort_indices, argwhere_where_cond, box_keep_list, masked_scatter_fill,
+    lstm_packed_lengths)}
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

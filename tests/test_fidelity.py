@@ -8,6 +8,7 @@ was not designed around, on a user's callable, and through ``cobench trace fidel
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -58,16 +59,41 @@ def test_interleaving_cancels_machine_drift(monkeypatch):
     assert side.time_error_ci_low_pct < 20.0 < side.time_error_ci_high_pct
 
 
-def test_a_noisy_source_makes_the_figure_invalid_with_the_reason():
+def test_a_wide_interval_makes_the_figure_invalid_with_the_reason():
     steady = [[10.0, 10.1, 9.9]] * 6
-    noisy = [[10.0] * 3, [25.0] * 3, [10.0] * 3, [30.0] * 3, [10.0] * 3, [12.0] * 3]
     ok = SideBySide(steady, [[10.5, 10.4, 10.6]] * 6, ["source", "replay"] * 3).summarise()
     assert ok.fidelity_valid and ok.invalid_reason == "" and ok.time_error_pct == pytest.approx(5.0)
-    bad = SideBySide(noisy, noisy, ["source", "replay"] * 3).summarise()
-    assert not bad.fidelity_valid
-    assert "source's own step time varies" in bad.invalid_reason and bad.metrics()["fidelity_valid"] == 0.0
+    source = [[10.0] * 3, [25.0] * 3, [10.0] * 3, [30.0] * 3, [10.0] * 3, [12.0] * 3]
+    replay = [[12.0] * 3, [10.0] * 3, [31.0] * 3, [10.0] * 3, [24.0] * 3, [10.0] * 3]  # noise on its own
+    bad = SideBySide(source, replay, ["source", "replay"] * 3).summarise()
+    assert not bad.fidelity_valid and bad.metrics()["fidelity_valid"] == 0.0
+    assert "95 % interval is ±" in bad.invalid_reason and "after 6 rounds" in bad.invalid_reason
     few = SideBySide(steady[:2], [[10.5, 10.4, 10.6]] * 2, ["source", "replay"]).summarise()
     assert not few.fidelity_valid and "too few for an interval" in few.invalid_reason
+
+
+def test_the_judge_adds_rounds_until_the_interval_is_narrow_or_the_budget_is_spent(monkeypatch):
+    """A replay 3 % slower, both sides with ±10 % noise of their own: the judge adds rounds until the interval
+    is within ±2.5 %, inside its budget. With ±60 % noise and a budget too small for that it stops when the
+    budget is spent, and says so with the interval reached."""
+    clock = FakeClock()
+    monkeypatch.setattr(judge_module.time, "perf_counter", clock)
+    noise = random.Random(7)
+
+    def work(ms: float, spread: float = 0.1) -> None:
+        clock.now += 1e-3 * ms * (1 + noise.uniform(-spread, spread))
+
+    side = interleave(lambda: work(5.0), lambda: work(5.15), torch.device("cpu"), rounds=10, steps_per_round=2,
+                      warmup=2, budget_s=60.0)
+    assert side.batch in (4, 5)  # ~5 ms steps, timed 4 or 5 at a time: a sample lasts 20 ms
+    assert side.fidelity_valid and side.half_width_pct <= 2.5 and len(side.order) > 10
+    assert side.time_error_ci_low_pct < 3.0 < side.time_error_ci_high_pct
+    assert side.metrics()["judgement_rounds"] == len(side.order) and side.elapsed_s <= 60.0
+
+    short = interleave(lambda: work(5.0, 0.6), lambda: work(5.15, 0.6), torch.device("cpu"), rounds=10,
+                       steps_per_round=2, warmup=2, budget_s=1.5)
+    assert short.budget_exhausted and not short.fidelity_valid and short.elapsed_s <= 1.5
+    assert "the budget spent (--budget-s 2)" in short.invalid_reason
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
@@ -76,7 +102,7 @@ def test_corpus_program_replays_completely_judged_side_by_side(name: str, tmp_pa
     torch.manual_seed(0)
     step, model = PROGRAMS[name]()
     record = judge(step, tmp_path / "bundle", model=model, rounds=3, steps_per_round=4, warmup=2,
-                   baseline_steps=5, source=name)
+                   baseline_steps=5, source=name, budget_s=None)
     metrics = record["metrics"]
     assert record["failed_ops"] == [] and metrics["op_coverage_pct"] == 100.0, record["failed_ops"][:3]
     assert record["judgement"] == "side_by_side"
@@ -114,7 +140,7 @@ def test_replay_holds_buffers_as_long_as_the_program_did(tmp_path: Path):
         del big
         (other.sum() + small).item()
 
-    record = judge(step, tmp_path / "bundle", rounds=3, steps_per_round=4, warmup=2, baseline_steps=5)
+    record = judge(step, tmp_path / "bundle", rounds=3, steps_per_round=4, warmup=2, baseline_steps=5, budget_s=None)
     metrics = record["metrics"]
     assert metrics["op_coverage_pct"] == 100.0
     assert abs(metrics["memory_error_pct"]) <= 5.0, (metrics["source_step_peak_mb"], metrics["replay_step_peak_mb"])
@@ -126,7 +152,7 @@ def test_replay_holds_buffers_as_long_as_the_program_did(tmp_path: Path):
 def test_cobench_trace_fidelity_is_one_mlflow_run(tmp_path: Path):
     results = tmp_path / "results"
     proc = subprocess.run([sys.executable, "-m", "suite.cli", "trace", "fidelity", "--rounds", "3", "--round-steps",
-                           "3", "--baseline-steps", "5", "workload=llama", f"results_dir={results}"],
+                           "3", "--baseline-steps", "5", "--budget-s", "5", "workload=llama", f"results_dir={results}"],
                           capture_output=True, text=True, timeout=600, env=clean_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "side by side in one process" in proc.stdout and "95 % interval" in proc.stdout

@@ -108,8 +108,10 @@ def tensor_info(ref: list, shape: Any, stride: Any, et_type: str) -> TensorInfo:
 
 
 def list_types(et_type: str) -> list[str]:
+    """Element types of ``GenericList[...]``: a tensor type may hold commas and parentheses of its own
+    (``Tensor(nullptr (uninitialized))``, an undefined tensor)."""
     inner = et_type[len("GenericList["):-1]
-    return re.findall(r"Tensor\([^)]*\)|[^,]+", inner) if inner else []
+    return re.findall(r"Tensor\((?:[^()]|\([^()]*\))*\)|[^,]+", inner) if inner else []
 
 
 @dataclass

@@ -67,11 +67,12 @@ class StepRecord:
     tail_gap_us: float = 0.0  # host time after its last op
     host_gap_us: float = 0.0  # host time per step, all gaps together
     ops_dur_us: float = 0.0  # every captured op's time in it (the denominator of a partial spec)
+    host_gap_samples_us: tuple[float, ...] = ()  # the per-step measurements host_gap_us is the median of
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> StepRecord:
         return cls(int(raw["index"]), float(raw.get("tail_gap_us", 0.0)), float(raw.get("host_gap_us", 0.0)),
-                   float(raw.get("ops_dur_us", 0.0)))
+                   float(raw.get("ops_dur_us", 0.0)), tuple(float(g) for g in raw.get("host_gap_samples_us", ())))
 
 
 @dataclass(frozen=True)

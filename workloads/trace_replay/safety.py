@@ -92,6 +92,7 @@ _OP_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z
 MAX_INT = 2**63 - 1
 MAX_ELEMENTS = 2**48  # no tensor view spans more elements than this (~281 T)
 MAX_GAP_US = 10e6  # one host gap: 10 s
+MAX_GAP_SAMPLES = 1000  # host-gap measurements a step's estimate rests on
 MAX_STEP_HOST_US = 60e6  # one step's host time in all: 60 s
 MAX_REPEAT = 10_000
 MAX_STRING = 4096
@@ -213,6 +214,11 @@ class _Checker:
             index = self.int_(step.get("index"), f"{loc}.index", 0)
             for key in ("tail_gap_us", "host_gap_us", "ops_dur_us"):
                 self.number(step.get(key, 0.0), f"{loc}.{key}", 0.0, MAX_STEP_HOST_US if key != "ops_dur_us" else 1e12)
+            samples = self.list_(step.get("host_gap_samples_us", []), f"{loc}.host_gap_samples_us")
+            self.need(len(samples) <= MAX_GAP_SAMPLES, f"{loc}.host_gap_samples_us",
+                      f"{len(samples)} samples (at most {MAX_GAP_SAMPLES})")
+            for j, sample in enumerate(samples[:MAX_GAP_SAMPLES]):
+                self.number(sample, f"{loc}.host_gap_samples_us[{j}]", 0.0, MAX_STEP_HOST_US)
             host_us[index] = step.get("tail_gap_us", 0.0)
         for i, op in enumerate(self.list_(rank["ops"], f"{where}.ops")):
             loc = f"{where}.ops[{i}]"

@@ -42,6 +42,7 @@ from workloads.trace_bundle import (
     read_json,
     read_meta,
 )
+from workloads.trace_replay.ops import list_types
 
 SPEC_SCHEMA = "cobench-generated-spec/1"
 MAX_TENSOR_DATA_BYTES = 16 * 2**20  # larger recorded integer inputs fall back to their value range
@@ -268,7 +269,7 @@ def _tensor_data(resources: Path, node: Node) -> dict[str, str]:
     for value, et_type in zip(node.inputs.get("values", []), node.inputs.get("types", []), strict=False):
         items = [(value, et_type)]
         if et_type.startswith("GenericList[") and isinstance(value, list):
-            items = list(zip(value, _list_types(et_type), strict=False))
+            items = list(zip(value, list_types(et_type), strict=False))
         for item, item_type in items:
             if not item_type.startswith("Tensor("):
                 continue
@@ -279,12 +280,6 @@ def _tensor_data(resources: Path, node: Node) -> dict[str, str]:
             if 0 < path.stat().st_size <= MAX_TENSOR_DATA_BYTES:
                 data[str(index)] = base64.b64encode(path.read_bytes()).decode("ascii")
     return data
-
-
-def _list_types(et_type: str) -> list[str]:
-    """Element types of ``GenericList[...]`` (a tensor type may itself contain commas)."""
-    inner = et_type[len("GenericList["):-1]
-    return re.findall(r"Tensor\([^)]*\)|[^,]+", inner) if inner else []
 
 
 def _step_of(node: Node, ancestors: list[Node], event: dict | None, step_events: list[dict]) -> int | None:
@@ -359,15 +354,19 @@ def extract_rank(bundle: Path) -> tuple[BundleMeta, list[dict[str, Any]], list[d
         raise TraceError(f"{et_path}: the captured steps contain no operators with a schema")
     _mark_source_releases(ops, kineto)
     timing_path = bundle / KINETO_TIMING_FILE
-    gap = None
+    gap, samples = None, []
     if timing_path.is_file():
         # plain steps of the same minutes as the Kineto ones where the bundle has them (older
         # bundles: the baseline's, taken before the traced phase)
         plain = meta.timing_plain_step_times_s or meta.step_times_s
         plain_us = 1e6 * statistics.median(plain)
         names = {op["name"] for op in ops}
-        gap = host_gap_us(read_json(timing_path, "Kineto timing trace"), timing_path, plain_us, names.__contains__)
+        samples = list(kineto_host_gaps(read_json(timing_path, "Kineto timing trace"), timing_path, {None: plain_us},
+                                        names.__contains__).values())
+        gap = statistics.median(samples) if samples else None
     _place_host_gaps(ops, steps, gap)
+    for step in steps:  # what the estimate rests on: a judgement resamples it (harness.judge)
+        step["host_gap_samples_us"] = samples
     return meta, ops, steps
 
 
@@ -455,17 +454,6 @@ def _mark_source_releases(ops: list[dict[str, Any]], kineto: dict[str, Any]) -> 
                 bisect.insort(orphans, orphan)
         elif nbytes < 0 and addr in owner:
             timed[at]["released"].append(owner.pop(addr))
-
-
-def host_gap_us(timing: Any, path: Path, plain_us: float, replayed: Callable[[str], bool] | None = None
-                ) -> float | None:
-    """The program's own host time per step (Python, framework: between ops), without the profiler.
-
-    From the steps captured under Kineto alone; the median over them (None when there are none).
-    See :func:`kineto_host_gaps`.
-    """
-    gaps = kineto_host_gaps(timing, path, {None: plain_us}, replayed)
-    return statistics.median(gaps.values()) if gaps else None
 
 
 def kineto_host_gaps(timing: Any, path: Path, plain_us: dict[int | None, float],

@@ -108,6 +108,7 @@ class GeneratedWorkload(WorkloadBase):
             self.reference_platform = meta.platform
         self.replayer: Replayer | None = None
         self.step_times_s: list[float] = []
+        self.record: dict[str, Any] = {}  # the fidelity record extra_metrics() made (rank 0 also writes it)
 
     @classmethod
     def from_bundle(cls, bundle: Path, ctx: RunContext, **options: Any) -> GeneratedWorkload:
@@ -186,6 +187,7 @@ class GeneratedWorkload(WorkloadBase):
             record["metrics"]["replay_host_us_per_op"] = 1e6 * self.replayer.call_s
         record["metrics"]["replay_nonfinite_tensors"] = float(self.replayer.nonfinite_tensors())
         record["replay_platform"] = self.platform
+        self.record = record
         if self.reference_platform is not None:
             record["reference_platform"] = self.reference_platform
         if self.ctx.rank == 0 and record["unfaithful"]:

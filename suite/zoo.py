@@ -1,0 +1,235 @@
+"""``cobench trace zoo``: how far a generated benchmark can be trusted, judged on the model zoo.
+
+Every program of :mod:`suite.zoo_programs` runs in a process of its own (under torchrun with gloo
+when it spans ranks), is captured, generated and replayed side by side with itself
+(:func:`harness.judge.judge`) ``judgements`` times, each from a fresh capture, and gives one row:
+ops per step, step time, op coverage, the time error with its 95 % interval and verdict per
+judgement, whether the judgements' intervals overlap, the memory error and the capture's overhead.
+The table goes to ``zoo.md``, ``zoo.csv`` and ``zoo.json`` in the output folder and, one run per
+program under a parent run, to MLflow.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROW_FILE = "row.json"
+COLUMNS = ["program", "library", "status", "ops_per_step", "step_ms", "op_coverage_pct", "time_error_pct",
+           "time_interval_pct", "valid", "judgements_overlap", "memory_error_pct", "capture_overhead_pct",
+           "rounds", "reason"]
+
+
+def missing_modules(requires: tuple[str, ...]) -> str:
+    """Why a program cannot run here ('' when every module it needs imports)."""
+    for module in requires:
+        try:
+            importlib.import_module(module)
+        except Exception as err:  # noqa: BLE001 - any import failure: the program is not run, with the reason
+            return f"{module} does not import here: {type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    return ""
+
+
+def judge_one(name: str, out: Path, *, judgements: int, rounds: int, steps_per_round: int, warmup: int,
+              capture_steps: int, baseline_steps: int, budget_s: float = 60.0) -> dict[str, Any]:
+    """Build the program, judge it ``judgements`` times from fresh captures; this rank's row (rank 0 writes it)."""
+    import torch
+    import torch.distributed as dist
+
+    from harness.judge import judge
+    from suite.zoo_programs import ZOO
+
+    program = ZOO[name]
+    if program.world_size > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.manual_seed(1234 + rank)
+    step, model = program.build()
+    records = []
+    for j in range(judgements):
+        records.append(judge(step, out / f"judgement{j}", model=model, rounds=rounds, steps_per_round=steps_per_round,
+                             warmup=warmup, capture_steps=capture_steps, baseline_steps=baseline_steps, source=name,
+                             verbose=rank == 0, budget_s=budget_s))
+    return summarise(name, records, out)
+
+
+def summarise(name: str, records: list[dict[str, Any]], out: Path) -> dict[str, Any]:
+    """One row of the table from a program's judgement records."""
+    from suite.zoo_programs import ZOO
+
+    program = ZOO[name]
+    first = records[0]["metrics"]
+    meta = json.loads((_rank0(out / "judgement0") / "meta.json").read_text())
+    intervals = [(r["metrics"]["time_error_ci_low_pct"], r["metrics"]["time_error_ci_high_pct"]) for r in records]
+    overlap = max(low for low, _ in intervals) <= min(high for _, high in intervals)
+    reasons = [r["side_by_side"]["invalid_reason"] for r in records if r["side_by_side"]["invalid_reason"]]
+    return {
+        "program": name, "library": program.library, "description": program.description, "status": "judged",
+        "world_size": program.world_size,
+        "ops_per_step": first["ops_per_step"], "step_ms": first["source_step_ms"],
+        "op_coverage_pct": min(r["metrics"]["op_coverage_pct"] for r in records),
+        "ops_divergent": max(r["metrics"].get("ops_divergent", 0.0) for r in records),
+        "time_error_signed_pct": [r["metrics"]["time_error_signed_pct"] for r in records],
+        "time_error_ci_pct": [list(i) for i in intervals],
+        "fidelity_valid": [bool(r["metrics"]["fidelity_valid"]) for r in records],
+        "judgements_overlap": overlap,
+        "memory_error_pct": [r["metrics"].get("memory_error_pct", math.nan) for r in records],
+        "capture_overhead_pct": _overhead(meta),
+        "rounds": [int(r["metrics"]["judgement_rounds"]) for r in records],
+        "reason": "; ".join(dict.fromkeys(reasons)),
+    }
+
+
+def _rank0(bundle: Path) -> Path:
+    return bundle / "rank0" if (bundle / "rank0").is_dir() else bundle
+
+
+def _overhead(meta: dict[str, Any]) -> float:
+    plain = sorted(meta.get("step_times_s") or [math.nan])
+    traced = sorted(meta.get("traced_step_times_s") or [math.nan])
+    return 100.0 * (traced[len(traced) // 2] / plain[len(plain) // 2] - 1.0)
+
+
+def run_program(name: str, out: Path, options: dict[str, int], timeout_s: float) -> dict[str, Any]:
+    """One program in a process of its own (torchrun for several ranks); its row, or why it has none."""
+    from suite.zoo_programs import ZOO
+
+    program = ZOO[name]
+    base = {"program": name, "library": program.library, "description": program.description,
+            "world_size": program.world_size}
+    missing = missing_modules(program.requires)
+    if missing:
+        return {**base, "status": "not run", "reason": missing}
+    out.mkdir(parents=True, exist_ok=True)
+    args = ["-m", "suite.zoo", name, str(out), json.dumps(options)]
+    if program.world_size > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={program.world_size}", *args]
+    else:
+        command = [sys.executable, *args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {**base, "status": "failed", "reason": f"did not finish in {timeout_s:.0f} s"}
+    (out / "log.txt").write_text(done.stdout + done.stderr)
+    row_path = out / ROW_FILE
+    if done.returncode != 0 or not row_path.is_file():
+        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        return {**base, "status": "failed", "reason": f"exit {done.returncode}: {tail[:300]} (log: {out / 'log.txt'})"}
+    row = json.loads(row_path.read_text())
+    row["wall_s"] = time.perf_counter() - started
+    return row
+
+
+def _pm(values: list[float], fmt: str = "+.1f") -> str:
+    return " / ".join(format(v, fmt) for v in values)
+
+
+def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The rows as the table shows them (one judgement's figures after another, separated by '/')."""
+    shown = []
+    for row in rows:
+        if row["status"] != "judged":
+            shown.append({c: "" for c in COLUMNS} | {"program": row["program"], "library": row["library"],
+                                                     "status": row["status"], "reason": row.get("reason", "")})
+            continue
+        shown.append({
+            "program": row["program"], "library": row["library"], "status": row["status"],
+            "ops_per_step": f"{row['ops_per_step']:.0f}", "step_ms": f"{row['step_ms']:.2f}",
+            "op_coverage_pct": f"{row['op_coverage_pct']:.1f}",
+            "time_error_pct": _pm(row["time_error_signed_pct"]),
+            "time_interval_pct": " / ".join(f"[{lo:+.1f}, {hi:+.1f}]" for lo, hi in row["time_error_ci_pct"]),
+            "valid": " / ".join("yes" if v else "no" for v in row["fidelity_valid"]),
+            "judgements_overlap": "yes" if row["judgements_overlap"] else "no",
+            "memory_error_pct": _pm(row["memory_error_pct"]),
+            "capture_overhead_pct": f"{row['capture_overhead_pct']:+.0f}",
+            "rounds": " / ".join(str(r) for r in row["rounds"]),
+            "reason": row["reason"],
+        })
+    return shown
+
+
+def markdown(rows: list[dict[str, Any]], header: str) -> str:
+    shown = table_rows(rows)
+    lines = [header, "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(r[c].replace("|", "\\|") for c in COLUMNS) + " |" for r in shown]
+    judged = [r for r in rows if r["status"] == "judged"]
+    if judged:
+        within5 = sum(all(abs(e) <= 5 for e in r["time_error_signed_pct"]) for r in judged)
+        within10 = sum(all(abs(e) <= 10 for e in r["time_error_signed_pct"]) for r in judged)
+        lines += ["", f"{len(judged)} programs judged: coverage 100 % on "
+                      f"{sum(r['op_coverage_pct'] == 100.0 for r in judged)}, memory within 10 % on "
+                      f"{sum(all(abs(m) <= 10 for m in r['memory_error_pct']) for r in judged)}, every verdict valid "
+                      f"on {sum(all(r['fidelity_valid']) for r in judged)}, time within 5 % on {within5} and within "
+                      f"10 % on {within10} (every judgement), intervals overlapping on "
+                      f"{sum(r['judgements_overlap'] for r in judged)}."]
+    return "\n".join(lines) + "\n"
+
+
+def write_tables(rows: list[dict[str, Any]], out: Path, header: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "zoo.json").write_text(json.dumps(rows, indent=2))
+    (out / "zoo.md").write_text(markdown(rows, header))
+    with (out / "zoo.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(table_rows(rows))
+
+
+def log_to_mlflow(rows: list[dict[str, Any]], out: Path, tracker: Any) -> str:
+    """A parent run (the tables as artifacts) with one child run per program; returns the parent's id."""
+    import torch
+
+    parent = tracker.start_run("trace_zoo", {"benchmark": "trace_zoo", "workload": "generated",
+                                            "torch_version": torch.__version__})
+    for row in rows:
+        child = tracker.start_run(row["program"], {"benchmark": "trace_zoo", "workload": "generated",
+                                                   "source_workload": row["program"], "library": row["library"],
+                                                   "zoo_status": row["status"]}, parent)
+        if row["status"] == "judged":
+            metrics = {"ops_per_step": row["ops_per_step"], "source_step_ms": row["step_ms"],
+                       "op_coverage_pct": row["op_coverage_pct"], "capture_overhead_pct": row["capture_overhead_pct"],
+                       "judgements_overlap": float(row["judgements_overlap"])}
+            for j, (error, (low, high), valid, memory) in enumerate(zip(
+                    row["time_error_signed_pct"], row["time_error_ci_pct"], row["fidelity_valid"],
+                    row["memory_error_pct"], strict=True)):
+                metrics.update({f"time_error_signed_pct_{j}": error, f"time_error_ci_low_pct_{j}": low,
+                                f"time_error_ci_high_pct_{j}": high, f"fidelity_valid_{j}": float(valid),
+                                f"memory_error_pct_{j}": memory})
+            tracker.log_metrics(child, {k: v for k, v in metrics.items() if math.isfinite(v)})
+        if row.get("reason"):
+            tracker.set_tags(child, {"zoo_reason": row["reason"][:4000]})
+        tracker.end_run(child, "FINISHED" if row["status"] == "judged" else "FAILED", row.get("reason") or None)
+    for name in ("zoo.md", "zoo.csv", "zoo.json"):
+        tracker.log_artifact(parent, out / name)
+    tracker.end_run(parent, "FINISHED")
+    return parent
+
+
+def main(argv: list[str]) -> int:
+    """Child process: ``python -m suite.zoo NAME OUT OPTIONS_JSON`` (rank 0 writes ``OUT/row.json``)."""
+    name, out, options = argv[0], Path(argv[1]), json.loads(argv[2])
+    try:
+        row = judge_one(name, out, **options)
+    except Exception:
+        traceback.print_exc()
+        return 1
+    if int(os.environ.get("RANK", "0")) == 0:
+        (out / ROW_FILE).write_text(json.dumps(row, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
