@@ -13,8 +13,8 @@ The first ``warmup`` steps run plain (not timed), the next ``baseline_steps`` ru
 timed — the reference the replay is judged against, since the profiler itself distorts time —,
 the next ``steps`` run under the PyTorch execution-trace observer and the Kineto profiler (the
 structure), and the last ones measure how much of a step is the program's own host time between
-ops: 4 rounds of Kineto alone (2 steps to settle, 2 measured) then plain (4 to settle, 3 measured),
-so the profiler's cost is taken against plain steps of the same minutes, not of the baseline. A
+ops: 6 rounds of Kineto alone (2 steps to settle, 2 measured) then plain (4 to settle, 3 measured),
+so the profiler's cost is taken against the plain steps of the same round, not of the baseline. A
 registered workload whose op shapes follow its data (seqrec's length buckets) holds its batch from the
 traced step on (``hold_batch``), so those steps run the traced step's shapes. The
 bundle (see :mod:`workloads.trace_bundle`) is written when the ``with`` block ends. Under
@@ -82,7 +82,7 @@ INDEX_OPS = (
 
 # The host-time phase: rounds of Kineto alone then plain. Each block's first steps run slow and are
 # not measured: after the profiler starts (its buffers fill) and after it stops (caches, allocator).
-TIMING_ROUNDS = 4
+TIMING_ROUNDS = 6  # each round's Kineto-alone steps are set against that round's plain steps (drift apart)
 TIMING_WARMUP = 2  # Kineto-alone steps of a round not measured
 TIMING_MEASURED = 2  # Kineto-alone steps of a round measured: the host-gap estimate is their median
 PLAIN_SETTLE = 4  # plain steps after the profiler stopped, not measured
@@ -355,6 +355,7 @@ def capture(
         peak_memory_bytes=cap.memory.read(),
         timing_step_times_s=cap.timing_times_s,
         timing_plain_step_times_s=cap.timing_plain_times_s,
+        timing_rounds=len(cap.timing_times_s) // TIMING_MEASURED,
     )
     (target / META_FILE).write_text(json.dumps(meta.to_json(), indent=2))
     if announce and rank == 0:

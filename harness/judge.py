@@ -279,13 +279,11 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
                           replay_shift_ms=capture_shift_draws(getattr(replay, "replayer", None), seed=ctx.seed))
         rank_dir = rank_dirs(bundle)[min(ctx.rank, len(rank_dirs(bundle)) - 1)]
         memory_steps = len(read_meta(rank_dir).traced_step_times_s)  # each captured step once
-        # The source's peak over the very steps the replay replays (the capture's allocator events, same
-        # process, same batches): a program whose batches differ (jagged, data-dependent) would otherwise
-        # be judged against other batches. Bundles without memory events: the source's next steps.
-        source_peak = captured_step_peak_bytes(rank_dir, ctx.device)
-        source_peak_from = "captured steps"
-        if source_peak is None:
-            source_peak, source_peak_from = step_memory_peak_bytes(source_step, ctx.device, memory_steps), "next steps"
+        # Each side's peak over as many of its own steps as were captured, measured alike. Not the captured
+        # steps' own allocator events: under the execution-trace observer, the copies it makes of integer
+        # inputs (recorded data, value ranges) are allocations too — a GCN's edge indices added 83 % there.
+        captured_peak = captured_step_peak_bytes(rank_dir, ctx.device)
+        source_peak = step_memory_peak_bytes(source_step, ctx.device, memory_steps)
         replay_peak = step_memory_peak_bytes(replay.step, ctx.device, memory_steps)
         replay.observe_step_times([t / 1e3 for r in side.replay_ms for t in r])
         replay.extra_metrics()  # coverage, categories, per-op timing: this rank's record (rank 0 writes it)
@@ -316,7 +314,8 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
         "memory_error_pct": 100.0 * (replay_peak - source_peak) / (static + source_peak)
         if static + source_peak > 0 else math.nan,
     })
-    record["source_step_peak_from"] = source_peak_from
+    if captured_peak is not None:  # for reference: the capture's own copies included
+        record["metrics"]["captured_step_peak_mb"] = captured_peak / 2**20
     record["judgement"] = "side_by_side"
     record["side_by_side"] = {k: v for k, v in asdict(side).items()
                               if k not in ("source_ms", "replay_ms", "replay_shift_ms")}

@@ -354,8 +354,9 @@ def fidelity_step(check: Check) -> Outcome:
     """``cobench trace fidelity workload=llama``: capture, generate and replay side by side with the source."""
     results = check.out / "runs" / "trace_fidelity"
     # the dry run checks the path (a shared CPU cannot judge fidelity); a device gets the judgement's own sizes
-    sizes = (["--rounds", "2", "--round-steps", "3", "--warmup", "1", "--baseline-steps", "3"] if check.dry_run
-             else ["--rounds", "5", "--round-steps", "20", "--warmup", "3", "--baseline-steps", "10"])
+    sizes = (["--rounds", "2", "--round-steps", "3", "--warmup", "1", "--baseline-steps", "3", "--budget-s", "5"]
+             if check.dry_run else ["--rounds", "5", "--round-steps", "20", "--warmup", "3", "--baseline-steps", "10",
+                                    "--budget-s", "60"])
     argv = ["-m", "suite.cli", "trace", "fidelity", *sizes, "--steps", "2", "workload=llama", "workload.preset=tiny",
             *check.platform_overrides(), "tracking=off", "runner.progress=false", f"results_dir={results}"]
     code, tail = check.child("trace_fidelity", argv, 240.0)

@@ -71,7 +71,7 @@ def summarise(name: str, records: list[dict[str, Any]], out: Path) -> dict[str, 
     meta = json.loads((_rank0(out / "judgement0") / "meta.json").read_text())
     intervals = [(r["metrics"]["time_error_ci_low_pct"], r["metrics"]["time_error_ci_high_pct"]) for r in records]
     overlap = max(low for low, _ in intervals) <= min(high for _, high in intervals)
-    reasons = [r["side_by_side"]["invalid_reason"] for r in records if r["side_by_side"]["invalid_reason"]]
+    reasons = [r["side_by_side"]["invalid_reason"] for r in records]
     return {
         "program": name, "library": program.library, "description": program.description, "status": "judged",
         "world_size": program.world_size,
@@ -85,7 +85,10 @@ def summarise(name: str, records: list[dict[str, Any]], out: Path) -> dict[str, 
         "memory_error_pct": [r["metrics"].get("memory_error_pct", math.nan) for r in records],
         "capture_overhead_pct": _overhead(meta),
         "rounds": [int(r["metrics"]["judgement_rounds"]) for r in records],
-        "reason": "; ".join(dict.fromkeys(reasons)),
+        "reasons": reasons,  # per judgement ('' for a valid one)
+        "reason": "; ".join(dict.fromkeys(r for r in reasons if r)),
+        "capture_half_width_pct": [r["metrics"].get("capture_half_width_pct", 0.0) for r in records],
+        "captured_step_peak_mb": first.get("captured_step_peak_mb"),
     }
 
 
@@ -156,9 +159,23 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
             "memory_error_pct": _pm(row["memory_error_pct"]),
             "capture_overhead_pct": f"{row['capture_overhead_pct']:+.0f}",
             "rounds": " / ".join(str(r) for r in row["rounds"]),
-            "reason": row["reason"],
+            "reason": " / ".join(_short(r) for r in row.get("reasons", [row["reason"]])),
         })
     return shown
+
+
+def _short(reason: str) -> str:
+    """A judgement's reason in a few words (the notes under the table give it whole)."""
+    if not reason:
+        return "-"
+    words = []
+    if "not the program" in reason:
+        words.append("ops failed or diverged")
+    if "95 % interval" in reason:
+        words.append("interval " + reason.split("95 % interval is ", 1)[1].split(" ", 1)[0] + " %, budget spent")
+    if "too few" in reason:
+        words.append("too few rounds")
+    return ", ".join(words) or reason[:60]
 
 
 def markdown(rows: list[dict[str, Any]], header: str) -> str:
@@ -175,6 +192,9 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
                       f"on {sum(all(r['fidelity_valid']) for r in judged)}, time within 5 % on {within5} and within "
                       f"10 % on {within10} (every judgement), intervals overlapping on "
                       f"{sum(r['judgements_overlap'] for r in judged)}."]
+    notes = [f"- **{r['program']}**: {r['reason']}" for r in rows if r.get("reason")]
+    if notes:
+        lines += ["", "Why a judgement is not valid, or a program was not judged:", "", *notes]
     return "\n".join(lines) + "\n"
 
 

@@ -5,7 +5,8 @@ data, optimiser — and returns ``(step, model)``: ``step()`` runs one training 
 cover the op families a replay must get right: convolutions with batch norm and pooling, a
 recurrent net, attention with padding masks, top-k routing with gather/scatter on computed
 indices, embedding bags with per-sample weights, scatter-reduce message passing, bf16 autocast
-with gradient clipping, and a model run through ``torch.compile``.
+with gradient clipping, a model run through ``torch.compile``, and a conv1d + LSTM + masked-attention
+model whose loss reads rows selected by a data-dependent mask.
 """
 
 from __future__ import annotations
@@ -154,6 +155,37 @@ def compiled_mlp() -> Program:
     return _trainer(model, lambda: F.cross_entropy(compiled(x), y)), model
 
 
+def conv_lstm_masked_attention() -> Program:
+    """Written the way a newcomer would: conv1d, an LSTM, attention with a boolean key-padding mask from
+    random lengths, masked_fill, torch.where on a confidence mask, and the loss over ``logits[valid]``."""
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv1d(16, 32, 3, padding=1)
+            self.lstm = nn.LSTM(32, 32, batch_first=True)
+            self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+            self.head = nn.Linear(32, 10)
+
+        def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+            h = F.relu(self.conv(x.transpose(1, 2))).transpose(1, 2)
+            h, _ = self.lstm(h)
+            h, _ = self.attn(h, h, h, key_padding_mask=pad)
+            return self.head(h.masked_fill(pad.unsqueeze(-1), 0.0))
+
+    model = Net()
+
+    def loss() -> torch.Tensor:
+        x, y = torch.randn(16, 48, 16), torch.randint(0, 10, (16, 48))
+        pad = torch.arange(48)[None, :] >= torch.randint(12, 49, (16,))[:, None]
+        logits = model(x, pad)
+        confident = logits.softmax(-1).amax(-1) > 0.2
+        logits = torch.where(confident.unsqueeze(-1), logits, logits * 0.5)
+        valid = ~pad
+        return F.cross_entropy(logits[valid], y[valid])
+
+    return _trainer(model, loss), model
+
+
 PROGRAMS: dict[str, Callable[[], Program]] = {
     "cnn_batchnorm": cnn_batchnorm,
     "gru_tagger": gru_tagger,
@@ -163,4 +195,5 @@ PROGRAMS: dict[str, Callable[[], Program]] = {
     "gnn_scatter_reduce": gnn_scatter_reduce,
     "bf16_autocast_clip": bf16_autocast_clip,
     "compiled_mlp": compiled_mlp,
+    "conv_lstm_masked_attention": conv_lstm_masked_attention,
 }

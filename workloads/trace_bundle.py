@@ -58,6 +58,7 @@ class BundleMeta:
     timing_step_times_s: list[float] = field(default_factory=list)  # under Kineto alone
     # plain steps interleaved with the Kineto-alone ones (the same minutes): what the profiler added
     timing_plain_step_times_s: list[float] = field(default_factory=list)
+    timing_rounds: int = 0  # rounds of those (Kineto-alone steps, then plain ones); 0: not recorded
     schema: str = META_SCHEMA
 
     @property
@@ -83,6 +84,7 @@ class BundleMeta:
             "peak_memory_bytes": self.peak_memory_bytes,
             "timing_step_times_s": self.timing_step_times_s,
             "timing_plain_step_times_s": self.timing_plain_step_times_s,
+            "timing_rounds": self.timing_rounds,
         }
 
 
@@ -145,6 +147,7 @@ def read_meta(bundle: Path) -> BundleMeta:
             peak_memory_bytes=int(raw.get("peak_memory_bytes", 0)),
             timing_step_times_s=[float(t) for t in raw.get("timing_step_times_s", [])],
             timing_plain_step_times_s=[float(t) for t in raw.get("timing_plain_step_times_s", [])],
+            timing_rounds=int(raw.get("timing_rounds", 0) or 0),
         )
     except (KeyError, TypeError, ValueError) as err:
         raise TraceError(f"{path}: malformed metadata ({type(err).__name__}: {err})") from None

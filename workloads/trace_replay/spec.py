@@ -359,15 +359,27 @@ def extract_rank(bundle: Path) -> tuple[BundleMeta, list[dict[str, Any]], list[d
         # plain steps of the same minutes as the Kineto ones where the bundle has them (older
         # bundles: the baseline's, taken before the traced phase)
         plain = meta.timing_plain_step_times_s or meta.step_times_s
-        plain_us = 1e6 * statistics.median(plain)
         names = {op["name"] for op in ops}
-        samples = list(kineto_host_gaps(read_json(timing_path, "Kineto timing trace"), timing_path, {None: plain_us},
-                                        names.__contains__).values())
+        samples = list(kineto_host_gaps(read_json(timing_path, "Kineto timing trace"), timing_path,
+                                        _plain_by_round(meta, plain), names.__contains__).values())
         gap = statistics.median(samples) if samples else None
     _place_host_gaps(ops, steps, gap)
     for step in steps:  # what the estimate rests on: a judgement resamples it (harness.judge)
         step["host_gap_samples_us"] = samples
     return meta, ops, steps
+
+
+def _plain_by_round(meta: BundleMeta, plain: list[float]) -> dict[int | None, float]:
+    """Each Kineto-alone step's plain reference (µs): the median of its own round's plain steps where the
+    bundle records its rounds (a machine drifting between rounds then moves both alike), else of all."""
+    timing, rounds = meta.timing_step_times_s, meta.timing_rounds
+    every: dict[int | None, float] = {None: 1e6 * statistics.median(plain)}
+    if rounds < 1 or not timing or len(timing) % rounds or len(plain) % rounds or plain is not \
+            meta.timing_plain_step_times_s:
+        return every
+    measured, per_round = len(timing) // rounds, len(plain) // rounds
+    return every | {i: 1e6 * statistics.median(plain[(i // measured) * per_round:(i // measured + 1) * per_round])
+                    for i in range(len(timing))}
 
 
 BORN_MIN_BYTES = 1024  # smaller buffers a program makes outside any op are held by the replay throughout
