@@ -92,8 +92,10 @@ _ROUND = TIMING_WARMUP + TIMING_MEASURED + PLAIN_SETTLE + PLAIN_MEASURED
 
 def _data_ops() -> list[str]:
     """INDEX_OPS plus every op registered by a recommendation library (fbgemm's jagged, permute and
-    table-batched-embedding ops take lengths, offsets and layout buffers that must be exact)."""
-    registered = [name for name in torch._C._dispatch_get_all_op_names() if name.startswith("fbgemm::")]
+    table-batched-embedding ops take lengths, offsets and layout buffers that must be exact) or by
+    torchvision (its RoI ops read box-to-image indices)."""
+    registered = [name for name in torch._C._dispatch_get_all_op_names() if name.startswith(("fbgemm::",
+                                                                                               "torchvision::"))]
     return [*INDEX_OPS, *registered]
 
 

@@ -151,7 +151,7 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
         shown.append({
             "program": row["program"], "library": row["library"], "status": row["status"],
             "ops_per_step": f"{row['ops_per_step']:.0f}", "step_ms": f"{row['step_ms']:.2f}",
-            "op_coverage_pct": f"{row['op_coverage_pct']:.1f}",
+            "op_coverage_pct": "100" if row["op_coverage_pct"] == 100.0 else f"{row['op_coverage_pct']:.2f}",
             "time_error_pct": _pm(row["time_error_signed_pct"]),
             "time_interval_pct": " / ".join(f"[{lo:+.1f}, {hi:+.1f}]" for lo, hi in row["time_error_ci_pct"]),
             "valid": " / ".join("yes" if v else "no" for v in row["fidelity_valid"]),

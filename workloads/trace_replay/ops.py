@@ -33,7 +33,7 @@ ET_DTYPES = {
     "c10::Float8_e4m3fn": torch.float8_e4m3fn, "c10::Float8_e5m2": torch.float8_e5m2,
     "unsigned short": torch.uint16, "unsigned int": torch.uint32, "unsigned long": torch.uint64,
 }
-_LIBRARIES = {"fbgemm": ("fbgemm_gpu",), "torchrec": ("torchrec",)}
+_LIBRARIES = {"fbgemm": ("fbgemm_gpu",), "torchrec": ("torchrec",), "torchvision": ("torchvision",)}
 
 
 class OpUnavailable(RuntimeError):
@@ -168,7 +168,7 @@ class CompiledOp:
     def store_fills(self, vals: list[Any], generator: torch.Generator) -> None:
         for slot, (low, high) in self.fills:
             target = vals[slot]
-            target.copy_(torch.randint(low, high + 1, target.shape, generator=generator))
+            target.copy_(torch.randint(low, min(high + 1, 2**63 - 1), target.shape, generator=generator))
         for slot, mask in self.pins:
             vals[slot].copy_(mask)
 

@@ -734,14 +734,15 @@ class Replayer:
         return stats
 
     def _check_shapes(self, op: CompiledOp) -> None:
-        """Record in :attr:`divergent` an op whose outputs' shapes differ from the captured ones (its inputs'
-        values decided them differently): it ran, but not as the program's did."""
-        for slot, info in zip(op.out_slots, op.out_infos, strict=False):
-            value = self.vals[slot] if slot is not None else None
-            if info is not None and isinstance(value, torch.Tensor) and tuple(value.shape) != info.shape:
-                self.divergent.setdefault(op.index, f"made shape {list(value.shape)} where the program made "
-                                                    f"{list(info.shape)}")
-                return
+        """Record in :attr:`divergent` an op whose result's shape differs from the captured one (its inputs'
+        values decided it differently): it ran, but not as the program's did. The first output only: a
+        fused kernel's bookkeeping outputs (``_embedding_bag``'s offset2bag, a batch norm's saved
+        statistics) take shapes its code path chooses, which its backward reads either way."""
+        slot, info = (op.out_slots[0], op.out_infos[0]) if op.out_slots else (None, None)
+        value = self.vals[slot] if slot is not None else None
+        if info is not None and isinstance(value, torch.Tensor) and tuple(value.shape) != info.shape:
+            self.divergent.setdefault(op.index, f"made shape {list(value.shape)} where the program made "
+                                                f"{list(info.shape)}")
 
     def _call_or_unalias(self, position: int) -> None:
         """Run an op; if it refuses inputs that overlap in memory, give its synthesised inputs storage of

@@ -6,7 +6,7 @@ able to touch anything but the tensors the replay itself creates. So, before any
 
 1. **Only ops that compute on tensors replay** (:data:`ALLOWED_NAMESPACES`, :data:`REFUSED_OPS`,
    :func:`op_refusal`): the compute libraries torch ships and the ones the replay loads itself
-   (fbgemm, torchrec), and collectives on the replay's own process group. Refused: ops that reach
+   (fbgemm, torchrec, torchvision), and collectives on the replay's own process group. Refused: ops that reach
    a file (``aten::from_file`` and any op with a path argument), ops that lay a tensor over a raw
    storage (``set_`` from a ``Storage``), ops that change process-wide state (reseeding the global
    generators, autograd mode, library caches), profiler annotations and printing, and every other
@@ -44,13 +44,14 @@ from workloads.trace_bundle import TraceError
 from workloads.trace_replay.ops import ET_DTYPES, LAYOUTS, MEMORY_FORMATS, SCALAR_TYPES, at, list_types
 
 # Namespaces whose ops may replay: compute libraries that torch itself ships, the ones the replay
-# loads on demand (fbgemm_gpu, torchrec), and collectives, which run through torch.distributed on
+# loads on demand (fbgemm_gpu, torchrec, torchvision), and collectives, which run through torch.distributed on
 # the replay's own process group.
 ALLOWED_NAMESPACES: dict[str, str] = {
     "aten": "PyTorch's tensor operators",
     "prims": "PyTorch's primitive operators",
     "fbgemm": "FBGEMM's embedding and quantisation kernels (fbgemm_gpu)",
     "torchrec": "TorchRec's operators",
+    "torchvision": "torchvision's detection kernels (NMS, RoI align and pooling, deformable convolution)",
     "quantized": "PyTorch's quantised kernels",
     "mkldnn": "oneDNN kernels shipped with PyTorch",
     "onednn": "oneDNN kernels shipped with PyTorch",
@@ -168,7 +169,7 @@ class _Checker:
         self.need(isinstance(value, list), where, f"expected a list, found {type(value).__name__}")
         return value
 
-    def int_(self, value: Any, where: str, low: int = -MAX_INT, high: int = MAX_INT) -> int:
+    def int_(self, value: Any, where: str, low: int = -MAX_INT - 1, high: int = MAX_INT) -> int:
         self.need(type(value) is int, where, f"expected an integer, found {_show(value)}")
         self.need(low <= value <= high, where, f"{value} is outside [{low}, {high}]")
         return value

@@ -85,7 +85,7 @@ def fill_view(view: torch.Tensor, rng: tuple[int, int] | None, is_offsets: bool,
         values = torch.empty(target.shape, dtype=torch.float32).uniform_(0.1, 1.0, generator=generator)
     else:
         low, high = rng if rng is not None else (0, 0)
-        values = torch.randint(int(low), int(high) + 1, target.shape, generator=generator)
+        values = torch.randint(int(low), min(int(high) + 1, 2**63 - 1), target.shape, generator=generator)
         if is_offsets and target.dim() == 1:
             values = values.sort().values
             values[0] = int(low)
