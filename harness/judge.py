@@ -225,15 +225,20 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
                       target_half_width_pct=target_half_width_pct, replay_shift_ms=replay_shift_ms)
     side.elapsed_s = time.perf_counter() - started
     side.summarise(seed)
-    while budget_s is not None and not side.half_width_pct <= target_half_width_pct and len(order) < MAX_ROUNDS:
+    while budget_s is not None:
         per_round = side.elapsed_s / len(order)
-        # a quarter more rounds at a time (the bootstrap is recomputed each time), within the budget
+        # a quarter more rounds at a time (the bootstrap is recomputed each time), within the budget;
+        # every rank follows rank 0's decision (its own interval may differ)
+        done = side.half_width_pct <= target_half_width_pct or len(order) >= MAX_ROUNDS
+        exhausted = side.elapsed_s + per_round > budget_s
         more = max(1, min(max(2, len(order) // 4), int((budget_s - side.elapsed_s) / per_round),
                           MAX_ROUNDS - len(order)))
-        if agree(side.elapsed_s + per_round > budget_s):
+        done, exhausted, more = agree((done, exhausted, more))
+        if done:
+            break
+        if exhausted:
             side.budget_exhausted = True
             break
-        more = agree(more)
         for _ in range(more):
             run_round()
         side.elapsed_s = time.perf_counter() - started
