@@ -65,10 +65,11 @@ def judge_one(name: str, out: Path, *, judgements: int, rounds: int, steps_per_r
 def summarise(name: str, records: list[dict[str, Any]], out: Path) -> dict[str, Any]:
     """One row of the table from a program's judgement records."""
     from suite.zoo_programs import ZOO
+    from workloads.trace_bundle import rank_dirs, read_meta
 
     program = ZOO[name]
     first = records[0]["metrics"]
-    meta = json.loads((_rank0(out / "judgement0") / "meta.json").read_text())
+    meta = read_meta(rank_dirs(out / "judgement0")[0])
     intervals = [(r["metrics"]["time_error_ci_low_pct"], r["metrics"]["time_error_ci_high_pct"]) for r in records]
     overlap = max(low for low, _ in intervals) <= min(high for _, high in intervals)
     reasons = [r["side_by_side"]["invalid_reason"] for r in records]
@@ -83,23 +84,13 @@ def summarise(name: str, records: list[dict[str, Any]], out: Path) -> dict[str, 
         "fidelity_valid": [bool(r["metrics"]["fidelity_valid"]) for r in records],
         "judgements_overlap": overlap,
         "memory_error_pct": [r["metrics"].get("memory_error_pct", math.nan) for r in records],
-        "capture_overhead_pct": _overhead(meta),
+        "capture_overhead_pct": meta.capture_overhead_pct,
         "rounds": [int(r["metrics"]["judgement_rounds"]) for r in records],
         "reasons": reasons,  # per judgement ('' for a valid one)
         "reason": "; ".join(dict.fromkeys(r for r in reasons if r)),
         "capture_half_width_pct": [r["metrics"].get("capture_half_width_pct", 0.0) for r in records],
         "captured_step_peak_mb": first.get("captured_step_peak_mb"),
     }
-
-
-def _rank0(bundle: Path) -> Path:
-    return bundle / "rank0" if (bundle / "rank0").is_dir() else bundle
-
-
-def _overhead(meta: dict[str, Any]) -> float:
-    plain = sorted(meta.get("step_times_s") or [math.nan])
-    traced = sorted(meta.get("traced_step_times_s") or [math.nan])
-    return 100.0 * (traced[len(traced) // 2] / plain[len(plain) // 2] - 1.0)
 
 
 def run_program(name: str, out: Path, options: dict[str, int], timeout_s: float) -> dict[str, Any]:
