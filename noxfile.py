@@ -7,9 +7,10 @@
     nox -s tests              the test suite (what CI runs)
     nox -s perf               the performance benchmarks (pytest-benchmark), not part of tests
     nox -s zoo                the model zoo, whole (its own environment: torchvision, timm, TorchRec, ...)
+    nox -s docs               the documentation site, built strictly into site/ (what CI builds)
     nox -s lint               ruff
 
-bench, qualify, report, tests and perf share one virtualenv, .nox/cobench: made by whichever
+bench, qualify, report, tests, perf and docs share one virtualenv, .nox/cobench: made by whichever
 runs first, each adding only the extras it needs (so the quickstart installs torch and TorchRec
 once); lint has its own. torch is pinned to the build this project is verified with (the CPU wheel
 on this machine); set COBENCH_TORCH to install another, e.g.
@@ -108,6 +109,15 @@ def perf(session: nox.Session) -> None:
 
 
 @nox.session(venv_backend="none")
+def docs(session: nox.Session) -> None:
+    """The documentation site (MkDocs, mkdocs.yml) built strictly into site/: a broken link or any warning fails.
+    The metrics page's table is rendered from harness.metrics at build time (docs/hooks/metrics.py)."""
+    env = install(session, "docs")
+    env["NO_MKDOCS_2_WARNING"] = "1"  # Material's banner about MkDocs 2: a notice, not a warning of this site's
+    session.run(_bin("mkdocs"), "build", "--strict", "--site-dir", "site", *session.posargs, env=env, external=True)
+
+
+@nox.session(venv_backend="none")
 def accelerator(session: nox.Session) -> None:
     """The accelerator check's whole dry run, offline, in a bare venv with torch and the wheelhouse (~5 min);
     the tests run a subset of its steps in the project's environment."""
@@ -153,4 +163,5 @@ def zoo(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     session.install("ruff")
-    session.run("ruff", "check", "harness", "workloads", "suite", "tests", "benchmarks", "noxfile.py")
+    session.run("ruff", "check", "harness", "workloads", "suite", "tests", "tools", "benchmarks", "docs",
+                "noxfile.py")
