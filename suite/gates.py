@@ -261,7 +261,7 @@ def write_golden(path: Path, golden: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("# Golden reference: what trusted qualification runs measured on this platform class\n"
                     "# (medians over the recorded runs). Re-record with `cobench qualify --record-golden\n"
-                    "# --runs N` (see README, Qualification).\n"
+                    "# --runs N` (see docs/qualification.md).\n"
                     + yaml.safe_dump(golden, sort_keys=False, width=120, default_flow_style=None))
 
 
