@@ -151,8 +151,8 @@ def noise_verdict(metrics: dict[str, float], step_cv_max: float, rep_cv_max: flo
             f"(limits: runner.noise_step_cv_max, runner.noise_rep_cv_max)")
 
 
-# Every metric a suite gates or reports: name → (unit, definition). The README's metric table is
-# rendered from this (:func:`metric_table`) and a test keeps the two equal.
+# Every metric a suite gates or reports: name → (unit, definition). The documentation's metric table
+# (docs/metrics.md) is rendered from this (:func:`metric_table`) when the site is built.
 METRIC_DEFINITIONS: dict[str, tuple[str, str]] = {
     "throughput": ("tokens/s or samples/s (tag `throughput_unit`)",
                    "per repetition, every rank's timed work ÷ the slowest rank's timed seconds; the olympic mean "
@@ -252,7 +252,7 @@ def defines(metric: str) -> bool:
 
 
 def metric_table() -> str:
-    """The metric definitions as the README's Markdown table (between its ``metrics`` markers)."""
+    """The metric definitions as a Markdown table (docs/metrics.md shows it where its marker is)."""
     lines = ["| metric | unit | definition |", "|---|---|---|"]
     lines += [f"| `{name}` | {unit} | {definition} |" for name, (unit, definition) in METRIC_DEFINITIONS.items()]
     return "\n".join(lines) + "\n"

@@ -122,7 +122,7 @@ CASES = ("layers", "batch", "ranks")
 
 
 def cases_for(graph, values: dict[str, Any]) -> dict[str, list[str]]:  # noqa: ANN001
-    """The issue's three changes for the captured workload: 2× its repeated layers, 2× batch, 1 → 2 ranks
+    """The three changes validated for the captured workload: 2× its repeated layers, 2× batch, 1 → 2 ranks
     (DDP where the workload has a parallelism choice)."""
     from workloads.whatif.predict import BATCH_KEY, LAYER_KEYS, _workload_value
 
