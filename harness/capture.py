@@ -9,7 +9,8 @@ Wrap your own loop and mark its steps::
             with cap.step():
                 train_step()
 
-The first ``warmup`` steps run plain (not timed), the next ``baseline_steps`` run plain and are
+The first ``warmup`` steps run plain (not timed; the last of them records what the step's
+floating tensors hold, :mod:`harness.capture_values`), the next ``baseline_steps`` run plain and are
 timed — the reference the replay is judged against, since the profiler itself distorts time —,
 the next ``steps`` run under the PyTorch execution-trace observer and the Kineto profiler (the
 structure), and the last ones measure how much of a step is the program's own host time between
@@ -39,6 +40,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile, record_function
 
+from harness.capture_values import ValueProfile
 from harness.config import CobenchConfig, results_root
 from harness.distributed import broadcast_from_main, env_dist_info
 from harness.fingerprint import git_state, library_versions
@@ -54,6 +56,7 @@ from workloads.trace_bundle import (
     KINETO_TIMING_FILE,
     META_FILE,
     STEP_ANNOTATION,
+    VALUES_FILE,
     BundleMeta,
     TraceError,
 )
@@ -179,6 +182,7 @@ class Capture:
         self._profiler: profile | None = None
         self._observer: ExecutionTraceObserver | None = None
         self._scopes = _ModuleScopes(model)
+        self.values: list[dict[str, Any]] | None = None  # the value profile of the last warm-up step
 
     @property
     def timing_steps(self) -> int:
@@ -216,6 +220,13 @@ class Capture:
         if traced:
             with record_function(f"{STEP_ANNOTATION}{index}"), self._scopes:
                 yield
+        elif self.step_index == self.warmup - 1:
+            profile_values = ValueProfile()
+            # compiled code runs eagerly for this one step: a dispatch mode would make torch.compile
+            # recompile (and the program's own graphs, its traced steps' structure, would change)
+            with torch.compiler.set_stance("force_eager"), profile_values:
+                yield
+            self.values = profile_values.entries
         elif measured_kineto:
             with record_function(f"{STEP_ANNOTATION}{timing_index}"):
                 yield
@@ -359,6 +370,8 @@ def capture(
         timing_plain_step_times_s=cap.timing_plain_times_s,
         timing_rounds=len(cap.timing_times_s) // TIMING_MEASURED,
     )
+    if cap.values is not None:
+        (target / VALUES_FILE).write_text(json.dumps(cap.values))
     (target / META_FILE).write_text(json.dumps(meta.to_json(), indent=2))
     if announce and rank == 0:
         print(capture_summary(meta, Path(out_dir)), file=sys.stderr)

@@ -184,7 +184,8 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
                rounds: int = 10, steps_per_round: int = 10, warmup: int = 3, seed: int = 0,
                budget_s: float | None = None, target_half_width_pct: float = TARGET_HALF_WIDTH_PCT,
                batch: int | None = None, agree: Callable[[Any], Any] | None = None,
-               replay_shift_ms: list[float] | None = None) -> SideBySide:
+               replay_shift_ms: list[float] | None = None,
+               prepare: dict[str, Callable[[], Any]] | None = None) -> SideBySide:
     """Run both sides in alternating rounds of ``steps_per_round`` samples each, timed device-synchronised.
 
     A sample is ``batch`` consecutive steps timed together (default: as many as last
@@ -194,6 +195,8 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
     taken ``budget_s`` (the figure is then reported as reached, and not valid). ``agree``: under
     torchrun, returns rank 0's value of what it is given, so that every rank runs the same batch and
     rounds (the steps hold collectives). ``replay_shift_ms``: see :func:`capture_shift_draws`.
+    ``prepare``: side name → called before that side's samples of each round, untimed (the replay puts
+    its carried state back as it was made: the replay workload's ``restore_values``).
     """
     agree = agree or (lambda value: value)
     if rounds < 2 or steps_per_round < 1 or warmup < 0:
@@ -217,6 +220,8 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
         first, second = ("source", "replay") if len(order) % 2 == 0 else ("replay", "source")
         order.append(first)
         for name in (first, second):
+            if name in (prepare or {}):
+                prepare[name]()
             times[name].append([_timed(sides[name], device, batch) for _ in range(steps_per_round)])
 
     for _ in range(rounds):
@@ -283,7 +288,8 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
         side = interleave(source_step, replay.step, ctx.device, rounds=rounds, steps_per_round=steps_per_round,
                           warmup=warmup, seed=ctx.seed, budget_s=budget_s,
                           agree=_rank0_value(ctx.process_group) if ctx.distributed else None,
-                          replay_shift_ms=capture_shift_draws(getattr(replay, "replayer", None), seed=ctx.seed))
+                          replay_shift_ms=capture_shift_draws(getattr(replay, "replayer", None), seed=ctx.seed),
+                          prepare={"replay": replay.restore_values} if hasattr(replay, "restore_values") else None)
         rank_dir = rank_dirs(bundle)[min(ctx.rank, len(rank_dirs(bundle)) - 1)]
         memory_steps = len(read_meta(rank_dir).traced_step_times_s)  # each captured step once
         # Each side's peak over as many of its own steps as were captured, measured alike. Not the captured

@@ -10,6 +10,8 @@ A bundle is a folder per rank::
     <bundle>/kineto_timing.json  as many steps again under Kineto alone (far cheaper than the ET):
                            how much of a step is the program's own host time between ops
     <bundle>/et_resources/ raw bytes of the integer inputs of index-reading ops (optional)
+    <bundle>/values.json   mean, spread and range of each floating tensor a step reads but does not
+                           make, in first-read order (``harness.capture_values``; optional)
     <bundle>/meta.json     cobench's own record: platform, config, step times with and without
                            instrumentation, capture overhead, rank/world size
 
@@ -29,6 +31,7 @@ from typing import Any
 
 ET_FILE, KINETO_FILE, META_FILE = "et.json", "kineto.json", "meta.json"
 KINETO_TIMING_FILE = "kineto_timing.json"  # the same steps again under Kineto alone: host gaps
+VALUES_FILE = "values.json"  # what the step's own floating inputs held (harness.capture_values)
 ET_RESOURCES = "et_resources"  # integer input data the ET observer saved: nid_<node>_tid_<input>.dat
 META_SCHEMA = "cobench-trace-bundle/1"
 # Execution-trace schemas this code understands: the Chakra-flavoured 1.x family of torch 2.x.

@@ -76,16 +76,35 @@ class StepRecord:
 
 
 @dataclass(frozen=True)
+class ValueStats:
+    """What one floating tensor a step read but did not make held (``harness.capture_values``)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    mean: float
+    std: float
+    low: float
+    high: float
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> ValueStats:
+        return cls(tuple(int(d) for d in raw["shape"]), str(raw["dtype"]), float(raw["mean"]), float(raw["std"]),
+                   float(raw["min"]), float(raw["max"]))
+
+
+@dataclass(frozen=True)
 class RankRecord:
-    """One rank's captured steps and ops."""
+    """One rank's captured steps and ops, and what its external floating tensors held (first-read order)."""
 
     ops: list[OpRecord]
     steps: list[StepRecord] = field(default_factory=list)
+    external_values: list[ValueStats] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> RankRecord:
         return cls([OpRecord.from_json(op) for op in raw["ops"]],
-                   [StepRecord.from_json(s) for s in raw.get("steps", [])])
+                   [StepRecord.from_json(s) for s in raw.get("steps", [])],
+                   [ValueStats.from_json(v) for v in raw.get("external_values", [])])
 
 
 @dataclass(frozen=True)

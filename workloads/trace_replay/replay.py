@@ -52,10 +52,10 @@ from workloads.trace_replay.ops import (
     tensor_info,
     waited,
 )
-from workloads.trace_replay.records import OpRecord, RankRecord
+from workloads.trace_replay.records import OpRecord, RankRecord, ValueStats
 from workloads.trace_replay.safety import op_refusal
 from workloads.trace_replay.spec import STEP_ANNOTATION, _is_tensor_ref, kineto_host_gaps
-from workloads.trace_replay.tensors import copy_recorded, fill_view, recorded_view, stand_in
+from workloads.trace_replay.tensors import copy_recorded, fill_view, match_values, recorded_view, stand_in
 
 # Ops whose output shape follows a boolean mask's count of True, with the mask's argument position
 # (``aten::index`` and ``index_put``, whose masks sit in an index list, are read apart).
@@ -126,6 +126,9 @@ class Replayer:
         self.call_s = 0.0  # the replay's own host time per op call: set by calibrate_host_cost()
         self.call_samples_s: list[float] = []
         self.static_bytes = 0  # synthesised tensors (parameters, optimiser state, inputs): set by materialize()
+        self.external_values = rank_spec.external_values  # what the program's own floating inputs held
+        self._values_of: dict[tuple[int, torch.dtype], ValueStats] = {}
+        self._initial_values: list[tuple[torch.Tensor, torch.Tensor]] = []  # (storage's bytes, their copy)
 
     # -- compilation -------------------------------------------------------------------------------------
     def _slot(self, info: TensorInfo) -> int:
@@ -600,6 +603,9 @@ class Replayer:
         """Synthesise every external tensor that lives across steps: one buffer per captured storage,
         views laid over it (those the program makes during a step are made there: :meth:`_give_birth`)."""
         static = {slot: entry for slot, entry in self._externals.items() if slot not in self._born_slots}
+        self._values_of = match_values([((info.storage_id, info.dtype), info.shape, info.dtype)
+                                        for info, _, _ in static.values() if info.dtype.is_floating_point],
+                                       self.external_values)
         self.static_bytes = self._lay_out(static)  # what lives across steps
         for slot, mask in self._external_masks.items():
             if slot in static:
@@ -610,6 +616,29 @@ class Replayer:
                 if isinstance(self.vals[slot], torch.Tensor):
                     op.args[pos] = self.vals[slot].item()
                     op.arg_slots.remove((pos, sub, slot))
+        self._initial_values, seen = [], set()  # the floating state as made, for restore_values()
+        for slot, (info, _, _) in static.items():
+            value = self.vals[slot]
+            if info.dtype.is_floating_point and isinstance(value, torch.Tensor) and value.numel():
+                storage = value.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    whole = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+                    self._initial_values.append((whole, whole.to("cpu", copy=True)))
+
+    def restore_values(self) -> None:
+        """Put the floating state carried across steps (parameters, optimiser state) back as it was made.
+
+        A replay runs the same captured steps again and again, on the same batches: its optimiser
+        drives the parameters where those batches' loss is least, its softmaxes saturate and its
+        gradients sink into subnormal floats that the program, on fresh batches, never computes
+        with (GPT-2: 113 op calls with subnormal inputs per step after some 300 replayed steps, 2 in
+        the program) — and a CPU's kernels slow down on them. Restoring between measurements keeps
+        the replay where the program was. The copy is in host memory; this costs a copy, not a step.
+        """
+        with torch.no_grad():
+            for whole, initial in self._initial_values:
+                whole.copy_(initial)
 
     def _give_birth(self, k: int) -> None:
         """Make the storages the program made right after flat position ``k``, with defined contents."""
@@ -654,7 +683,7 @@ class Replayer:
         for slot, (info, rng, is_offsets) in ordered:
             view = torch.empty(0, dtype=info.dtype, device=self.device)
             view.set_(storages[(info.storage_id, info.dtype)], info.offset, info.shape, info.stride)
-            fill_view(view, rng, is_offsets, self.generator)
+            fill_view(view, rng, is_offsets, self.generator, self._values_of.get((info.storage_id, info.dtype)))
             self.vals[slot] = view
         # Then what the readers recorded, on every view of a synthesised storage: ranges from the
         # widest view to the narrowest, recorded data last (it is the program's own values).

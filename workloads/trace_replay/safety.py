@@ -97,6 +97,9 @@ MAX_GAP_SAMPLES = 1000  # host-gap measurements a step's estimate rests on
 MAX_STEP_HOST_US = 60e6  # one step's host time in all: 60 s
 MAX_REPEAT = 10_000
 MAX_STRING = 4096
+MAX_VALUE_ENTRIES = 100_000  # value profiles per rank (harness.capture_values keeps at most as many)
+FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                "float8_e5m2fnuz", "complex64", "complex128", "complex32"}
 MAX_TENSOR_DATA_CHARS = 4 * (64 * 2**20) // 3  # base64 of 64 MiB
 ITEMSIZES = {1, 2, 4, 8, 16}
 
@@ -221,6 +224,11 @@ class _Checker:
             for j, sample in enumerate(samples[:MAX_GAP_SAMPLES]):
                 self.number(sample, f"{loc}.host_gap_samples_us[{j}]", 0.0, MAX_STEP_HOST_US)
             host_us[index] = step.get("tail_gap_us", 0.0)
+        values = self.list_(rank.get("external_values", []), f"{where}.external_values")
+        self.need(len(values) <= MAX_VALUE_ENTRIES, f"{where}.external_values",
+                  f"{len(values)} entries (at most {MAX_VALUE_ENTRIES})")
+        for i, entry in enumerate(values):
+            self.value_stats(self.dict_(entry, f"{where}.external_values[{i}]"), f"{where}.external_values[{i}]")
         for i, op in enumerate(self.list_(rank["ops"], f"{where}.ops")):
             loc = f"{where}.ops[{i}]"
             self.op(self.dict_(op, loc), loc)
@@ -228,6 +236,19 @@ class _Checker:
             host_us[step] = host_us.get(step, 0.0) + (op.get("gap_us") or 0.0)
             self.need(host_us[step] <= MAX_STEP_HOST_US, loc,
                       f"step {step}'s host gaps add up to over {MAX_STEP_HOST_US / 1e6:.0f} s")
+
+    def value_stats(self, entry: dict[str, Any], where: str) -> None:
+        shape = self.list_(entry.get("shape"), f"{where}.shape")
+        self.need(len(shape) <= 64, f"{where}.shape", f"{len(shape)} dimensions")
+        for d in shape:
+            self.int_(d, f"{where}.shape", 0, MAX_ELEMENTS)
+        self.need(entry.get("dtype") in FLOAT_DTYPES, f"{where}.dtype",
+                  f"{_show(entry.get('dtype'))} is not a floating dtype")
+        for key in ("mean", "min", "max"):
+            self.number(entry.get(key), f"{where}.{key}", -math.inf, math.inf)
+        self.number(entry.get("std"), f"{where}.std")
+        self.need(entry["min"] <= entry["mean"] <= entry["max"], where,
+                  f"mean {entry['mean']} is outside [min {entry['min']}, max {entry['max']}]")
 
     def op(self, op: dict[str, Any], where: str) -> None:
         name = self.str_(op.get("name"), f"{where}.name")

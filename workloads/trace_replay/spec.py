@@ -35,6 +35,7 @@ from workloads.trace_bundle import (
     KINETO_FILE,
     KINETO_TIMING_FILE,
     STEP_ANNOTATION,
+    VALUES_FILE,
     BundleMeta,
     TraceError,
     check_et_schema,
@@ -78,7 +79,7 @@ def op_category(name: str) -> str:
 
 @dataclass
 class GenerateOptions:
-    """How to cut a spec out of a bundle (each option is documented in the README)."""
+    """How to cut a spec out of a bundle (each option is documented in docs/traces.md)."""
 
     scope: str | None = None  # regex: keep ops with a matching scope (module, annotation) on their path
     op: str | None = None  # regex: keep ops whose name matches (e.g. "aten::(mm|addmm)")
@@ -577,6 +578,8 @@ def _obfuscated(name: str) -> str:
 def generate_spec(bundle: str | Path, options: GenerateOptions | None = None) -> dict[str, Any]:
     """Read a (possibly multi-rank) bundle and return the spec as a JSON-ready dict."""
     options = options or GenerateOptions()
+    full_step = (options.scope is None and options.op is None and options.exclude_op is None
+                 and options.window_ms is None and options.repeat == 1)
     ranks = []
     metas = []
     for rank_dir in rank_dirs(Path(bundle)):
@@ -599,6 +602,9 @@ def generate_spec(bundle: str | Path, options: GenerateOptions | None = None) ->
             "steps": [s for s in steps if s["index"] in kept_steps],
             "selected_ops": len(ops),
             "captured_ops": original_count,
+            # what the step's own floating inputs held; a part of a step reads other tensors than those
+            "external_values": read_json(rank_dir / VALUES_FILE, "value profile")
+            if full_step and (rank_dir / VALUES_FILE).is_file() else [],
         })
         metas.append(meta)
     meta = metas[0]
@@ -624,8 +630,7 @@ def generate_spec(bundle: str | Path, options: GenerateOptions | None = None) ->
             "window_ms": list(options.window_ms) if options.window_ms else None, "repeat": options.repeat,
             "obfuscate": options.obfuscate,
         },
-        "full_step": options.scope is None and options.op is None and options.exclude_op is None
-        and options.window_ms is None and options.repeat == 1,
+        "full_step": full_step,
         "ranks": ranks,
     }
 

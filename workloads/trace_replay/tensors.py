@@ -2,16 +2,19 @@
 
 A replay never reads uninitialised memory: every storage it synthesises gets values — the
 program's own recorded integers where the trace has them, values inside the range the reading op
-recorded otherwise, finite floats — and an op that could not run is stood in for by outputs of
-its captured layout.
+recorded otherwise, finite floats like the program's own where its capture profiled them — and an
+op that could not run is stood in for by outputs of its captured layout.
 """
 
 from __future__ import annotations
 
 import base64
 import math
+from typing import Any
 
 import torch
+
+from workloads.trace_replay.records import ValueStats
 
 
 def recorded_view(data: str, dtype: torch.dtype, shape: tuple[int, ...],
@@ -62,15 +65,38 @@ def copy_recorded(view: torch.Tensor, data: str) -> bool:
     return True
 
 
-def fill_view(view: torch.Tensor, rng: tuple[int, int] | None, is_offsets: bool, generator: torch.Generator) -> None:
-    """Defined values for a synthesised view: in the reader's range for integers, floats in [0.1, 1).
+def match_values(externals: list[tuple[Any, tuple[int, ...], torch.dtype]],
+                 captured: list[ValueStats]) -> dict[Any, ValueStats]:
+    """The program's value profile of each external floating storage: ``externals`` are (storage key,
+    shape, dtype) of the view each storage is first read through, in the order the steps first read
+    them; ``captured`` the program's own, in its order. Matched by shape and dtype, in order: the n-th
+    storage of a shape and dtype gets the n-th profile of it (a storage with none keeps the default)."""
+    by_kind: dict[tuple[tuple[int, ...], str], list[ValueStats]] = {}
+    for entry in captured:
+        by_kind.setdefault((tuple(entry.shape), entry.dtype), []).append(entry)
+    taken: dict[tuple[tuple[int, ...], str], int] = {}
+    matched: dict[Any, ValueStats] = {}
+    for key, shape, dtype in externals:
+        kind = (tuple(shape), str(dtype).removeprefix("torch."))
+        n = taken.get(kind, 0)
+        if key not in matched and n < len(by_kind.get(kind, [])):
+            matched[key] = by_kind[kind][n]
+            taken[kind] = n + 1
+    return matched
 
-    Positive floats keep square roots, logarithms and divisions defined. (Drawn signed and scaled
-    like a default initialisation instead, a replayed Llama's optimiser state decayed into
-    denormal floats within ~40 steps and every step ran 10x slower on a CPU; positive values
-    overflow instead, which costs nothing: ``replay_nonfinite_tensors`` reports it.) A view whose
-    elements share memory (an ``expand``: stride 0; overlapping windows) is written through the
-    memory it spans, each location once, so every element it shows is defined.
+
+def fill_view(view: torch.Tensor, rng: tuple[int, int] | None, is_offsets: bool, generator: torch.Generator,
+              stats: ValueStats | None = None) -> None:
+    """Defined values for a synthesised view: in the reader's range for integers; floats like the
+    program's own (``stats``: normal with its mean and spread, inside its range), else in [0.1, 1).
+
+    Values change kernels' speed: a CPU's square root of subnormal floats runs ~35x slower, of negative
+    ones ~19x. Positive floats keep square roots, logarithms and divisions defined where nothing is
+    known of the program's values, but a network whose weights are all positive saturates (softmax,
+    tanh) and its gradients sink into subnormals; drawn signed and scaled like a default
+    initialisation, an optimiser's squared-gradient state goes negative. The program's own profile
+    avoids both. A view whose elements share memory (an ``expand``: stride 0; overlapping windows) is
+    written through the memory it spans, each location once, so every element it shows is defined.
     """
     if view.numel() == 0:
         return
@@ -81,6 +107,9 @@ def fill_view(view: torch.Tensor, rng: tuple[int, int] | None, is_offsets: bool,
             view.untyped_storage(), view.storage_offset(), (extent,), (1,))
     if target.dtype == torch.bool:
         values = torch.rand(target.shape, generator=generator) < 0.5
+    elif stats is not None and target.dtype.is_floating_point:
+        values = torch.empty(target.shape, dtype=torch.float32).normal_(stats.mean, stats.std, generator=generator)
+        values = values.clamp_(stats.low, stats.high)
     elif target.dtype.is_floating_point or target.dtype.is_complex:
         values = torch.empty(target.shape, dtype=torch.float32).uniform_(0.1, 1.0, generator=generator)
     else:

@@ -142,6 +142,12 @@ class GeneratedWorkload(WorkloadBase):
         self.replayer.materialize()
         self.replayer.dry_run()
         self.replayer.calibrate_host_cost(self._synchronize)
+        self.replayer.restore_values()  # measured steps start where the program was
+
+    def restore_values(self) -> None:
+        """The carried floating state back as it was made (see :meth:`.Replayer.restore_values`)."""
+        assert self.replayer is not None, "setup() first"
+        self.replayer.restore_values()
 
     def _synchronize(self) -> None:
         if self.ctx.device.type != "cpu":

@@ -1,0 +1,83 @@
+"""What the program's own floating tensors hold, for a replay to synthesise values like them.
+
+A replay makes up the contents of every tensor a step reads but does not make (parameters, optimiser
+state, inputs). Kernels are not blind to values: on a CPU a square root of subnormal floats ran 35x
+slower here and of negative ones 19x, and a network whose made-up weights saturate its softmax trains
+its gradients into subnormals within a few hundred replayed steps. So the capture records, for one
+step it does not time, each such tensor's mean, spread and range, in the order the step first reads
+them; the replay matches them to its own by shape, dtype and that order
+(:mod:`workloads.trace_replay.replay`). Nothing else is recorded: a few numbers per tensor, no data.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+MAX_VALUE_ENTRIES = 100_000  # tensors recorded per rank; a step reading more keeps its first ones
+SAMPLE_ELEMENTS = 2**20  # a larger tensor is summarised from an evenly strided view of about as many
+
+
+def _sample(tensor: torch.Tensor) -> torch.Tensor:
+    """A view of about :data:`SAMPLE_ELEMENTS` elements spread over the tensor (itself when smaller):
+    an embedding table of gigabytes is not copied to be summarised."""
+    if tensor.numel() <= SAMPLE_ELEMENTS or tensor.dim() == 0:
+        return tensor
+    every = math.ceil((tensor.numel() / SAMPLE_ELEMENTS) ** (1.0 / tensor.dim()))
+    return tensor[tuple(slice(None, None, every) for _ in range(tensor.dim()))]
+
+
+def _stats(tensor: torch.Tensor) -> dict[str, Any] | None:
+    """Mean, standard deviation and range of the finite elements (None: none is finite)."""
+    values = _sample(tensor.detach()).reshape(-1).double()
+    finite = values[torch.isfinite(values)]
+    if finite.numel() == 0:
+        return None
+    low, high = float(finite.min()), float(finite.max())
+    entry = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
+             "mean": min(max(float(finite.mean()), low), high),  # rounding kept inside the range
+             "std": float(finite.std()) if finite.numel() > 1 else 0.0, "min": low, "max": high}
+    return entry if all(math.isfinite(entry[k]) for k in ("mean", "std", "min", "max")) else None
+
+
+class ValueProfile(TorchDispatchMode):
+    """Under it, each floating tensor an op reads whose storage no op of this step made (the first
+    time its storage is read) is summarised in :attr:`entries`; the ops themselves run unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entries: list[dict[str, Any]] = []
+        self._made: set[int] = set()
+        self._seen: set[int] = set()
+
+    def _storage(self, tensor: torch.Tensor) -> int | None:
+        try:
+            if tensor.is_sparse or tensor.is_nested or tensor.device.type == "meta":
+                return None
+            return tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # tensors without a plain storage (wrappers, functional)
+            return None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if len(self.entries) < MAX_VALUE_ENTRIES:
+            for value in tree_flatten((args, kwargs))[0]:
+                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+                    ptr = self._storage(value)
+                    if ptr is None or ptr in self._made or ptr in self._seen:
+                        continue
+                    self._seen.add(ptr)
+                    entry = _stats(value)
+                    if entry is not None:
+                        self.entries.append(entry)
+        out = func(*args, **kwargs)
+        for value in tree_flatten(out)[0]:
+            if isinstance(value, torch.Tensor):
+                ptr = self._storage(value)
+                if ptr is not None:
+                    self._made.add(ptr)
+        return out

@@ -1,0 +1,135 @@
+"""The replay's made-up floats are like the program's own, and stay so across measurements.
+
+Kernels are not blind to values (a CPU's square root of subnormal or negative floats is many times
+slower), so the capture profiles what each floating tensor a step reads but does not make held, and
+the replay draws its parameters and optimiser state like them; between a judgement's rounds it puts
+that state back, so that replaying the same batches over and over does not train it somewhere the
+program never was.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from harness.capture import capture
+from workloads.trace_bundle import VALUES_FILE, TraceError
+from workloads.trace_replay.records import RankRecord
+from workloads.trace_replay.replay import Replayer
+from workloads.trace_replay.safety import check_spec
+from workloads.trace_replay.spec import generate_spec
+
+
+def _program() -> tuple[nn.Module, torch.optim.Optimizer, callable]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 8))
+    with torch.no_grad():  # scales and signs no default fill would guess: small signed weights, a positive bias
+        model[0].weight.normal_(0.0, 0.02)
+        model[2].weight.normal_(0.0, 0.5)
+        model[4].bias.uniform_(3.0, 4.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+
+    def step() -> None:
+        x, y = torch.randn(16, 32), torch.randint(0, 8, (16,))
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return model, opt, step
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, nn.Module, torch.optim.Optimizer]:
+    out = tmp_path_factory.mktemp("values")
+    model, opt, step = _program()
+    with capture(out, steps=2, warmup=3, baseline_steps=1, model=model, announce=False) as cap:
+        while not cap.done:
+            with cap.step():
+                step()
+    return out, model, opt
+
+
+def _replayer(bundle: Path) -> Replayer:
+    replayer = Replayer(RankRecord.from_json(generate_spec(bundle)["ranks"][0]), torch.device("cpu"))
+    replayer.materialize()
+    return replayer
+
+
+def _external(replayer: Replayer, target: torch.Tensor) -> torch.Tensor:
+    """The replay's synthesised tensor standing for the program's ``target`` (the one of its shape, in
+    first-read order of that shape: the weights here have distinct shapes)."""
+    found = [replayer.vals[slot] for slot, (info, _, _) in replayer._externals.items()
+             if tuple(info.shape) == tuple(target.shape) and info.dtype == target.dtype
+             and isinstance(replayer.vals[slot], torch.Tensor)]
+    assert found, f"no external of shape {tuple(target.shape)}"
+    return found[0]
+
+
+def test_the_capture_profiles_each_external_float_of_the_step_in_first_read_order(captured):
+    bundle, model, opt = captured
+    entries = json.loads((bundle / VALUES_FILE).read_text())
+    params = list(model.parameters())
+    # the parameters, their Adam moments and step counters: read by the step, made before it
+    assert len(entries) >= 3 * len(params)
+    first = entries[0]
+    assert first["shape"] == list(model[0].weight.shape) and first["dtype"] == "float32"
+    assert abs(first["std"] - 0.02) < 0.005 and first["min"] <= first["mean"] <= first["max"]
+    squares = [e for e in entries if e["shape"] == list(model[2].weight.shape) and e["min"] >= 0.0]
+    assert squares, "the second moment (never negative) is profiled as such"
+
+
+def test_the_replay_draws_the_programs_parameters_and_optimiser_state_like_them(captured):
+    bundle, model, opt = captured
+    replayer = _replayer(bundle)
+    small, wide = _external(replayer, model[0].weight), _external(replayer, model[2].weight)
+    assert 0.015 < small.std().item() < 0.025 and small.min().item() < 0 < small.max().item()
+    assert 0.4 < wide.std().item() < 0.6
+    bias = _external(replayer, model[4].bias)
+    assert 3.0 <= bias.min().item() and bias.max().item() <= 4.0  # inside the program's own range
+    # every external second moment (the tensors sqrt reads) is drawn inside its range: never negative
+    shapes = {tuple(p.shape) for p in model.parameters()}
+    moments = [replayer.vals[slot] for slot, (info, _, _) in replayer._externals.items()
+               if tuple(info.shape) in shapes and isinstance(replayer.vals[slot], torch.Tensor)]
+    assert len(moments) >= 3 * len(shapes) and all(torch.isfinite(m).all() for m in moments)
+    replayer.dry_run()
+    assert not replayer.errors and replayer.nonfinite_tensors() == 0
+
+
+def test_restoring_puts_the_carried_state_back_after_replayed_steps(captured):
+    bundle, model, _ = captured
+    replayer = _replayer(bundle)
+    weight = _external(replayer, model[2].weight)
+    made = weight.clone()
+    replayer.dry_run()
+    for _ in range(4):
+        replayer.run_step()
+    assert not torch.equal(weight, made), "the replayed optimiser moves the weights"
+    replayer.restore_values()
+    assert torch.equal(weight, made)
+
+
+def test_a_part_of_a_step_keeps_the_default_fill(captured):
+    bundle, _, _ = captured
+    from workloads.trace_replay.spec import GenerateOptions
+
+    spec = generate_spec(bundle, GenerateOptions(op="aten::addmm"))
+    assert spec["full_step"] is False and spec["ranks"][0]["external_values"] == []
+
+
+@pytest.mark.parametrize(("change", "problem"), [
+    (lambda e: e.update(mean=float("nan")), "mean"),
+    (lambda e: e.update(std=-1.0), "std"),
+    (lambda e: e.update(dtype="int64"), "not a floating dtype"),
+    (lambda e: e.update(mean=e["max"] + 1.0), "outside"),
+    (lambda e: e.update(shape="x"), "shape"),
+])
+def test_a_corrupt_value_profile_is_refused_naming_the_entry(captured, change, problem, tmp_path: Path):
+    bundle, _, _ = captured
+    spec = generate_spec(bundle)
+    change(spec["ranks"][0]["external_values"][1])
+    with pytest.raises(TraceError, match=rf"external_values\[1\].*{problem}|{problem}.*external_values\[1\]"):
+        check_spec(spec, tmp_path / "spec.json")
