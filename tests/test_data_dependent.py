@@ -157,6 +157,19 @@ def box_keep_list() -> Callable[[], None]:
     return _train(score, loss)
 
 
+def label_runs() -> Callable[[], None]:
+    """Greedy CTC-style decoding: the runs of equal predicted labels (``unique_consecutive``, a 1-D keep
+    list whose length the scores decide, like an NMS's) pick rows."""
+    lin = nn.Linear(8, 5)
+
+    def loss() -> torch.Tensor:
+        logits = lin(torch.randn(64, 8))
+        runs = torch.unique_consecutive(logits.detach().argmax(1))
+        return logits[runs].logsumexp(1).mean()
+
+    return _train(lin, loss)
+
+
 def masked_scatter_fill() -> Callable[[], None]:
     lin = nn.Linear(6, 6)
 
@@ -183,8 +196,8 @@ def lstm_packed_lengths() -> Callable[[], None]:
 
 FAMILIES = {f.__name__: f for f in (
     bool_mask_rows, column_mask_and_index_list, mask_nonzero_index_put, masked_select_pairs, unique_inverse_lookup,
-    bincount_repeat_interleave, topk_sort_indices, argwhere_where_cond, box_keep_list, masked_scatter_fill,
-    lstm_packed_lengths)}
+    bincount_repeat_interleave, topk_sort_indices, argwhere_where_cond, box_keep_list, label_runs,
+    masked_scatter_fill, lstm_packed_lengths)}
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

@@ -89,7 +89,7 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
                 lines.extend(f"    v[{slot}] = r[{n}]" for n, slot in targets)
             else:
                 lines.append(f"    {call}")
-            if op.fills or op.pins:
+            if op.fills or op.pins or op.lengths:
                 lines.append(f"    fill({int(position)})")
         lines.extend(f"    v[{int(slot)}] = None" for slot in clears[j])
         if gaps_s is not None:

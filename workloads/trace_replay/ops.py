@@ -138,6 +138,9 @@ class CompiledOp:
     # Boolean masks this op makes (or last writes) whose count of True decides a later op's shape
     # (``x[mask]``, ``nonzero``, ``masked_select``): slot → a mask with the captured count.
     pins: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # A 1-D integer output whose length its input's values decide (an NMS keep list): slot → the
+    # captured length, which the replay's own output is cut or cycled to (:func:`fit_length`).
+    lengths: list[tuple[int, int]] = field(default_factory=list)
 
     def call(self, vals: list[Any]) -> Any:
         args = [list(a) if isinstance(a, list) else a for a in self.args]
@@ -171,6 +174,18 @@ class CompiledOp:
             target.copy_(torch.randint(low, min(high + 1, 2**63 - 1), target.shape, generator=generator))
         for slot, mask in self.pins:
             vals[slot].copy_(mask)
+        for slot, length in self.lengths:
+            vals[slot] = fit_length(vals[slot], length)
+
+
+def fit_length(index: torch.Tensor, length: int) -> torch.Tensor:
+    """A 1-D integer tensor of ``length`` elements taken from ``index``'s own: its first ones, or all of
+    them cycled; an empty one becomes zeros (the first row: valid wherever rows were to be chosen)."""
+    if index.numel() >= length:
+        return index[:length]
+    if index.numel() == 0:
+        return torch.zeros(length, dtype=index.dtype, device=index.device)
+    return index.repeat(-(-length // index.numel()))[:length]
 
 
 def flatten_tensors(result: Any) -> list[Any]:

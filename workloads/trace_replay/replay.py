@@ -47,6 +47,7 @@ from workloads.trace_replay.ops import (
     TensorInfo,
     at,
     describe,
+    fit_length,
     list_types,
     resolve_op,
     tensor_info,
@@ -766,9 +767,18 @@ class Replayer:
         """Record in :attr:`divergent` an op whose result's shape differs from the captured one (its inputs'
         values decided it differently): it ran, but not as the program's did. The first output only: a
         fused kernel's bookkeeping outputs (``_embedding_bag``'s offset2bag, a batch norm's saved
-        statistics) take shapes its code path chooses, which its backward reads either way."""
+        statistics) take shapes its code path chooses, which its backward reads either way. A 1-D integer
+        output of another length (an NMS keep list: how many boxes survive depends on the scores) is cut
+        or cycled to the captured length from then on (:attr:`CompiledOp.lengths`), like a mask's count."""
         slot, info = (op.out_slots[0], op.out_infos[0]) if op.out_slots else (None, None)
         value = self.vals[slot] if slot is not None else None
+        if (info is not None and isinstance(value, torch.Tensor) and value.dim() == 1 and len(info.shape) == 1
+                and not value.is_floating_point() and value.dtype != torch.bool and value.shape[0] != info.shape[0]
+                and not op.lengths):
+            # a keep list (NMS) whose length the values decided: the captured length, from its own elements
+            op.lengths.append((slot, info.shape[0]))
+            self.vals[slot] = fit_length(value, info.shape[0])
+            return
         if info is not None and isinstance(value, torch.Tensor) and tuple(value.shape) != info.shape:
             self.divergent.setdefault(op.index, f"made shape {list(value.shape)} where the program made "
                                                 f"{list(info.shape)}")
