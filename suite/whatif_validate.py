@@ -124,10 +124,10 @@ CASES = ("layers", "batch", "ranks")
 def cases_for(graph, values: dict[str, Any]) -> dict[str, list[str]]:  # noqa: ANN001
     """The three changes validated for the captured workload: 2× its repeated layers, 2× batch, 1 → 2 ranks
     (DDP where the workload has a parallelism choice)."""
-    from workloads.whatif.predict import BATCH_KEY, LAYER_KEYS, _workload_value
+    from workloads.whatif.predict import BATCH_KEY, LAYER_KEYS, workload_value
 
-    layers = _workload_value(values, LAYER_KEYS.get(graph.workload, "")) or graph.assign_layers(None)[1]
-    batch = _workload_value(values, BATCH_KEY)
+    layers = workload_value(values, LAYER_KEYS.get(graph.workload, "")) or graph.assign_layers(None)[1]
+    batch = workload_value(values, BATCH_KEY)
     return {"layers": [f"workload.{LAYER_KEYS.get(graph.workload)}={2 * (layers or 0)}"],
             "batch": [f"workload.{BATCH_KEY}={2 * (batch or 0)}"],
             "ranks": ["world_size=2", *(["workload.parallelism=ddp"] if "parallelism" in values else [])]}
