@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from workloads.whatif.costmodel import Calibration
-from workloads.whatif.graph import Graph
+from workloads.whatif.graph import Graph, Op
 from workloads.whatif.predict import BATCH_KEY, Change, Prediction, predict, resolved_workload, workload_value
 
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -362,7 +362,7 @@ def _layer_gradient_share(graph: Graph) -> float:
     return held["layers"] / total if total else 0.0
 
 
-def _accumulates(op) -> bool:  # noqa: ANN001
+def _accumulates(op: Op) -> bool:
     """The op that hands a parameter its gradient (first accumulation: detach; later ones: add_/copy_) — not
     an optimizer's own work run inside the accumulation (an in-backward optimizer's step counter, its weight
     decay)."""
