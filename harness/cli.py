@@ -39,7 +39,7 @@ def validate_overrides(overrides: list[str]) -> CobenchConfig:
     user = [o for o in overrides if not o.startswith(("hydra.", "+hydra.", "~hydra."))]
     try:
         parsed = OverridesParser.create().parse_overrides(user)
-    except Exception as err:  # noqa: BLE001 - Hydra's grammar errors have several types
+    except Exception as err:  # Hydra's grammar errors have several types; re-raised as one
         raise ValueError(f"cannot parse overrides {user}: {err}") from err
     choices = [
         [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()] if o.is_sweep_override() else [o.input_line]

@@ -45,7 +45,7 @@ import torch
 from omegaconf import OmegaConf
 
 from harness.config import CobenchConfig, results_root
-from harness.runner import STATUS_FAILED, STATUS_FINISHED, BenchmarkResult, new_run_dir, publish
+from harness.runner import STATUS_FAILED, STATUS_FINISHED, BenchmarkResult, new_run_dir, open_run, write_and_publish
 from workloads import discover
 
 MIN_STEPS_AFTER_KILL = 5  # the restarted replica needs steps to heal and commit before the run ends
@@ -484,8 +484,6 @@ def scenario_metrics(side: Side, prefix: str = "", skip: int = 0) -> dict[str, f
 
 def run_ft(cfg: CobenchConfig) -> BenchmarkResult:
     """The whole scenario as one benchmark run (see the module docstring)."""
-    from harness.config import config_hash
-    from harness.fingerprint import environment_fingerprint
     from harness.platform import discover_platform
     from harness.tracking import Tracker
 
@@ -494,20 +492,9 @@ def run_ft(cfg: CobenchConfig) -> BenchmarkResult:
     tracker = Tracker.connect(cfg.tracking, results_root(cfg)) if cfg.tracking.enabled else None
     name = f"{cfg.workload.name}_ft"
     run_dir = Path(new_run_dir(results_root(cfg), name))
-    run_dir.mkdir(parents=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-    world = cfg.ft.replicas * cfg.ft.procs_per_replica
-    fingerprint = environment_fingerprint(platform, config_hash(cfg), world)
-    (run_dir / "fingerprint.json").write_text(json.dumps(fingerprint, indent=2))
     result = BenchmarkResult(name, cfg.workload.name, platform.name, STATUS_FINISHED, "samples/s", run_dir)
-    if tracker is not None:
-        tags = {"benchmark": name, "workload": cfg.workload.name, "platform": platform.name, "suite": "",
-                "device_name": platform.device_name, "git_sha": fingerprint["git_sha"],
-                "git_dirty": fingerprint["git_dirty"], "torch_version": torch.__version__,
-                "config_hash": config_hash(cfg), "world_size": world, "ft": cfg.ft.name,
-                "ft_replicas": cfg.ft.replicas, "throughput_unit": "samples/s"}
-        result.run_id = tracker.start_run(cfg.run_name or name, tags)
-        tracker.log_params(result.run_id, OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+    open_run(cfg, result, platform, cfg.ft.replicas * cfg.ft.procs_per_replica, tracker,
+             tags={"ft": cfg.ft.name, "ft_replicas": cfg.ft.replicas})
     lighthouse = None
     try:
         lighthouse = subprocess.Popen(
@@ -526,15 +513,12 @@ def run_ft(cfg: CobenchConfig) -> BenchmarkResult:
         if lighthouse is not None:
             lighthouse.terminate()
             lighthouse.wait(timeout=30)
-    record = {"status": result.status, "error": result.error, "metrics": result.metrics, "losses": []}
-    if tracker is not None and result.run_id is not None:
-        record["mlflow"] = {"uri": tracker.uri, "experiment_id": tracker.experiment_id, "run_id": result.run_id}
-    (run_dir / "metrics.json").write_text(json.dumps(record, indent=2))
     for path in run_dir.glob("ft_baseline_checkpoint_rank*.pt"):
         path.unlink()  # the baseline's restart points, not results
     shutil.rmtree(run_dir / SYNC_DIR, ignore_errors=True)  # the groups' words to each other, not results
-    if tracker is not None and result.run_id is not None:
-        publish(tracker, run_dir)
+    # like every run: a store that went away leaves the folder whole and marked for `cobench upload`
+    write_and_publish(result, tracker, {"status": result.status, "error": result.error, "metrics": result.metrics,
+                                        "losses": []})
     return result
 
 

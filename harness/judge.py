@@ -39,9 +39,8 @@ from omegaconf import OmegaConf
 from torch.profiler import ProfilerActivity, profile, supported_activities
 
 from harness.capture import capture, prepare_source
-from harness.config import CobenchConfig, config_hash, results_root
+from harness.config import CobenchConfig, results_root
 from harness.distributed import broadcast_from_main, env_dist_info
-from harness.fingerprint import environment_fingerprint
 from harness.interrupts import deferred_interrupts, signal_name
 from harness.platform import device_name, synchronize
 from harness.runner import (
@@ -52,6 +51,7 @@ from harness.runner import (
     connect_tracker,
     join,
     new_run_dir,
+    open_run,
     write_and_publish,
 )
 from harness.tracking import Tracker
@@ -503,23 +503,11 @@ def judge_benchmark(cfg: CobenchConfig, *, benchmark: str | None = None, rounds:
     result = BenchmarkResult(name, replay_workload_spec().name, source.platform.name, STATUS_FINISHED,
                              "iterations/s", run_dir)
     if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        fingerprint = environment_fingerprint(source.platform, config_hash(cfg), ctx.world_size)
-        (run_dir / "fingerprint.json").write_text(json.dumps(fingerprint, indent=2))
-        if tracker is not None:
-            tags = {"benchmark": name, "workload": result.workload, "suite": suite, "platform": source.platform.name,
-                    "device_name": source.platform.device_name, "source_workload": cfg.workload.name,
-                    "fidelity_judgement": "side_by_side", "config_hash": config_hash(cfg),
-                    "git_sha": fingerprint["git_sha"], "git_dirty": fingerprint["git_dirty"],
-                    "torch_version": torch.__version__, "throughput_unit": result.throughput_unit,
-                    "world_size": ctx.world_size}
-            result.run_id = tracker.start_run(cfg.run_name or name, tags, parent_run_id)
-            tracker.log_params(result.run_id, {"judge": {"rounds": rounds, "steps_per_round": steps_per_round,
-                                                         "budget_s": budget_s,
-                                                         "warmup": warmup, "capture_steps": capture_steps,
-                                                         "baseline_steps": baseline_steps},
-                                               **OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)})
+        judge_params = {"rounds": rounds, "steps_per_round": steps_per_round, "budget_s": budget_s, "warmup": warmup,
+                        "capture_steps": capture_steps, "baseline_steps": baseline_steps}
+        open_run(cfg, result, source.platform, ctx.world_size, tracker, suite=suite, parent_run_id=parent_run_id,
+                 tags={"source_workload": cfg.workload.name, "fidelity_judgement": "side_by_side"},
+                 params={"judge": judge_params, **OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)})
     if ctx.distributed:
         torch.distributed.barrier()
     status, reason = STATUS_FINISHED, None

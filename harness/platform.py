@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from harness.config import PlatformConfig
-from workloads.device import synchronize  # noqa: F401 - the harness's modules take it from here
+from workloads.device import synchronize  # the harness's modules take it from here
 
 # Dense (no sparsity) peak FLOP/s per device, from the vendors' data sheets (each row names its source; a
 # sheet's "with sparsity" figure is halved). "float32" is the non-tensor-core rate, since torch's default

@@ -185,34 +185,15 @@ def run_benchmark(
     if dist_info.enabled:
         torch.distributed.barrier()  # ctx.work_dir exists before any rank uses it
         record_rank(run_dir, dist_info.rank)
-    c_hash = config_hash(cfg)
     result = BenchmarkResult(name, spec.name, platform.name, STATUS_FINISHED, workload.throughput_unit, run_dir)
 
     peak = platform.peak_flops(workload.compute_dtype) if main else None
-    fingerprint = environment_fingerprint(platform, c_hash, dist_info.world_size) if main else {}
     if main:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
-        (run_dir / "fingerprint.json").write_text(json.dumps(fingerprint, indent=2))
-    if main and tracker is not None:
-        tags = {
-            "benchmark": name,
-            "workload": spec.name,
-            "suite": suite,
-            "platform": platform.name,
-            "device_name": platform.device_name,
-            "git_sha": fingerprint["git_sha"],
-            "git_dirty": fingerprint["git_dirty"],
-            "torch_version": torch.__version__,
-            "config_hash": c_hash,
-            "throughput_unit": workload.throughput_unit,
-            "world_size": dist_info.world_size,
-            "nodes": fingerprint["nodes"],
-            **(peak.tags() if peak else {"peak_flops_source": "unknown"}),
-        }
-        tags.update(workload.run_tags())  # e.g. a replay's source and portability
-        result.run_id = tracker.start_run(cfg.run_name or name, tags, parent_run_id)
-        tracker.log_params(result.run_id, OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
-        if peak is not None and peak.value:
+        tags = {**(peak.tags() if peak else {"peak_flops_source": "unknown"}),
+                **workload.run_tags()}  # e.g. a replay's source and portability
+        open_run(cfg, result, platform, dist_info.world_size, tracker, tags=tags, suite=suite,
+                 parent_run_id=parent_run_id)
+        if tracker is not None and peak is not None and peak.value:
             tracker.log_metrics(result.run_id, {"peak_flops": peak.value})
 
     repetitions: list[list[RepetitionState]] = []
@@ -302,6 +283,31 @@ def _finish(
               "quality_history": [[n, q] for n, q in first.quality_history] if first else [],
               "noise": result.noise, "mfu_doubt": result.mfu_doubt}
     write_and_publish(result, tracker, record)
+
+
+def open_run(cfg: CobenchConfig, result: BenchmarkResult, platform: Platform, world_size: int,
+             tracker: Tracker | None, *, tags: dict | None = None, params: dict | None = None, suite: str = "",
+             parent_run_id: str | None = None) -> dict:
+    """Open a run (main rank): its folder ``result.run_dir`` with ``config.yaml`` and ``fingerprint.json``,
+    and, with a store, its MLflow run (``result.run_id``) with the tags every run carries plus ``tags``,
+    and ``params`` (default: the whole config). Every kind of run opens here and ends in
+    :func:`write_and_publish`; returns the environment fingerprint."""
+    run_dir = result.run_dir
+    assert run_dir is not None, "a run that opens has a folder"
+    c_hash = config_hash(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    fingerprint = environment_fingerprint(platform, c_hash, world_size)
+    (run_dir / "fingerprint.json").write_text(json.dumps(fingerprint, indent=2))
+    if tracker is not None:
+        every = {"benchmark": result.benchmark, "workload": result.workload, "suite": suite,
+                 "platform": platform.name, "device_name": platform.device_name, "git_sha": fingerprint["git_sha"],
+                 "git_dirty": fingerprint["git_dirty"], "torch_version": torch.__version__, "config_hash": c_hash,
+                 "throughput_unit": result.throughput_unit, "world_size": world_size, "nodes": fingerprint["nodes"]}
+        result.run_id = tracker.start_run(cfg.run_name or result.benchmark, {**every, **(tags or {})}, parent_run_id)
+        tracker.log_params(result.run_id, params if params is not None
+                           else OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
+    return fingerprint
 
 
 def write_and_publish(result: BenchmarkResult, tracker: Tracker | None, record: dict) -> None:

@@ -64,12 +64,12 @@ class _Work(torch.autograd.Function):
     """Identity forward; in backward, a stretch of the step (compute between two gradients)."""
 
     @staticmethod
-    def forward(ctx, x, stretch, mat):  # noqa: ANN001, ANN205
+    def forward(ctx: Any, x: torch.Tensor, stretch: list[int | None], mat: torch.Tensor) -> torch.Tensor:
         ctx.stretch, ctx.mat = stretch, mat
         return x.clone()
 
     @staticmethod
-    def backward(ctx, grad):  # noqa: ANN001, ANN205
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         _run(ctx.mat, ctx.stretch)
         return grad, None, None
 

@@ -98,7 +98,8 @@ def check_server_reachable(uri: str, timeout_s: float) -> None:
         return
     url = uri.rstrip("/") + "/health"
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:  # noqa: S310 (user's URI)
+        # the user's own tracking URI, http(s) only (checked above)
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
             if response.status == 200:
                 return
             problem = f"HTTP {response.status}"

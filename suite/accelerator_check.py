@@ -26,7 +26,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch and the workloads are imported where a step runs
+    import torch
+
+    from workloads.dlrm.compression import ErrorBoundedCodec
 
 ROOT = Path(__file__).resolve().parents[1]
 PASS, FAIL, SKIPPED = "PASS", "FAIL", "SKIPPED"
@@ -195,7 +200,7 @@ def in_child(name: str, launcher: Callable[[Check], list[str]] | None = None) ->
     return step
 
 
-def _device(platform: str):
+def _device(platform: str) -> torch.device:
     import torch
 
     from harness.platform import resolve_device
@@ -227,7 +232,7 @@ def codec_step(platform: str, dry_run: bool) -> Outcome:
                 codec = ErrorBoundedCodec(ErrorBoundConfig(eb=1e-2 if name.endswith("2") else 1e-3,
                                                            measure_error=False))
 
-                def round_trip(codec=codec, x=x):
+                def round_trip(codec: ErrorBoundedCodec = codec, x: torch.Tensor = x) -> torch.Tensor:
                     ctx = codec.create_context()
                     message = codec.encode(x, ctx)
                     codec.decode(message, ctx)
@@ -235,7 +240,7 @@ def codec_step(platform: str, dry_run: bool) -> Outcome:
             else:
                 dtype = torch.bfloat16 if name == "cast-bf16" else torch.float16
 
-                def round_trip(dtype=dtype, x=x):
+                def round_trip(dtype: torch.dtype = dtype, x: torch.Tensor = x) -> torch.Tensor:
                     message = x.to(dtype)
                     message.to(torch.float32)
                     return message

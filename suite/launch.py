@@ -24,7 +24,7 @@ from harness.distributed import adopt_slurm_tasks, env_dist_info
 from harness.runner import STATUS_FAILED, BenchmarkResult, connect_tracker
 from harness.scheduler import check_launcher, collect_results, is_launcher_override, prepare_argv, save_result
 from harness.tracking import Tracker
-from suite.runner import Derived, Plan, SuiteOutcome, _run_one, plan_suite, run_suite, suite_level
+from suite.runner import Derived, Plan, SuiteOutcome, plan_suite, run_one, run_suite, suite_level
 
 
 def launch_suite(name: str, args: list[str], launcher: str) -> SuiteOutcome:
@@ -39,7 +39,7 @@ def launch_suite(name: str, args: list[str], launcher: str) -> SuiteOutcome:
                 deltas_of: Callable[[str], Derived], results: list[BenchmarkResult]) -> None:
         for plan in plans:
             if plan.skip is not None:  # this platform cannot run it: SKIPPED here, nothing submitted
-                results.append(_run_one(plan, suite, parent_id, tracker, deltas_of(plan.name)))
+                results.append(run_one(plan, suite, parent_id, tracker, deltas_of(plan.name)))
         jobs = [plan.name for plan in plans if plan.skip is None]
         if not jobs:
             return
@@ -57,7 +57,7 @@ def launch_suite(name: str, args: list[str], launcher: str) -> SuiteOutcome:
                 (benchmark,) = cfg.suite.only
                 job_base, (plan,) = plan_suite(suite, [*overrides, f"suite.only=[{benchmark}]"])
                 none: Derived = lambda metrics: {}  # noqa: E731 - deltas need the baseline's run: added afterwards
-                result = _run_one(plan, suite, parent_id, connect_tracker(job_base), none)
+                result = run_one(plan, suite, parent_id, connect_tracker(job_base), none)
             except BaseException:  # Hydra keeps a job's exception without its traceback: the job's log has it
                 traceback.print_exc()
                 raise

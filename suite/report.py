@@ -30,7 +30,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -38,6 +39,9 @@ from harness.cli import EXIT_OK
 from harness.config import reproduce_overrides
 from harness.summary import is_serving, serving_text
 from suite.results import RunRecord, find_runs, open_store
+
+if TYPE_CHECKING:  # mlflow is imported when a store is opened
+    from mlflow.tracking import MlflowClient
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 
@@ -187,7 +191,8 @@ def report(ns: argparse.Namespace) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _write(ns, client, parent_id, suite, runs, out, scratch, jinja2) -> int:
+def _write(ns: argparse.Namespace, client: MlflowClient, parent_id: str, suite: str, runs: list[RunRecord], out: Path,
+           scratch: Path, jinja2: ModuleType) -> int:
     started = time.perf_counter()
     rows, losses, fidelity, compliance = [], {}, [], []
     system_name = ns.system or runs[0].platform

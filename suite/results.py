@@ -5,9 +5,12 @@ from __future__ import annotations
 import datetime as dt
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.tracking import TrackingError, check_server_reachable
+
+if TYPE_CHECKING:  # mlflow is imported when a store is opened
+    from mlflow.tracking import MlflowClient
 
 # Parent runs (suites, qualifications) carry a `kind` tag; benchmark runs do not.
 PARENT_KINDS = ("suite", "qualification")
@@ -29,7 +32,7 @@ class RunRecord:
         return self.tags.get("platform", "?")
 
 
-def open_store(uri: str | None, results_dir: Path, timeout_s: float = 10.0):
+def open_store(uri: str | None, results_dir: Path, timeout_s: float = 10.0) -> MlflowClient:
     """An MlflowClient for ``uri`` (default: the sqlite store under ``results_dir``), checked first."""
     from mlflow.tracking import MlflowClient
 

@@ -137,8 +137,10 @@ def _plan(suite: str, bench: SuiteBenchmark, overrides: list[str], base: Cobench
     return Plan(bench.name, cfg, source, bench.rounds, bench.round_steps, bench.budget_s)
 
 
-def _run_one(plan: Plan, suite: str, parent_id: str | None, tracker: Tracker | None,
-             derived: Derived) -> BenchmarkResult:
+def run_one(plan: Plan, suite: str, parent_id: str | None, tracker: Tracker | None,
+            derived: Derived) -> BenchmarkResult:
+    """One benchmark of the suite: SKIPPED with the plan's reason, judged against its source (a generated
+    benchmark) or run; ``derived`` adds its extra metrics (the deltas to the baseline)."""
     cfg = plan.cfg
     if plan.skip is not None:
         return BenchmarkResult(plan.name, cfg.workload.name, cfg.platform.name, STATUS_SKIPPED, "-", None,
@@ -179,7 +181,7 @@ def run_here(suite: str, plans: list[Plan], parent_id: str | None, tracker: Trac
              deltas_of: Callable[[str], Derived], results: list[BenchmarkResult]) -> None:
     """The benchmarks one after the other in this process (or this torchrun launch)."""
     for plan in plans:
-        results.append(_run_one(plan, suite, parent_id, tracker, deltas_of(plan.name)))
+        results.append(run_one(plan, suite, parent_id, tracker, deltas_of(plan.name)))
 
 
 def run_suite(base: CobenchConfig, plans: list[Plan], execute: Execute | None = None) -> SuiteOutcome:

@@ -25,9 +25,16 @@ import json
 import os
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from harness.cli import EXIT_FAILED, EXIT_OK
+
+if TYPE_CHECKING:  # the what-if modules are imported where they are used
+    from workloads.whatif.dataparallel import GradientSyncCost, ShardedStageCost
+    from workloads.whatif.graph import Graph
+    from workloads.whatif.predict import Prediction
 
 STAGE_PASSES = 100  # the sharded stage's timed passes a launch: 2 ranks on 2 shared cores swing it 2-3x pass to pass
 STAGE_LAUNCHES = 3  # launches pooled: where a launch's ranks land on the cores moves its median by ±15 %
@@ -422,7 +429,8 @@ def _has_sharded_stage(workload: str) -> bool:
     return getattr(spec.factory, "sharded_stage", WorkloadBase.sharded_stage) is not WorkloadBase.sharded_stage
 
 
-def _stage_cost(args: argparse.Namespace, graph, world: int, changes: list[str], other_platform: bool):  # noqa: ANN001, ANN202
+def _stage_cost(args: argparse.Namespace, graph: Graph, world: int, changes: list[str],
+                other_platform: bool) -> ShardedStageCost:
     """The sharded stage's time at ``world`` ranks: ``--sharded-stage``, else the bundle's timing for these
     changes, else timed now (``trace time-stage`` under torchrun on this host, launches pooled; in this process
     group when this command already runs under torchrun at that world size)."""
@@ -457,7 +465,8 @@ def _stage_cost(args: argparse.Namespace, graph, world: int, changes: list[str],
     return ShardedStageCost.from_timing(read_json_file(cached), str(cached))
 
 
-def _launch_pooled(world: int, command: list[str], cached: Path, launches: int, pool, what: str) -> None:  # noqa: ANN001
+def _launch_pooled(world: int, command: list[str], cached: Path, launches: int,
+                   pool: Callable[[list[dict[str, Any]]], dict[str, Any]], what: str) -> None:
     """``launches`` torchrun launches at ``world`` ranks of ``cobench trace <command> --out PART``, their records
     pooled (``pool``) into ``cached``: a launch's placement of ranks on a shared host's cores moves its figure."""
     import subprocess
@@ -481,7 +490,8 @@ def _changes_key(changes: list[str]) -> str:
     return f"_{key}" if key else ""
 
 
-def _sync_cost(args: argparse.Namespace, spec: dict | None, world: int, other_platform: bool):  # noqa: ANN202
+def _sync_cost(args: argparse.Namespace, spec: dict | None, world: int,
+               other_platform: bool) -> GradientSyncCost | None:
     """DDP's gradient synchronisation at ``world`` ranks for this prediction's skeleton ``spec``:
     ``--gradient-sync``, else the bundle's timing of a skeleton of these changes (the same gradients, its step
     within :data:`SYNC_REUSE`), else timed now (``trace time-sync`` under
@@ -625,7 +635,7 @@ def _time_sync_command(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _measure_prediction(graph, changes: list[str], overrides: list[str], prediction) -> dict:  # noqa: ANN001
+def _measure_prediction(graph: Graph, changes: list[str], overrides: list[str], prediction: Prediction) -> dict:
     """Run the changed configuration for real (the captured workload config, the changes, ``overrides``)
     and log the prediction's error with it: ``prediction_error_pct`` and naive scaling's beside it."""
     from omegaconf import OmegaConf

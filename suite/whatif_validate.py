@@ -35,7 +35,10 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the what-if modules are imported where they are used
+    from workloads.whatif.graph import Graph
 
 HERE = [sys.executable, "-m", "suite.cli"]
 ROUND_RETRIES = 2  # a disturbed round is measured again at most this often (then kept as it is)
@@ -121,13 +124,13 @@ class CaseResult:
 CASES = ("layers", "batch", "ranks")
 
 
-def cases_for(graph, values: dict[str, Any]) -> dict[str, list[str]]:  # noqa: ANN001
+def cases_for(graph: Graph, values: dict[str, Any]) -> dict[str, list[str]]:
     """The three changes validated for the captured workload: 2× its repeated layers, 2× batch, 1 → 2 ranks
     (DDP where the workload has a parallelism choice)."""
-    from workloads.whatif.predict import BATCH_KEY, LAYER_KEYS, _workload_value
+    from workloads.whatif.predict import BATCH_KEY, LAYER_KEYS, workload_value
 
-    layers = _workload_value(values, LAYER_KEYS.get(graph.workload, "")) or graph.assign_layers(None)[1]
-    batch = _workload_value(values, BATCH_KEY)
+    layers = workload_value(values, LAYER_KEYS.get(graph.workload, "")) or graph.assign_layers(None)[1]
+    batch = workload_value(values, BATCH_KEY)
     return {"layers": [f"workload.{LAYER_KEYS.get(graph.workload)}={2 * (layers or 0)}"],
             "batch": [f"workload.{BATCH_KEY}={2 * (batch or 0)}"],
             "ranks": ["world_size=2", *(["workload.parallelism=ddp"] if "parallelism" in values else [])]}
@@ -168,7 +171,7 @@ def _measure(where: Path, world: int, workload: list[str], changes: list[str], r
     return [math.sqrt(steps_ms[0] * steps_ms[2]), steps_ms[1]], noisy
 
 
-def _capture(bundle: Path, workload: list[str], steps: int, out: Path):  # noqa: ANN202
+def _capture(bundle: Path, workload: list[str], steps: int, out: Path) -> Graph:
     """The graph of a capture into ``bundle`` (taken now unless it is there: a rerun keeps its rounds' captures)."""
     from workloads.whatif.graph import load_graph
 

@@ -100,7 +100,7 @@ class Prefetcher(Generic[T]):
                 if not self._put(item):
                     return
             self._put(_END)
-        except BaseException as err:  # handed to the consumer: the step that asked for the batch fails with it
+        except BaseException as err:  # noqa: BLE001 - handed over: the step that asked for the batch fails with it
             self._put(_Failure(err))
 
     def _put(self, item: object) -> bool:

@@ -10,6 +10,8 @@ the code was written against. On the CPU each is a no-op or answers from the hos
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 # Device types whose pinned (page-locked) host memory makes a host-to-device copy asynchronous; elsewhere a
@@ -17,7 +19,7 @@ import torch
 PINNED_COPY_DEVICES = ("cuda", "xpu")
 
 
-def _call(name: str, device: torch.device, *args):  # noqa: ANN202 - what the call returns
+def _call(name: str, device: torch.device, *args: Any) -> Any:
     """``torch.accelerator.<name>(*args)`` where this torch has it, else ``torch.<device type>.<name>``."""
     function = getattr(torch.accelerator, name, None)
     if function is None:

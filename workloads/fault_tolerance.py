@@ -109,5 +109,6 @@ def _replica_ddp_class() -> type:
     return ReplicaDDP
 
 
-def _ReplicaDDP(manager: Any, model: nn.Module) -> nn.Module:  # noqa: N802 - builds the class torchft makes importable
+# named like a class: it builds the class torchft makes importable
+def _ReplicaDDP(manager: Any, model: nn.Module) -> nn.Module:
     return _replica_ddp_class()(manager, model)

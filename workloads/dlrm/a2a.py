@@ -47,8 +47,9 @@ class _MeteredDist:
     def __getattr__(self, name: str) -> Any:
         return getattr(dist, name)
 
-    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes=None,
-                          input_split_sizes=None, group=None, async_op: bool = False) -> Any:
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: list[int] | None = None,
+                          input_split_sizes: list[int] | None = None, group: dist.ProcessGroup | None = None,
+                          async_op: bool = False) -> _MeteredWork | None:
         return self._meter._issue(output, input, output_split_sizes, input_split_sizes, group, async_op)
 
 
@@ -101,7 +102,9 @@ class PooledA2AMeter:
         finally:
             comm_ops.dist = original
 
-    def _issue(self, output, input_, output_split_sizes, input_split_sizes, group, async_op) -> Any:
+    def _issue(self, output: torch.Tensor, input_: torch.Tensor, output_split_sizes: list[int] | None,
+               input_split_sizes: list[int] | None, group: dist.ProcessGroup | None,
+               async_op: bool) -> _MeteredWork | None:
         world = dist.get_world_size(group)
         me = dist.get_rank(group)
         if input_split_sizes:

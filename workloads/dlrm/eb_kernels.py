@@ -224,7 +224,7 @@ def _compiled(rel: bool, bits: int, block: int) -> tuple[Any, Any]:
     ``block`` are the closures' constants, so no integer arithmetic on them is traced symbolically (torch
     2.11's dynamo fails on ``1 << bits`` with ``bits`` a symbolic int); shapes stay dynamic."""
 
-    def encode(x: torch.Tensor, factor: torch.Tensor):
+    def encode(x: torch.Tensor, factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _encode_tensor(x, factor, rel, bits)
 
     def decode(message: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -72,7 +73,7 @@ def close_files() -> None:
         _DESCRIPTORS.clear()
 
 
-def _array_header(handle, name: str) -> tuple[np.dtype, tuple[int, ...], int]:
+def _array_header(handle: BinaryIO, name: str) -> tuple[np.dtype, tuple[int, ...], int]:
     try:
         version = np.lib.format.read_magic(handle)
         if version not in _HEADER_READERS:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,7 @@ class AllToAllMeter:
     seconds: float = 0.0
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int] | None,
-                   input_splits: list[int] | None, group) -> None:
+                   input_splits: list[int] | None, group: dist.ProcessGroup | None) -> None:
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         rows = input_splits if input_splits is not None else [input.shape[0] // world] * world
         row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0
@@ -52,14 +53,15 @@ class _TokenAllToAll(torch.autograd.Function):
     """``all_to_all_single`` whose backward sends the gradients back the way the tokens came."""
 
     @staticmethod
-    def forward(ctx, x_nd, output_splits, input_splits, group, meter):  # noqa: ANN001
+    def forward(ctx: Any, x_nd: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                group: dist.ProcessGroup | None, meter: AllToAllMeter) -> torch.Tensor:
         ctx.splits, ctx.group, ctx.meter = (output_splits, input_splits), group, meter
         out_md = x_nd.new_empty((sum(output_splits), *x_nd.shape[1:]))
         meter.all_to_all(out_md, x_nd.contiguous(), output_splits, input_splits, group)
         return out_md
 
     @staticmethod
-    def backward(ctx, grad_md):  # noqa: ANN001
+    def backward(ctx: Any, grad_md: torch.Tensor) -> tuple[torch.Tensor, None, None, None, None]:
         output_splits, input_splits = ctx.splits
         grad_nd = grad_md.new_empty((sum(input_splits), *grad_md.shape[1:]))
         ctx.meter.all_to_all(grad_nd, grad_md.contiguous(), input_splits, output_splits, ctx.group)
@@ -70,7 +72,7 @@ class AllToAllDispatcher(ExpertDispatcher):
     """Sends each expert's token copies to the rank that holds it (experts ``r*L .. r*L+L-1`` on
     rank ``r``), runs the local experts on what arrives, and returns the results."""
 
-    def __init__(self, group, meter: AllToAllMeter) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, meter: AllToAllMeter) -> None:
         self.group, self.meter = group, meter
         self.world = dist.get_world_size(group)
 
@@ -93,7 +95,7 @@ class AllToAllDispatcher(ExpertDispatcher):
         return _TokenAllToAll.apply(out_md, input_splits, output_splits, self.group, self.meter)
 
 
-def shard_experts(model: nn.Module, group, meter: AllToAllMeter) -> list[str]:
+def shard_experts(model: nn.Module, group: dist.ProcessGroup | None, meter: AllToAllMeter) -> list[str]:
     """Keep this rank's slice of every MoE layer's experts and route through ``group``.
 
     Every rank must have built the same full model (same seed), so expert ``e`` here is expert

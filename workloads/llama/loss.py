@@ -17,6 +17,8 @@ Under autocast the matrix products run in its dtype (the softmax in float32), as
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 IGNORE_INDEX = -100  # targets equal to this are not scored (F.cross_entropy's default)
@@ -32,7 +34,7 @@ _ACCELERATOR_CHUNK_ELEMENTS = 1 << 27
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_nd: torch.Tensor, weight_vd: torch.Tensor, targets_n: torch.Tensor,
+    def forward(ctx: Any, hidden_nd: torch.Tensor, weight_vd: torch.Tensor, targets_n: torch.Tensor,
                 compute_dtype: torch.dtype) -> torch.Tensor:
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n, vocab = hidden_nd.shape[0], weight_vd.shape[0]
@@ -74,7 +76,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return total / count
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         grad_hidden, grad_weight, count = ctx.saved_tensors
         scale = grad_loss / count
         return (grad_hidden * scale.to(grad_hidden.dtype) if grad_hidden is not None else None,

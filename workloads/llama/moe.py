@@ -189,7 +189,9 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, coeff: float, process_group=None) -> list[torch.Tensor]:
+def update_expert_bias(
+    model: nn.Module, coeff: float, process_group: torch.distributed.ProcessGroup | None = None
+) -> list[torch.Tensor]:
     """The aux-loss-free balancing step, run between optimiser steps.
 
     For each MoE layer: the load (routed copies per expert since the last call, summed over the

@@ -83,7 +83,7 @@ def _read_ahead(blocks: Iterator[list[str]], depth: int = 4) -> Iterator[list[st
                     except queue.Full:
                         continue
             ahead.put(None)
-        except BaseException as err:  # handed over: the command fails with the reader's message
+        except BaseException as err:  # noqa: BLE001 - handed over: the command fails with the reader's message
             ahead.put(err)
 
     thread = threading.Thread(target=produce, name="cobench-c4-read", daemon=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -30,6 +31,9 @@ from workloads.llama.text_data import (
     unigram_entropy,
 )
 from workloads.llama.tokenizer import TextTokenizer, load_tokenizer
+
+if TYPE_CHECKING:  # config.py imports this module
+    from workloads.llama.config import LlamaConfig
 
 SOURCES = ("synthetic", "c4", "megatron")
 C4_READERS = ("json", "datasets")
@@ -86,7 +90,7 @@ def recipe_of(name: str | None) -> Recipe | None:
     return RECIPES[name]
 
 
-def check_text_config(cfg) -> None:
+def check_text_config(cfg: LlamaConfig) -> None:
     """The real-source fields' values alone (types and ranges); files are checked by :func:`open_text_source`."""
     if cfg.data not in SOURCES:
         raise _invalid("data", f"got {cfg.data!r}, allowed values: {', '.join(SOURCES)}")
@@ -118,7 +122,7 @@ def _too_few(what: str, have: int, want: int, seq_len: int) -> DataError:
 C4_FOLDER = "the C4 folder (c4-train.XXXXX-of-01024.json.gz, c4-validation.XXXXX-of-00008.json.gz)"
 
 
-def open_text_source(cfg, ctx: RunContext, local_batch: int, vocab_size: int) -> TextSource:
+def open_text_source(cfg: LlamaConfig, ctx: RunContext, local_batch: int, vocab_size: int) -> TextSource:
     """Open and check ``workload.data`` (c4 or megatron) for this rank; a :class:`DataError` names what is wrong."""
     recipe = recipe_of(cfg.data_recipe)
     eval_sequences = cfg.eval_sequences or (recipe.eval_sequences if recipe else cfg.eval_batches * cfg.batch_size)
@@ -144,7 +148,7 @@ def open_text_source(cfg, ctx: RunContext, local_batch: int, vocab_size: int) ->
                       target_from, recipe, {"data": cfg.data, "tokenizer": str(tokenizer.path), **details})
 
 
-def _open_c4(cfg, ctx: RunContext, recipe: Recipe | None, tokenizer: TextTokenizer, eval_sequences: int,
+def _open_c4(cfg: LlamaConfig, ctx: RunContext, recipe: Recipe | None, tokenizer: TextTokenizer, eval_sequences: int,
              local_batch: int, seed: int, vocab_size: int) -> tuple:
     """This rank's training files, checked; the evaluation windows: the first of the validation documents."""
     folder = require_path("data_path", cfg.data_path, C4_FOLDER, c4.WHERE_FROM)
@@ -168,8 +172,8 @@ def _open_c4(cfg, ctx: RunContext, recipe: Recipe | None, tokenizer: TextTokeniz
     return (lambda: batches(stream.windows(), local_batch)), windows, 0, details
 
 
-def _open_megatron(cfg, ctx: RunContext, recipe: Recipe | None, tokenizer: TextTokenizer, eval_sequences: int,
-                   local_batch: int, seed: int, vocab_size: int) -> tuple:
+def _open_megatron(cfg: LlamaConfig, ctx: RunContext, recipe: Recipe | None, tokenizer: TextTokenizer,
+                   eval_sequences: int, local_batch: int, seed: int, vocab_size: int) -> tuple:
     """The training prefix, checked; the evaluation windows: the validation prefix's first, or the training
     set's last (then held out of training)."""
     train = IndexedTokens(cfg.data_path, tokenizer.eos_id, vocab_size)

@@ -30,11 +30,15 @@ import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from workloads.data_source import DataError, require_path
 from workloads.seqrec.data import Histories, ranking_quality
+
+if TYPE_CHECKING:  # pandas is imported only when a file is read
+    import pandas as pd
 
 RATINGS_FILES = ("ratings.dat", "ratings.csv")
 WHERE_FROM = ("MovieLens comes from https://grouplens.org/datasets/movielens/ (ml-1m.zip holds ratings.dat, "
@@ -112,7 +116,7 @@ def parse_ratings(path: Path, layout: str) -> tuple[np.ndarray, np.ndarray, np.n
     return users.astype(np.int64), movies.astype(np.int64), ratings, timestamps.astype(np.int64)
 
 
-def _read(path: Path, layout: str, exact: bool):  # -> pandas.DataFrame
+def _read(path: Path, layout: str, exact: bool) -> pd.DataFrame:
     """The file's columns: ids and times as int64 (``exact``: fast, but a missing field fails the whole read),
     or everything as float64 (a missing field is NaN, so its line can be named)."""
     import pandas as pd

@@ -18,7 +18,7 @@ from pathlib import Path
 from workloads.trace_bundle import TraceError
 from workloads.whatif.costmodel import Calibration
 from workloads.whatif.graph import Graph, Op
-from workloads.whatif.predict import Change, _retimed, dimension_factors
+from workloads.whatif.predict import Change, dimension_factors, retimed
 
 CHAKRA_VERSION = "0.0.4"  # the schema version mlc-chakra's PyTorch converter writes
 
@@ -27,7 +27,7 @@ def edited_ops(graph: Graph, change: Change, calibration: Calibration) -> list[t
     """The edited step as (op, duration µs, copy) in host order: copy 0 is the captured op, copy k > 0
     the k-th clone of a last-layer op (layers assigned first: :meth:`Graph.assign_layers`)."""
     resize, _ = dimension_factors(graph, change)
-    durations = {op.id: (_retimed(op, resize, calibration, change.calibration)
+    durations = {op.id: (retimed(op, resize, calibration, change.calibration)
                          if (resize or change.calibration) else op.dur_us) for op in graph.ops}
     if change.layers is None:
         return [(op, durations[op.id], 0) for op in graph.ops]

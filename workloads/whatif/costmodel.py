@@ -23,6 +23,7 @@ import bisect
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -81,7 +82,7 @@ ROUNDS = 15
 WARMUP_CALLS = 3
 
 
-def _fastest_us(fns: list, budget_s: float = 0.02) -> list[float]:  # noqa: ANN001
+def _fastest_us(fns: list[Callable[[], object]], budget_s: float = 0.02) -> list[float]:
     """Each callable's fastest per-call time over :data:`ROUNDS` rounds of as many calls as fit its share of
     ``budget_s``. The rounds go round-robin over all the points, so one point's rounds are spread over
     the whole calibration: a burst of someone else's work on a shared host spoils a round of every

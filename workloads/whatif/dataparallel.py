@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any
 
 from workloads.whatif.costmodel import Calibration
-from workloads.whatif.graph import Graph
-from workloads.whatif.predict import BATCH_KEY, Change, Prediction, _workload_value, predict, resolved_workload
+from workloads.whatif.graph import Graph, Op
+from workloads.whatif.predict import BATCH_KEY, Change, Prediction, predict, resolved_workload, workload_value
 
 DDP_BUCKET_BYTES = 25 * 2**20
 # the DDP settings of cobench's wraps: Llama's own (DDP's defaults) and TorchRec's DefaultDataParallelWrapper's
@@ -274,7 +274,7 @@ def rank_change(graph: Graph, world: int, change: Change, rank_calibration: Cali
     if captured_world != 1:
         raise ValueError(f"the capture ran {captured_world} ranks: a data-parallel change starts from a "
                          "single-rank capture (capture with one process)")
-    batch = _workload_value(resolved_workload(graph), BATCH_KEY)
+    batch = workload_value(resolved_workload(graph), BATCH_KEY)
     if batch is None:
         raise ValueError(f"the capture's config has no workload.{BATCH_KEY}: a data-parallel change cannot "
                          "split the batch")
@@ -362,7 +362,7 @@ def _layer_gradient_share(graph: Graph) -> float:
     return held["layers"] / total if total else 0.0
 
 
-def _accumulates(op) -> bool:  # noqa: ANN001
+def _accumulates(op: Op) -> bool:
     """The op that hands a parameter its gradient (first accumulation: detach; later ones: add_/copy_) — not
     an optimizer's own work run inside the accumulation (an in-backward optimizer's step counter, its weight
     decay)."""

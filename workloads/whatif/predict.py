@@ -87,7 +87,8 @@ def resolved_workload(graph: Graph) -> dict[str, Any]:
     return raw
 
 
-def _workload_value(values: dict[str, Any], *keys: str) -> int | None:
+def workload_value(values: dict[str, Any], *keys: str) -> int | None:
+    """The first of ``keys`` whose value in ``values`` (a workload config) is an integer; None if none is."""
     for key in keys:
         if isinstance(values.get(key), int):
             return int(values[key])
@@ -173,7 +174,9 @@ def _bytes(uses: list[TensorUse]) -> float:
     return float(sum(math.prod(u.shape) * u.itemsize for u in uses))
 
 
-def _retimed(op: Op, resize: Resize, here: Calibration, there: Calibration | None) -> float:
+def retimed(op: Op, resize: Resize, here: Calibration, there: Calibration | None) -> float:
+    """``op``'s time with its tensors resized by ``resize`` (and on ``there``'s platform when
+    given); an op of a fixed category, or without tensors, keeps its captured time."""
     if op.category in FIXED_CATEGORIES or not (op.inputs or op.outputs):
         return op.dur_us
     old = [*op.inputs, *op.outputs]
@@ -238,7 +241,7 @@ def dimension_factors(graph: Graph, change: Change, token_factor: float | None =
     and the batch × sequence factor. ``token_factor``: how the step's tokens grow when that is not
     batch × sequence (a jagged batch: by the batches the run trains on, :mod:`.jagged`)."""
     values = resolved_workload(graph)
-    batch, seq = _workload_value(values, BATCH_KEY), _workload_value(values, *SEQ_KEYS)
+    batch, seq = workload_value(values, BATCH_KEY), workload_value(values, *SEQ_KEYS)
     fb = change.batch_size / batch if change.batch_size and batch else 1.0
     fs = change.seq_len / seq if change.seq_len and seq else 1.0
     factors: dict[int, float] = {}
@@ -268,7 +271,7 @@ def predict(graph: Graph, change: Change, calibration: Calibration,
     unchanged = schedule(graph)
     naive = 1.0
     values = resolved_workload(graph)
-    batch, seq = _workload_value(values, BATCH_KEY), _workload_value(values, *SEQ_KEYS)
+    batch, seq = workload_value(values, BATCH_KEY), workload_value(values, *SEQ_KEYS)
     if change.batch_size and not batch:
         raise ValueError(f"the capture's config has no workload.{BATCH_KEY}: a batch change cannot be placed")
     if change.seq_len and not seq:
@@ -280,11 +283,11 @@ def predict(graph: Graph, change: Change, calibration: Calibration,
         def rest(edited: bool, token_factor: float, skip: set[int]) -> float:
             resize, _ = dimension_factors(graph, change if edited else Change(), token_factor)
             there = change.calibration if edited else None
-            return sum(_retimed(op, resize, calibration, there) + op.gap_us for op in graph.ops if op.id not in skip)
+            return sum(retimed(op, resize, calibration, there) + op.gap_us for op in graph.ops if op.id not in skip)
 
         jagged = jagged_edit(
             graph, batch, change.batch_size or batch, change.seq_len if values.get("max_len") == seq else None,
-            _workload_value(values, "num_heads", "n_heads"), _token_dim(graph),
+            workload_value(values, "num_heads", "n_heads"), _token_dim(graph),
             lambda op, i, o: retimed_at(op, i, o, calibration, None),
             lambda op, i, o: retimed_at(op, i, o, calibration, change.calibration), rest)
     resize, batch_factor = dimension_factors(graph, change, jagged.edited_token_factor if jagged else None)
@@ -292,18 +295,18 @@ def predict(graph: Graph, change: Change, calibration: Calibration,
     durations: dict[int, float] = {}
     gaps: dict[int, float] = {}
     for op in graph.ops:
-        dur = _retimed(op, resize, calibration, change.calibration) if (resize or change.calibration) else op.dur_us
+        dur = retimed(op, resize, calibration, change.calibration) if (resize or change.calibration) else op.dur_us
         durations[op.id] = dur
     reference = unchanged
     if jagged:  # the length buckets, re-drawn from the data: the captured batch's stand-in and the new one
         at_draw, _ = dimension_factors(graph, Change(), jagged.unchanged_token_factor)
-        reference = schedule(graph, {op.id: _retimed(op, at_draw, calibration, None) for op in graph.ops}
+        reference = schedule(graph, {op.id: retimed(op, at_draw, calibration, None) for op in graph.ops}
                              | jagged.unchanged, jagged.unchanged_gaps)
         durations.update(jagged.edited)
         gaps.update(jagged.edited_gaps)
     layers, stack = None, None
     if change.layers is not None:
-        stack, layers = graph.assign_layers(_workload_value(values, LAYER_KEYS.get(graph.workload, "")))
+        stack, layers = graph.assign_layers(workload_value(values, LAYER_KEYS.get(graph.workload, "")))
         scale = change.layers / layers
         naive *= scale
         for op in graph.ops:
