@@ -56,7 +56,7 @@ from harness.runner import (
 )
 from harness.tracking import Tracker
 from workloads import discover
-from workloads.base import RunContext
+from workloads.base import RunContext, WorkloadSpec
 from workloads.trace_bundle import KINETO_FILE, STEP_ANNOTATION, rank_dirs, read_json, read_meta
 
 FIDELITY_FILE = "fidelity.json"
@@ -261,7 +261,7 @@ def _timed(step: Callable[[], Any], device: torch.device, batch: int) -> float:
     return 1e3 * (time.perf_counter() - started) / batch
 
 
-def replay_workload_spec():
+def replay_workload_spec() -> WorkloadSpec:
     """The registered workload that replays trace bundles (found by its property, not its name)."""
     found = [spec for spec in discover().values() if spec.replays_bundle]
     if len(found) != 1:

@@ -13,7 +13,7 @@ from pathlib import Path
 from workloads.trace_bundle import ET_FILE, TraceError, check_et_schema, rank_dirs, read_json
 
 
-def _converter():
+def _converter() -> type:
     try:
         from chakra.src.converter.pytorch_converter import PyTorchConverter
     except ImportError:

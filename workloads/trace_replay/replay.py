@@ -55,7 +55,7 @@ from workloads.trace_replay.ops import (
 )
 from workloads.trace_replay.records import OpRecord, RankRecord, ValueStats
 from workloads.trace_replay.safety import op_refusal
-from workloads.trace_replay.spec import STEP_ANNOTATION, _is_tensor_ref, kineto_host_gaps
+from workloads.trace_replay.spec import STEP_ANNOTATION, is_tensor_ref, kineto_host_gaps
 from workloads.trace_replay.tensors import copy_recorded, fill_view, match_values, recorded_view, stand_in
 
 # Ops whose output shape follows a boolean mask's count of True, with the mask's argument position
@@ -167,7 +167,7 @@ class Replayer:
         compiled.single_output = len(outputs.types) == 1 and outputs.types[0].startswith("Tensor(")
         for value, shape, stride, et_type in zip(outputs.values, outputs.shapes, outputs.strides, outputs.types,
                                                  strict=False):
-            if _is_tensor_ref(value) and et_type.startswith("Tensor("):
+            if is_tensor_ref(value) and et_type.startswith("Tensor("):
                 info = self._info_or_none(value, shape, stride, et_type)
                 compiled.out_slots.append(self._slot(info) if info else None)
                 compiled.out_infos.append(info)
@@ -175,7 +175,7 @@ class Replayer:
                 types = list_types(et_type)
                 for j, item in enumerate(value):
                     info = None
-                    if _is_tensor_ref(item) and j < len(types):
+                    if is_tensor_ref(item) and j < len(types):
                         info = self._info_or_none(item, at(shape, j), at(stride, j), types[j])
                     compiled.out_slots.append(self._slot(info) if info else None)
                     compiled.out_infos.append(info)
@@ -214,7 +214,7 @@ class Replayer:
         """A trace value → (call-template value, [(list index or −1, slot)])."""
         if et_type.startswith("Tensor("):
             tensor_index[0] += 1
-            if not _is_tensor_ref(value) or "nullptr" in et_type:
+            if not is_tensor_ref(value) or "nullptr" in et_type:
                 return None, []
             info = tensor_info(value, shape, stride, et_type)
             pinned = self._pinned(info, data.get(str(tensor_index[0])))
@@ -228,7 +228,7 @@ class Replayer:
                     if not types[j].startswith("Tensor(") if j < len(types) else True:
                         continue
                     tensor_index[0] += 1
-                    if _is_tensor_ref(item) and "nullptr" not in types[j]:  # an undefined tensor: None
+                    if is_tensor_ref(item) and "nullptr" not in types[j]:  # an undefined tensor: None
                         info = tensor_info(item, at(shape, j), at(stride, j), types[j])
                         pinned = self._pinned(info, data.get(str(tensor_index[0])))
                         if pinned is not None:
@@ -444,7 +444,7 @@ class Replayer:
             return []  # where(condition, x, y) keeps its shape whatever the condition holds
 
         def slot_of(value: Any, shape: Any, stride: Any, et_type: str) -> tuple[int, TensorInfo] | None:
-            if not _is_tensor_ref(value) or et_type != "Tensor(bool)":
+            if not is_tensor_ref(value) or et_type != "Tensor(bool)":
                 return None
             try:
                 info = tensor_info(value, shape, stride, et_type)
@@ -473,7 +473,7 @@ class Replayer:
             return []
         items, types = inputs.values[1], list_types(inputs.types[1])
         tensors = [j for j, t in enumerate(types) if t.startswith("Tensor(") and "nullptr" not in t and j < len(items)
-                   and _is_tensor_ref(items[j])]
+                   and is_tensor_ref(items[j])]
         if len(tensors) != 1 or types[tensors[0]] != "Tensor(bool)":
             return []  # a lone mask among None entries: mixed advanced indexing broadcasts otherwise
         j = tensors[0]
@@ -521,7 +521,7 @@ class Replayer:
                 if not t.startswith("Tensor("):
                     continue
                 tensor_index += 1
-                if _is_tensor_ref(v) and "nullptr" not in t:
+                if is_tensor_ref(v) and "nullptr" not in t:
                     try:
                         info = tensor_info(v, sh, st, t)
                     except OpUnavailable:

@@ -33,6 +33,7 @@ import binascii
 import math
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -459,7 +460,7 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _tensor_refs(io: dict[str, Any]):
+def _tensor_refs(io: dict[str, Any]) -> Iterator[tuple[list, Any, Any]]:
     for value, et_type, shape, stride in zip(io.get("values", []), io.get("types", []), io.get("shapes", []),
                                              io.get("strides", []), strict=False):
         if et_type.startswith("Tensor(") and "nullptr" not in et_type and _is_ref(value):

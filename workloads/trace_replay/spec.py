@@ -188,11 +188,11 @@ def _keys(io: dict[str, list]) -> set[tuple]:
     come from object addresses, which are reused after frees: the id alone is not an identity)."""
     keys = set()
     for value, shape in zip(io.get("values", []), io.get("shapes", []), strict=False):
-        if _is_tensor_ref(value):
+        if is_tensor_ref(value):
             keys.add((value[0], value[1], value[2], json.dumps(shape)))
         elif isinstance(value, list) and isinstance(shape, list):
             keys.update((v[0], v[1], v[2], json.dumps(sh)) for v, sh in zip(value, shape, strict=False)
-                        if _is_tensor_ref(v))
+                        if is_tensor_ref(v))
     return keys
 
 
@@ -276,7 +276,7 @@ def _tensor_data(resources: Path, node: Node) -> dict[str, str]:
                 continue
             index += 1
             path = resources / f"nid_{node.id}_tid_{index}.dat"
-            if not (_is_tensor_ref(item) and item[2] == 0 and path.is_file()):
+            if not (is_tensor_ref(item) and item[2] == 0 and path.is_file()):
                 continue
             if 0 < path.stat().st_size <= MAX_TENSOR_DATA_BYTES:
                 data[str(index)] = base64.b64encode(path.read_bytes()).decode("ascii")
@@ -298,13 +298,14 @@ def _step_of(node: Node, ancestors: list[Node], event: dict | None, step_events:
 def _tensor_refs(values: Iterable[Any]) -> Iterable[list]:
     """Every tensor value ``[tensor_id, storage_id, offset, numel, itemsize, device]``, lists included."""
     for value in values:
-        if _is_tensor_ref(value):
+        if is_tensor_ref(value):
             yield value
         elif isinstance(value, list):
             yield from _tensor_refs(value)
 
 
-def _is_tensor_ref(value: Any) -> bool:
+def is_tensor_ref(value: Any) -> bool:
+    """Whether an ET value is a tensor reference: [tensor id, storage id, offset, numel, itemsize, device]."""
     return (isinstance(value, list) and len(value) == 6 and all(isinstance(v, int) for v in value[:5])
             and isinstance(value[5], str))
 
