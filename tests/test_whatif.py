@@ -668,3 +668,41 @@ def test_predict_validate_captures_every_round_and_logs_each_case(tmp_path: Path
                    "workload.preset=tiny", "tracking=off")
     assert proc.returncode == 2 and "unknown case 'heads'" in proc.stderr and "layers, batch, ranks" in proc.stderr
     assert not (fresh / "bundle-0").exists()  # refused before any capture
+
+
+def test_a_programs_own_bundle_says_once_what_it_can_predict_and_how_to_name_its_batch(tmp_path: Path):
+    """A program captured with ``harness.capture.capture``: without sizes in its config only the rank count
+    can change, and every refused key says so (the same list, and how to name the batch); with its batch
+    size named at capture, a batch change is predicted."""
+    import torch
+    from torch import nn
+
+    from harness.capture import capture
+    from workloads.whatif.costmodel import Calibration, Curve
+    from workloads.whatif.edits import parse_changes
+    from workloads.whatif.graph import load_graph
+    from workloads.whatif.predict import predict
+
+    def captured(out: Path, config: dict | None) -> Path:
+        model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with capture(out, steps=2, warmup=1, baseline_steps=2, config=config, announce=False) as cap:
+            while not cap.done:
+                with cap.step():
+                    model(torch.randn(16, 32)).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+        return out
+
+    plain = load_graph(captured(tmp_path / "plain", None))
+    for item in ("workload.n_layers=4", "workload.batch_size=32"):
+        with pytest.raises(ValueError, match=r"supported: world_size; the capture's config names no batch size") as err:
+            parse_changes(plain, [item])
+        assert "config={'workload': {'batch_size': N" in str(err.value)
+    assert parse_changes(plain, ["world_size=2"]).world_size == 2
+
+    named = load_graph(captured(tmp_path / "named", {"workload": {"batch_size": 16}}))
+    changes = parse_changes(named, ["workload.batch_size=32"])
+    linear = Calibration("linear", 1, Curve([1.0, 1e12], [1.0, 1e12]), Curve([1.0, 1e12], [1.0, 1e12]))
+    same, bigger = predict(named, changes.change.__class__(), linear), predict(named, changes.change, linear)
+    assert same.predicted_step_ms < bigger.predicted_step_ms < 2 * same.predicted_step_ms

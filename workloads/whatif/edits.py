@@ -19,6 +19,7 @@ from workloads.whatif.predict import (
     SEQ_KEYS,
     Change,
     resolved_workload,
+    workload_value,
 )
 
 WORLD_KEYS = ("world_size", "runner.world_size", "dp")
@@ -40,8 +41,10 @@ class Changes:
 def parse_changes(graph: Graph, items: list[str]) -> Changes:
     """``key=N`` items → :class:`Changes`; a malformed item or a key this workload lacks is a ValueError
     naming it."""
-    layer_key = LAYER_KEYS.get(graph.workload)
     values = resolved_workload(graph)
+    layer_key = LAYER_KEYS.get(graph.workload)
+    layer_key = layer_key if layer_key is not None and workload_value(values, layer_key) is not None else None
+    batch_key = BATCH_KEY if workload_value(values, BATCH_KEY) is not None else None
     change, world, parallelism = Change(), None, None
     for item in items:
         key, sep, value = item.partition("=")
@@ -58,15 +61,19 @@ def parse_changes(graph: Graph, items: list[str]) -> Changes:
             world = n
         elif layer_key is not None and short == layer_key:
             change.layers = n
-        elif short == BATCH_KEY:
+        elif short == batch_key:
             change.batch_size = n
-        elif short in SEQ_KEYS and short in values:
+        elif short in SEQ_KEYS and workload_value(values, short) is not None:
             change.seq_len = n
         else:
-            known = [f"workload.{k}" for k in (layer_key, BATCH_KEY) if k]
-            known += [f"workload.{k}" for k in SEQ_KEYS if k in values] + ["world_size"]
+            known = [f"workload.{k}" for k in (layer_key, batch_key) if k]
+            known += [f"workload.{k}" for k in SEQ_KEYS if workload_value(values, k) is not None] + ["world_size"]
+            hint = "" if batch_key else (
+                "; the capture's config names no batch size: a program of your own names its sizes when it is "
+                "captured, harness.capture.capture(..., config={'workload': {'batch_size': N, 'seq_len': L}}), "
+                "and a batch or sequence change can then be predicted")
             raise ValueError(f"invalid change {key!r} for a {graph.workload or 'captured'} trace: supported: "
-                             f"{', '.join(known)}")
+                             f"{', '.join(known)}{hint}")
     captured = values.get("parallelism")
     if world and world > 1 and captured not in (None, "ddp") and parallelism is None:
         raise ValueError(f"the {graph.workload} workload's parallelism={captured} may shard parameters (FSDP) at "
