@@ -102,7 +102,7 @@ def _parser() -> argparse.ArgumentParser:
                                                 "workload.batch_size=B, workload.seq_len=S (seqrec: max_len), "
                                                 "world_size=W (data-parallel ranks)")
     pre.add_argument("--calibration", type=Path, default=None,
-                     help="this platform's cost-model curves (default <bundle>/whatif_calibration.json, measured "
+                     help="this platform's cost-model curves (default: in the bundle's what-if cache, measured "
                           "there first)")
     pre.add_argument("--target-calibration", type=Path, default=None,
                      help="another platform's curves (made there with `cobench trace calibrate`): predict for it")
@@ -309,6 +309,7 @@ def _zoo(args: argparse.Namespace) -> int:
 
 def _predict(args: argparse.Namespace) -> int:
     from harness.platform import configure_host_allocator, host_allocator_in_effect
+    from workloads.whatif.cache import cache_dir
     from workloads.whatif.chakra_export import edited_ops, export_edited_chakra
     from workloads.whatif.costmodel import calibrate, load_or_calibrate, read_calibration
     from workloads.whatif.dataparallel import (
@@ -329,7 +330,7 @@ def _predict(args: argparse.Namespace) -> int:
     # the curves are measured with host memory as the capture had it (a step's ops and the curves' alike pay
     # for glibc returning freed memory, or neither does)
     configure_host_allocator("steady" if graph.platform.get("host_allocator", "").startswith("steady") else "system")
-    calibration = load_or_calibrate(args.calibration or Path(args.bundle) / "whatif_calibration.json")
+    calibration = load_or_calibrate(args.calibration or cache_dir(args.bundle) / "calibration.json")
     if args.target_calibration is not None:
         if not args.target_calibration.exists():
             raise ValueError(f"--target-calibration {args.target_calibration} does not exist: make it on the "
@@ -343,7 +344,7 @@ def _predict(args: argparse.Namespace) -> int:
         allreduce = allreduce_cost(world, args.collectives, args.assume_busbw_gbps, args.assume_latency_us)
         threads, rank_threads = threads_per_rank(graph, world)
         if rank_threads != threads and change.calibration is None:  # ranks share the host's cores
-            cached = Path(args.bundle) / f"whatif_calibration_{rank_threads}threads.json"
+            cached = cache_dir(args.bundle) / f"calibration_{rank_threads}threads.json"
             rank_calibration = load_or_calibrate(cached, f"{calibration.platform}-{rank_threads}threads",
                                                  rank_threads) if args.calibration is None else \
                 calibrate(f"{calibration.platform}-{rank_threads}threads", rank_threads)
@@ -436,6 +437,7 @@ def _stage_cost(args: argparse.Namespace, graph: Graph, world: int, changes: lis
     group when this command already runs under torchrun at that world size)."""
 
     from harness.stage_probe import pooled
+    from workloads.whatif.cache import cache_dir
     from workloads.whatif.dataparallel import ShardedStageCost
 
     stage_changes = sorted(c for c in changes if c.startswith("workload."))
@@ -452,7 +454,7 @@ def _stage_cost(args: argparse.Namespace, graph: Graph, world: int, changes: lis
         raise ValueError(f"predicting {graph.workload} at world_size={world} for another platform needs its sharded "
                          f"stage timed there: `torchrun --nproc-per-node {world} -m suite.cli trace time-stage BUNDLE "
                          "--out FILE` on the target, then --sharded-stage FILE")
-    cached = Path(args.bundle) / f"whatif_sharded_stage_{world}ranks{_changes_key(stage_changes)}.json"
+    cached = cache_dir(args.bundle) / f"sharded_stage_{world}ranks{_changes_key(stage_changes)}.json"
     if not cached.exists():
         if int(os.environ.get("WORLD_SIZE", "1")) == world:  # already W ranks (predict --measure under torchrun):
             # every rank times it together and gets the same record (rank 0 also keeps it in the bundle)
@@ -499,6 +501,7 @@ def _sync_cost(args: argparse.Namespace, spec: dict | None, world: int,
     world size). None: ``--sync-from table``, one rank, or another platform without a timing made there."""
 
     from harness.sync_probe import pooled
+    from workloads.whatif.cache import cache_dir
     from workloads.whatif.dataparallel import GradientSyncCost
 
     if spec is None or world < 2:
@@ -515,7 +518,7 @@ def _sync_cost(args: argparse.Namespace, spec: dict | None, world: int,
               f"{world} -m suite.cli trace time-sync PREDICTION.json --out FILE` on the target (PREDICTION.json: "
               "this command's --json), then --gradient-sync FILE; until then the all-reduce alone is counted")
         return None
-    cached = Path(args.bundle) / f"whatif_gradient_sync_{world}ranks{_changes_key(args.changes)}.json"
+    cached = cache_dir(args.bundle) / f"gradient_sync_{world}ranks{_changes_key(args.changes)}.json"
     if cached.exists():
         record = read_json_file(cached)
         if record.get("gradients") != len(spec["gradients"]) or "job_ddp_ms_p50" not in record or \
@@ -552,6 +555,7 @@ def _time_stage(bundle: Path, out: Path, passes: int, warmup: int, changes: list
 
     from harness.config import compose_config, to_run_config
     from harness.stage_probe import time_sharded_stage
+    from workloads.whatif.cache import cache_dir
     from workloads.whatif.graph import load_graph
 
     graph = load_graph(bundle)
@@ -566,7 +570,7 @@ def _time_stage(bundle: Path, out: Path, passes: int, warmup: int, changes: list
     cfg = to_run_config(compose_config([f"workload={graph.workload}", "tracking=off",
                                         f"seed={graph.config.get('seed', 1234)}"]))
     cfg.workload = workload
-    timing = time_sharded_stage(cfg, Path(bundle) / "stage_probe", passes, warmup).to_json()
+    timing = time_sharded_stage(cfg, cache_dir(bundle) / "stage_probe", passes, warmup).to_json()
     timing["changes"] = changes
     if os.environ.get("RANK", "0") == "0":
         out.parent.mkdir(parents=True, exist_ok=True)

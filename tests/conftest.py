@@ -13,6 +13,10 @@ from pathlib import Path
 
 import pytest
 
+# What-if keeps what it measured for a bundle in the user's cache folder: the tests' go to a scratch one
+# (in this process and in every command they start), not into the home of whoever runs them.
+os.environ.setdefault("COBENCH_CACHE_DIR", str(Path(__import__("tempfile").mkdtemp(prefix="cobench-test-cache-"))))
+
 # Few steps, tiny data: an end-to-end run in seconds on a 2-core CPU.
 TINY = [
     "runner.warmup_steps=1",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import platform
 import statistics
 from pathlib import Path
@@ -286,6 +287,17 @@ def test_the_edited_graph_exports_as_chakra(bundle: Path, tmp_path: Path):
 
 
 @pytest.mark.slow
+def test_a_prediction_leaves_the_bundle_as_it_was_and_keeps_its_curves_in_the_cache(cobench, bundle: Path):
+    from workloads.whatif.cache import cache_dir
+
+    before = sorted(p.relative_to(bundle) for p in bundle.rglob("*"))
+    proc = cobench("trace", "predict", str(bundle), "workload.n_layers=4")
+    assert proc.returncode == 0 and "predicted step" in proc.stdout, proc.stderr
+    assert sorted(p.relative_to(bundle) for p in bundle.rglob("*")) == before  # the user's input, untouched
+    assert (cache_dir(bundle) / "calibration.json").is_file() and cache_dir(bundle).parent.name == "whatif"
+    assert str(cache_dir(bundle)).startswith(os.environ["COBENCH_CACHE_DIR"])
+
+
 def test_cobench_trace_predict_ranks_json_chakra_and_refusals(cobench, bundle: Path, tmp_path: Path):
     import subprocess
     import sys

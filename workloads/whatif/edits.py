@@ -42,8 +42,7 @@ def parse_changes(graph: Graph, items: list[str]) -> Changes:
     """``key=N`` items → :class:`Changes`; a malformed item or a key this workload lacks is a ValueError
     naming it."""
     values = resolved_workload(graph)
-    layer_key = LAYER_KEYS.get(graph.workload)
-    layer_key = layer_key if layer_key is not None and workload_value(values, layer_key) is not None else None
+    layer_key = LAYER_KEYS.get(graph.workload)  # a registered workload's layers: found in the graph by their count
     batch_key = BATCH_KEY if workload_value(values, BATCH_KEY) is not None else None
     change, world, parallelism = Change(), None, None
     for item in items:
