@@ -20,6 +20,10 @@ if TYPE_CHECKING:
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
+class CommandFailed(Exception):
+    """A command ran and did not succeed (exit 1); the message says what failed and where to look."""
+
+
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:
     """Leave a Hydra task with a message: Hydra reports other exceptions as its own crash."""
     print(f"cobench run: error: {message}", file=sys.stderr)

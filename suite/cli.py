@@ -19,7 +19,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from harness.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from harness.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, CommandFailed
 from harness.interrupts import deferred_interrupts, signal_name, sigterm_as_interrupt
 
 USAGE = """usage: cobench COMMAND [ARGS]
@@ -80,10 +80,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
 SHARED_SETTINGS = {"results_dir": "--results-dir", "tracking.uri": "--tracking-uri",
                    "tracking.experiment": "--experiment"}
 FLAG_COMMANDS = ("compare", "report")  # argparse-only commands: shared settings become their flags
-
-
-class CommandFailed(Exception):
-    """A command ran and did not succeed (exit 1); the message says what failed and where to look."""
 
 
 def shared_settings_as_flags(command: str, args: list[str]) -> list[str]:

@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.cli import EXIT_FAILED, EXIT_OK
+from harness.cli import EXIT_FAILED, EXIT_OK, CommandFailed
 
 if TYPE_CHECKING:  # the what-if modules are imported where they are used
     from workloads.whatif.dataparallel import GradientSyncCost, ShardedStageCost
@@ -752,7 +752,6 @@ def run(argv: list[str]) -> int:
     """``cobench trace SUBCOMMAND ...`` (errors: :func:`suite.cli.guarded`; a capture or replay that
     fails once running exits 1)."""
     from harness.tracking import TrackingError
-    from suite.cli import CommandFailed
 
     args = _parser().parse_args(argv)
     handlers = {"capture": _capture, "generate": _generate, "fidelity": _fidelity, "export": _export, "zoo": _zoo,
