@@ -62,7 +62,7 @@ Exit codes: 0 done, 1 a run failed, 2 bad input (nothing ran), 130 interrupted.
 # command → (module, function): imported only when the command runs
 COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("harness.cli", "run_main"),
-    "suite": ("suite.runner", "suite_main"),
+    "suite": ("suite.launch", "suite_main"),
     "list": ("suite.cli", "list_main"),
     "trace": ("suite.trace_cli", "run"),
     "qualify": ("suite.qualify", "run"),

@@ -1,4 +1,4 @@
-"""``cobench suite NAME hydra/launcher=submitit_slurm``: each benchmark of a suite as its own job.
+"""``cobench suite NAME``: the suite here, or with ``hydra/launcher=submitit_slurm`` each benchmark as its own job.
 
 The suite is planned here first (every config composed and every workload built once: a typo in the
 last benchmark costs nothing) and the launch checked (:func:`harness.scheduler.check_launcher`); the
@@ -19,10 +19,19 @@ from collections.abc import Callable
 
 from omegaconf import DictConfig
 
+from harness.cli import EXIT_FAILED, EXIT_OK
 from harness.config import CONF_DIR, register_configs, results_root
 from harness.distributed import adopt_slurm_tasks, env_dist_info
-from harness.runner import STATUS_FAILED, BenchmarkResult, connect_tracker
-from harness.scheduler import check_launcher, collect_results, is_launcher_override, prepare_argv, save_result
+from harness.runner import STATUS_FAILED, STATUS_FINISHED, STATUS_SKIPPED, BenchmarkResult, connect_tracker
+from harness.scheduler import (
+    check_launcher,
+    collect_results,
+    is_launcher_override,
+    launcher_of,
+    prepare_argv,
+    save_result,
+)
+from harness.summary import print_summary
 from harness.tracking import Tracker
 from suite.runner import Derived, Plan, SuiteOutcome, plan_suite, run_one, run_suite, suite_level
 
@@ -93,3 +102,19 @@ def launch_suite(name: str, args: list[str], launcher: str) -> SuiteOutcome:
                 result.metrics.update(extra)
 
     return run_suite(base, plans, execute)
+
+
+def suite_main(args: list[str]) -> int:
+    """``cobench suite NAME [OVERRIDES]``: exit 0 when every benchmark finished or was skipped, else 1."""
+    if not args or args[0].startswith("-") or "=" in args[0]:
+        raise ValueError("`cobench suite` needs a suite name, e.g. `cobench suite smoke`")
+    launcher = launcher_of(args[1:])
+    if launcher is not None:  # one job per benchmark through a Hydra launcher (SLURM)
+        outcome = launch_suite(args[0], args[1:], launcher)
+    else:
+        outcome = run_suite(*plan_suite(args[0], args[1:]))
+    if env_dist_info().is_main:
+        print_summary(outcome.results, title=f"suite {args[0]}: {outcome.wall_s:.1f} s wall",
+                      extra_metrics=outcome.suite.summary_metrics)
+    ok = all(r.status in (STATUS_FINISHED, STATUS_SKIPPED) and not r.upload_error for r in outcome.results)
+    return EXIT_OK if ok else EXIT_FAILED

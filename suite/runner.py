@@ -1,4 +1,4 @@
-"""``cobench suite NAME``: run every benchmark of a suite under one MLflow parent run.
+"""Every benchmark of a suite under one MLflow parent run (``cobench suite NAME``: :func:`suite.launch.suite_main`).
 
 All benchmark configs are composed and validated before the first one runs, so a typo in the
 tenth benchmark costs nothing. Each benchmark becomes a child run of the suite's parent run. A
@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from harness.cli import EXIT_FAILED, EXIT_OK
 from harness.config import CobenchConfig, SuiteBenchmark, SuiteConfig, compose_config, results_root, to_run_config
 from harness.distributed import env_dist_info
 from harness.interrupts import deferred_interrupts, signal_name
@@ -31,8 +30,6 @@ from harness.runner import (
     open_workload,
     run_benchmark,
 )
-from harness.scheduler import launcher_of
-from harness.summary import print_summary
 from harness.tracking import Tracker
 from workloads import discover
 from workloads.base import PlatformUnsupported
@@ -244,21 +241,3 @@ def _close_parent(tracker: Tracker, parent_id: str, results: list[BenchmarkResul
         tracker.set_tags(parent_id, {"platform": results[0].platform})
     reason = f"failed benchmarks: {', '.join(failed)}" if failed else None
     tracker.end_run(parent_id, STATUS_FAILED if failed else STATUS_FINISHED, reason)
-
-
-def suite_main(args: list[str]) -> int:
-    """``cobench suite NAME [OVERRIDES]``: exit 0 when every benchmark finished or was skipped, else 1."""
-    if not args or args[0].startswith("-") or "=" in args[0]:
-        raise ValueError("`cobench suite` needs a suite name, e.g. `cobench suite smoke`")
-    launcher = launcher_of(args[1:])
-    if launcher is not None:  # one job per benchmark through a Hydra launcher (SLURM)
-        from suite.launch import launch_suite
-
-        outcome = launch_suite(args[0], args[1:], launcher)
-    else:
-        outcome = run_suite(*plan_suite(args[0], args[1:]))
-    if env_dist_info().is_main:
-        print_summary(outcome.results, title=f"suite {args[0]}: {outcome.wall_s:.1f} s wall",
-                      extra_metrics=outcome.suite.summary_metrics)
-    ok = all(r.status in (STATUS_FINISHED, STATUS_SKIPPED) and not r.upload_error for r in outcome.results)
-    return EXIT_OK if ok else EXIT_FAILED
