@@ -59,9 +59,7 @@ def validate_overrides(overrides: list[str]) -> CobenchConfig:
 def run_main(argv: list[str]) -> int:
     """Entry of ``cobench run [hydra overrides] [-m]``; errors take the dispatcher's one path
     (:func:`suite.cli.guarded`): ValueError and TrackingError are bad input, Ctrl-C an interruption."""
-    import hydra
-
-    from harness.config import CONF_DIR, register_configs, results_root, to_run_config
+    from harness.config import results_root, run_hydra_app, to_run_config
     from harness.distributed import adopt_slurm_tasks, env_dist_info
     from harness.runner import STATUS_FINISHED, BenchmarkResult, run_benchmark
     from harness.scheduler import check_launcher, collect_results, launcher_of, prepare_argv, save_result
@@ -98,14 +96,7 @@ def run_main(argv: list[str]) -> int:
         if remote:
             check_launcher(remote, argv)
             argv, sweep_dir = prepare_argv(argv, results_root(first))
-    register_configs()
-    app = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(task)
-    saved_argv = sys.argv
-    sys.argv = ["cobench run", *argv]
-    try:
-        app()
-    finally:
-        sys.argv = saved_argv
+    run_hydra_app(task, "cobench run", argv)
     if remote and not hydra_flags:
         results[:], job_overrides[:] = collect_results(sweep_dir)
     if not results:  # --help, --cfg job, ... : Hydra answered and ran nothing

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -407,3 +408,21 @@ def reproduce_overrides(config: dict[str, Any]) -> list[str]:
         elif theirs[key] != value:
             overrides.append(f"{key}={_override_value(value)}")
     return overrides
+
+
+def run_hydra_app(task: Callable[[DictConfig], None], prog: str, argv: list[str]) -> None:
+    """Run ``task`` as the Hydra app over ``conf/`` with ``argv`` as its command line (``prog`` names it
+    in Hydra's help): Hydra reads ``sys.argv``, which is put back afterwards. Multirun, launchers,
+    ``--cfg`` and ``--help`` are Hydra's own."""
+    import sys
+
+    import hydra
+
+    register_configs()
+    app = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(task)
+    saved_argv = sys.argv
+    sys.argv = [prog, *argv]
+    try:
+        app()
+    finally:
+        sys.argv = saved_argv

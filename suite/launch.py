@@ -20,7 +20,7 @@ from collections.abc import Callable
 from omegaconf import DictConfig
 
 from harness.cli import EXIT_FAILED, EXIT_OK
-from harness.config import CONF_DIR, register_configs, results_root
+from harness.config import results_root, run_hydra_app
 from harness.distributed import adopt_slurm_tasks, env_dist_info
 from harness.runner import STATUS_FAILED, STATUS_FINISHED, STATUS_SKIPPED, BenchmarkResult, connect_tracker
 from harness.scheduler import (
@@ -73,19 +73,11 @@ def launch_suite(name: str, args: list[str], launcher: str) -> SuiteOutcome:
             if env_dist_info().is_main:
                 save_result(job_dir, result)
 
-        import hydra
-
-        register_configs()
-        app = hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(job)
-        saved_argv = sys.argv
-        sys.argv = ["cobench suite", *argv]
         try:
-            app()
+            run_hydra_app(job, "cobench suite", argv)
         except SystemExit as exit_:  # Hydra's way of saying a job raised: the jobs' own results say which
             if exit_.code not in (0, None):
                 print(f"cobench suite: a job failed (Hydra exit {exit_.code}); see {sweep_dir}", file=sys.stderr)
-        finally:
-            sys.argv = saved_argv
         got, job_overrides = collect_results(sweep_dir)
         for result, ran in zip(got, job_overrides, strict=True):
             if result.benchmark.startswith("job "):  # the job left nothing: name it by its benchmark
