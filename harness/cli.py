@@ -8,8 +8,10 @@ and the workload's own checks before any MLflow run exists. Exit codes: 0 all ru
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
@@ -22,6 +24,14 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 class CommandFailed(Exception):
     """A command ran and did not succeed (exit 1); the message says what failed and where to look."""
+
+
+def add_store_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags a command that reads the results store takes (``cobench compare``, ``cobench report``);
+    the dispatcher turns the shared ``results_dir=``, ``tracking.uri=``, ``tracking.experiment=`` into them."""
+    parser.add_argument("--tracking-uri", help="an MLflow server (default: the sqlite store in --results-dir)")
+    parser.add_argument("--results-dir", type=Path, default=Path("results"))
+    parser.add_argument("--experiment", default="cobench")
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> None:

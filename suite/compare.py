@@ -24,7 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from harness.cli import EXIT_OK
+from harness.cli import EXIT_OK, add_store_flags
 from harness.summary import human, named_by_differences
 from harness.timing import olympic_mean
 from suite.results import RunRecord, find_runs, open_store, parse_date
@@ -41,9 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tag", action="append", default=[], metavar="KEY=VALUE", help="only runs with this tag")
     parser.add_argument("--since", help="runs started on/after this date (YYYY-MM-DD or ISO time)")
     parser.add_argument("--until", help="runs started before this date")
-    parser.add_argument("--tracking-uri", help="an MLflow server (default: the sqlite store in --results-dir)")
-    parser.add_argument("--results-dir", type=Path, default=Path("results"))
-    parser.add_argument("--experiment", default="cobench")
+    add_store_flags(parser)
     parser.add_argument("--out", type=Path, help="output folder (default <results-dir>/compare/<time>)")
     return parser
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from harness.cli import EXIT_OK
+from harness.cli import EXIT_OK, add_store_flags
 from harness.config import reproduce_overrides
 from harness.summary import is_serving, serving_text
 from suite.results import RunRecord, find_runs, open_store
@@ -54,9 +54,7 @@ def _parser() -> argparse.ArgumentParser:
     which.add_argument("--suite", help="the latest run of this suite (default: the latest suite run)")
     parser.add_argument("--org", help="submitting organisation (default: the logs' submission_org)")
     parser.add_argument("--system", help="system name (default: the runs' platform)")
-    parser.add_argument("--tracking-uri", help="an MLflow server (default: the sqlite store in --results-dir)")
-    parser.add_argument("--results-dir", type=Path, default=Path("results"))
-    parser.add_argument("--experiment", default="cobench")
+    add_store_flags(parser)
     parser.add_argument("--out", type=Path, help="output folder (default <results-dir>/submissions/<time>)")
     parser.add_argument("--ruleset", default="6.0.0", help="mlperf-logging training ruleset (default 6.0.0)")
     return parser
