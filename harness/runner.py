@@ -91,9 +91,17 @@ class BenchmarkResult:
         return cls(**{**fields, "run_dir": Path(fields["run_dir"]) if fields["run_dir"] else None})
 
 
+RUNS_FOLDER = "runs"  # a results folder's runs: <results>/runs/<time>-<name>-<id>/
+
+
 def new_run_dir(root: Path, name: str) -> str:
     """A fresh folder name for this run's files (created only once the run really starts)."""
-    return str(root / "runs" / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}-{uuid.uuid4().hex[:6]}")
+    return str(root / RUNS_FOLDER / f"{time.strftime('%Y%m%d-%H%M%S')}-{name}-{uuid.uuid4().hex[:6]}")
+
+
+def results_root_of(run_dir: Path) -> Path:
+    """The results folder a run folder made by :func:`new_run_dir` lives in."""
+    return Path(run_dir).parent.parent
 
 
 @dataclass

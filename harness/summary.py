@@ -14,7 +14,7 @@ import os
 from rich.console import Console
 from rich.table import Table
 
-from harness.runner import STATUS_FINISHED, STATUS_SKIPPED, BenchmarkResult
+from harness.runner import STATUS_FINISHED, STATUS_SKIPPED, BenchmarkResult, results_root_of
 
 QUALITY_KEYS = ("eval_loss", "auc", "hr_at_10", "ndcg_at_10", "time_error_pct", "result_valid")
 WIDE_FROM = 150  # columns: from this terminal width on, the wide table
@@ -175,7 +175,7 @@ def print_summary(results: list[BenchmarkResult], title: str = "cobench results"
         name = f"{labels.get(results.index(r), r.benchmark) if labels else r.benchmark}: " if len(ran) > 1 else ""
         console.print(f"outputs: {name}{r.run_dir}/", soft_wrap=True)
     if ran:
-        stores = sorted({r.run_dir.parent.parent / "mlflow.db" for r in ran})
+        stores = sorted({results_root_of(r.run_dir) / "mlflow.db" for r in ran})
         console.print("each run's folder holds metrics.json, its MLPerf logs and its config"
                       + "".join(f"; MLflow: mlflow ui --backend-store-uri sqlite:///{store}"
                                 for store in stores if store.is_file()), soft_wrap=True)

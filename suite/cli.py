@@ -106,7 +106,7 @@ def upload_main(args: list[str]) -> int:
     import json
     from pathlib import Path
 
-    from harness.runner import UPLOAD_PENDING, publish
+    from harness.runner import UPLOAD_PENDING, publish, results_root_of
     from harness.tracking import Tracker, check_server_reachable
 
     uri = next((a.partition("=")[2] for a in args if a.startswith("tracking.uri=")), None)
@@ -127,7 +127,7 @@ def upload_main(args: list[str]) -> int:
         target = uri or mlflow["uri"]
         check_server_reachable(target, 10.0)
         try:
-            publish(Tracker(target, mlflow["experiment_id"], folder.parent.parent), folder)
+            publish(Tracker(target, mlflow["experiment_id"], results_root_of(folder)), folder)
         except Exception as err:  # noqa: BLE001 - say which folder, keep going with the others
             failed.append(folder)
             print(f"{folder}: still not recorded ({type(err).__name__}: {err})", file=sys.stderr)
