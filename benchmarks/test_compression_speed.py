@@ -78,7 +78,7 @@ def test_encode_decode(benchmark, embeddings, name):
 
 
 def codec_table() -> list[str]:
-    """The side-by-side table of this session's figures (printed by ``conftest.py`` at the end)."""
+    """The side-by-side table of this run's figures (printed by ``conftest.py`` at the end)."""
     if not _TABLE:
         return []
     lines = [f"codec throughput, encode + decode, {DEVICE} ({eb_kernels.kernel_name(DEVICE)} kernels), "

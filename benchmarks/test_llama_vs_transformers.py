@@ -41,7 +41,7 @@ SHAPES = {
     # a step where the GEMMs, not the framework, dominate
     "small": (ModelArgs(dim=512, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192, multiple_of=256,
                         max_seq_len=512), 8, 256),
-    # issue 16's reference shape (parity there before the fused optimiser and the compile switch)
+    # the reference shape of the parity comparison (before the fused optimiser and the compile switch)
     "medium": (ModelArgs(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192, multiple_of=256,
                          max_seq_len=256), 8, 256),
 }

@@ -87,7 +87,7 @@ def mutate(spec: dict[str, Any], rng: random.Random) -> tuple[dict[str, Any], st
 
 
 def aim_at_file(spec: dict[str, Any], target: Path) -> dict[str, Any]:
-    """The issue's attack: map ``target`` into a tensor and overwrite it."""
+    """The file attack: map ``target`` into a tensor and overwrite it."""
     spec = copy.deepcopy(spec)
     name, schema = RENAMES[0]
     ref = [900001, 900002, 0, 8, 1, "cpu"]

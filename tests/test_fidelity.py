@@ -118,7 +118,7 @@ def test_corpus_program_replays_completely_judged_side_by_side(name: str, tmp_pa
     assert metrics["replay_peak_memory_mb"] - metrics["replay_step_peak_mb"] == pytest.approx(
         metrics["source_peak_memory_mb"] - metrics["source_step_peak_mb"])
     # buffers live as long as the program kept them (allocator events): the peak is the program's, within
-    # the 10 % the issue asks (measured 0 ... -6 %), the torch.compile one's included: inductor makes
+    # the 10 % asked of it (measured 0 ... -6 %), the torch.compile one's included: inductor makes
     # the activations it saves for backward without an op, and the replay makes them where it did
     assert abs(metrics["memory_error_pct"]) <= 10.0, metrics["memory_error_pct"]
     if name == "compiled_mlp":

@@ -1,6 +1,6 @@
 """A generated spec is untrusted input: replaying one touches nothing but the replay's own tensors.
 
-The attack of issue 21 (an edited spec that maps a file into a tensor and overwrites it), the
+The file attack (an edited spec that maps a file into a tensor and overwrites it), the
 policy of what may run, resource limits, code injection through every field that reaches the
 generated step code, and a fuzz corpus of mutated real specs — all through the real replay.
 """
@@ -61,7 +61,7 @@ def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 
 def _attack(program_spec: Path, tmp_path: Path) -> tuple[Path, Path]:
-    """(victim file, spec edited to map it into a tensor and overwrite it): the attack of issue 21."""
+    """(victim file, spec edited to map it into a tensor and overwrite it): the file attack."""
     victim = tmp_path / "victim.txt"
     victim.write_text("precious data\n")
     evil = tmp_path / "evil.json"

@@ -35,7 +35,7 @@ def _cli(*args: str, cwd: Path, torchrun: int = 0, timeout: float = 300) -> subp
 
 
 def _user_program(out: Path, steps: int = 2) -> None:
-    """A small program with the op kinds the issue names: views, in-place, embedding_bag, index ops,
+    """A small program with the op kinds a trace must carry: views, in-place, embedding_bag, index ops,
     attention; forward, backward and an optimiser step per iteration."""
     from harness.capture import capture
 
