@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
@@ -101,9 +102,28 @@ class RunnerConfig:
             _require(getattr(self, key) > 0, f"runner.{key}", f"got {getattr(self, key)}, must be > 0")
 
 
+CREDENTIALS_ADVICE = ("give them to MLflow through MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or a token "
+                      "in MLFLOW_TRACKING_TOKEN) instead: a tracking URI is written into run folders, MLflow params, "
+                      "logs and reports")
+
+
+def uri_has_credentials(uri: str) -> bool:
+    """Whether a URI carries a user or password (``http://user:secret@host``)."""
+    return "@" in urlsplit(uri).netloc
+
+
+def redacted_uri(uri: str) -> str:
+    """``uri`` with any user and password replaced by ``***``: safe to print."""
+    parts = urlsplit(uri)
+    if "@" not in parts.netloc:
+        return uri
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
+
+
 @dataclass
 class TrackingConfig:
-    """MLflow tracking. The embedded default is an sqlite store under results_dir."""
+    """MLflow tracking. The embedded default is an sqlite store under results_dir. Credentials never
+    go in the URI (it is written down everywhere a run is): MLflow's own variables carry them."""
 
     enabled: bool = True
     uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///<results_dir>/mlflow.db
@@ -113,6 +133,8 @@ class TrackingConfig:
     def __post_init__(self) -> None:
         _require(bool(self.experiment), "tracking.experiment", "must not be empty")
         _require(self.connect_timeout_s > 0, "tracking.connect_timeout_s", "must be > 0")
+        _require(not (self.uri and uri_has_credentials(self.uri)), "tracking.uri",
+                 f"{redacted_uri(self.uri or '')} carries credentials; {CREDENTIALS_ADVICE}")
 
 
 @dataclass

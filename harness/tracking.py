@@ -27,7 +27,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from harness.config import TrackingConfig
+from harness.config import CREDENTIALS_ADVICE, TrackingConfig, redacted_uri, uri_has_credentials
 from harness.distributed import process_started
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit for a parameter value
@@ -73,11 +73,13 @@ def _owner_tags() -> dict[str, str]:
 
 
 def resolve_tracking_uri(cfg: TrackingConfig, results_dir: Path) -> str:
-    if cfg.uri:
-        return cfg.uri
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
-    return f"sqlite:///{results_dir / 'mlflow.db'}"
+    """The store's URI: ``tracking.uri``, else ``$MLFLOW_TRACKING_URI``, else the embedded sqlite store.
+    A URI with credentials in it is refused (it would be written down wherever the run is)."""
+    uri = cfg.uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{results_dir / 'mlflow.db'}"
+    if uri_has_credentials(uri):
+        where = "tracking.uri" if cfg.uri else "MLFLOW_TRACKING_URI"
+        raise TrackingError(f"{where} {redacted_uri(uri)} carries credentials; {CREDENTIALS_ADVICE}")
+    return uri
 
 
 def flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
