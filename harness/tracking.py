@@ -94,6 +94,21 @@ def flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def store_refusal(uri: str, experiment: str, err: Any) -> str:
+    """What to tell the user when the store said no (``err``: MLflow's exception): who was refused what,
+    and what to do, without MLflow's raw response."""
+    user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+    if err.error_code == "UNAUTHENTICATED":
+        given = f"user {user!r}" if user else ("a token" if os.environ.get("MLFLOW_TRACKING_TOKEN") else "none given")
+        return (f"the server {uri} refused these credentials ({given}): set MLFLOW_TRACKING_USERNAME and "
+                "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) to a user of its auth app")
+    if err.error_code == "PERMISSION_DENIED":
+        return (f"user {user!r} may not write to experiment {experiment!r} on {uri}: a run needs EDIT (or MANAGE) "
+                "permission on it; its owner or an admin grants it (MLflow's auth app: "
+                f"grant_user_permission({user!r}, 'experiment', <id>, 'EDIT')), or use an experiment you may write")
+    return f"cannot use MLflow tracking store {uri}: {err.message}"
+
+
 def check_server_reachable(uri: str, timeout_s: float) -> None:
     """Fail fast, with advice, if an HTTP tracking server does not answer its health check."""
     if not uri.startswith(("http://", "https://")):
@@ -162,8 +177,11 @@ class Tracker:
                 client = MlflowClient(tracking_uri=uri)
                 experiment_id = cls._experiment_id(client, cfg.experiment,
                                                    (results_dir / "mlartifacts").as_uri() if is_local else None)
+                if not is_local:  # a run writes: a user who may only read is refused now, before any run exists
+                    client.set_experiment_tag(experiment_id, "cobench.last_writer",
+                                              f"{getpass.getuser()}@{socket.gethostname()}")
         except MlflowException as err:
-            raise TrackingError(f"cannot use MLflow tracking store {uri}: {err.message}") from err
+            raise TrackingError(store_refusal(uri, cfg.experiment, err)) from err
         tracker = cls(uri, experiment_id, results_dir)
         for run_id, name, reason in tracker.reap_stale() if reap else []:
             logger.warning("closed a stale MLflow run %s (%s) as FAILED: %s", name, run_id, reason)

@@ -72,12 +72,13 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_mlflow_server(server_dir: Path, port: int) -> subprocess.Popen:
+def start_mlflow_server(server_dir: Path, port: int, extra: tuple[str, ...] = (),
+                        env: dict[str, str] | None = None) -> subprocess.Popen:
     """`mlflow server` on a sqlite store in ``server_dir`` (artifacts there too), answering its health check."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{server_dir / 'server.db'}", "--workers", "1"],
-        cwd=server_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+         "--backend-store-uri", f"sqlite:///{server_dir / 'server.db'}", "--workers", "1", *extra],
+        cwd=server_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
     )
     deadline = time.monotonic() + 90
     while time.monotonic() < deadline:
@@ -100,6 +101,59 @@ def mlflow_server(tmp_path):
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def auth_mlflow_server(tmp_path_factory: pytest.TempPathFactory):
+    """An MLflow server with its own auth app (``--app-name basic-auth``), started once per test session:
+    an admin; ``writer``, granted EDIT on the ``cobench`` experiment; ``reader``, with the default READ.
+    Yields (uri, {user: password}, a function counting the experiment's runs as the admin)."""
+    import secrets
+
+    pytest.importorskip("flask_wtf", reason="MLflow's auth app needs mlflow[auth] (Flask-WTF)")
+    from mlflow.server import get_app_client
+    from mlflow.tracking import MlflowClient
+
+    server_dir = tmp_path_factory.mktemp("auth_server")
+    passwords = {user: f"{user}-{secrets.token_hex(8)}" for user in ("admin", "writer", "reader")}
+    ini = server_dir / "auth.ini"
+    ini.write_text(f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{server_dir / 'auth.db'}\n"
+                   f"admin_username = admin\nadmin_password = {passwords['admin']}\n"
+                   "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n")
+    port = _free_port()
+    uri = f"http://127.0.0.1:{port}"
+    env = clean_env() | {"MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16)}
+    proc = start_mlflow_server(server_dir, port, ("--app-name", "basic-auth"), env)
+    saved = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")}
+
+    def as_admin() -> None:
+        os.environ["MLFLOW_TRACKING_USERNAME"], os.environ["MLFLOW_TRACKING_PASSWORD"] = "admin", passwords["admin"]
+
+    def restore() -> None:
+        for key, value in saved.items():
+            os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+
+    try:
+        as_admin()
+        auth = get_app_client("basic-auth", tracking_uri=uri)
+        for user in ("writer", "reader"):
+            auth.create_user(user, passwords[user])
+        experiment = MlflowClient(uri).create_experiment("cobench")
+        auth.grant_user_permission("writer", "experiment", experiment, "EDIT")
+        restore()
+
+        def runs() -> list:
+            as_admin()
+            try:
+                return MlflowClient(uri).search_runs([experiment])
+            finally:
+                restore()
+
+        yield uri, passwords, runs
+    finally:
+        restore()
         proc.terminate()
         proc.wait(timeout=30)
 

@@ -123,3 +123,32 @@ def test_a_tracking_uri_with_credentials_is_refused_and_the_secret_is_written_no
     assert secret not in proc.stdout + proc.stderr
     written = [p for p in tmp_path.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
     assert written == []
+
+
+def test_an_authenticated_server_takes_its_writer_and_refuses_a_reader_and_a_wrong_password(cobench, tmp_path,
+                                                                                              auth_mlflow_server):
+    """MLflow's own auth app: credentials from MLflow's variables; a wrong password and a user who may only
+    read are refused before any run exists (exit 2, said plainly); the writer's run is recorded; no password
+    is written anywhere."""
+    uri, passwords, runs = auth_mlflow_server
+
+    def run_as(user: str, password: str):
+        return cobench("run", "tracking=server", f"tracking.uri={uri}", *TINY,
+                       extra_env={"MLFLOW_TRACKING_USERNAME": user, "MLFLOW_TRACKING_PASSWORD": password})
+
+    before = len(runs())
+    proc = run_as("writer", "not-" + passwords["writer"])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"the server {uri} refused these credentials (user 'writer')" in proc.stderr
+    assert "Response body" not in proc.stderr  # not MLflow's raw text
+    proc = run_as("reader", passwords["reader"])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "user 'reader' may not write to experiment 'cobench'" in proc.stderr and "EDIT" in proc.stderr
+    assert len(runs()) == before  # neither left a run on the server
+    proc = run_as("writer", passwords["writer"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (made,) = runs()[: len(runs()) - before]
+    assert made.info.status == "FINISHED" and made.data.metrics["throughput"] > 0
+    for password in passwords.values():
+        assert password not in proc.stdout + proc.stderr
+        assert [p for p in tmp_path.rglob("*") if p.is_file() and password.encode() in p.read_bytes()] == []
