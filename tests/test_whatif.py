@@ -349,10 +349,12 @@ def test_cobench_trace_predict_ranks_json_chakra_and_refusals(cobench, bundle: P
         pytest.approx(timing["sync_ms"])
     rest = record["predicted_step_ms"] - dp["gradient_sync_ms"]
     assert rest == pytest.approx(sum(v for k, v in record["breakdown_ms"].items() if k != "communication"))
-    assert Path(dp["gradient_sync"]["source"]).parent == bundle
+    from workloads.whatif.cache import cache_dir
+
+    assert Path(dp["gradient_sync"]["source"]).parent == cache_dir(bundle)  # kept beside the bundle, not in it
     again = cobench("trace", "predict", str(bundle), "world_size=2", "workload.parallelism=ddp",
                     "--calibration", str(calibration), "--json", str(tmp_path / "again.json"))
-    assert again.returncode == 0 and "timing DDP's" not in again.stdout  # the bundle's timing of this skeleton
+    assert again.returncode == 0 and "timing DDP's" not in again.stdout  # the cached timing of this skeleton
     assert json.loads((tmp_path / "again.json").read_text())["inputs"]["data_parallel"]["gradient_sync_ms"] == \
         dp["gradient_sync_ms"]
     # a timing made elsewhere (`trace time-sync` of the prediction's JSON) is taken; one of another step refused
