@@ -26,9 +26,11 @@ def cache_root() -> Path:
 
 
 def cache_dir(bundle: str | Path) -> Path:
-    """The folder what-if keeps ``bundle``'s measured costs in (made when first used)."""
+    """The folder what-if keeps ``bundle``'s measured costs in (made here if it is not there yet)."""
     bundle = Path(bundle).resolve()
     trace = rank_dirs(bundle)[0] / ET_FILE
     stat = trace.stat()
     key = hashlib.sha256(f"{bundle}\n{stat.st_size}\n{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_root() / "whatif" / f"{bundle.name}-{key}"
+    folder = cache_root() / "whatif" / f"{bundle.name}-{key}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
