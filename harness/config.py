@@ -102,22 +102,23 @@ class RunnerConfig:
             _require(getattr(self, key) > 0, f"runner.{key}", f"got {getattr(self, key)}, must be > 0")
 
 
-CREDENTIALS_ADVICE = ("give them to MLflow through MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or a token "
-                      "in MLFLOW_TRACKING_TOKEN) instead: a tracking URI is written into run folders, MLflow params, "
-                      "logs and reports")
+CREDENTIALS_ADVICE = ("give a server's to MLflow through MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or a "
+                      "token in MLFLOW_TRACKING_TOKEN), a database's through its own (PGPASSWORD, ~/.pgpass) instead: "
+                      "a tracking URI is written into run folders, MLflow params, logs and reports")
 
 
 def uri_has_credentials(uri: str) -> bool:
-    """Whether a URI carries a user or password (``http://user:secret@host``)."""
-    return "@" in urlsplit(uri).netloc
+    """Whether a URI carries a password (``http://user:secret@host``; a user name alone is no secret)."""
+    return urlsplit(uri).password is not None
 
 
 def redacted_uri(uri: str) -> str:
-    """``uri`` with any user and password replaced by ``***``: safe to print."""
+    """``uri`` with its password replaced by ``***``: safe to print."""
     parts = urlsplit(uri)
-    if "@" not in parts.netloc:
+    if parts.password is None:
         return uri
-    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
+    user, host = parts.netloc.rsplit("@", 1)
+    return urlunsplit(parts._replace(netloc=f"{user.split(':', 1)[0]}:***@{host}"))
 
 
 @dataclass

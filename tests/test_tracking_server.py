@@ -112,14 +112,19 @@ def test_a_server_that_goes_away_mid_run_loses_nothing(tmp_path, calibration_cac
 @pytest.mark.parametrize("how", ["override", "environment"])
 def test_a_tracking_uri_with_credentials_is_refused_and_the_secret_is_written_nowhere(cobench, tmp_path, how):
     """``http://user:secret@host`` would be stored wherever the run is written down (config.yaml, MLflow
-    params, Hydra's folder, reports): refused before anything is written, the secret not echoed."""
+    params, Hydra's folder, reports): refused before anything is written, the secret not echoed. (A user
+    name alone is no secret: ``postgresql://cobench@host/db`` stays a valid store.)"""
+    from harness.config import redacted_uri, uri_has_credentials
+
+    assert not uri_has_credentials("postgresql://cobench@127.0.0.1:5432/mlflow")
+    assert redacted_uri("postgresql://u:pw@db:5432/m") == "postgresql://u:***@db:5432/m"
     secret = "S3cret-pa55word"
     uri = f"http://bench:{secret}@127.0.0.1:9"
     args = ["run", "tracking=server", *([f"tracking.uri={uri}"] if how == "override" else []), *TINY]
     proc = cobench(*args, extra_env={"MLFLOW_TRACKING_URI": uri} if how == "environment" else None)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "carries credentials" in proc.stderr and "MLFLOW_TRACKING_PASSWORD" in proc.stderr
-    assert "http://***@127.0.0.1:9" in proc.stderr
+    assert "http://bench:***@127.0.0.1:9" in proc.stderr
     assert secret not in proc.stdout + proc.stderr
     written = [p for p in tmp_path.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
     assert written == []
