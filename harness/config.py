@@ -14,6 +14,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -437,8 +438,6 @@ def run_hydra_app(task: Callable[[DictConfig], None], prog: str, argv: list[str]
     """Run ``task`` as the Hydra app over ``conf/`` with ``argv`` as its command line (``prog`` names it
     in Hydra's help): Hydra reads ``sys.argv``, which is put back afterwards. Multirun, launchers,
     ``--cfg`` and ``--help`` are Hydra's own."""
-    import sys
-
     import hydra
 
     register_configs()

@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -15,7 +16,8 @@ import pytest
 
 # What-if keeps what it measured for a bundle in the user's cache folder: the tests' go to a scratch one
 # (in this process and in every command they start), not into the home of whoever runs them.
-os.environ.setdefault("COBENCH_CACHE_DIR", str(Path(__import__("tempfile").mkdtemp(prefix="cobench-test-cache-"))))
+if "COBENCH_CACHE_DIR" not in os.environ:
+    os.environ["COBENCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="cobench-test-cache-")
 
 # Few steps, tiny data: an end-to-end run in seconds on a 2-core CPU.
 TINY = [
