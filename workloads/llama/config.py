@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from workloads.base import invalid_config as _invalid
+from workloads.llama.layout import PP_SCHEDULES, ParallelConfig
 from workloads.llama.model import PRESETS, ModelArgs
 from workloads.llama.sources import check_text_config
 
@@ -62,6 +63,8 @@ class LlamaConfig:
     moe_aux_loss_weight: float = 0.0  # Switch-style balance loss added to the training loss; 0 = off
     router_init_skew: float = 0.0  # in [0, 1): tilt the initial routers towards few experts (balance tests)
     expert_parallel: bool = True  # with >1 rank: shard the experts over the ranks (all-to-all)
+    # -- layout on a device mesh: tensor, pipeline, sharded and replicated data parallelism (layout.py) --
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
@@ -85,6 +88,9 @@ class LlamaConfig:
             raise _invalid("router_init_skew", f"got {self.router_init_skew}, must be in [0, 1)")
         if self.parallelism not in PARALLELISMS:
             raise _invalid("parallelism", f"got {self.parallelism!r}, allowed values: {', '.join(PARALLELISMS)}")
+        if self.parallel.pp_schedule not in PP_SCHEDULES:
+            raise _invalid("parallel.pp_schedule",
+                           f"got {self.parallel.pp_schedule!r}, allowed values: {', '.join(PP_SCHEDULES)}")
         check_text_config(self)
         args = self.model_args()
         try:
