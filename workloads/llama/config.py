@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 
 from workloads.base import invalid_config as _invalid
-from workloads.llama.layout import PP_SCHEDULES, ParallelConfig
+from workloads.llama.layout import PP_SCHEDULES, ParallelConfig, resolve_layout
 from workloads.llama.model import PRESETS, ModelArgs
 from workloads.llama.sources import check_text_config
 
@@ -99,6 +100,9 @@ class LlamaConfig:
             raise ValueError(f"invalid config 'workload' (model from preset {self.preset!r}): {err}") from err
         if self.seq_len > args.max_seq_len:
             raise _invalid("seq_len", f"got {self.seq_len}, the model supports at most {args.max_seq_len}")
+        world_size = int(os.environ.get("WORLD_SIZE", "0"))  # torchrun's: the layout is checked before any
+        if world_size:                                        # process group exists
+            resolve_layout(self.parallel, world_size, args, self.batch_size, self.seq_len, self.grad_accum_steps)
 
     def model_args(self) -> ModelArgs:
         overrides = {k: getattr(self, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")}

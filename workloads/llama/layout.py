@@ -72,6 +72,19 @@ class Layout:
         """True when the layout needs the device mesh (tensor, pipeline or replicated-shard parallelism)."""
         return self.tp > 1 or self.pp > 1 or self.dp_replicate > 1
 
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Where ``rank`` sits on the mesh (ranks fill it row-major, as ``init_device_mesh`` lays them out)."""
+        coords = {}
+        for dim in reversed(MESH_DIMS):
+            size = getattr(self, dim)
+            coords[dim], rank = rank % size, rank // size
+        return {dim: coords[dim] for dim in MESH_DIMS}
+
+    def dp_rank(self, rank: int) -> int:
+        """The slice of the global batch ``rank`` trains on."""
+        coords = self.coordinates(rank)
+        return coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]
+
     def sizes(self) -> dict[str, int]:
         return {dim: getattr(self, dim) for dim in MESH_DIMS}
 

@@ -127,9 +127,11 @@ class Attention(nn.Module):
         self, x_bsd: torch.Tensor, cos_se: torch.Tensor, sin_se: torch.Tensor
     ) -> torch.Tensor:
         b, s, _ = x_bsd.shape
-        q_bhse = self.wq(x_bsd).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k_bgse = self.wk(x_bsd).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v_bgse = self.wv(x_bsd).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        cos_se, sin_se = cos_se[:s], sin_se[:s]
+        # -1 heads: under tensor parallelism this rank's projections hold n_heads / tp of them
+        q_bhse = self.wq(x_bsd).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k_bgse = self.wk(x_bsd).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v_bgse = self.wv(x_bsd).view(b, s, -1, self.head_dim).transpose(1, 2)
         if self.use_rope:
             q_bhse, k_bgse = apply_rope(q_bhse, cos_se, sin_se), apply_rope(k_bgse, cos_se, sin_se)
         if self.qk_norm_eps is not None:
@@ -242,6 +244,16 @@ class TransformerBlock(nn.Module):
         self.feed_forward.init_weights(init_std, out_std, generator)
 
 
+class SkippedLayer(nn.Module):
+    """A layer another pipeline stage runs: it keeps the layer's place (and the others' names)."""
+
+    def forward(self, x_bsd: torch.Tensor, cos_se: torch.Tensor, sin_se: torch.Tensor) -> torch.Tensor:
+        return x_bsd
+
+    def init_weights(self, init_std: float, out_std: float, generator: torch.Generator | None) -> None:
+        pass
+
+
 class Transformer(nn.Module):
     """Token embedding, ``n_layers`` blocks, final norm and an untied output head."""
 
@@ -262,17 +274,24 @@ class Transformer(nn.Module):
     def forward(self, tokens_bs: torch.Tensor, targets_bs: torch.Tensor | None = None) -> torch.Tensor:
         """Return float32 next-token logits of shape ``(batch, seq, vocab)``; given ``targets_bs``,
         the mean cross-entropy loss instead, computed by the output head and the loss together over
-        token chunks without storing the logits (:mod:`workloads.llama.loss`)."""
-        seq_len = tokens_bs.shape[1]
-        if seq_len > self.args.max_seq_len:
-            raise ValueError(
-                f"sequence length {seq_len} exceeds ModelArgs.max_seq_len "
-                f"({self.args.max_seq_len}); shorten the input or build with a larger max_seq_len"
-            )
-        cos_se, sin_se = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
-        h_bsd = self.tok_embeddings(tokens_bs)
-        for layer in self.layers:
-            h_bsd = layer(h_bsd, cos_se, sin_se)
+        token chunks without storing the logits (:mod:`workloads.llama.loss`).
+
+        A pipeline stage (:func:`workloads.llama.parallel.split_stage`) without the embedding takes the
+        previous stage's hidden states instead of tokens; one without the output head returns its hidden
+        states."""
+        if self.tok_embeddings is not None:
+            if tokens_bs.shape[1] > self.args.max_seq_len:
+                raise ValueError(
+                    f"sequence length {tokens_bs.shape[1]} exceeds ModelArgs.max_seq_len "
+                    f"({self.args.max_seq_len}); shorten the input or build with a larger max_seq_len"
+                )
+            h_bsd = self.tok_embeddings(tokens_bs)
+        else:
+            h_bsd = tokens_bs
+        for layer in self.layers:  # each attention takes the table's first rows, as many as its sequence
+            h_bsd = layer(h_bsd, self.rope_cos, self.rope_sin)
+        if self.output is None:
+            return h_bsd
         if targets_bs is not None:
             return linear_cross_entropy(self.norm(h_bsd).flatten(0, 1), self.output.weight, targets_bs.flatten())
         return self.output(self.norm(h_bsd)).float()
@@ -290,12 +309,14 @@ class Transformer(nn.Module):
         cos_se, sin_se = rope_cos_sin(self.args, device=self.rope_cos.device)
         self.rope_cos.copy_(cos_se)
         self.rope_sin.copy_(sin_se)
-        _trunc_normal(self.tok_embeddings.weight, init_std, generator)
+        if self.tok_embeddings is not None:
+            _trunc_normal(self.tok_embeddings.weight, init_std, generator)
         out_std = init_std / math.sqrt(2 * self.args.n_layers)
         for layer in self.layers:
             layer.init_weights(init_std, out_std, generator)
-        self.norm.init_weights()
-        _trunc_normal(self.output.weight, init_std, generator)
+        if self.output is not None:
+            self.norm.init_weights()
+            _trunc_normal(self.output.weight, init_std, generator)
 
 
 def _trunc_normal(weight: torch.Tensor, std: float, generator: torch.Generator | None) -> None:
@@ -334,6 +355,7 @@ def count_params(model_or_args: Transformer | ModelArgs, include_embedding: bool
 __all__ = [
     "PRESETS",
     "ModelArgs",
+    "SkippedLayer",
     "Transformer",
     "build_model",
     "count_active_params",

@@ -10,6 +10,8 @@ background thread; every step reports how long it waited for its batch.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
 import math
 import time
@@ -27,13 +29,16 @@ from workloads.device import bf16_supported, pin, pins_host_memory
 from workloads.llama.config import LlamaConfig
 from workloads.llama.data import MarkovTokenSource
 from workloads.llama.expert_parallel import AllToAllMeter, shard_experts
+from workloads.llama.layout import resolve_layout
 from workloads.llama.model import (
+    SkippedLayer,
     build_model,
     count_active_params,
     count_params,
     training_flops_per_token,
 )
 from workloads.llama.moe import moe_aux_loss, moe_layers, update_expert_bias
+from workloads.llama.parallel import build, clip_grad_norm
 from workloads.llama.sources import TextSource, open_text_source
 
 HANDOVER = 8  # real data: batches taken from the prefetch thread at a time
@@ -46,22 +51,29 @@ class LlamaWorkload(WorkloadBase):
     throughput_unit = "tokens/s"
 
     def __init__(self, config: LlamaConfig, ctx: RunContext):
-        if config.batch_size % ctx.world_size:
+        flat = config.parallel.tp == 1 and config.parallel.pp == 1 and config.parallel.dp_replicate == 1
+        if flat and config.batch_size % ctx.world_size:
             raise _invalid(
                 "batch_size",
                 f"{config.batch_size} is not divisible by the world size {ctx.world_size}; "
                 f"use a multiple of {ctx.world_size}",
             )
-        self.local_batch = config.batch_size // ctx.world_size
+        self.args = config.model_args()
+        # checked before any set-up: a layout that cannot work exits 2 naming its numbers (workloads/llama/layout.py)
+        self.layout = resolve_layout(config.parallel, ctx.world_size, self.args, config.batch_size, config.seq_len,
+                                     config.grad_accum_steps)
+        self.on_mesh = self.layout.on_mesh
+        self.local_batch = config.batch_size // self.layout.dp  # the data-parallel slice's sequences
+        self.data_rank = self.layout.dp_rank(ctx.rank)
         if self.local_batch % config.grad_accum_steps:
             raise _invalid(
                 "grad_accum_steps",
                 f"the per-rank batch {self.local_batch} is not divisible by {config.grad_accum_steps}",
             )
         self.config, self.ctx = config, ctx
-        self.args = config.model_args()
         self.is_moe = self.args.n_routed_experts > 0
-        self.expert_parallel = ctx.distributed and self.is_moe and config.expert_parallel
+        self._check_mesh_options()
+        self.expert_parallel = ctx.distributed and self.is_moe and config.expert_parallel and not self.on_mesh
         if self.expert_parallel and self.args.n_routed_experts % ctx.world_size:
             raise _invalid(
                 "expert_parallel",
@@ -81,12 +93,35 @@ class LlamaWorkload(WorkloadBase):
         self.compute_dtype = torch.bfloat16 if use_bf16 else torch.float32
         self.parallelism = self._choose_parallelism()
         self._cursor = 0
-        # a real source is opened and checked here, before any run exists: bad input exits 2
+        # a real source is opened and checked here, before any run exists: bad input exits 2. Ranks of one
+        # data-parallel slice (tensor and pipeline peers) read the same data.
         self.text: TextSource | None = None
         if config.data != "synthetic":
-            self.text = open_text_source(config, ctx, self.local_batch, self.args.vocab_size)
+            data_ctx = dataclasses.replace(ctx, rank=self.data_rank, world_size=self.layout.dp)
+            self.text = open_text_source(config, data_ctx, self.local_batch, self.args.vocab_size)
+
+    def _check_mesh_options(self) -> None:
+        """What the device-mesh layouts (tensor, pipeline, replicated-shard parallelism) do not combine with."""
+        cfg, layout = self.config, self.layout
+        if not self.on_mesh:
+            if layout.ep > 1 and layout.ep != self.ctx.world_size:
+                raise _invalid("parallel.ep", f"ep {layout.ep} with {self.ctx.world_size} ranks: without tp, pp or "
+                                              "dp_replicate the experts are split over every rank (ep = world size)")
+            return
+        if cfg.parallelism == "ddp":
+            raise _invalid("parallelism", f"ddp with the layout {layout.describe()}: its data-parallel ranks use "
+                                          "FSDP2 (HSDP with dp_replicate); set workload.parallelism=auto or fsdp2")
+        if self.is_moe:
+            raise _invalid("parallel", f"the layout {layout.describe()} with the MoE preset {cfg.preset!r}: MoE "
+                                       "presets split their experts over data-parallel ranks (workload.expert_parallel)"
+                                       "; use tp = pp = dp_replicate = 1 for them")
+        if self.ctx.fault_tolerance is not None:
+            raise _invalid("parallel", f"the layout {layout.describe()} under torchft (ft=torchft): fault-tolerant "
+                                       "replica groups train with FSDP2 or DDP over all their ranks")
 
     def _choose_parallelism(self) -> str:
+        if self.on_mesh:
+            return "mesh"
         if not self.ctx.distributed:
             return "none"
         if self.expert_parallel:
@@ -126,6 +161,9 @@ class LlamaWorkload(WorkloadBase):
             replica = ctx.fault_tolerance.replica if ctx.fault_tolerance is not None else None
             self.train_set = self._make_batches(cfg.train_batches, stream=0 if replica is None else 2 + replica)
             self.eval_set = self._make_batches(cfg.eval_batches, stream=1)
+        if self.on_mesh:
+            self._setup_mesh()
+            return
         model = build_model(self.args, ctx.device, seed=ctx.seed)
         if cfg.router_init_skew:
             _skew_routers(model, cfg.router_init_skew, seed=ctx.seed)
@@ -155,12 +193,29 @@ class LlamaWorkload(WorkloadBase):
         self._a2a_bytes: deque[int] = deque(maxlen=4096)
         self._timed_steps = 0
 
+    def _setup_mesh(self) -> None:
+        """The model as ``workload.parallel`` lays it out (workloads/llama/parallel.py), and its optimiser."""
+        cfg = self.config
+        self.a2a_meter = AllToAllMeter(self.ctx.device)
+        self.expert_param_names = []
+        self.mesh_model = build(self.args, self.layout, self.ctx.device, self.ctx.seed)
+        self.raw_model = self.model = self.mesh_model.model
+        if cfg.compile:  # block by block, in place: the parameter names (and checkpoints) stay the model's
+            for block in self.model.layers:
+                if not isinstance(block, SkippedLayer):
+                    block.compile()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                                           eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=True)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self._loads, self._a2a_seconds, self._a2a_bytes = deque(maxlen=1), deque(maxlen=1), deque(maxlen=1)
+        self._timed_steps = 0
+
     def _make_batches(self, count: int, stream: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's slices of the global batches; ``stream`` 1 is held out (never seen in
         training). Every rank draws the same global batches, so N ranks train on exactly the
         data one rank would, and their losses can be compared."""
         generator = torch.Generator().manual_seed(((self.ctx.seed * 1_000_003 + stream) * 1009) % 2**63)
-        mine = slice(self.ctx.rank * self.local_batch, (self.ctx.rank + 1) * self.local_batch)
+        mine = slice(self.data_rank * self.local_batch, (self.data_rank + 1) * self.local_batch)
         batches = []
         for _ in range(count):
             inputs, targets = self.source.batch(self.config.batch_size, self.config.seq_len, generator)
@@ -228,6 +283,60 @@ class LlamaWorkload(WorkloadBase):
         aux = moe_aux_loss(self.raw_model) if self.config.moe_aux_loss_weight else None
         return loss if aux is None else loss + aux
 
+    def _loss_context(self) -> contextlib.AbstractContextManager:
+        """Tensor parallelism computes the loss on vocabulary-sharded logits: forward and backward inside
+        ``loss_parallel``."""
+        if self.on_mesh and self.layout.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def _mesh_loss(self, inputs_bs: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
+        if self.layout.tp == 1:
+            return self._loss(inputs_bs, targets_bs)
+        autocast = torch.autocast(self.ctx.device.type, dtype=self.compute_dtype,
+                                  enabled=self.compute_dtype != torch.float32)
+        with autocast:
+            logits = self.model(inputs_bs)
+        return self.mesh_model.loss_fn(logits, targets_bs)
+
+    def _pipeline_loss(self, inputs_bs: torch.Tensor, targets_bs: torch.Tensor, train: bool) -> torch.Tensor:
+        """One pass of the pipeline schedule over the batch's microbatches (forward and, to train, backward);
+        the batch's mean loss on every stage."""
+        mm = self.mesh_model
+        losses: list[torch.Tensor] = []
+        args = (inputs_bs,) if mm.first_stage else ()
+        target = targets_bs if mm.last_stage else None
+        autocast = torch.autocast(self.ctx.device.type, dtype=self.compute_dtype,
+                                  enabled=self.compute_dtype != torch.float32)
+        with autocast, self._loss_context():
+            if train:
+                mm.schedule.step(*args, target=target, losses=losses)
+            else:
+                mm.schedule.eval(*args, target=target, losses=losses)
+        loss = (torch.stack([x.detach().float() for x in losses]).mean() if mm.last_stage
+                else torch.zeros((), device=self.ctx.device))
+        dist.all_reduce(loss, group=mm.group("pp"))  # the last stage's, everywhere
+        return loss
+
+    def _mesh_step(self, inputs_bs: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
+        if self.mesh_model.schedule is not None:
+            total = self._pipeline_loss(inputs_bs, targets_bs, train=True)
+        else:
+            micro = self.config.grad_accum_steps
+            total = torch.zeros((), device=self.ctx.device)
+            for inputs, targets in zip(inputs_bs.chunk(micro), targets_bs.chunk(micro), strict=True):
+                with self._loss_context():
+                    loss = self._mesh_loss(inputs, targets) / micro
+                    loss.backward()
+                total += loss.detach()
+        clip_grad_norm(self.model.parameters(), self.config.grad_clip, self.mesh_model.group("pp"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total
+
     def _clip_gradients(self) -> None:
         """Clip to ``grad_clip`` by the norm of the *whole* model's gradient: under expert
         parallelism each rank holds only its experts' gradients, so their squared norms are summed
@@ -262,6 +371,10 @@ class LlamaWorkload(WorkloadBase):
         self.model.train()
         (inputs_bs, targets_bs), waited_s = self._next_batch()
         self._cursor += 1
+        if self.on_mesh:  # one rank per data-parallel slice counts its samples (the harness sums the ranks')
+            total = self._mesh_step(inputs_bs, targets_bs)
+            counted = self.local_batch if self.mesh_model.counts_samples else 0
+            return StepResult(samples=counted, tokens=counted * self.config.seq_len, loss=total, data_wait_s=waited_s)
         micro = self.config.grad_accum_steps
         total = torch.zeros((), device=self.ctx.device)
         a2a_seconds, a2a_bytes = self.a2a_meter.seconds, self.a2a_meter.bytes_sent
@@ -288,7 +401,17 @@ class LlamaWorkload(WorkloadBase):
         self.model.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         for inputs, targets in self.eval_set:
-            sums[0] += self._loss(inputs, targets).double() * targets.numel()
+            if self.on_mesh and self.mesh_model.schedule is not None:
+                if not self.mesh_model.last_stage:  # the loss is the last stage's: counted there only
+                    self._pipeline_loss(inputs, targets, train=False)
+                    continue
+                loss = self._pipeline_loss(inputs, targets, train=False)
+            elif self.on_mesh:
+                with self._loss_context():
+                    loss = self._mesh_loss(inputs, targets)
+            else:
+                loss = self._loss(inputs, targets)
+            sums[0] += loss.double() * targets.numel()
             sums[1] += targets.numel()
         if self.ctx.distributed:
             dist.all_reduce(sums, group=self.ctx.process_group)
@@ -297,7 +420,10 @@ class LlamaWorkload(WorkloadBase):
     # -- what the harness reports ---------------------------------------------------------------
 
     def flops_per_step(self) -> float:
-        return training_flops_per_token(self.args, self.config.seq_len) * self.local_batch * self.config.seq_len
+        """This rank's share of the model's FLOPs (the harness sums the ranks'): its data-parallel slice's,
+        divided among the slice's tensor and pipeline ranks, so the model's FLOPs count once, whatever the layout."""
+        slice_flops = training_flops_per_token(self.args, self.config.seq_len) * self.local_batch * self.config.seq_len
+        return slice_flops / (self.layout.tp * self.layout.pp)
 
     def target_eval_loss(self) -> float:
         if self.text is not None:
@@ -386,9 +512,11 @@ class LlamaWorkload(WorkloadBase):
         return metrics
 
     def run_tags(self) -> dict[str, str]:
+        layout = {"layout": self.layout.describe()} if self.ctx.distributed else {}
         if self.text is None:
-            return {"data": "synthetic"}
+            return {"data": "synthetic", **layout}
         tags = {f"data_{k}" if k != "data" else k: v for k, v in self.text.details.items()}
+        tags.update(layout)
         tags["eval_loss_target_from"] = self.text.target_from
         if self.text.recipe is not None:  # the harness's runner.eval_interval (steps) sets the evaluation points
             tags["data_recipe"] = self.config.data_recipe

@@ -1,0 +1,268 @@
+"""A Llama layout (:mod:`workloads.llama.layout`) built on one device mesh with PyTorch's own APIs.
+
+The mesh is ``init_device_mesh(device, (pp, dp_replicate, dp_shard, tp))``; on it:
+
+1. **Pipeline** (``torch.distributed.pipelining``): this rank keeps its stage's layers (the others
+   become :class:`~workloads.llama.model.SkippedLayer`, so parameter names stay the whole model's);
+   the first stage keeps the embedding, the last the final norm and output head. A GPipe or 1F1B
+   schedule runs the batch in ``pp_microbatches`` microbatches.
+2. **Tensor parallelism** (``torch.distributed.tensor.parallel``, Megatron's plan): ``wq``/``wk``/``wv``
+   and ``w1``/``w3`` column-wise, ``wo``/``w2`` row-wise, the embedding row-wise and the output head
+   column-wise; with sequence parallelism the norms and the residual stream are split along the
+   sequence, and the loss is computed on the vocabulary-sharded logits (``loss_parallel``).
+3. **FSDP2** (``fully_shard``) per block and on the root, over ``dp_shard`` -- HSDP over
+   ``dp_replicate × dp_shard`` when there are replicas.
+
+Weights: a model of at most :data:`WHOLE_INIT_MAX_PARAMS` parameters is built whole on every rank from the
+run's seed and each rank keeps its slice, so every layout starts from exactly the 1-rank model's weights
+(which is what makes layouts comparable step for step). A larger one is initialised where each shard
+lives (the same distributions, other draws).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from workloads.llama.args import ModelArgs, count_total_params
+from workloads.llama.layout import MESH_DIMS, Layout
+from workloads.llama.model import SkippedLayer, Transformer, build_model
+
+WHOLE_INIT_MAX_PARAMS = 1_000_000_000
+
+
+@dataclass
+class MeshModel:
+    """This rank's part of the model and where it sits on the mesh."""
+
+    model: nn.Module
+    mesh: object  # torch.distributed.device_mesh.DeviceMesh
+    layout: Layout
+    dp_rank: int  # which slice of the global batch this rank trains on
+    pp_rank: int
+    tp_rank: int
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets): cross-entropy
+    schedule: object | None = None  # a torch.distributed.pipelining schedule (pp > 1)
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp_rank == self.layout.pp - 1
+
+    @property
+    def counts_samples(self) -> bool:
+        """One rank per data-parallel slice reports the slice's samples (the harness sums over ranks)."""
+        return self.pp_rank == 0 and self.tp_rank == 0
+
+    def group(self, dim: str) -> dist.ProcessGroup | None:
+        return self.mesh.get_group(dim) if getattr(self.layout, dim) > 1 else None
+
+
+def build_mesh(layout: Layout, device: torch.device) -> object:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, tuple(layout.sizes().values()), mesh_dim_names=MESH_DIMS)
+
+
+def stage_layers(n_layers: int, pp: int, pp_rank: int) -> range:
+    """The layers of stage ``pp_rank`` (an even split)."""
+    per = n_layers // pp
+    return range(pp_rank * per, (pp_rank + 1) * per)
+
+
+def split_stage(model: Transformer, pp: int, pp_rank: int) -> None:
+    """Keep only stage ``pp_rank``'s part of ``model`` (in place)."""
+    keep = stage_layers(len(model.layers), pp, pp_rank)
+    for i in range(len(model.layers)):
+        if i not in keep:
+            model.layers[i] = SkippedLayer()
+    if pp_rank > 0:
+        model.tok_embeddings = None
+    if pp_rank < pp - 1:
+        model.norm = None
+        model.output = None
+
+
+def apply_tensor_parallel(model: Transformer, tp_mesh: object, sequence_parallel: bool) -> None:
+    """Megatron's plan with PyTorch's tensor-parallel styles; this rank's logits come out vocabulary-sharded."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    stream = Shard(1) if sequence_parallel else Replicate()  # the residual stream between blocks
+    top: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+    if model.output is not None:
+        if sequence_parallel:
+            top["norm"] = SequenceParallel()
+        else:
+            _replicate(model.norm, tp_mesh)
+        top["output"] = ColwiseParallel(input_layouts=stream, output_layouts=Shard(-1), use_local_output=True)
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    for block in model.layers:
+        if isinstance(block, SkippedLayer):
+            continue
+        plan: dict[str, object] = {
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=stream),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
+        }
+        if not sequence_parallel:  # the norms' weights replicated as DTensors too: every parameter is a DTensor
+            for norm in (block.attention_norm, block.ffn_norm):
+                _replicate(norm, tp_mesh)
+        else:
+            plan.update({
+                "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(input_layouts=(stream, None, None),
+                                                desired_input_layouts=(Replicate(), None, None)),
+                "feed_forward": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+            })
+        parallelize_module(block, tp_mesh, plan)
+
+
+def _replicate(module: nn.Module, mesh: object) -> None:
+    """``module``'s parameters as replicated DTensors, its input and output plain (the same on every rank)."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    def to_dtensor(_module: nn.Module, inputs: tuple, device_mesh: object) -> tuple:
+        return tuple(DTensor.from_local(x, device_mesh, [Replicate()], run_check=False) for x in inputs)
+
+    distribute_module(module, mesh, input_fn=to_dtensor,
+                      output_fn=lambda _module, output, _mesh: output.to_local())
+
+
+def apply_fsdp(model: Transformer, dp_mesh: object, reshard_after_forward: bool) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.layers:
+        if not isinstance(block, SkippedLayer):
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+
+
+def apply_activation_checkpointing(model: Transformer) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, block in enumerate(model.layers):
+        if not isinstance(block, SkippedLayer):
+            model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+@torch.no_grad()
+def copy_whole_weights(model: nn.Module, whole: Transformer) -> None:
+    """Give each parameter (a DTensor or a plain tensor) its slice of ``whole``'s, and the buffers theirs."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    source = dict(whole.named_parameters())
+    for name, param in model.named_parameters():
+        full = source[name.replace("_checkpoint_wrapped_module.", "")]
+        if isinstance(param, DTensor):
+            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            param.to_local().copy_(local)
+        else:
+            param.copy_(full)
+    buffers = dict(whole.named_buffers())
+    for name, buffer in model.named_buffers():
+        buffer.copy_(buffers[name.replace("_checkpoint_wrapped_module.", "")])
+
+
+def build(args: ModelArgs, layout: Layout, device: torch.device, seed: int) -> MeshModel:
+    """This rank's part of the model for ``layout``, weights and schedule included."""
+    mesh = build_mesh(layout, device)
+    coords = dict(zip(MESH_DIMS, mesh.get_coordinate(), strict=True))
+    dp_rank = coords["dp_replicate"] * layout.dp_shard + coords["dp_shard"]
+    loss_fn = vocab_parallel_cross_entropy(mesh["tp"]) if layout.tp > 1 else cross_entropy
+    with torch.device("meta"):
+        model = Transformer(args)
+    if layout.pp > 1:
+        split_stage(model, layout.pp, coords["pp"])
+    if layout.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"], layout.sequence_parallel)
+    model.to_empty(device=device)
+    if count_total_params(args) <= WHOLE_INIT_MAX_PARAMS:
+        copy_whole_weights(model, build_model(args, device, seed))
+    else:  # initialised where it lives: DTensor draws follow the global seed
+        torch.manual_seed(seed)
+        model.init_weights(generator=None)
+    if layout.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if layout.dp > 1:
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
+        # with a pipeline, each microbatch would gather the parameters again: keep them gathered for the step
+        apply_fsdp(model, dp_mesh, reshard_after_forward=layout.pp == 1)
+    built = MeshModel(model, mesh, layout, dp_rank, coords["pp"], coords["tp"], loss_fn)
+    if layout.pp > 1:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        stage = PipelineStage(model, coords["pp"], layout.pp, device, group=mesh.get_group("pp"))
+        schedule = ScheduleGPipe if layout.pp_schedule == "gpipe" else Schedule1F1B
+        built.schedule = schedule(stage, n_microbatches=layout.pp_microbatches, loss_fn=loss_fn)
+    return built
+
+
+def vocab_parallel_cross_entropy(tp_mesh: object) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Mean cross-entropy of vocabulary-sharded logits (this rank's columns), computed without
+    gathering them (``loss_parallel``: the caller runs the forward *and* backward inside that context)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def loss(local_logits_bsv: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
+        logits = DTensor.from_local(local_logits_bsv.float(), tp_mesh, [Shard(2)], run_check=False)
+        out = F.cross_entropy(logits.flatten(0, 1), targets_bs.flatten())
+        return out.full_tensor() if isinstance(out, DTensor) else out
+
+    return loss
+
+
+def cross_entropy(logits_bsv: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits_bsv.float().flatten(0, 1), targets_bs.flatten())
+
+
+@torch.no_grad()
+def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None) -> None:
+    """Clip by the whole model's gradient norm: DTensor gradients' norms are reduced over their mesh,
+    and the pipeline stages' squared norms summed."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in parameters if p.grad is not None]
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        key = (p.grad.device_mesh, tuple(p.grad.placements)) if isinstance(p.grad, DTensor) else None
+        groups.setdefault(key, []).append(p.grad)
+    device = params[0].grad.device if params else torch.device("cpu")
+    squared = torch.zeros((), device=device)
+    for grads in groups.values():
+        norm = nn.utils.get_total_norm(grads, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squared = squared + norm.float() ** 2
+    if pp_group is not None:
+        dist.all_reduce(squared, group=pp_group)
+    total = squared.sqrt()
+    if not math.isfinite(max_norm):
+        return
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    # each shard scaled where it lives: the tensors may be plain and DTensors on several meshes at once
+    for grads in groups.values():
+        torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
+
+
+__all__ = ["WHOLE_INIT_MAX_PARAMS", "MeshModel", "apply_fsdp", "apply_tensor_parallel", "build", "build_mesh",
+           "clip_grad_norm", "copy_whole_weights", "cross_entropy", "split_stage", "stage_layers",
+           "vocab_parallel_cross_entropy"]
