@@ -140,6 +140,7 @@ def open_workload(cfg: CobenchConfig, work_dir: Path,
         deterministic=cfg.deterministic,
         work_dir=work_dir,
         device_name=platform.device_name,
+        warmup_steps=cfg.runner.warmup_steps,
     )
     spec = discover()[cfg.workload.name]
     return OpenedWorkload(platform, dist_info, ctx, spec, spec.factory(cfg.workload, ctx))

@@ -84,6 +84,7 @@ class RunContext:
     deterministic: bool = False
     work_dir: Path = Path(".")  # per-run scratch/output folder, already created
     device_name: str = ""  # what the hardware calls itself, e.g. "NVIDIA H100 80GB HBM3"
+    warmup_steps: int = 0  # the untimed first steps of each repetition (a workload may measure itself in them)
     # one replica group of a fault-tolerant job (workloads/fault_tolerance.py: FaultTolerance), else None
     fault_tolerance: Any = None
 

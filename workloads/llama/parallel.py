@@ -22,6 +22,7 @@ lives (the same distributions, other draws).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -29,7 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from workloads.device import synchronize
 from workloads.llama.args import ModelArgs, count_total_params
 from workloads.llama.layout import MESH_DIMS, Layout
 from workloads.llama.model import SkippedLayer, Transformer, build_model
@@ -263,6 +266,73 @@ def clip_grad_norm(parameters: Iterable[nn.Parameter], max_norm: float, pp_group
         torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
 
 
-__all__ = ["WHOLE_INIT_MAX_PARAMS", "MeshModel", "apply_fsdp", "apply_tensor_parallel", "build", "build_mesh",
-           "clip_grad_norm", "copy_whole_weights", "cross_entropy", "split_stage", "stage_layers",
+class CommMeter(TorchDispatchMode):
+    """Time and bytes of each mesh dimension's collectives during one step, each collective made blocking.
+
+    Every collective (``c10d`` ops as FSDP2 and the pipeline issue them, ``_c10d_functional`` ops as DTensor
+    does) is waited for where it is issued, and its wall time (device synchronised) is charged to the mesh
+    dimension whose process group ran it. The step then has no overlap of communication with computation, so
+    a dimension's time is what its communication costs when nothing hides it; for ``pp`` it is the time a
+    stage is blocked in the pipeline's sends and receives: the bubble plus the transfers."""
+
+    def __init__(self, mesh: object, layout: Layout, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.dims = {mesh.get_group(dim).group_name: _dim_family(dim) for dim in MESH_DIMS
+                     if getattr(layout, dim) > 1}
+        self.seconds: dict[str, float] = {}
+        self.bytes: dict[str, int] = {}
+
+    def _group_of(self, args: tuple) -> str | None:
+        for arg in args:
+            if isinstance(arg, str) and arg in self.dims:
+                return self.dims[arg]
+            if isinstance(arg, torch.ScriptObject):
+                try:
+                    name = dist.ProcessGroup.unbox(arg).group_name
+                except (RuntimeError, TypeError):
+                    continue
+                if name in self.dims:
+                    return self.dims[name]
+        return None
+
+    def __torch_dispatch__(self, func: object, types: tuple, args: tuple = (), kwargs: dict | None = None) -> object:
+        if func.namespace not in ("c10d", "_c10d_functional") or "wait" in func.__name__ \
+                or "wrap_tensor" in func.__name__:
+            return func(*args, **(kwargs or {}))
+        dim = self._group_of(args)
+        synchronize(self.device)
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "_c10d_functional":
+            torch.ops._c10d_functional.wait_tensor(out)
+        else:
+            work = out[-1] if isinstance(out, tuple | list) else out
+            if isinstance(work, torch.ScriptObject):
+                torch._C._distributed_c10d.Work.unbox(work).wait()
+        synchronize(self.device)
+        if dim is not None:
+            self.seconds[dim] = self.seconds.get(dim, 0.0) + time.perf_counter() - start
+            # a collective's size: its whole (gathered, reduced or sent) tensor, the largest it touches
+            self.bytes[dim] = self.bytes.get(dim, 0) + max((t.numel() * t.element_size() for t in _tensors(args)),
+                                                           default=0)
+        return out
+
+
+def _dim_family(dim: str) -> str:
+    return "dp" if dim.startswith("dp") else dim
+
+
+def _tensors(args: tuple) -> list[torch.Tensor]:
+    out = []
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            out.append(arg)
+        elif isinstance(arg, list | tuple):
+            out += [t for t in arg if isinstance(t, torch.Tensor)]
+    return out
+
+
+__all__ = ["WHOLE_INIT_MAX_PARAMS", "CommMeter", "MeshModel", "apply_fsdp", "apply_tensor_parallel", "build",
+           "build_mesh", "clip_grad_norm", "copy_whole_weights", "cross_entropy", "split_stage", "stage_layers",
            "vocab_parallel_cross_entropy"]

@@ -25,7 +25,7 @@ from torch import nn
 from workloads.base import MLPerfInfo, QualityTarget, RunContext, StepResult, WorkloadBase, register
 from workloads.base import invalid_config as _invalid
 from workloads.data_source import Prefetcher
-from workloads.device import bf16_supported, pin, pins_host_memory
+from workloads.device import bf16_supported, pin, pins_host_memory, synchronize
 from workloads.llama.config import LlamaConfig
 from workloads.llama.data import MarkovTokenSource
 from workloads.llama.expert_parallel import AllToAllMeter, shard_experts
@@ -38,7 +38,7 @@ from workloads.llama.model import (
     training_flops_per_token,
 )
 from workloads.llama.moe import moe_aux_loss, moe_layers, update_expert_bias
-from workloads.llama.parallel import build, clip_grad_norm
+from workloads.llama.parallel import CommMeter, build, clip_grad_norm
 from workloads.llama.sources import TextSource, open_text_source
 
 HANDOVER = 8  # real data: batches taken from the prefetch thread at a time
@@ -337,6 +337,18 @@ class LlamaWorkload(WorkloadBase):
         self.optimizer.zero_grad(set_to_none=True)
         return total
 
+    def _measured_mesh_step(self, inputs_bs: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
+        """The last warm-up step, its collectives timed per mesh dimension (:class:`CommMeter`): never a timed
+        step (the first warm-up step, with its one-time costs, is never measured either)."""
+        meter = CommMeter(self.mesh_model.mesh, self.layout, self.ctx.device)
+        synchronize(self.ctx.device)
+        start = time.perf_counter()
+        with meter:
+            total = self._mesh_step(inputs_bs, targets_bs)
+        synchronize(self.ctx.device)
+        self._comm_measured = (meter, time.perf_counter() - start)
+        return total
+
     def _clip_gradients(self) -> None:
         """Clip to ``grad_clip`` by the norm of the *whole* model's gradient: under expert
         parallelism each rank holds only its experts' gradients, so their squared norms are summed
@@ -372,7 +384,10 @@ class LlamaWorkload(WorkloadBase):
         (inputs_bs, targets_bs), waited_s = self._next_batch()
         self._cursor += 1
         if self.on_mesh:  # one rank per data-parallel slice counts its samples (the harness sums the ranks')
-            total = self._mesh_step(inputs_bs, targets_bs)
+            if self.ctx.distributed and self.ctx.warmup_steps >= 2 and self._cursor == self.ctx.warmup_steps:
+                total = self._measured_mesh_step(inputs_bs, targets_bs)
+            else:
+                total = self._mesh_step(inputs_bs, targets_bs)
             counted = self.local_batch if self.mesh_model.counts_samples else 0
             return StepResult(samples=counted, tokens=counted * self.config.seq_len, loss=total, data_wait_s=waited_s)
         micro = self.config.grad_accum_steps
@@ -484,6 +499,12 @@ class LlamaWorkload(WorkloadBase):
             metrics["data_entropy_nats"] = self.entropy_rate
         if self.is_moe:
             metrics.update(self._moe_metrics())
+        if getattr(self, "_comm_measured", None) is not None:
+            meter, step_s = self._comm_measured
+            names = {"tp": "tp_comm_share", "pp": "pp_bubble_share", "dp": "dp_comm_share"}
+            for dim, seconds in meter.seconds.items():
+                metrics[names[dim]] = seconds / step_s
+                metrics[f"{dim}_comm_mb_per_step"] = meter.bytes[dim] / 1e6
         return metrics
 
     def _moe_metrics(self) -> dict[str, float]:

@@ -1,0 +1,91 @@
+"""Llama layouts on a device mesh (tensor, pipeline, sharded and replicated data parallelism) on CPU ranks
+with gloo: every layout trains like one rank (same losses over 20 steps, same step-1 gradients), a DCP
+checkpoint saved in one layout loads in the others, and a layout that cannot work exits 2 naming its numbers
+before any process group exists."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import clean_env
+
+from workloads.llama.config import LlamaConfig
+from workloads.llama.layout import ParallelConfig
+
+WORKER = Path(__file__).resolve().parent / "layout_worker.py"
+# float32 on CPU: the layouts sum the same numbers in other orders (sharded matmuls, reduce-scatters,
+# microbatches), so they agree to rounding, not bit for bit. 1e-5 is ~10 float32 ulps of a loss near 6;
+# a gradient entry is at most ~1e-2 here, and 1e-6 is ~100 ulps of it.
+LOSS_TOL = 1e-5
+GRAD_TOL = 1e-6
+TWO_RANKS = ["tp=2", "pp=2", "dp_replicate=2", "tp=2,sequence_parallel=0",
+             "pp=2,pp_schedule=gpipe,pp_microbatches=4,activation_checkpointing=1"]
+FOUR_RANKS = ["dp_shard=2,tp=2", "dp_shard=2,pp=2", "tp=2,pp=2", "dp_replicate=2,dp_shard=2"]
+
+
+def _launch(ranks: int, *args: str) -> list[dict]:
+    cmd = [sys.executable, str(WORKER), *args]
+    if ranks > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--standalone", *cmd[1:]]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=clean_env())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """One rank's 20 steps and step-1 gradients."""
+    grads = tmp_path_factory.mktemp("layouts") / "reference_grads.pt"
+    (result,) = _launch(1, "--write-reference", str(grads))
+    return grads, result
+
+
+@pytest.mark.parametrize(("ranks", "layouts"), [(2, TWO_RANKS), (4, FOUR_RANKS)], ids=["2 ranks", "4 ranks"])
+def test_every_layout_trains_like_one_rank_and_loads_the_others_checkpoint(reference, tmp_path, ranks, layouts):
+    grads, one = reference
+    results = _launch(ranks, "--reference", str(grads), "--checkpoint", str(tmp_path / "ckpt"), *layouts)
+    assert len(results) == len(layouts)
+    table = []
+    for layout, result in zip(layouts, results, strict=True):
+        loss_err = max(abs(a - b) for a, b in zip(result["losses"], one["losses"], strict=True))
+        table.append((layout, loss_err, result["grad_max_err"]))
+        assert loss_err <= LOSS_TOL, (layout, result["losses"], one["losses"])
+        assert result["grad_max_err"] <= GRAD_TOL, (layout, result["grad_max_err"])
+        assert result["grad_tensors_this_rank"] > 0
+        assert abs(result["eval_loss"] - one["eval_loss"]) <= LOSS_TOL
+        if "loaded_eval_loss" in result:  # the first layout's trained model, saved (DCP) and loaded in this one
+            assert abs(result["loaded_eval_loss"] - results[0]["eval_loss"]) <= LOSS_TOL, layout
+    assert sum("loaded_eval_loss" in r for r in results) == len(layouts) - 1
+    # training really moved: the last loss is well below the first
+    assert one["losses"][-1] < one["losses"][0] - 0.5
+    print("\n".join(f"{name:66s} max |loss - 1 rank| {le:.2e}  step-1 grad max err {ge:.2e}" for name, le, ge in table))
+
+
+@pytest.mark.parametrize(("world", "preset", "parallel", "expected"), [
+    (4, "tiny", {"tp": 2, "pp": 2, "dp_shard": 2}, "pp 2 × dp_replicate 1 × dp_shard 2 × tp 2 = 8 ranks, but the world "
+                                                   "size is 4"),
+    (3, "tiny", {"tp": 3}, "n_heads 4 is not divisible by tp 3"),
+    (3, "tiny", {"pp": 3}, "2 layers cannot be split into 3 equal stages"),
+    (2, "tiny", {"pp": 2, "pp_microbatches": 1}, "1 microbatches for 2 stages"),
+    (3, "tiny_moe", {"ep": 3}, "8 experts cannot be split evenly over ep 3 ranks"),
+    (4, "tiny", {"tp": 2, "dp_replicate": 3}, "dp_replicate 3 × tp 2 × pp 1 = 6 does not divide the world size 4"),
+])
+def test_a_layout_that_cannot_work_names_its_numbers(monkeypatch, world, preset, parallel, expected):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ValueError, match="invalid config 'workload.parallel") as err:
+        LlamaConfig(preset=preset, batch_size=12, parallel=ParallelConfig(**parallel))
+    assert expected in str(err.value)
+
+
+def test_cobench_run_refuses_a_bad_layout_before_any_process_group(cobench):
+    """Four ranks announced by the launcher, a layout for eight: exit 2 at once (no rendezvous is attempted:
+    nothing here could answer one)."""
+    proc = cobench("run", "workload=llama", "workload.parallel.tp=2", "workload.parallel.pp=2",
+                   "workload.parallel.dp_shard=2", extra_env={"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0"},
+                   timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "8 ranks, but the world size is 4" in proc.stderr
