@@ -89,3 +89,33 @@ def test_cobench_run_refuses_a_bad_layout_before_any_process_group(cobench):
                    timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "8 ranks, but the world size is 4" in proc.stderr
+
+
+def test_a_run_on_eight_ranks_reports_each_dimension_and_counts_the_model_once(tmp_path):
+    """`cobench run` with tp 2 × pp 2 × dp_shard 2 under torchrun: the run finishes with one MLflow run,
+    its communication shares per dimension, and MFU from the model's FLOPs counted once."""
+    from conftest import mlflow_runs
+
+    from workloads.llama.args import PRESETS, training_flops_per_token
+
+    results = tmp_path / "results"
+    peak = 1e12  # declared, so MFU is computed (its value is not the point: how the FLOPs are counted is)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "--standalone", "-m", "suite.cli",
+         "run", "workload=llama", "workload.parallel.tp=2", "workload.parallel.pp=2", "runner.steps=4",
+         "runner.warmup_steps=2", "runner.repetitions=1", "runner.eval_interval=0", "platform=cpu",
+         f"+platform.peak_flops.float32={peak}", "runner.progress=false", f"results_dir={results}"],
+        capture_output=True, text=True, timeout=600, env=clean_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (run,) = mlflow_runs(results)
+    metrics, tags = run.data.metrics, run.data.tags
+    assert run.info.status == "FINISHED" and tags["layout"] == "pp 2 × dp_shard 2 × tp 2"
+    for share in ("tp_comm_share", "pp_bubble_share", "dp_comm_share"):
+        assert 0 < metrics[share] < 1, (share, metrics[share])
+    for dim in ("tp", "pp", "dp"):
+        assert metrics[f"{dim}_comm_mb_per_step"] > 0
+    # tokens/s counts each sequence once (not once per tensor or pipeline rank) ...
+    assert metrics["throughput"] == pytest.approx(64 * metrics["samples_per_s"], rel=1e-6)
+    # ... and MFU the model's FLOPs once: achieved = FLOPs per token × tokens/s, over 8 devices' peak
+    achieved = training_flops_per_token(PRESETS["tiny"], 64) * metrics["throughput"]
+    assert metrics["mfu"] == pytest.approx(achieved / (peak * 8), rel=1e-3)

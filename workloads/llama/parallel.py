@@ -272,8 +272,9 @@ class CommMeter(TorchDispatchMode):
     Every collective (``c10d`` ops as FSDP2 and the pipeline issue them, ``_c10d_functional`` ops as DTensor
     does) is waited for where it is issued, and its wall time (device synchronised) is charged to the mesh
     dimension whose process group ran it. The step then has no overlap of communication with computation, so
-    a dimension's time is what its communication costs when nothing hides it; for ``pp`` it is the time a
-    stage is blocked in the pipeline's sends and receives: the bubble plus the transfers."""
+    a dimension's time is what its communication costs when nothing hides it. The pipeline's sends and
+    receives stay asynchronous; ``pp``'s time is how long the stage waits for them (the schedule's own waits,
+    ``torch.distributed.pipelining``'s ``_wait_batch_p2p``): the bubble plus the transfers."""
 
     def __init__(self, mesh: object, layout: Layout, device: torch.device) -> None:
         super().__init__()
@@ -296,11 +297,39 @@ class CommMeter(TorchDispatchMode):
                     return self.dims[name]
         return None
 
+    def __enter__(self) -> CommMeter:
+        # the pipeline's sends and receives stay asynchronous (1F1B posts both sides before waiting: made
+        # blocking, two stages would wait for each other); the time a stage waits for them is timed instead
+        from torch.distributed.pipelining import schedules
+
+        self._wait_p2p = getattr(schedules, "_wait_batch_p2p", None)
+        if self._wait_p2p is not None:
+            def timed_wait(work: list) -> None:
+                start = time.perf_counter()
+                self._wait_p2p(work)
+                synchronize(self.device)
+                self.seconds["pp"] = self.seconds.get("pp", 0.0) + time.perf_counter() - start
+
+            schedules._wait_batch_p2p = timed_wait
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        from torch.distributed.pipelining import schedules
+
+        if self._wait_p2p is not None:
+            schedules._wait_batch_p2p = self._wait_p2p
+        super().__exit__(*exc)
+
     def __torch_dispatch__(self, func: object, types: tuple, args: tuple = (), kwargs: dict | None = None) -> object:
         if func.namespace not in ("c10d", "_c10d_functional") or "wait" in func.__name__ \
                 or "wrap_tensor" in func.__name__:
             return func(*args, **(kwargs or {}))
         dim = self._group_of(args)
+        if func.__name__.split(".")[0] in ("send", "recv_", "recv_any_source_"):
+            out = func(*args, **(kwargs or {}))
+            if dim is not None:
+                self.bytes[dim] = self.bytes.get(dim, 0) + sum(t.numel() * t.element_size() for t in _tensors(args))
+            return out
         synchronize(self.device)
         start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
