@@ -231,6 +231,16 @@ METRIC_DEFINITIONS: dict[str, tuple[str, str]] = {
                                            "(per layer: expert_load_max_over_mean_layer<i>)"),
     "tokens_dropped": ("count", "llama MoE: routed token slots not computed (dropless routing: 0)"),
     "a2a_share": ("fraction", "llama MoE with expert parallelism: all-to-all time ÷ step time, per step, rank 0"),
+    "tp_comm_share": ("fraction", "llama layouts: the tensor-parallel collectives' time ÷ the step's, in the last "
+                                  "warm-up step with every collective made blocking (no overlap), rank 0"),
+    "dp_comm_share": ("fraction", "llama layouts: the data-parallel (FSDP/HSDP) collectives' time ÷ the step's, "
+                                  "measured as tp_comm_share"),
+    "pp_bubble_share": ("fraction", "llama layouts: time a stage waits for the pipeline's sends and receives ÷ the "
+                                    "step's (the bubble plus the transfers), last warm-up step, rank 0"),
+    "tp_comm_mb_per_step": ("MB", "llama layouts: the tensor-parallel collectives' sizes per step (each its whole "
+                                  "gathered or reduced tensor), rank 0"),
+    "dp_comm_mb_per_step": ("MB", "llama layouts: the data-parallel collectives' sizes per step, rank 0"),
+    "pp_comm_mb_per_step": ("MB", "llama layouts: what the pipeline stage sends and receives per step, rank 0"),
     "busbw_gbps": ("GB/s", "collectives: algbw × nccl-tests' bus factor (all_reduce 2(n−1)/n; all_gather, "
                            "reduce_scatter, all_to_all (n−1)/n; broadcast, reduce, send_recv 1) at the sweep's "
                            "largest size, p50 time (each sample the slowest rank's)"),
