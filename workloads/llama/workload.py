@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 import math
 import time
+import warnings
 from collections import deque
 from collections.abc import Iterator
 
@@ -198,6 +199,9 @@ class LlamaWorkload(WorkloadBase):
         cfg = self.config
         self.a2a_meter = AllToAllMeter(self.ctx.device)
         self.expert_param_names = []
+        # FSDP2 warns when a wrapped module returns a view (the tensor-parallel logits are one: a DTensor's local
+        # shard), in case an in-place op follows; only the loss reads them
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPTransformer\) returned a view tensor")
         self.mesh_model = build(self.args, self.layout, self.ctx.device, self.ctx.seed)
         self.raw_model = self.model = self.mesh_model.model
         if cfg.compile:  # block by block, in place: the parameter names (and checkpoints) stay the model's
