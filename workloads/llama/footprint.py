@@ -101,7 +101,7 @@ class MetaModel:
 
 
 def layer_saved_bytes(args: ModelArgs, layer_id: int, tokens: float, compute_bytes: int, tp: int = 1,
-                      sequence_parallel: bool = True) -> float:
+                      sequence_parallel: bool = True, weight_elements: float = 0.0) -> float:
     """Bytes autograd saves in one block's forward for ``tokens`` tokens (this model's code, counted tensor by
     tensor; measured on CPU in ``tests/test_plan.py``). ``d`` dim, ``g`` key/value width (kv heads × head
     dim), ``f`` feed-forward width, ``h`` heads; ``c`` the compute dtype's bytes (4 float32, 2 under bf16
@@ -120,9 +120,12 @@ def layer_saved_bytes(args: ModelArgs, layer_id: int, tokens: float, compute_byt
     ======================================  ==================  ======================================
 
     So a float32 block saves ``32d + 8g + 16f + 4h + 8`` bytes a token; under autocast ``30d + 4g + 8f + 4h +
-    8``. A mixture-of-experts layer replaces the SwiGLU row by the router's scores (4 × experts), the shared
-    expert (4 c·f_e) and, per routed copy (top_k a token), its gathered input and output (2 c·d) and the
-    expert's SwiGLU (4 c·f_e); its input is cast three times under autocast.
+    8``, plus the autocast copies of the block's weight matrices (2 bytes × ``weight_elements``, the block's
+    matrices on this device, unsharded), saved by the linears once per microbatch. Llama 4's QK norm adds
+    ``c(d + g)`` and its statistics on RoPE layers. A mixture-of-experts layer replaces the SwiGLU row by the
+    router's scores (4 × experts), the shared expert (4 c·f_e) and, per routed copy (top_k a token), its
+    gathered input and output (2 c·d) and the expert's SwiGLU (4 c·f_e); its input is cast three times under
+    autocast. Not counted: Llama 4's chunked attention's block copies and the MoE's routing indices.
     """
     d, g, h = args.dim, args.kv_heads * args.head_dim, args.n_heads
     seq_split = tp if sequence_parallel else 1
@@ -130,6 +133,8 @@ def layer_saved_bytes(args: ModelArgs, layer_id: int, tokens: float, compute_byt
     residual = (2 * 4 * d + 2 * 4 * d + 2 * 4) / seq_split
     attn_in = 3 * 2 * d if autocast else 4 * d
     attention = (compute_bytes * (d + 2 * g) + compute_bytes * d + 4 * h) / tp
+    if args.use_qk_norm and args.uses_rope(layer_id):
+        attention += (compute_bytes * (d + g) + 4 * (h + args.kv_heads)) / tp
     if args.is_moe_layer(layer_id):
         f_e = args.moe_hidden_dim
         ffn_in = 3 * 2 * d if autocast else 4 * d
@@ -138,7 +143,8 @@ def layer_saved_bytes(args: ModelArgs, layer_id: int, tokens: float, compute_byt
     else:
         ffn_in = 2 * 2 * d if autocast else 4 * d
         ffn = 4 * compute_bytes * args.hidden_dim / tp
-    return tokens * (residual + attn_in + attention + ffn_in + ffn)
+    weight_copies = 2 * weight_elements if autocast else 0.0
+    return tokens * (residual + attn_in + attention + ffn_in + ffn) + weight_copies
 
 
 def checkpointed_layer_bytes(args: ModelArgs, tokens: float, tp: int = 1, sequence_parallel: bool = True) -> float:
@@ -156,7 +162,8 @@ def head_saved_bytes(args: ModelArgs, tokens: float, compute_bytes: int, tp: int
     if tp == 1:
         return norm + tokens * 4 * d + 4 * vocab * d
     gathered = 2 * d if compute_bytes != 4 else 4 * d
-    return norm + tokens * (gathered + 4 * vocab / tp)
+    weight_copy = 2 * vocab * d / tp if compute_bytes != 4 else 0.0
+    return norm + tokens * (gathered + 4 * vocab / tp) + weight_copy
 
 
 def loss_transient_bytes(args: ModelArgs, tokens: float, compute_bytes: int, tp: int, device_kind: str) -> float:
@@ -208,7 +215,11 @@ def footprint(model: MetaModel, layout: Layout, batch_size: int, seq_len: int, c
     count = microbatches(layout, grad_accum_steps)
     tokens = batch_size // layout.dp * seq_len / count  # one microbatch on one data-parallel rank
     fsdp_experts = layout.dp_shard // layout.ep if layout.dp_shard % layout.ep == 0 else 1
-    per_layer = [layer_saved_bytes(args, i, tokens, compute_bytes, tp, sp) for i in range(args.n_layers)]
+    matrices = [0.0] * args.n_layers
+    for p in model.params:
+        if p.layer is not None and len(p.shape) > 1:
+            matrices[p.layer] += p.numel(tp, layout.ep)
+    per_layer = [layer_saved_bytes(args, i, tokens, compute_bytes, tp, sp, matrices[i]) for i in range(args.n_layers)]
     best: Footprint | None = None
     for stage in range(pp):
         mine = [p for p in model.params if model.stage_of(p, pp) == stage]

@@ -171,6 +171,11 @@ def plan_layouts(config: LlamaConfig, devices: int, device_memory_bytes: float, 
         except ValueError as err:
             plan.excluded[name] = str(err).removeprefix("invalid config ")
             continue
+        local = config.batch_size // layout.dp
+        if layout.pp == 1 and local % config.grad_accum_steps:  # the workload's own check
+            plan.excluded[name] = (f"'grad_accum_steps': the per-rank batch {local} is not divisible by "
+                                   f"{config.grad_accum_steps}")
+            continue
         foot = footprint(model, layout, config.batch_size, config.seq_len, COMPUTE_BYTES[dtype],
                          config.grad_accum_steps, device_kind)
         plan.candidates.append(Candidate(layout, foot, foot.peak <= plan.usable_bytes,
