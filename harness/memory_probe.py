@@ -7,8 +7,8 @@ checked (``tests/test_plan.py``). It counts tensors, not processes: PyTorch's
 creates and frees it when its storage dies, and is told about the tensors that exist before the step — the
 model's parameters and buffers (:meth:`~workloads.base.WorkloadBase.root_module`) and the optimizer's state
 (the workload's ``optimizer`` attribute, where it keeps one). The peak is the largest sum of live storages'
-bytes on the device over the step (each rounded up to 512 bytes, the CPU allocator's granule as MemTracker
-counts it), split into MemTracker's categories: ``Parameter``, ``Buffer``, ``Gradient``, ``Activation``
+bytes on the device over the step (each rounded up to 512 bytes on CUDA, its caching allocator's granule;
+exact elsewhere), split into MemTracker's categories: ``Parameter``, ``Buffer``, ``Gradient``, ``Activation``
 (what a module's forward made, including what autograd saves and the forward's temporaries), ``Temp``
 (the backward's temporaries), ``Optstate`` and ``Other``. Not counted: what collectives' backends or
 kernels allocate outside PyTorch's tensors (gloo's and NCCL's buffers, oneDNN scratch), the allocator's
@@ -35,6 +35,22 @@ from harness.loop import seed_everything
 from harness.runner import open_workload
 
 
+def _tracker() -> Any:
+    """A MemTracker that lets a module run its forward more than once a step (gradient accumulation, a pipeline's
+    microbatches): MemTracker keeps per-module figures for one call each and refuses a second, before it has
+    changed anything; the device's peak, all this probe reads, is kept by its dispatch mode either way."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class RepeatedCalls(MemTracker):
+        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+            try:
+                super()._pre_fw_hook(module, inputs)
+            except NotImplementedError:
+                pass
+
+    return RepeatedCalls()
+
+
 @dataclass
 class StepMemory:
     """One rank's peak of live tensor bytes over the tracked steps, and what held them then."""
@@ -52,8 +68,6 @@ class StepMemory:
 def measure_step_memory(cfg: CobenchConfig, work_dir: Path, steps: int = 1) -> list[StepMemory]:
     """Set up the workload ``cfg`` names (in this process group, when there is one), run one warm step, then
     track ``steps`` more; every rank calls it and gets every rank's :class:`StepMemory`."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     opened = open_workload(cfg, work_dir)
@@ -64,13 +78,11 @@ def measure_step_memory(cfg: CobenchConfig, work_dir: Path, steps: int = 1) -> l
         workload.step()  # the optimizer's state now exists
         model = workload.root_module()
         external = [m for m in (model, getattr(workload, "optimizer", None)) if m is not None]
-        tracker = MemTracker()
+        tracker = _tracker()
         tracker.track_external(*external)
         peak: dict[str, int] = {}
         with tracker:
-            for i in range(steps):
-                if i:
-                    tracker.reset_mod_stats()  # MemTracker follows one pass of each module at a time
+            for _ in range(steps):
                 workload.step()
         for device, categories in tracker.get_tracker_snapshot("peak").items():
             if str(device) == str(opened.ctx.device) or not peak:

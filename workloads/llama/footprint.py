@@ -167,12 +167,18 @@ def head_saved_bytes(args: ModelArgs, tokens: float, compute_bytes: int, tp: int
 
 
 def loss_transient_bytes(args: ModelArgs, tokens: float, compute_bytes: int, tp: int, device_kind: str) -> float:
-    """The loss's working set beyond what it saves, at its peak: one chunk of float32 logits and the per-chunk
-    hidden gradients (tp 1); the compute-dtype logits and their float32 copy (tp > 1)."""
-    vocab = args.vocab_size
+    """The loss's working set beyond what it saves, at its peak. Without tp (the chunked loss): one chunk's
+    float32 logits turned into their gradient, the per-chunk hidden gradients; under autocast also the chunk
+    gradient's compute-dtype copy, the head's weight in the compute dtype and its per-chunk weight gradient
+    before it is added in float32 (``rows × vocab × 6 + tokens × d × 6 + vocab × d × 8``). With tp: the
+    compute-dtype logits and their float32 copy."""
+    vocab, d = args.vocab_size, args.dim
     if tp == 1:
         rows = max(1, min(tokens, LOSS_CHUNK_ELEMENTS[device_kind] // vocab))
-        return rows * vocab * 4 + tokens * args.dim * (compute_bytes + (4 if compute_bytes != 4 else 0))
+        if compute_bytes == 4:
+            return rows * vocab * 4 + tokens * d * 4
+        return (rows * vocab * (4 + compute_bytes) + tokens * d * (compute_bytes + 4)
+                + vocab * d * (2 * compute_bytes + 4))
     return tokens * vocab / tp * (compute_bytes + 4)
 
 
