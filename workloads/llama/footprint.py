@@ -107,17 +107,14 @@ def layer_saved_bytes(args: ModelArgs, layer_id: int, tokens: float, compute_byt
     dim), ``f`` feed-forward width, ``h`` heads; ``c`` the compute dtype's bytes (4 float32, 2 under bf16
     autocast); per token:
 
-    ======================================  ==================  ======================================
-    saved tensor                            bytes               with tp
-    ======================================  ==================  ======================================
-    residual input, post-attention residual 2 × 4d (float32)    / tp with sequence parallelism
-    the two norms' normalised values        2 × 4d, 2 × 4       / tp with sequence parallelism
-    the norms' outputs the linears read     float32: 2 × 4d     whole (all-gathered over tp)
-                                            autocast: 5 × 2d    (cast once per wq wk wv w1 w3)
-    q, k, v after RoPE                      c(d + 2g)           / tp
-    attention output, its log-sum-exp       c·d + 4h            / tp
-    SwiGLU: w1 x, w3 x, silu(w1 x), product 4 c·f               / tp
-    ======================================  ==================  ======================================
+    | saved tensor | bytes | with tp |
+    |---|---|---|
+    | residual input, post-attention residual | 2 × 4d (float32) | / tp with sequence parallelism |
+    | the two norms' normalised values | 2 × 4d, 2 × 4 | / tp with sequence parallelism |
+    | the norm outputs the linears read | float32 2 × 4d; autocast 5 × 2d (one cast a linear) | whole (all-gathered) |
+    | q, k, v after RoPE | c(d + 2g) | / tp |
+    | attention output, its log-sum-exp | c·d + 4h | / tp |
+    | SwiGLU: w1 x, w3 x, silu(w1 x), product | 4 c·f | / tp |
 
     So a float32 block saves ``32d + 8g + 16f + 4h + 8`` bytes a token; under autocast ``30d + 4g + 8f + 4h +
     8``, plus the autocast copies of the block's weight matrices (2 bytes × ``weight_elements``, the block's

@@ -87,8 +87,12 @@ class LayoutPlan:
     def format(self, top: int = 15, verbose: bool = False) -> str:
         """The plan as plain text: a header, the fitting layouts (``top`` of them), the closest ones that do not
         fit, and with ``verbose`` every layout set aside and why."""
+        size = max((c.footprint.peak for c in self.candidates), default=GB)
+        unit, scale = next((u, v) for u, v in (("GB", GB), ("MB", 1e6), ("kB", 1e3))
+                           if size >= v or u == "kB")
+        params = (f"{self.total_params / 1e9:.2f} B" if self.total_params >= 1e9 else f"{self.total_params:,}")
         lines = [
-            f"{self.preset}: {self.total_params / 1e9:.2f} B parameters, batch {self.batch_size} × seq {self.seq_len}"
+            f"{self.preset}: {params} parameters, batch {self.batch_size} × seq {self.seq_len}"
             f", {self.dtype} activations (parameters, gradients and AdamW state float32)",
             f"{self.devices} devices × {self.device_memory_bytes / GB:.1f} GB ({self.memory_source}); "
             f"a layout fits in {self.usable_bytes / GB:.1f} GB, leaving {self.headroom:.0%} to the allocator, "
@@ -99,12 +103,13 @@ class LayoutPlan:
         ]
         fitting = self.fitting
         if fitting:
-            lines += ["", "fitting layouts (GB per device; comm: GB sent per device per step):", *_table(fitting[:top])]
+            lines += ["", f"fitting layouts ({unit} per device; comm: {unit} sent per device per step):",
+                      *_table(fitting[:top], scale)]
             if len(fitting) > top:
                 lines.append(f"... and {len(fitting) - top} more (--top N)")
         closest = sorted((c for c in self.candidates if not c.fits_with_ac), key=lambda c: c.footprint.peak_ac)[:3]
         if closest:
-            lines += ["", "closest layouts that do not fit:", *_table(closest)]
+            lines += ["", "closest layouts that do not fit:", *_table(closest, scale)]
             lines += [f"  {c.layout.describe()}: {_why_not(c, self.usable_bytes)}" for c in closest]
         if verbose and self.excluded:
             lines += ["", "set aside:", *(f"  {name}: {why}" for name, why in self.excluded.items())]
@@ -115,13 +120,13 @@ COLUMNS = ("layout", "params", "grads", "optim", "unshard", "act", "act AC", "pe
            "comm tp", "comm pp", "comm dp")
 
 
-def _table(rows: list[Candidate]) -> list[str]:
+def _table(rows: list[Candidate], scale: float) -> list[str]:
     cells = [COLUMNS]
     for c in rows:
         f = c.footprint
-        cells.append((c.layout.describe(), *(f"{v / GB:.1f}" for v in (
+        cells.append((c.layout.describe(), *(f"{v / scale:.1f}" for v in (
             f.params, f.grads, f.optimizer, f.unsharded, f.activations, f.activations_ac, f.peak, f.peak_ac)),
-            c.verdict, f"{f.bubble:.0%}", *(f"{v / GB:.2f}" for v in (f.comm_tp, f.comm_pp, f.comm_dp))))
+            c.verdict, f"{f.bubble:.0%}", *(f"{v / scale:.2f}" for v in (f.comm_tp, f.comm_pp, f.comm_dp))))
     widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
     return ["  " + "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
                              enumerate(zip(row, widths, strict=True))) for row in cells]
