@@ -30,7 +30,8 @@ def test_the_meta_model_has_the_analytic_parameter_count(preset):
 @pytest.mark.parametrize(("preset", "published_billions"), [("llama3_8b", 8.03), ("llama3_70b", 70.6),
                                                             ("llama3_405b", 405.9)])
 def test_parameter_counts_match_the_published_sizes(preset, published_billions):
-    """Hugging Face's model pages give the safetensors' sizes to three figures: 8.03 B, 70.6 B, 406 B."""
+    """The sizes Hugging Face's model pages give the checkpoints (8.03 B, 70.6 B), and 405.9 B for the 405B,
+    whose shape is the published config.json's (hidden 16384, intermediate 53248, 126 layers, 8 KV heads)."""
     total = MetaModel.build(PRESETS[preset]).total_params()
     assert round(total / 1e9, 2 if total < 1e10 else 1) == published_billions
 
