@@ -15,18 +15,22 @@ Per device, in bytes (parameters and optimizer state float32, as the workload ke
 
 - ``params`` = the stage's sharded parameters × 4; ``grads`` the same; ``optimizer`` = 2 × params (AdamW's
   ``exp_avg`` and ``exp_avg_sq``); ``buffers`` the RoPE tables (and MoE counters);
-- ``unsharded`` (dp_shard > 1): what FSDP2 all-gathers: the stage's parameters outside the blocks (the root
-  module is not resharded after its forward) plus two blocks (the one computing and the one prefetched); with
-  ``pp > 1`` the pipeline keeps the stage's parameters *and* gradients unsharded between microbatches
-  (``torch.distributed.pipelining`` turns FSDP2's gradient sync and resharding off until the last one);
-- ``activations``: what autograd saves for the microbatches in flight (:func:`layer_saved_bytes`), plus the
-  loss's working set at its peak; with activation checkpointing each block keeps its input only and one
-  block's activations are rebuilt at a time in the backward.
+- ``unsharded`` (FSDP2 wraps the model whenever there is more than one data-parallel rank): the stage's
+  parameters outside the blocks (the root module is not resharded after its forward) plus two blocks (the
+  one computing and the one prefetched); with ``pp > 1`` the stage's parameters *and* gradients, whole, for
+  the step (the workload does not reshard after the forward with a pipeline, and ``torch.distributed.
+  pipelining`` turns FSDP2's resharding after backward and gradient sync off until the last microbatch);
+- ``activations``: what autograd saves for the microbatches in flight (:func:`layer_saved_bytes`), the
+  pipeline's receive buffers and, on the last stage, every microbatch's logits the schedule keeps to return
+  them, plus the loss's working set at its peak; with activation checkpointing each block keeps its input
+  only and one block's activations are rebuilt at a time in the backward.
 
-The peak is the larger of the end of the forward (``params + buffers + optimizer + unsharded + activations``,
-plus the gradients already accumulated when a step has several microbatches) and the optimizer step
-(``params + buffers + optimizer + grads``, plus one params-sized temporary where the parameters are DTensors,
-for which the workload uses the multi-tensor AdamW; a whole model on one device uses the fused one).
+The peak is the larger of the end of the forward (``params + buffers + optimizer`` + the root's unsharded
+parameters + the activations, the loss's working set or the two gathered blocks, whichever is larger — the
+blocks are gathered again only after the loss; plus the gradients already accumulated when a step has
+several microbatches) and the optimizer step (``params + buffers + optimizer + grads``, plus one
+params-sized temporary where the workload uses the multi-tensor AdamW: on a device mesh and under FSDP2;
+one rank or DDP use the fused one).
 """
 
 from __future__ import annotations
@@ -149,34 +153,44 @@ def checkpointed_layer_bytes(args: ModelArgs, tokens: float, tp: int = 1, sequen
     return tokens * 4 * args.dim / (tp if sequence_parallel else 1)
 
 
-def head_saved_bytes(args: ModelArgs, tokens: float, compute_bytes: int, tp: int, sequence_parallel: bool) -> float:
-    """The last stage's final norm and loss, saved for the backward. Without tp the loss is the chunked linear
-    cross-entropy (workloads/llama/loss.py): it saves the hidden states' gradient (4d a token) and the output
-    head's gradient (vocab × d × 4, once per microbatch). With tp the head is column-parallel under
-    ``loss_parallel``: it saves the gathered input and the vocabulary-sharded log-softmax (4 × vocab / tp)."""
-    d, vocab = args.dim, args.vocab_size
-    norm = tokens * (2 * 4 * d + 4) / (tp if sequence_parallel else 1)
-    if tp == 1:
+def fused_loss(layout: Layout) -> bool:
+    """Whether the workload computes the loss with the chunked linear cross-entropy (one model call with the
+    targets, no logits stored): without tensor or pipeline parallelism. Otherwise the model returns logits
+    (vocabulary-sharded under tp) and the loss is ``cross_entropy`` on them (under ``loss_parallel`` with tp)."""
+    return layout.tp == 1 and layout.pp == 1
+
+
+def head_saved_bytes(args: ModelArgs, tokens: float, compute_bytes: int, layout: Layout) -> float:
+    """The last stage's final norm and loss, saved for the backward, for one microbatch. The chunked loss
+    (:func:`fused_loss`) saves the hidden states' gradient (4d a token) and the output head's gradient
+    (vocab × d × 4); otherwise the head saves its input (all-gathered over tp) and the loss the log-softmax of
+    the float32 logits (4 × vocab / tp a token), and under autocast the head's weight in the compute dtype."""
+    d, vocab, tp = args.dim, args.vocab_size, layout.tp
+    norm = tokens * (2 * 4 * d + 4) / (tp if layout.sequence_parallel else 1)
+    if fused_loss(layout):
         return norm + tokens * 4 * d + 4 * vocab * d
-    gathered = 2 * d if compute_bytes != 4 else 4 * d
+    head_input = 2 * d if compute_bytes != 4 else 4 * d
     weight_copy = 2 * vocab * d / tp if compute_bytes != 4 else 0.0
-    return norm + tokens * (gathered + 4 * vocab / tp) + weight_copy
+    return norm + tokens * (head_input + 4 * vocab / tp) + weight_copy
 
 
-def loss_transient_bytes(args: ModelArgs, tokens: float, compute_bytes: int, tp: int, device_kind: str) -> float:
-    """The loss's working set beyond what it saves, at its peak. Without tp (the chunked loss): one chunk's
-    float32 logits turned into their gradient, the per-chunk hidden gradients; under autocast also the chunk
-    gradient's compute-dtype copy, the head's weight in the compute dtype and its per-chunk weight gradient
-    before it is added in float32 (``rows × vocab × 6 + tokens × d × 6 + vocab × d × 8``). With tp: the
-    compute-dtype logits and their float32 copy."""
-    vocab, d = args.vocab_size, args.dim
-    if tp == 1:
+def loss_transient_bytes(args: ModelArgs, tokens: float, compute_bytes: int, layout: Layout,
+                         device_kind: str) -> float:
+    """The loss's working set beyond what it saves, at its peak. The chunked loss: one chunk's float32
+    logits turned into their gradient, the per-chunk hidden gradients; under autocast also the chunk gradient's
+    compute-dtype copy, the head's weight in the compute dtype and its per-chunk weight gradient before it is
+    added in float32 (``rows × vocab × 6 + tokens × d × 6 + vocab × d × 8``). On logits: the backward's
+    float32 gradients of the log-softmax and of the logits (three under ``loss_parallel``, which also makes
+    ``exp`` of the log-softmax), plus the compute-dtype logits under autocast."""
+    vocab, d, tp = args.vocab_size, args.dim, layout.tp
+    if fused_loss(layout):
         rows = max(1, min(tokens, LOSS_CHUNK_ELEMENTS[device_kind] // vocab))
         if compute_bytes == 4:
             return rows * vocab * 4 + tokens * d * 4
         return (rows * vocab * (4 + compute_bytes) + tokens * d * (compute_bytes + 4)
                 + vocab * d * (2 * compute_bytes + 4))
-    return tokens * vocab / tp * (compute_bytes + 4)
+    gradients = 3 if tp > 1 else 2
+    return tokens * vocab / tp * (gradients * 4 + (compute_bytes if compute_bytes != 4 else 0))
 
 
 @dataclass(frozen=True)
@@ -231,30 +245,39 @@ def footprint(model: MetaModel, layout: Layout, batch_size: int, seq_len: int, c
         whole = {p.name: 4.0 * p.numel(tp, layout.ep) for p in mine}
         layers = sorted({p.layer for p in mine if p.layer is not None})
         block = {i: sum(v for p in mine if p.layer == i for v in (whole[p.name],)) for i in layers}
-        unsharded = 0.0
-        if layout.dp_shard > 1:
-            root = sum(whole[p.name] for p in mine if p.layer is None)
-            unsharded = 2 * sum(whole.values()) if pp > 1 else root + 2 * max(block.values(), default=0.0)
+        gathered, gathered_blocks = 0.0, 0.0  # what FSDP2 (HSDP with replicas) holds unsharded
+        if layout.dp > 1 and pp > 1:  # the stage's parameters and gradients, whole, for the step
+            gathered = 2 * sum(whole.values())
+        elif layout.dp > 1:  # the root's for the step; two blocks at a time, gathered again after the loss
+            gathered = sum(whole[p.name] for p in mine if p.layer is None)
+            gathered_blocks = 2 * max(block.values(), default=0.0)
         flight = in_flight(layout, stage, count)
         saved = sum(per_layer[i] for i in layers)
         saved_ac = sum(checkpointed_layer_bytes(args, tokens, tp, sp) for _ in layers)
         extra = 8 * tokens if stage == 0 else 0.0  # the token ids the embedding keeps
+        held = 0.0  # for the whole step, whatever is in flight
+        if pp > 1:  # the pipeline's receive buffers, one per microbatch: activations in, their gradients back
+            boundary = tokens * 4 * args.dim / (tp if sp else 1)
+            held += count * boundary * ((stage > 0) + (stage < pp - 1))
         transient = 0.0
         if stage == pp - 1:
-            extra += head_saved_bytes(args, tokens, compute_bytes, tp, sp)
-            transient = loss_transient_bytes(args, tokens, compute_bytes, tp, device_kind)
+            extra += head_saved_bytes(args, tokens, compute_bytes, layout)
+            transient = loss_transient_bytes(args, tokens, compute_bytes, layout, device_kind)
+            if pp > 1:  # the schedule keeps every microbatch's float32 logits to return them (return_outputs)
+                held += count * tokens * 4 * args.vocab_size / tp
         rebuilt = max((per_layer[i] for i in layers), default=0.0)
-        activations = flight * (saved + extra) + transient
-        activations_ac = flight * (saved_ac + extra) + max(transient, rebuilt)
+        kept, kept_ac = flight * (saved + extra) + held, flight * (saved_ac + extra) + held
         buffers = float(model.buffer_bytes)
-        static = params + buffers + 2 * params
-        accumulated = params if count > 1 and not (pp > 1 and layout.dp_shard > 1) else 0.0
-        sharded_params = layout.world_size > 1 and (layout.dp_shard > 1 or tp > 1 or layout.ep > 1)
-        at_step = static + params + (params if sharded_params else 0.0)
-        peak = max(static + unsharded + accumulated + activations, at_step)
-        peak_ac = max(static + unsharded + accumulated + activations_ac, at_step)
+        static = params + buffers + 2 * params + gathered
+        static += params if count > 1 and not (pp > 1 and layout.dp > 1) else 0.0  # gradients accumulating
+        multi_tensor = layout.world_size > 1 and (layout.on_mesh or layout.dp_shard > 1)  # foreach AdamW
+        at_step = params + buffers + 2 * params + params + (params if multi_tensor else 0.0)
+        # the loss's working set and the gathered blocks are not held at once; a rebuilt block's are
+        peak = max(static + kept + max(transient, gathered_blocks), at_step)
+        peak_ac = max(static + kept_ac + max(transient, rebuilt + gathered_blocks), at_step)
         comm = _traffic(model, layout, mine, whole, tokens, count, compute_bytes)
-        candidate = Footprint(stage, params, params, 2 * params, buffers, unsharded, activations, activations_ac,
+        candidate = Footprint(stage, params, params, 2 * params, buffers, gathered + gathered_blocks,
+                              kept + transient, kept_ac + max(transient, rebuilt),
                               peak, peak_ac, (pp - 1) / (count + pp - 1) if pp > 1 else 0.0, *comm)
         if best is None or candidate.peak > best.peak:
             best = candidate
