@@ -66,8 +66,17 @@ class PlatformConfig:
     # before; "system" leaves the C library's defaults (harness/platform.py: configure_host_allocator).
     host_allocator: str = "steady"
     cost: PlatformCost = field(default_factory=PlatformCost)  # one host's capex and power (harness/cost.py)
+    # The machine a layout is planned for (`cobench plan`): how many devices, and one device's memory in GB
+    # (1e9 bytes). None: the ranks torchrun would start here (1 without an accelerator), and the current
+    # device's memory (host RAM on a CPU). A run itself takes its world size from torchrun.
+    devices: int | None = None
+    device_memory_gb: float | None = None
 
     def __post_init__(self) -> None:
+        _require(self.devices is None or self.devices >= 1, "platform.devices",
+                 f"got {self.devices}, must be >= 1 (or null: the devices here)")
+        _require(self.device_memory_gb is None or (math.isfinite(self.device_memory_gb) and self.device_memory_gb > 0),
+                 "platform.device_memory_gb", f"got {self.device_memory_gb}, must be > 0 GB (or null: this device's)")
         _require_choice(self.device.split(":")[0], "platform.device", DEVICE_CHOICES)
         _require_choice(self.dist_backend, "platform.dist_backend", DIST_BACKENDS)
         _require_choice(self.host_allocator, "platform.host_allocator", HOST_ALLOCATORS)

@@ -46,6 +46,9 @@ commands:
   calibrate [--force] [OVERRIDES]
                            this platform's measured peak FLOP/s behind MFU, with
                            when and under what load it was measured; --force measures again
+  plan [--json] [OVERRIDES] which parallel layouts of a workload fit a machine (computed, nothing runs):
+                           `cobench plan workload=llama workload.preset=llama3_405b platform.devices=512
+                           platform.device_memory_gb=80`
   doctor [--json] [--measure]
                            what this machine is to cobench: host, device, versions, peaks, and
                            which workloads and options run here (and why not)
@@ -74,6 +77,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("suite.data_cli", "run"),
     "calibrate": ("suite.cli", "calibrate_main"),
     "doctor": ("suite.doctor", "run"),
+    "plan": ("suite.plan", "run"),
 }
 
 # key=value settings shared by every command → the flag of the commands that parse flags

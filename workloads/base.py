@@ -318,6 +318,29 @@ def declare_preparer(name: str, module: str, description: str) -> None:
     PREPARERS[name] = PreparerSpec(name, module, description)
 
 
+@dataclass(frozen=True)
+class PlannerSpec:
+    """``cobench plan workload=NAME``: the layout planner a workload package declares. ``module`` defines
+    ``plan(config, devices, device_memory_bytes, memory_source, on_cpu)`` (the workload's config, the device
+    count, one device's memory in bytes, where that figure came from, whether the devices are CPUs), which
+    returns an object with ``format(top, verbose) -> str``, ``to_json() -> dict`` and ``fitting`` (the layouts
+    that fit) and raises ValueError for input it cannot plan. It runs no model; imported only when run."""
+
+    workload: str
+    module: str
+
+
+PLANNERS: dict[str, PlannerSpec] = {}
+
+
+def declare_planner(workload: str, module: str) -> None:
+    """Declare the layout planner of ``workload``, implemented in ``module`` (see :class:`PlannerSpec`)."""
+    existing = PLANNERS.get(workload)
+    if existing is not None and existing.module != module:
+        raise ValueError(f"workload {workload!r} declares two planners ({existing.module}, {module})")
+    PLANNERS[workload] = PlannerSpec(workload, module)
+
+
 def register(name: str, config_class: type, description: str = "", *,
              replays_bundle: bool = False) -> Callable[[type], type]:
     """Class decorator: ``@register("llama", LlamaConfig)`` binds a workload's classes to its entry

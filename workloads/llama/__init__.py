@@ -1,11 +1,12 @@
 """Llama 3-style decoder training benchmark."""
 
-from workloads.base import declare, declare_preparer, lazy_attributes
+from workloads.base import declare, declare_planner, declare_preparer, lazy_attributes
 
 declare("llama", "workloads.llama.workload",
         "Llama 3-style decoder, training on a learnable synthetic corpus, C4 or Megatron indexed data")
 declare_preparer("c4", "workloads.llama.prepare",
                  "C4 JSON shards (allenai/c4 en) -> a Megatron indexed dataset PREFIX.bin/.idx, tokenized once")
+declare_planner("llama", "workloads.llama.plan")
 
 # the public names, imported on first use: the package itself stays cheap to import
 EXPORTS = {
