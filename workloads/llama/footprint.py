@@ -21,8 +21,9 @@ Per device, in bytes (parameters and optimizer state float32, as the workload ke
   the step (the workload does not reshard after the forward with a pipeline, and ``torch.distributed.
   pipelining`` turns FSDP2's resharding after backward and gradient sync off until the last microbatch);
 - ``activations``: what autograd saves for the microbatches in flight (:func:`layer_saved_bytes`), the
-  pipeline's receive buffers and, on the last stage, every microbatch's logits the schedule keeps to return
-  them, plus the loss's working set at its peak; with activation checkpointing each block keeps its input
+  pipeline's receive buffers and, on the last stage, the logits of each microbatch in flight (the stage keeps
+  a microbatch's output until its backward; the workload's schedule returns none), plus the loss's working
+  set at its peak; with activation checkpointing each block keeps its input
   only and one block's activations are rebuilt at a time in the backward.
 
 The peak is the larger of the end of the forward (``params + buffers + optimizer`` + the root's unsharded
@@ -263,8 +264,8 @@ def footprint(model: MetaModel, layout: Layout, batch_size: int, seq_len: int, c
         if stage == pp - 1:
             extra += head_saved_bytes(args, tokens, compute_bytes, layout)
             transient = loss_transient_bytes(args, tokens, compute_bytes, layout, device_kind)
-            if pp > 1:  # the schedule keeps every microbatch's float32 logits to return them (return_outputs)
-                held += count * tokens * 4 * args.vocab_size / tp
+            if pp > 1:  # the stage keeps each microbatch in flight's output, its float32 logits, until its backward
+                held += flight * tokens * 4 * args.vocab_size / tp
         rebuilt = max((per_layer[i] for i in layers), default=0.0)
         kept, kept_ac = flight * (saved + extra) + held, flight * (saved_ac + extra) + held
         buffers = float(model.buffer_bytes)

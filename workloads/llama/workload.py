@@ -39,7 +39,7 @@ from workloads.llama.model import (
     training_flops_per_token,
 )
 from workloads.llama.moe import moe_aux_loss, moe_layers, update_expert_bias
-from workloads.llama.parallel import CommMeter, build, clip_grad_norm
+from workloads.llama.parallel import CommMeter, apply_activation_checkpointing, build, clip_grad_norm
 from workloads.llama.sources import TextSource, open_text_source
 
 HANDOVER = 8  # real data: batches taken from the prefetch thread at a time
@@ -168,6 +168,8 @@ class LlamaWorkload(WorkloadBase):
         model = build_model(self.args, ctx.device, seed=ctx.seed)
         if cfg.router_init_skew:
             _skew_routers(model, cfg.router_init_skew, seed=ctx.seed)
+        if self.layout.activation_checkpointing:
+            apply_activation_checkpointing(model)
         self.a2a_meter = AllToAllMeter(ctx.device)
         self.expert_param_names: list[str] = []
         if self.expert_parallel:
@@ -316,7 +318,7 @@ class LlamaWorkload(WorkloadBase):
                                   enabled=self.compute_dtype != torch.float32)
         with autocast, self._loss_context():
             if train:
-                mm.schedule.step(*args, target=target, losses=losses)
+                mm.schedule.step(*args, target=target, losses=losses, return_outputs=False)  # only losses kept
             else:
                 mm.schedule.eval(*args, target=target, losses=losses)
         loss = (torch.stack([x.detach().float() for x in losses]).mean() if mm.last_stage
