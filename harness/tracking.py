@@ -19,6 +19,7 @@ import getpass
 import logging
 import os
 import socket
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import CREDENTIALS_ADVICE, TrackingConfig, redacted_uri, uri_has_credentials
+from harness.credentials import CredentialsError, apply_tracking_credentials, tls_context, untrusted_certificate_advice
 from harness.distributed import process_started
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit for a parameter value
@@ -114,16 +116,20 @@ def check_server_reachable(uri: str, timeout_s: float) -> None:
     if not uri.startswith(("http://", "https://")):
         return
     url = uri.rstrip("/") + "/health"
+    context = tls_context() if uri.startswith("https://") else None
     try:
         # the user's own tracking URI, http(s) only (checked above)
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        with urllib.request.urlopen(url, timeout=timeout_s, context=context) as response:
             if response.status == 200:
                 return
             problem = f"HTTP {response.status}"
     except urllib.error.HTTPError as err:
         problem = f"HTTP {err.code}"
     except (urllib.error.URLError, OSError) as err:
-        problem = str(getattr(err, "reason", err))
+        reason = getattr(err, "reason", err)
+        if isinstance(reason, ssl.SSLCertVerificationError):  # up, but not to be trusted: never go on insecurely
+            raise TrackingError(untrusted_certificate_advice(uri, reason)) from None
+        problem = str(reason)
     raise TrackingError(
         f"MLflow tracking server {uri} is unreachable ({problem}). Start it (e.g. `mlflow server "
         f"--backend-store-uri sqlite:///mlflow.db --port 5000`), fix tracking.uri / "
@@ -159,6 +165,10 @@ class Tracker:
         """Open (and on first use create) the store and the experiment; with ``reap``, close the
         runs this host's dead processes left RUNNING (:meth:`reap_stale`), each with a warning."""
         uri = resolve_tracking_uri(cfg, results_dir)
+        try:
+            apply_tracking_credentials(cfg, uri)
+        except CredentialsError as err:
+            raise TrackingError(str(err)) from None
         check_server_reachable(uri, cfg.connect_timeout_s)
         if uri.startswith(("http://", "https://")):
             # MLflow's client retries a lost server for minutes by default; a run that ends while the
@@ -258,19 +268,21 @@ class Tracker:
         for i in range(0, len(items), BATCH_LIMIT):
             self.client.log_batch(run_id, tags=items[i : i + BATCH_LIMIT])
 
-    def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
+    def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int = 0,
+                    timestamp_ms: int | None = None) -> None:
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
+        now = timestamp_ms or int(time.time() * 1000)
         items = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
         for i in range(0, len(items), 1000):
             self.client.log_batch(run_id, metrics=items[i : i + 1000])
 
-    def log_series(self, run_id: str, key: str, values: list[float], first_step: int = 0) -> None:
+    def log_series(self, run_id: str, key: str, values: list[float], first_step: int = 0,
+                   timestamp_ms: int | None = None) -> None:
         """A metric history, e.g. the loss per training step."""
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
+        now = timestamp_ms or int(time.time() * 1000)
         items = [Metric(key, float(v), now, first_step + i) for i, v in enumerate(values)]
         for i in range(0, len(items), 1000):
             self.client.log_batch(run_id, metrics=items[i : i + 1000])
