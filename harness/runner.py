@@ -331,8 +331,8 @@ def write_and_publish(result: BenchmarkResult, tracker: Tracker | None, record: 
         return
     try:
         publish(tracker, result.run_dir)
-    except Exception as err:  # noqa: BLE001 - the store went away: the run folder keeps everything
-        result.upload_error = f"{type(err).__name__}: {err}"
+    except Exception as err:  # noqa: BLE001 - the store went away or refused: the run folder keeps everything
+        result.upload_error = tracker.failure(err)
         write_atomic(result.run_dir / UPLOAD_PENDING, json.dumps({"error": result.upload_error}, indent=2))
         logger.warning("could not record %s in MLflow (%s); everything is in %s: upload it later with "
                        "`cobench upload %s`", result.benchmark, result.upload_error, result.run_dir, result.run_dir)

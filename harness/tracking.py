@@ -19,12 +19,13 @@ import getpass
 import logging
 import os
 import socket
+import sqlite3
 import ssl
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import closing, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -149,16 +150,36 @@ def _store_lock(results_dir: Path) -> Iterator[None]:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
+def _write_ahead_log(uri: str) -> None:
+    """Put a sqlite store in WAL mode (kept in the file: once is enough). Several runs on one host share one
+    store (a sweep's jobs, parallel `cobench run`): with WAL a reader never blocks a writer's commit and
+    a commit is one append, so writers wait on each other less and for shorter (MLflow waits up to 20 s)."""
+    path = uri.removeprefix("sqlite:///")
+    if not path or path == ":memory:" or uri.startswith("sqlite:///file:"):
+        return
+    with closing(sqlite3.connect(path, timeout=30)) as db:
+        if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+            db.execute("PRAGMA journal_mode=WAL")
+
+
 class Tracker:
     """One experiment in one tracking store; every call names its run explicitly."""
 
-    def __init__(self, uri: str, experiment_id: str, results_dir: Path):
+    def __init__(self, uri: str, experiment_id: str, results_dir: Path, experiment: str | None = None):
         from mlflow.tracking import MlflowClient
 
         self.uri = uri
         self.experiment_id = experiment_id
+        self.experiment = experiment or f"id {experiment_id}"  # its name, where known: for messages
         self.results_dir = results_dir
         self.client = MlflowClient(tracking_uri=uri)
+
+    def failure(self, err: Exception) -> str:
+        """Why a write failed, for the user: a refusal (credentials gone, permission revoked) said plainly
+        (:func:`store_refusal`), anything else as raised."""
+        if getattr(err, "error_code", None) in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+            return store_refusal(self.uri, self.experiment, err)
+        return f"{type(err).__name__}: {err}"
 
     @classmethod
     def connect(cls, cfg: TrackingConfig, results_dir: Path, reap: bool = True) -> Tracker:
@@ -187,12 +208,14 @@ class Tracker:
                 client = MlflowClient(tracking_uri=uri)
                 experiment_id = cls._experiment_id(client, cfg.experiment,
                                                    (results_dir / "mlartifacts").as_uri() if is_local else None)
-                if not is_local:  # a run writes: a user who may only read is refused now, before any run exists
+                if is_local:
+                    _write_ahead_log(uri)
+                else:  # a run writes: a user who may only read is refused now, before any run exists
                     client.set_experiment_tag(experiment_id, "cobench.last_writer",
                                               f"{getpass.getuser()}@{socket.gethostname()}")
         except MlflowException as err:
             raise TrackingError(store_refusal(uri, cfg.experiment, err)) from err
-        tracker = cls(uri, experiment_id, results_dir)
+        tracker = cls(uri, experiment_id, results_dir, cfg.experiment)
         for run_id, name, reason in tracker.reap_stale() if reap else []:
             logger.warning("closed a stale MLflow run %s (%s) as FAILED: %s", name, run_id, reason)
         return tracker

@@ -143,11 +143,12 @@ def upload_main(args: list[str]) -> int:
             target = uri or mlflow["uri"]
             apply_tracking_credentials(tracking, target)
             check_server_reachable(target, 10.0)
+            tracker = Tracker(target, mlflow["experiment_id"], results_root_of(folder))
             try:
-                publish(Tracker(target, mlflow["experiment_id"], results_root_of(folder)), folder)
+                publish(tracker, folder)
             except Exception as err:  # noqa: BLE001 - say which folder, keep going with the others
                 failed.append(folder)
-                print(f"{folder}: still not recorded ({type(err).__name__}: {err})", file=sys.stderr)
+                print(f"{folder}: still not recorded ({tracker.failure(err)})", file=sys.stderr)
                 continue
         print(f"{folder}: recorded in MLflow run {mlflow['run_id']} at {target}")
     if failed:
