@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import TINY, clean_env, mlflow_runs
+from conftest import clean_env, mlflow_runs
 
 # The smallest Llama run that still goes through every part of a run (a few ms a step on one thread):
 # what the fleet tests time is the writing, not the training.
@@ -90,3 +90,178 @@ def test_uploading_a_run_folder_again_or_twice_at_once_makes_no_duplicate(tmp_pa
     assert len(client.get_metric_history(run.info.run_id, "train_loss")) == len(record["losses"])
     assert len(client.get_metric_history(run.info.run_id, "throughput")) == 1
     assert not [p for p in folder.iterdir() if p.name.startswith(".")]
+
+
+def test_a_team_server_refuses_unsafe_or_unentitled_writers_before_any_run(monkeypatch, tmp_path,
+                                                                           team_mlflow_server):
+    """PostgreSQL + MLflow's auth app + TLS with a private CA, opened as every run opens its store: a
+    credentials file others may read is refused, naming it and the chmod; the server's certificate without
+    its CA is refused (never used unchecked); a user who may only read is refused, naming the experiment and
+    EDIT; none leaves a run on the server. (In process: the exit code these errors give is tested with
+    `cobench run` in test_tracking_server.py.)"""
+    import pytest
+
+    from harness.config import TrackingConfig
+    from harness.tracking import Tracker, TrackingError
+
+    server = team_mlflow_server
+    for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
+                "MLFLOW_TRACKING_SERVER_CERT_PATH"):
+        monkeypatch.delenv(key, raising=False)  # what the connections below set is put back after the test
+
+    def connect(credentials: Path, cert: Path | None) -> str:
+        cfg = TrackingConfig(uri=server.uri, credentials_file=str(credentials), server_cert=str(cert) if cert else None)
+        with pytest.raises(TrackingError) as refused:
+            Tracker.connect(cfg, tmp_path)
+        return str(refused.value)
+
+    readable = credentials_file(tmp_path, "writer", server.passwords["writer"], mode=0o644)
+    message = connect(readable, server.ca)
+    assert f"{readable} may be read by others (mode 644)" in message and f"chmod 600 {readable}" in message
+    own = credentials_file(tmp_path, "writer", server.passwords["writer"])
+    message = connect(own, None)
+    assert f"the TLS certificate of {server.uri} is not trusted" in message and "tracking.server_cert=" in message
+    reader = credentials_file(tmp_path, "reader", server.passwords["reader"])
+    message = connect(reader, server.ca)
+    assert "user 'reader' may not write to experiment 'cobench'" in message and "EDIT" in message
+    wrong = credentials_file(tmp_path, "host0", "not-" + server.passwords["host0"])
+    assert "refused these credentials (user 'host0')" in connect(wrong, server.ca)
+    for secret in server.passwords.values():
+        assert secret not in message
+    with server.admin() as (client, _):
+        assert client.search_runs([client.get_experiment_by_name("cobench").experiment_id]) == []
+
+
+def test_a_writer_with_an_owner_only_credentials_file_writes_over_tls_and_no_secret_is_written(
+        tmp_path, tmp_path_factory, calibration_cache, team_mlflow_server):
+    """The writer's `cobench run`, with an owner-only credentials file and tracking.server_cert, FINISHES on the
+    team server; no password is in any file of the run or of Hydra's folder, in any MLflow param, tag or
+    metric name, or in anything printed (reports and comparisons are made from those, so none can carry it)."""
+    server = team_mlflow_server
+    secrets_dir = tmp_path_factory.mktemp("secrets")  # outside what the run writes: the grep below is honest
+    own = credentials_file(secrets_dir, "writer", server.passwords["writer"])
+    cmd = cobench_cmd("run", "tracking=server", f"tracking.uri={server.uri}", f"tracking.credentials_file={own}",
+                      f"tracking.server_cert={server.ca}", *SMALL, f"results_dir={tmp_path / 'results'}",
+                      f"platform.calibration_cache={calibration_cache}")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=clean_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with server.admin() as (client, _):
+        (made,) = client.search_runs([client.get_experiment_by_name("cobench").experiment_id])
+        assert made.info.status == "FINISHED" and made.data.metrics["throughput"] > 0
+        stored = [*made.data.params.items(), *made.data.tags.items(), *((k, "") for k in made.data.metrics)]
+        artifacts = {a.path for a in client.list_artifacts(made.info.run_id)}
+    assert {"config.yaml", "fingerprint.json", "metrics.json"} <= artifacts
+    assert any(k == "tracking.credentials_file" for k, _ in stored)  # the file's name is no secret; its content is
+    for secret in server.passwords.values():
+        assert secret not in proc.stdout + proc.stderr
+        assert files_holding(tmp_path, secret) == []
+        assert [(k, v) for k, v in stored if secret in k or secret in v] == []
+
+
+def test_a_permission_revoked_mid_run_keeps_the_run_for_upload(tmp_path, calibration_cache, team_mlflow_server):
+    """host0 may write to experiment ``revoked`` when its run starts; the admin revokes that while it trains.
+    The run finishes locally, keeps everything with upload_pending.json and exits 1 saying why (as when the
+    server is away); granted again, `cobench upload` records it."""
+    server = team_mlflow_server
+    with server.admin() as (client, auth):
+        experiment = client.create_experiment("revoked")
+        auth.grant_user_permission("host0", "experiment", experiment, "EDIT")
+    results = tmp_path / "results"
+    # long enough (seconds) to revoke in: a run writes to the store when it opens and when it ends
+    cmd = cobench_cmd("run", "tracking=server", f"tracking.uri={server.uri}", "tracking.experiment=revoked",
+                      *SMALL, "runner.steps=1500", f"results_dir={results}",
+                      f"platform.calibration_cache={calibration_cache}")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=clean_env() | server.env("host0"), cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 240
+        while not list(results.glob("runs/*/mllog_rep0.txt")):  # its MLflow run exists: it is training
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.1)
+        with server.admin() as (_, auth):
+            auth.revoke_user_permission("host0", "experiment", experiment)  # back to the default: READ
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, stderr[-3000:]
+    assert "user 'host0' may not write to experiment 'revoked'" in stdout + stderr
+    assert "cobench upload" in stdout + stderr and "Response body" not in stdout + stderr
+    (folder,) = (results / "runs").iterdir()
+    record = json.loads((folder / "metrics.json").read_text())
+    assert record["status"] == "FINISHED" and len(record["losses"]) >= 1500
+    assert "may not write" in json.loads((folder / "upload_pending.json").read_text())["error"]
+
+    with server.admin() as (_, auth):
+        auth.grant_user_permission("host0", "experiment", experiment, "EDIT")
+    up = subprocess.run(cobench_cmd("upload", str(folder)), capture_output=True, text=True, timeout=300,
+                        env=clean_env() | server.env("host0"))
+    assert up.returncode == 0, up.stderr[-3000:]
+    with server.admin() as (client, _):
+        run = client.get_run(record["mlflow"]["run_id"])
+        assert run.info.status == "FINISHED" and run.data.metrics["throughput"] == record["metrics"]["throughput"]
+        assert len(client.get_metric_history(run.info.run_id, "train_loss")) == len(record["losses"])
+
+
+def test_sixteen_runs_from_four_hosts_at_once_into_the_team_server(tmp_path, team_mlflow_server):
+    """Four processes, each a host with its own user (EDIT on experiment ``fleet``), each recording four runs
+    at once through cobench's run path (tests/fleet_writer.py: the store opened as `cobench run` opens it,
+    then open_run and write_and_publish on each run; no model is trained, so the 2-core CI machine spends
+    its time on the writing): 16 runs in flight on the PostgreSQL-backed, authenticated TLS server. All
+    FINISHED, every metric value there (counted), within a CI-sized time."""
+    from fleet_writer import RUN_METRICS, RUN_STEPS
+
+    server = team_mlflow_server
+    hosts = ["host0", "host1", "host2", "host3"]
+    with server.admin() as (client, auth):
+        experiment = client.create_experiment("fleet")
+        for host in hosts:
+            auth.grant_user_permission(host, "experiment", experiment, "EDIT")
+    writer = str(Path(__file__).parent / "fleet_writer.py")
+    started = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, writer, str(tmp_path / host), "4", "workload=llama", "platform=cpu",
+                               "platform.calibrate=false", "tracking=server", f"tracking.uri={server.uri}",
+                               "tracking.experiment=fleet", f"run_name={host}"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=clean_env() | server.env(host) | {"PYTHONPATH": os.pathsep.join(sys.path)})
+             for host in hosts]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    wall_s = time.monotonic() - started
+    assert [p.returncode for p in procs] == [0] * 4, [err[-2000:] for _, err in outputs]
+    with server.admin() as (client, _):
+        runs = client.search_runs([experiment], max_results=100)
+        found = sum(len(client.get_metric_history(r.info.run_id, key)) for r in runs for key in r.data.metrics)
+    expected = 16 * (RUN_METRICS + RUN_STEPS)
+    print(f"team server: {len(runs)} runs from 4 processes, {found}/{expected} metric values, {wall_s:.1f} s")
+    assert sorted(r.info.run_name for r in runs) == sorted(f"{h}-{i}" for h in hosts for i in range(4))
+    assert all(r.info.status == "FINISHED" for r in runs)
+    assert found == expected
+    assert {r.data.tags["fleet_host"] for r in runs} and all(r.data.params for r in runs)
+
+
+def test_eight_cobench_runs_at_once_into_one_embedded_store(tmp_path, calibration_cache):
+    """The default set-up shared on one host: eight `cobench run` at once into one sqlite store (one results
+    folder). All FINISHED with every metric, no "database is locked"."""
+    results = tmp_path / "results"
+    started = time.monotonic()
+    procs = [subprocess.Popen(cobench_cmd("run", *SMALL, f"results_dir={results}", f"run_name=local{i}",
+                                          f"seed={i}", f"platform.calibration_cache={calibration_cache}"),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env(), cwd=tmp_path)
+             for i in range(8)]
+    outputs = [p.communicate(timeout=600) for p in procs]
+    wall_s = time.monotonic() - started
+    assert [p.returncode for p in procs] == [0] * 8, [err[-2000:] for _, err in outputs]
+    assert not [err for _, err in outputs if "database is locked" in err]
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{results / 'mlflow.db'}")
+    runs = mlflow_runs(results)
+    records = [json.loads(p.read_text()) for p in results.glob("runs/*/metrics.json")]
+    expected = sum(len(r["metrics"]) + len(r["losses"]) + sum(len(q) for _, q in r["quality_history"])
+                   for r in records)
+    found = sum(len(client.get_metric_history(r.info.run_id, key)) for r in runs for key in r.data.metrics
+                if key != "peak_flops")
+    print(f"embedded sqlite: {len(runs)} runs from 8 processes, {found}/{expected} metric values, {wall_s:.1f} s")
+    assert sorted(r.info.run_name for r in runs) == [f"local{i}" for i in range(8)]
+    assert all(r.info.status == "FINISHED" for r in runs)
+    assert found == expected
