@@ -100,7 +100,9 @@ def flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def store_refusal(uri: str, experiment: str, err: Any) -> str:
     """What to tell the user when the store said no (``err``: MLflow's exception): who was refused what,
     and what to do, without MLflow's raw response."""
-    user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+    from mlflow.utils.credentials import read_mlflow_creds
+
+    user = read_mlflow_creds().username  # MLflow's variable, else its own credentials file: whom the server saw
     if err.error_code == "UNAUTHENTICATED":
         given = f"user {user!r}" if user else ("a token" if os.environ.get("MLFLOW_TRACKING_TOKEN") else "none given")
         return (f"the server {uri} refused these credentials ({given}): set MLFLOW_TRACKING_USERNAME and "

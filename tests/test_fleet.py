@@ -63,6 +63,39 @@ def test_run_folder_files_are_never_seen_half_written(tmp_path):
     assert len(leftovers) <= 1  # at most the one being written when it was killed: hidden, never uploaded
 
 
+def test_credentials_files_that_others_may_read_or_that_hold_none_are_refused(monkeypatch, tmp_path):
+    """MLflow's own ~/.mlflow/credentials (its client reads it by itself) must be owner-only too; a file with
+    no credentials, or none at all, is named with what to write in it. The password is never in a message."""
+    import pytest
+
+    from harness.config import TrackingConfig
+    from harness.credentials import CredentialsError, apply_tracking_credentials
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("MLFLOW_TRACKING_SERVER_CERT_PATH", raising=False)
+    uri = "https://tracking-host:5000"
+    (tmp_path / ".mlflow").mkdir()
+    mlflow_file = credentials_file(tmp_path / ".mlflow", "bench", "pa55-word", mode=0o604)
+    mlflow_file.rename(tmp_path / ".mlflow" / "credentials")
+    with pytest.raises(CredentialsError, match=r"MLflow's credentials file .*credentials may be read by others "
+                                               r"\(mode 604\).*chmod 600"):
+        apply_tracking_credentials(TrackingConfig(uri=uri), uri)
+    apply_tracking_credentials(TrackingConfig(uri="sqlite:///x.db"), "sqlite:///x.db")  # no server: not read
+    (tmp_path / ".mlflow" / "credentials").chmod(0o600)
+    apply_tracking_credentials(TrackingConfig(uri=uri), uri)
+
+    empty = tmp_path / "empty.ini"
+    empty.write_text("[default]\npassword = pa55-word\n")
+    empty.chmod(0o600)
+    for path, expected in ((empty, "holds no credentials: it needs a section [mlflow]"),
+                           (tmp_path / "missing.ini", "does not exist: create it (mode 600)")):
+        with pytest.raises(CredentialsError) as refused:
+            apply_tracking_credentials(TrackingConfig(uri=uri, credentials_file=str(path)), uri)
+        assert expected in str(refused.value) and "pa55-word" not in str(refused.value)
+    with pytest.raises(CredentialsError, match="tracking.server_cert .*nowhere.pem does not exist"):
+        apply_tracking_credentials(TrackingConfig(uri=uri, server_cert=str(tmp_path / "nowhere.pem")), uri)
+
+
 def test_uploading_a_run_folder_again_or_twice_at_once_makes_no_duplicate(tmp_path, calibration_cache):
     """`cobench upload` of a folder whose upload was cut short (the run and some rows already in the store),
     twice at once and then once more: still one run, with each metric row once."""
