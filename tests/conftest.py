@@ -405,14 +405,16 @@ def team_mlflow_server(postgres_uri: str, tls_ca: dict[str, Path], tmp_path_fact
 
     pytest.importorskip("flask_wtf", reason="MLflow's auth app needs mlflow[auth] (Flask-WTF)")
     pg = urlsplit(postgres_uri)
-    subprocess.run([_postgres_binary("createdb"), "-h", pg.hostname, "-p", str(pg.port), "-U", pg.username,
-                    "mlflow_auth"], check=True, capture_output=True)
+    for database in ("team", "team_auth"):  # its own databases: the session's other server keeps `mlflow`
+        subprocess.run([_postgres_binary("createdb"), "-h", pg.hostname, "-p", str(pg.port), "-U", pg.username,
+                        database], check=True, capture_output=True)
+    store_uri = f"postgresql://{pg.username}@{pg.hostname}:{pg.port}/team"
     server_dir = tmp_path_factory.mktemp("team_server")
     users = ("admin", "writer", "reader", "host0", "host1", "host2", "host3")
     passwords = {user: f"{user}-{secrets.token_hex(8)}" for user in users}
     ini = server_dir / "auth.ini"
     ini.write_text(f"[mlflow]\ndefault_permission = READ\n"
-                   f"database_uri = postgresql://{pg.username}@{pg.hostname}:{pg.port}/mlflow_auth\n"
+                   f"database_uri = {store_uri}_auth\n"
                    f"admin_username = admin\nadmin_password = {passwords['admin']}\n"
                    "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
                    # a password check costs the server ~0.3 s of CPU; a fleet's writers make many requests each
@@ -425,7 +427,7 @@ def team_mlflow_server(postgres_uri: str, tls_ca: dict[str, Path], tmp_path_fact
     log = (server_dir / "server.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", postgres_uri, "--artifacts-destination", str(server_dir / "artifacts"),
+         "--backend-store-uri", store_uri, "--artifacts-destination", str(server_dir / "artifacts"),
          "--app-name", "basic-auth", "--workers", "1",
          "--uvicorn-opts", f"--ssl-certfile {tls_ca['cert']} --ssl-keyfile {tls_ca['key']}"],
         cwd=server_dir, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,

@@ -247,14 +247,14 @@ def test_sixteen_runs_from_four_hosts_at_once_into_the_team_server(tmp_path, tea
     server = team_mlflow_server
     hosts = ["host0", "host1", "host2", "host3"]
     with server.admin() as (client, auth):
-        experiment = client.create_experiment("fleet")
+        experiment = client.create_experiment("team-fleet")
         for host in hosts:
             auth.grant_user_permission(host, "experiment", experiment, "EDIT")
     writer = str(Path(__file__).parent / "fleet_writer.py")
     started = time.monotonic()
     procs = [subprocess.Popen([sys.executable, writer, str(tmp_path / host), "4", "workload=llama", "platform=cpu",
                                "platform.calibrate=false", "tracking=server", f"tracking.uri={server.uri}",
-                               "tracking.experiment=fleet", f"run_name={host}"],
+                               "tracking.experiment=team-fleet", f"run_name={host}"],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env=clean_env() | server.env(host) | {"PYTHONPATH": os.pathsep.join(sys.path)})
              for host in hosts]
