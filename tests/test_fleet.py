@@ -274,7 +274,8 @@ def test_sixteen_runs_from_four_hosts_at_once_into_the_team_server(tmp_path, tea
 
 def test_eight_cobench_runs_at_once_into_one_embedded_store(tmp_path, calibration_cache):
     """The default set-up shared on one host: eight `cobench run` at once into one sqlite store (one results
-    folder). All FINISHED with every metric, no "database is locked"."""
+    folder), a fresh one: they race to create it. All FINISHED with every metric value (counted against each
+    run folder's metrics.json), no "database is locked" (the store is put in WAL mode when opened)."""
     results = tmp_path / "results"
     started = time.monotonic()
     procs = [subprocess.Popen(cobench_cmd("run", *SMALL, f"results_dir={results}", f"run_name=local{i}",
