@@ -167,26 +167,41 @@ def test_a_team_server_refuses_unsafe_or_unentitled_writers_before_any_run(monke
 
 def test_a_writer_with_an_owner_only_credentials_file_writes_over_tls_and_no_secret_is_written(
         tmp_path, tmp_path_factory, calibration_cache, team_mlflow_server):
-    """The writer's `cobench run`, with an owner-only credentials file and tracking.server_cert, FINISHES on the
-    team server; no password is in any file of the run or of Hydra's folder, in any MLflow param, tag or
-    metric name, or in anything printed (reports and comparisons are made from those, so none can carry it)."""
+    """The writer's suite (one tiny benchmark), with an owner-only credentials file and tracking.server_cert,
+    FINISHES on the team server, and a submission report is made from it. No password is in any file of the
+    results folder (run folder, MLPerf logs, Hydra's folder), of the report, in any MLflow param, tag or
+    metric name, or in anything printed."""
     server = team_mlflow_server
-    secrets_dir = tmp_path_factory.mktemp("secrets")  # outside what the run writes: the grep below is honest
+    secrets_dir = tmp_path_factory.mktemp("secrets")  # outside what cobench writes: the grep below is honest
     own = credentials_file(secrets_dir, "writer", server.passwords["writer"])
-    cmd = cobench_cmd("run", "tracking=server", f"tracking.uri={server.uri}", f"tracking.credentials_file={own}",
-                      f"tracking.server_cert={server.ca}", *SMALL, f"results_dir={tmp_path / 'results'}",
+    cmd = cobench_cmd("suite", "smoke", "suite.only=[llama_tiny_train]", "runner.repetitions=1",
+                      "runner.progress=false", "platform.calibrate=false", "tracking=server",
+                      f"tracking.uri={server.uri}", f"tracking.credentials_file={own}",
+                      f"tracking.server_cert={server.ca}", f"results_dir={tmp_path / 'results'}",
                       f"platform.calibration_cache={calibration_cache}")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=clean_env(), cwd=tmp_path)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=clean_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    reader_env = {"MLFLOW_TRACKING_SERVER_CERT_PATH": str(server.ca)}  # and the reader's file as MLflow's own
+    home = tmp_path_factory.mktemp("home")
+    (home / ".mlflow").mkdir()
+    credentials_file(home / ".mlflow", "reader", server.passwords["reader"]).rename(home / ".mlflow" / "credentials")
+    report = subprocess.run(cobench_cmd("report", f"tracking.uri={server.uri}", "--out", str(tmp_path / "report")),
+                            capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                            env=clean_env() | reader_env | {"HOME": str(home)})
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert (tmp_path / "report" / "report.html").is_file()
     with server.admin() as (client, _):
-        (made,) = client.search_runs([client.get_experiment_by_name("cobench").experiment_id])
-        assert made.info.status == "FINISHED" and made.data.metrics["throughput"] > 0
-        stored = [*made.data.params.items(), *made.data.tags.items(), *((k, "") for k in made.data.metrics)]
-        artifacts = {a.path for a in client.list_artifacts(made.info.run_id)}
-    assert {"config.yaml", "fingerprint.json", "metrics.json"} <= artifacts
+        runs = client.search_runs([client.get_experiment_by_name("cobench").experiment_id])
+        assert len(runs) == 2 and all(r.info.status == "FINISHED" for r in runs)  # the suite's and its benchmark's
+        (child,) = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+        assert child.data.metrics["throughput"] > 0
+        stored = [(k, v) for r in runs for k, v in [*r.data.params.items(), *r.data.tags.items()]]
+        stored += [(k, "") for r in runs for k in r.data.metrics]
+        artifacts = {a.path for a in client.list_artifacts(child.info.run_id)}
+    assert {"config.yaml", "fingerprint.json", "metrics.json", "mllog_rep0.txt"} <= artifacts
     assert any(k == "tracking.credentials_file" for k, _ in stored)  # the file's name is no secret; its content is
     for secret in server.passwords.values():
-        assert secret not in proc.stdout + proc.stderr
+        assert secret not in proc.stdout + proc.stderr + report.stdout + report.stderr
         assert files_holding(tmp_path, secret) == []
         assert [(k, v) for k, v in stored if secret in k or secret in v] == []
 
