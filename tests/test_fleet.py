@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import clean_env, mlflow_runs
 
 # The smallest Llama run that still goes through every part of a run (a few ms a step on one thread):
@@ -20,6 +21,16 @@ SMALL = ["workload=llama", "workload.dim=32", "workload.n_layers=1", "workload.n
          "workload.batch_size=2", "workload.seq_len=16", "workload.train_batches=2", "workload.eval_batches=1",
          "runner.warmup_steps=1", "runner.steps=3", "runner.eval_interval=0", "runner.progress=false",
          "platform.calibrate=false", "platform.num_threads=1"]
+
+
+@pytest.fixture
+def own_environ():
+    """This process's environment put back as it was after the test: opening a store sets MLflow's variables
+    (a credentials file's, a CA's), and monkeypatch.delenv of an unset name would not undo that."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def cobench_cmd(*args: str) -> list[str]:
@@ -63,16 +74,14 @@ def test_run_folder_files_are_never_seen_half_written(tmp_path):
     assert len(leftovers) <= 1  # at most the one being written when it was killed: hidden, never uploaded
 
 
-def test_credentials_files_that_others_may_read_or_that_hold_none_are_refused(monkeypatch, tmp_path):
+def test_credentials_files_that_others_may_read_or_that_hold_none_are_refused(own_environ, tmp_path):
     """MLflow's own ~/.mlflow/credentials (its client reads it by itself) must be owner-only too; a file with
     no credentials, or none at all, is named with what to write in it. The password is never in a message."""
-    import pytest
-
     from harness.config import TrackingConfig
     from harness.credentials import CredentialsError, apply_tracking_credentials
 
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.delenv("MLFLOW_TRACKING_SERVER_CERT_PATH", raising=False)
+    os.environ["HOME"] = str(tmp_path)
+    os.environ.pop("MLFLOW_TRACKING_SERVER_CERT_PATH", None)
     uri = "https://tracking-host:5000"
     (tmp_path / ".mlflow").mkdir()
     mlflow_file = credentials_file(tmp_path / ".mlflow", "bench", "pa55-word", mode=0o604)
@@ -125,22 +134,20 @@ def test_uploading_a_run_folder_again_or_twice_at_once_makes_no_duplicate(tmp_pa
     assert not [p for p in folder.iterdir() if p.name.startswith(".")]
 
 
-def test_a_team_server_refuses_unsafe_or_unentitled_writers_before_any_run(monkeypatch, tmp_path,
+def test_a_team_server_refuses_unsafe_or_unentitled_writers_before_any_run(own_environ, tmp_path,
                                                                            team_mlflow_server):
     """PostgreSQL + MLflow's auth app + TLS with a private CA, opened as every run opens its store: a
     credentials file others may read is refused, naming it and the chmod; the server's certificate without
     its CA is refused (never used unchecked); a user who may only read is refused, naming the experiment and
     EDIT; none leaves a run on the server. (In process: the exit code these errors give is tested with
     `cobench run` in test_tracking_server.py.)"""
-    import pytest
-
     from harness.config import TrackingConfig
     from harness.tracking import Tracker, TrackingError
 
     server = team_mlflow_server
     for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
                 "MLFLOW_TRACKING_SERVER_CERT_PATH"):
-        monkeypatch.delenv(key, raising=False)  # what the connections below set is put back after the test
+        os.environ.pop(key, None)
 
     def connect(credentials: Path, cert: Path | None) -> str:
         cfg = TrackingConfig(uri=server.uri, credentials_file=str(credentials), server_cert=str(cert) if cert else None)
