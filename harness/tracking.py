@@ -153,9 +153,9 @@ def _store_lock(results_dir: Path) -> Iterator[None]:
 
 
 def _write_ahead_log(uri: str) -> None:
-    """Put a sqlite store in WAL mode (kept in the file: once is enough). Several runs on one host share one
-    store (a sweep's jobs, parallel `cobench run`): with WAL a reader never blocks a writer's commit and
-    a commit is one append, so writers wait on each other less and for shorter (MLflow waits up to 20 s)."""
+    """Put a sqlite store in WAL mode (kept in the file: once is enough). Runs on one host share one store
+    while others read it (`cobench compare`, `cobench report`, `mlflow ui`): in WAL mode a reader never holds
+    up a writer's commit, and writers wait on each other only for a commit (MLflow waits up to 20 s)."""
     path = uri.removeprefix("sqlite:///")
     if not path or path == ":memory:" or uri.startswith("sqlite:///file:"):
         return
