@@ -140,6 +140,10 @@ class TrackingConfig:
     uri: str | None = None  # None: $MLFLOW_TRACKING_URI, else sqlite:///<results_dir>/mlflow.db
     experiment: str = "cobench"
     connect_timeout_s: float = 5.0
+    # an owner-only file in MLflow's layout ([mlflow] mlflow_tracking_username/_password or _token); None:
+    # MLflow's variables, or its own ~/.mlflow/credentials (harness/credentials.py)
+    credentials_file: str | None = None
+    server_cert: str | None = None  # PEM of the private CA of an https server; None: $MLFLOW_TRACKING_SERVER_CERT_PATH
 
     def __post_init__(self) -> None:
         _require(bool(self.experiment), "tracking.experiment", "must not be empty")

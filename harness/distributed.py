@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness.files import write_atomic
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -134,7 +136,7 @@ def record_rank(work_dir: Path, rank: int) -> None:
     folder = work_dir / "ranks"
     folder.mkdir(parents=True, exist_ok=True)
     me = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "started": process_started(os.getpid())}
-    (folder / f"rank{rank}.json").write_text(json.dumps(me))
+    write_atomic(folder / f"rank{rank}.json", json.dumps(me))  # peers read it when a rank is lost
 
 
 def record_rank_exit(work_dir: Path, rank: int, how: str) -> None:
@@ -142,7 +144,7 @@ def record_rank_exit(work_dir: Path, rank: int, how: str) -> None:
     it as died (``<work_dir>/ranks/rank<r>.exit``)."""
     folder = work_dir / "ranks"
     if folder.is_dir():
-        (folder / f"rank{rank}.exit").write_text(how)
+        write_atomic(folder / f"rank{rank}.exit", how)
 
 
 def lost_ranks_when_stopped(work_dir: Path, grace_s: float = 2.0) -> list[str]:

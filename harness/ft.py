@@ -45,6 +45,7 @@ import torch
 from omegaconf import OmegaConf
 
 from harness.config import CobenchConfig, results_root
+from harness.files import write_atomic
 from harness.runner import STATUS_FAILED, STATUS_FINISHED, BenchmarkResult, new_run_dir, open_run, write_and_publish
 from workloads import discover
 
@@ -508,7 +509,7 @@ def run_ft(cfg: CobenchConfig) -> BenchmarkResult:
             result.metrics |= scenario_metrics(run_side(cfg, run_dir, "baseline"), prefix="baseline_", skip=skip)
     except Exception as err:  # noqa: BLE001 - the run ends FAILED with the reason, the logs kept
         result.status, result.error = STATUS_FAILED, f"{type(err).__name__}: {err}"
-        (run_dir / "error.txt").write_text(traceback.format_exc())
+        write_atomic(run_dir / "error.txt", traceback.format_exc())
     finally:
         if lighthouse is not None:
             lighthouse.terminate()

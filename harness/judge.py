@@ -41,6 +41,7 @@ from torch.profiler import ProfilerActivity, profile, supported_activities
 from harness.capture import capture, prepare_source
 from harness.config import CobenchConfig, results_root
 from harness.distributed import broadcast_from_main, env_dist_info
+from harness.files import write_atomic
 from harness.interrupts import deferred_interrupts, signal_name
 from harness.platform import device_name, synchronize
 from harness.runner import (
@@ -341,9 +342,7 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
     record["side_by_side"]["source_ms"], record["side_by_side"]["replay_ms"] = side.source_ms, side.replay_ms
     record["cross_process_against_capture"] = cross  # for reference: what the old judgement said
     if ctx.rank == 0:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=2))
-        tmp.replace(path)
+        write_atomic(path, json.dumps(record, indent=2))
     return record
 
 
@@ -531,7 +530,7 @@ def judge_benchmark(cfg: CobenchConfig, *, benchmark: str | None = None, rounds:
     except Exception as err:  # noqa: BLE001 - any failure ends the run FAILED, with its reason
         status, reason = STATUS_FAILED, f"{type(err).__name__}: {err}"
         if main:
-            (run_dir / "error.txt").write_text(traceback.format_exc())
+            write_atomic(run_dir / "error.txt", traceback.format_exc())
     finally:
         with deferred_interrupts():  # the run folder and the store tell one story
             source.workload.teardown()

@@ -36,6 +36,7 @@ from harness.distributed import (
     record_rank,
     record_rank_exit,
 )
+from harness.files import TEMP_PREFIX, write_atomic
 from harness.fingerprint import environment_fingerprint
 from harness.interrupts import deferred_interrupts, signal_name
 from harness.loop import RepetitionState, run_repetition
@@ -250,7 +251,7 @@ def run_benchmark(
             if lost:  # a collective failed because a peer died: say which, first
                 reason = f"{', '.join(lost)} died (no longer running) during the run; this rank saw: {reason}"
             if main:
-                (run_dir / "error.txt").write_text(traceback.format_exc())
+                write_atomic(run_dir / "error.txt", traceback.format_exc())
             _finish(result, tracker, repetitions, states, peak, STATUS_FAILED, reason, runner=cfg.runner)
         return result
     _finish(result, tracker, repetitions, [], peak, STATUS_FINISHED, None, derived, runner=cfg.runner)
@@ -305,9 +306,9 @@ def open_run(cfg: CobenchConfig, result: BenchmarkResult, platform: Platform, wo
     assert run_dir is not None, "a run that opens has a folder"
     c_hash = config_hash(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     fingerprint = environment_fingerprint(platform, c_hash, world_size)
-    (run_dir / "fingerprint.json").write_text(json.dumps(fingerprint, indent=2))
+    write_atomic(run_dir / "fingerprint.json", json.dumps(fingerprint, indent=2))
     if tracker is not None:
         every = {"benchmark": result.benchmark, "workload": result.workload, "suite": suite,
                  "platform": platform.name, "device_name": platform.device_name, "git_sha": fingerprint["git_sha"],
@@ -325,14 +326,15 @@ def write_and_publish(result: BenchmarkResult, tracker: Tracker | None, record: 
     ``cobench upload``. Every kind of run ends here, the fidelity judgement's included."""
     if tracker is not None and result.run_id is not None:
         record["mlflow"] = {"uri": tracker.uri, "experiment_id": tracker.experiment_id, "run_id": result.run_id}
-    (result.run_dir / "metrics.json").write_text(json.dumps(record, indent=2))
+    record.setdefault("logged_at_ms", int(time.time() * 1000))  # one timestamp: publishing again adds no rows
+    write_atomic(result.run_dir / "metrics.json", json.dumps(record, indent=2))
     if tracker is None or result.run_id is None:
         return
     try:
         publish(tracker, result.run_dir)
-    except Exception as err:  # noqa: BLE001 - the store went away: the run folder keeps everything
-        result.upload_error = f"{type(err).__name__}: {err}"
-        (result.run_dir / UPLOAD_PENDING).write_text(json.dumps({"error": result.upload_error}, indent=2))
+    except Exception as err:  # noqa: BLE001 - the store went away or refused: the run folder keeps everything
+        result.upload_error = tracker.failure(err)
+        write_atomic(result.run_dir / UPLOAD_PENDING, json.dumps({"error": result.upload_error}, indent=2))
         logger.warning("could not record %s in MLflow (%s); everything is in %s: upload it later with "
                        "`cobench upload %s`", result.benchmark, result.upload_error, result.run_dir, result.run_dir)
 
@@ -346,17 +348,21 @@ def publish(tracker: Tracker, run_dir: Path) -> None:
     every run and by ``cobench upload`` for runs whose store was away."""
     record = json.loads((run_dir / "metrics.json").read_text())
     run_id = record["mlflow"]["run_id"]
-    tracker.log_metrics(run_id, record["metrics"])
+    # the record's own timestamp on every value: a publish interrupted and done again (`cobench upload`, twice
+    # at once even) rewrites identical rows, which MLflow's store keeps once
+    at_ms = record.get("logged_at_ms")
+    tracker.log_metrics(run_id, record["metrics"], timestamp_ms=at_ms)
     if record.get("noise"):
         tracker.set_tags(run_id, {"noisy": "1", "noise_reason": record["noise"]})
     if record.get("mfu_doubt"):
         tracker.set_tags(run_id, {"mfu_suspect": "1", "mfu_suspect_reason": record["mfu_doubt"]})
     if record.get("losses"):
-        tracker.log_series(run_id, "train_loss", record["losses"])
+        tracker.log_series(run_id, "train_loss", record["losses"], timestamp_ms=at_ms)
     for samples_count, quality in record.get("quality_history", []):
-        tracker.log_metrics(run_id, {f"{k}_curve": v for k, v in quality.items()}, step=samples_count)
+        tracker.log_metrics(run_id, {f"{k}_curve": v for k, v in quality.items()}, step=samples_count,
+                            timestamp_ms=at_ms)
     tracker.end_run(run_id, record["status"], record.get("error"))
     for path in sorted(run_dir.iterdir()):  # files; folders (a fidelity run's trace bundle) stay local
-        if path.is_file() and path.name != UPLOAD_PENDING:
+        if path.is_file() and path.name != UPLOAD_PENDING and not path.name.startswith(TEMP_PREFIX):
             tracker.log_artifact(run_id, path)
     (run_dir / UPLOAD_PENDING).unlink(missing_ok=True)

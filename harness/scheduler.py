@@ -24,6 +24,7 @@ from pathlib import Path
 
 import yaml
 
+from harness.files import write_atomic
 from harness.runner import STATUS_FAILED, BenchmarkResult
 
 LOCAL_LAUNCHERS = ("basic",)  # Hydra's in-process launcher: the jobs run here, one after the other
@@ -92,8 +93,7 @@ def prepare_argv(argv: list[str], results_dir: Path) -> tuple[list[str], Path]:
 def save_result(job_dir: str | Path, result: BenchmarkResult) -> None:
     """In a job: hand its result back to the submitting process (JSON, beside Hydra's job files)."""
     path = Path(job_dir) / RESULT_FILE
-    path.with_suffix(".tmp").write_text(result.to_json())
-    os.replace(path.with_suffix(".tmp"), path)
+    write_atomic(path, result.to_json())
 
 
 def collect_results(sweep_dir: Path) -> tuple[list[BenchmarkResult], list[list[str]]]:

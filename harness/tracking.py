@@ -19,15 +19,18 @@ import getpass
 import logging
 import os
 import socket
+import sqlite3
+import ssl
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import closing, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
 from harness.config import CREDENTIALS_ADVICE, TrackingConfig, redacted_uri, uri_has_credentials
+from harness.credentials import CredentialsError, apply_tracking_credentials, tls_context, untrusted_certificate_advice
 from harness.distributed import process_started
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit for a parameter value
@@ -97,7 +100,9 @@ def flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def store_refusal(uri: str, experiment: str, err: Any) -> str:
     """What to tell the user when the store said no (``err``: MLflow's exception): who was refused what,
     and what to do, without MLflow's raw response."""
-    user = os.environ.get("MLFLOW_TRACKING_USERNAME")
+    from mlflow.utils.credentials import read_mlflow_creds
+
+    user = read_mlflow_creds().username  # MLflow's variable, else its own credentials file: whom the server saw
     if err.error_code == "UNAUTHENTICATED":
         given = f"user {user!r}" if user else ("a token" if os.environ.get("MLFLOW_TRACKING_TOKEN") else "none given")
         return (f"the server {uri} refused these credentials ({given}): set MLFLOW_TRACKING_USERNAME and "
@@ -114,16 +119,20 @@ def check_server_reachable(uri: str, timeout_s: float) -> None:
     if not uri.startswith(("http://", "https://")):
         return
     url = uri.rstrip("/") + "/health"
+    context = tls_context() if uri.startswith("https://") else None
     try:
         # the user's own tracking URI, http(s) only (checked above)
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        with urllib.request.urlopen(url, timeout=timeout_s, context=context) as response:
             if response.status == 200:
                 return
             problem = f"HTTP {response.status}"
     except urllib.error.HTTPError as err:
         problem = f"HTTP {err.code}"
     except (urllib.error.URLError, OSError) as err:
-        problem = str(getattr(err, "reason", err))
+        reason = getattr(err, "reason", err)
+        if isinstance(reason, ssl.SSLCertVerificationError):  # up, but not to be trusted: never go on insecurely
+            raise TrackingError(untrusted_certificate_advice(uri, reason)) from None
+        problem = str(reason)
     raise TrackingError(
         f"MLflow tracking server {uri} is unreachable ({problem}). Start it (e.g. `mlflow server "
         f"--backend-store-uri sqlite:///mlflow.db --port 5000`), fix tracking.uri / "
@@ -143,22 +152,46 @@ def _store_lock(results_dir: Path) -> Iterator[None]:
             fcntl.flock(lock_file, fcntl.LOCK_UN)
 
 
+def _write_ahead_log(uri: str) -> None:
+    """Put a sqlite store in WAL mode (kept in the file: once is enough). Runs on one host share one store
+    while others read it (`cobench compare`, `cobench report`, `mlflow ui`): in WAL mode a reader never holds
+    up a writer's commit, and writers wait on each other only for a commit (MLflow waits up to 20 s)."""
+    path = uri.removeprefix("sqlite:///")
+    if not path or path == ":memory:" or uri.startswith("sqlite:///file:"):
+        return
+    with closing(sqlite3.connect(path, timeout=30)) as db:
+        if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+            db.execute("PRAGMA journal_mode=WAL")
+
+
 class Tracker:
     """One experiment in one tracking store; every call names its run explicitly."""
 
-    def __init__(self, uri: str, experiment_id: str, results_dir: Path):
+    def __init__(self, uri: str, experiment_id: str, results_dir: Path, experiment: str | None = None):
         from mlflow.tracking import MlflowClient
 
         self.uri = uri
         self.experiment_id = experiment_id
+        self.experiment = experiment or f"id {experiment_id}"  # its name, where known: for messages
         self.results_dir = results_dir
         self.client = MlflowClient(tracking_uri=uri)
+
+    def failure(self, err: Exception) -> str:
+        """Why a write failed, for the user: a refusal (credentials gone, permission revoked) said plainly
+        (:func:`store_refusal`), anything else as raised."""
+        if getattr(err, "error_code", None) in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+            return store_refusal(self.uri, self.experiment, err)
+        return f"{type(err).__name__}: {err}"
 
     @classmethod
     def connect(cls, cfg: TrackingConfig, results_dir: Path, reap: bool = True) -> Tracker:
         """Open (and on first use create) the store and the experiment; with ``reap``, close the
         runs this host's dead processes left RUNNING (:meth:`reap_stale`), each with a warning."""
         uri = resolve_tracking_uri(cfg, results_dir)
+        try:
+            apply_tracking_credentials(cfg, uri)
+        except CredentialsError as err:
+            raise TrackingError(str(err)) from None
         check_server_reachable(uri, cfg.connect_timeout_s)
         if uri.startswith(("http://", "https://")):
             # MLflow's client retries a lost server for minutes by default; a run that ends while the
@@ -177,12 +210,14 @@ class Tracker:
                 client = MlflowClient(tracking_uri=uri)
                 experiment_id = cls._experiment_id(client, cfg.experiment,
                                                    (results_dir / "mlartifacts").as_uri() if is_local else None)
-                if not is_local:  # a run writes: a user who may only read is refused now, before any run exists
+                if is_local:
+                    _write_ahead_log(uri)
+                else:  # a run writes: a user who may only read is refused now, before any run exists
                     client.set_experiment_tag(experiment_id, "cobench.last_writer",
                                               f"{getpass.getuser()}@{socket.gethostname()}")
         except MlflowException as err:
             raise TrackingError(store_refusal(uri, cfg.experiment, err)) from err
-        tracker = cls(uri, experiment_id, results_dir)
+        tracker = cls(uri, experiment_id, results_dir, cfg.experiment)
         for run_id, name, reason in tracker.reap_stale() if reap else []:
             logger.warning("closed a stale MLflow run %s (%s) as FAILED: %s", name, run_id, reason)
         return tracker
@@ -258,19 +293,21 @@ class Tracker:
         for i in range(0, len(items), BATCH_LIMIT):
             self.client.log_batch(run_id, tags=items[i : i + BATCH_LIMIT])
 
-    def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int = 0) -> None:
+    def log_metrics(self, run_id: str, metrics: Mapping[str, float], step: int = 0,
+                    timestamp_ms: int | None = None) -> None:
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
+        now = timestamp_ms or int(time.time() * 1000)
         items = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
         for i in range(0, len(items), 1000):
             self.client.log_batch(run_id, metrics=items[i : i + 1000])
 
-    def log_series(self, run_id: str, key: str, values: list[float], first_step: int = 0) -> None:
+    def log_series(self, run_id: str, key: str, values: list[float], first_step: int = 0,
+                   timestamp_ms: int | None = None) -> None:
         """A metric history, e.g. the loss per training step."""
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
+        now = timestamp_ms or int(time.time() * 1000)
         items = [Metric(key, float(v), now, first_step + i) for i, v in enumerate(values)]
         for i in range(0, len(items), 1000):
             self.client.log_batch(run_id, metrics=items[i : i + 1000])

@@ -39,7 +39,8 @@ commands:
   data prepare NAME [OPTIONS]
                            turn a dataset as distributed (C4 JSON, Criteo TSV) into the layout a
                            workload reads, once: `cobench data prepare --help`
-  upload RUN_DIR...        record run folders whose MLflow store was away when they ended
+  upload RUN_DIR... [tracking.uri=URI tracking.credentials_file=F tracking.server_cert=CA]
+                           record run folders whose MLflow store was away when they ended
                            (they hold upload_pending.json) in their MLflow runs
   ft-scale [OPTIONS]       effective training time vs cluster size, synchronous vs replica-level
                            recovery (a model; runs nothing): `cobench ft-scale --help`
@@ -105,15 +106,27 @@ def shared_settings_as_flags(command: str, args: list[str]) -> list[str]:
     return out
 
 
+UPLOAD_SETTINGS = ("tracking.uri", "tracking.credentials_file", "tracking.server_cert")
+
+
 def upload_main(args: list[str]) -> int:
-    """``cobench upload RUN_DIR [RUN_DIR ...] [tracking.uri=URI]``: exit 0 when every folder is recorded."""
+    """``cobench upload RUN_DIR [RUN_DIR ...] [tracking.uri=URI]``: exit 0 when every folder is recorded.
+    Uploading a folder again, or twice at once, records it once: in the same MLflow run, with the same rows."""
+    import fcntl
     import json
     from pathlib import Path
 
+    from harness.config import TrackingConfig
+    from harness.credentials import apply_tracking_credentials
     from harness.runner import UPLOAD_PENDING, publish, results_root_of
     from harness.tracking import Tracker, check_server_reachable
 
-    uri = next((a.partition("=")[2] for a in args if a.startswith("tracking.uri=")), None)
+    settings = dict(a.split("=", 1) for a in args if "=" in a)
+    unknown = sorted(set(settings) - set(UPLOAD_SETTINGS))
+    if unknown:
+        raise ValueError(f"`cobench upload` takes {', '.join(k + '=' for k in UPLOAD_SETTINGS)}, got {unknown}")
+    tracking = TrackingConfig(**{key.removeprefix("tracking."): value for key, value in settings.items()})
+    uri = tracking.uri
     folders = [Path(a) for a in args if "=" not in a]
     if not folders:
         raise ValueError("`cobench upload` needs run folders, e.g. `cobench upload results/runs/<run>`")
@@ -125,17 +138,22 @@ def upload_main(args: list[str]) -> int:
         mlflow = json.loads(record_path.read_text()).get("mlflow")
         if not mlflow:
             raise ValueError(f"{folder}: this run was made without MLflow tracking; there is nothing to upload")
-        if not (folder / UPLOAD_PENDING).exists():
-            print(f"{folder}: already recorded in MLflow run {mlflow['run_id']}")
-            continue
-        target = uri or mlflow["uri"]
-        check_server_reachable(target, 10.0)
-        try:
-            publish(Tracker(target, mlflow["experiment_id"], results_root_of(folder)), folder)
-        except Exception as err:  # noqa: BLE001 - say which folder, keep going with the others
-            failed.append(folder)
-            print(f"{folder}: still not recorded ({type(err).__name__}: {err})", file=sys.stderr)
-            continue
+        # one upload of a folder at a time (two shells, a retry loop): the second waits, then finds it recorded
+        with open(record_path) as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (folder / UPLOAD_PENDING).exists():
+                print(f"{folder}: already recorded in MLflow run {mlflow['run_id']}")
+                continue
+            target = uri or mlflow["uri"]
+            apply_tracking_credentials(tracking, target)
+            check_server_reachable(target, 10.0)
+            tracker = Tracker(target, mlflow["experiment_id"], results_root_of(folder))
+            try:
+                publish(tracker, folder)
+            except Exception as err:  # noqa: BLE001 - say which folder, keep going with the others
+                failed.append(folder)
+                print(f"{folder}: still not recorded ({tracker.failure(err)})", file=sys.stderr)
+                continue
         print(f"{folder}: recorded in MLflow run {mlflow['run_id']} at {target}")
     if failed:
         raise CommandFailed(f"{len(failed)} run folder(s) not recorded; they keep upload_pending.json")

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from harness.config import TrackingConfig
+from harness.credentials import apply_tracking_credentials
 from harness.tracking import TrackingError, check_server_reachable
 
 if TYPE_CHECKING:  # mlflow is imported when a store is opened
@@ -42,6 +44,8 @@ def open_store(uri: str | None, results_dir: Path, timeout_s: float = 10.0) -> M
             raise TrackingError(f"no tracking store at {db}: run a benchmark first (`cobench suite smoke`), or "
                                 f"point --results-dir / --tracking-uri at the store to read")
         uri = f"sqlite:///{db}"
+    # a reader's credentials come as a writer's do: MLflow's variables or an owner-only file; a private CA
+    apply_tracking_credentials(TrackingConfig(uri=uri), uri)
     check_server_reachable(uri, timeout_s)
     return MlflowClient(tracking_uri=uri)
 

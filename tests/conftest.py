@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -316,3 +317,146 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tls_ca(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A private CA made here, and a server certificate it signed for 127.0.0.1 and localhost (PEM files):
+    {"ca": CA certificate, "cert": server certificate, "key": server key}."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    folder = tmp_path_factory.mktemp("tls")
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "cobench test CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
+          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+          .add_extension(x509.SubjectKeyIdentifier.from_public_key(ca_key.public_key()), critical=False)
+          .sign(ca_key, hashes.SHA256()))
+    server = (x509.CertificateBuilder()
+              .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+              .issuer_name(ca_name).public_key(server_key.public_key()).serial_number(x509.random_serial_number())
+              .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+              .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                          x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                             critical=False)
+              .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+              .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+              .sign(ca_key, hashes.SHA256()))
+    paths = {"ca": folder / "ca.pem", "cert": folder / "server.pem", "key": folder / "server.key"}
+    paths["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths["cert"].write_bytes(server.public_bytes(serialization.Encoding.PEM))
+    paths["key"].write_bytes(server_key.private_bytes(serialization.Encoding.PEM,
+                                                      serialization.PrivateFormat.PKCS8,
+                                                      serialization.NoEncryption()))
+    paths["key"].chmod(0o600)
+    return paths
+
+
+class TeamServer:
+    """A team's MLflow server as a fleet runs it (:func:`team_mlflow_server`): its https URI, the CA that signed
+    its certificate, each user's password; :meth:`admin` acts as its admin in this process."""
+
+    def __init__(self, uri: str, ca: Path, passwords: dict[str, str]):
+        self.uri, self.ca, self.passwords = uri, ca, passwords
+
+    def env(self, user: str) -> dict[str, str]:
+        """What a host's `cobench` needs in its environment to write as ``user``."""
+        return {"MLFLOW_TRACKING_USERNAME": user, "MLFLOW_TRACKING_PASSWORD": self.passwords[user],
+                "MLFLOW_TRACKING_SERVER_CERT_PATH": str(self.ca)}
+
+    @contextlib.contextmanager
+    def admin(self):
+        """(MLflow client, auth app client), as the admin, for the ``with`` block (MLflow's clients read
+        credentials from the environment only: it is set, then put back)."""
+        from mlflow.server import get_app_client
+        from mlflow.tracking import MlflowClient
+
+        keys = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_SERVER_CERT_PATH")
+        saved = {k: os.environ.get(k) for k in keys}
+        os.environ.update(self.env("admin"))
+        try:
+            yield MlflowClient(self.uri), get_app_client("basic-auth", tracking_uri=self.uri)
+        finally:
+            for key, value in saved.items():
+                os.environ.pop(key, None) if value is None else os.environ.__setitem__(key, value)
+
+
+@pytest.fixture(scope="session")
+def team_mlflow_server(postgres_uri: str, tls_ca: dict[str, Path], tmp_path_factory: pytest.TempPathFactory):
+    """The team fleet of docs/fleets.md, once per test session: `mlflow server` on PostgreSQL (runs and, in a
+    database of its own, the auth app's users and permissions) with MLflow's auth app, over TLS with a
+    certificate from a private CA (uvicorn's own TLS), default permission READ. Users: ``admin``, ``writer``
+    (EDIT on experiment ``cobench``), ``reader`` (READ only), ``host0``..``host3`` (no grant yet)."""
+    import secrets
+    import ssl
+    from urllib.parse import urlsplit
+
+    pytest.importorskip("flask_wtf", reason="MLflow's auth app needs mlflow[auth] (Flask-WTF)")
+    pg = urlsplit(postgres_uri)
+    for database in ("team", "team_auth"):  # its own databases: the session's other server keeps `mlflow`
+        subprocess.run([_postgres_binary("createdb"), "-h", pg.hostname, "-p", str(pg.port), "-U", pg.username,
+                        database], check=True, capture_output=True)
+    store_uri = f"postgresql://{pg.username}@{pg.hostname}:{pg.port}/team"
+    server_dir = tmp_path_factory.mktemp("team_server")
+    users = ("admin", "writer", "reader", "host0", "host1", "host2", "host3")
+    passwords = {user: f"{user}-{secrets.token_hex(8)}" for user in users}
+    ini = server_dir / "auth.ini"
+    ini.write_text(f"[mlflow]\ndefault_permission = READ\n"
+                   f"database_uri = {store_uri}_auth\n"
+                   f"admin_username = admin\nadmin_password = {passwords['admin']}\n"
+                   "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+                   # a password check costs the server ~0.3 s of CPU; a fleet's writers make many requests each
+                   "auth_cache_ttl_seconds = 60\n")
+    ini.chmod(0o600)
+    port = _free_port()
+    uri = f"https://127.0.0.1:{port}"
+    env = clean_env() | {"MLFLOW_AUTH_CONFIG_PATH": str(ini), "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16),
+                         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # GenAI job runners: a results store needs none
+    log = (server_dir / "server.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", store_uri, "--artifacts-destination", str(server_dir / "artifacts"),
+         "--app-name", "basic-auth", "--workers", "1",
+         "--uvicorn-opts", f"--ssl-certfile {tls_ca['cert']} --ssl-keyfile {tls_ca['key']}"],
+        cwd=server_dir, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+    )
+    context = ssl.create_default_context(cafile=str(tls_ca["ca"]))
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{uri}/health", timeout=2, context=context) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                tail = (server_dir / "server.log").read_text()[-3000:]
+                pytest.fail(f"the team's mlflow server did not come up: {tail}")
+            time.sleep(0.5)
+        server = TeamServer(uri, tls_ca["ca"], passwords)
+        with server.admin() as (client, auth):
+            for user in users[1:]:
+                auth.create_user(user, passwords[user])
+            auth.grant_user_permission("writer", "experiment", client.create_experiment("cobench"), "EDIT")
+        yield server
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # `mlflow server` and the uvicorn it started
+        try:
+            proc.wait(timeout=10)  # uvicorn waits for idle keep-alive connections: no need to
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        log.close()
