@@ -95,11 +95,12 @@ def start_mlflow_server(server_dir: Path, port: int, extra: tuple[str, ...] = ()
     pytest.fail("mlflow server did not come up within 90 s")
 
 
-@pytest.fixture
-def mlflow_server(tmp_path):
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory):
+    """`mlflow server` on a sqlite store, started once per test session and shared: a test that counts or
+    compares the runs it made logs them under an experiment of its own (``tracking.experiment=NAME``)."""
     port = _free_port()
-    server_dir = tmp_path / "server"
-    server_dir.mkdir()
+    server_dir = tmp_path_factory.mktemp("server")
     proc = start_mlflow_server(server_dir, port)
     try:
         yield f"http://127.0.0.1:{port}"

@@ -1,15 +1,14 @@
-"""workload=dlrm: config checks, planted data, the model's learning signal, and real runs (1 and 2 ranks)."""
+"""workload=dlrm: config checks, planted data, the model's learning signal, and real runs (1 rank here; 2 ranks
+in test_dlrm_codecs_suite.py, beside the codec suite whose runs they share)."""
 
 from __future__ import annotations
 
 import itertools
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
-from conftest import TINY, clean_env, mlflow_runs
+from conftest import TINY, mlflow_runs
 from torchrec.distributed.types import QuantizedCommCodecs
 
 from workloads.base import PlatformUnsupported, RunContext
@@ -227,39 +226,6 @@ def test_bad_codec_setup_fails_before_any_mlflow_run(cobench, tmp_path):
     assert proc.returncode != 0
     assert "comm_codec=int8 needs >1 rank" in proc.stderr + proc.stdout
     assert mlflow_runs(tmp_path / "results") == []
-
-
-def two_rank_run(tmp_path, calibration_cache, *overrides: str):
-    tmp_path.mkdir()
-    results = tmp_path / "results"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-        "-m", "suite.cli", "run", "workload=dlrm", f"results_dir={results}",
-        f"platform.calibration_cache={calibration_cache}", *TINY, *overrides,
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=clean_env(), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (run,) = mlflow_runs(results)
-    assert run.info.status == "FINISHED"
-    assert run.data.tags["world_size"] == "2"
-    return run.data.metrics
-
-
-@pytest.mark.slow
-def test_two_rank_sharded_runs_measure_and_compress_the_all_to_all(tmp_path, calibration_cache):
-    plain = two_rank_run(tmp_path / "none", calibration_cache, "workload.sharding=table_wise")
-    int8 = two_rank_run(tmp_path / "int8", calibration_cache, "workload.comm_codec=int8")
-    fp16_cw = two_rank_run(tmp_path / "fp16", calibration_cache, "workload.sharding=column_wise",
-                           "workload.comm_codec=fp16")
-    for metrics in (plain, int8, fp16_cw):
-        assert metrics["a2a_calls_per_step"] == 2  # one forward, one backward all-to-all per step
-        assert metrics["a2a_time_ms"] > 0 and metrics["auc"] > 0
-    # uncompressed, the measured bytes are exactly what the sharding plan predicts
-    assert plain["a2a_bytes_per_step"] == plain["a2a_fp32_bytes_per_step"] > 0
-    assert plain["a2a_compression_ratio"] == 1.0
-    assert int8["a2a_bytes_per_step"] < plain["a2a_bytes_per_step"] / 2.5  # 1 byte + a row scale and bias
-    assert fp16_cw["a2a_bytes_per_step"] == fp16_cw["a2a_fp32_bytes_per_step"] / 2
-    assert fp16_cw["a2a_bytes_per_step"] < plain["a2a_bytes_per_step"]
 
 
 def test_bad_error_bound_options_are_refused_before_the_run():

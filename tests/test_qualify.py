@@ -12,11 +12,13 @@ import yaml
 from conftest import clean_env, mlflow_runs
 
 # The qualify suite, shortened: every benchmark (including the Llama capture + replay) still runs; the
-# replay's side-by-side judgement gets 5 s instead of 30 (these tests judge the verdict path, not the figure).
+# replay's side-by-side judgement is 2 rounds of 3 samples and at most 1 s more, not 10 rounds of 10 and up to
+# 30 s (these tests judge the verdict path, not the figure).
 _REPLAY = [b["name"] for b in yaml.safe_load((Path(__file__).resolve().parent.parent / "conf" / "suite" /
                                               "qualify.yaml").read_text())["benchmarks"]].index("llama_replay")
 SHORT = ["platform=cpu", "runner.warmup_steps=1", "runner.steps=4", "runner.repetitions=2", "runner.eval_interval=0",
-         "runner.progress=false", f"suite.benchmarks.{_REPLAY}.budget_s=5"]
+         "runner.progress=false", f"suite.benchmarks.{_REPLAY}.rounds=2", f"suite.benchmarks.{_REPLAY}.round_steps=3",
+         f"suite.benchmarks.{_REPLAY}.budget_s=1"]
 
 
 def _qualify(*args: str, results: Path, cwd: Path) -> subprocess.CompletedProcess:
@@ -103,32 +105,43 @@ def test_qualify_needs_no_tracking_store(recorded):
 
 
 def test_an_impossible_gate_fails_loudly(recorded):
+    """Judged on two of the suite's benchmarks (`suite.only`, gated by a file that names just those two): the
+    FAIL path is under test here, and the whole suite's run is the passing test's."""
     tmp, _, golden = recorded
-    gates = _gates(tmp, golden, defaults={"throughput_tolerance": -9.0, "cv_max": 1.0, "loss_rtol": 0.02})
+    two = {"llama_tiny": {"gates": ["finished", "throughput", "cv", "loss_trajectory"]},
+           "dlrm_tiny": {"gates": ["finished", "throughput", "loss_trajectory"]}}
+    gates = _gates(tmp, golden, defaults={"throughput_tolerance": -9.0, "cv_max": 1.0, "loss_rtol": 0.02},
+                   benchmarks=two)
     results = tmp / "fail"
-    proc = _qualify("--gates", str(gates), results=results, cwd=tmp)
-    assert proc.returncode == 1
+    proc = _qualify("--gates", str(gates), "suite.only=[llama_tiny,dlrm_tiny]", results=results, cwd=tmp)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "FAIL llama_tiny throughput: measured" in proc.stderr and "required >=" in proc.stderr
     (verdict_dir,) = (results / "qualify").iterdir()
     verdict = json.loads((verdict_dir / "verdict.json").read_text())
     assert verdict["verdict"] == "FAIL"
+    assert {g["benchmark"] for g in verdict["gates"]} == set(two)  # the two chosen, judged against the golden
     failed = {(g["benchmark"], g["gate"]) for g in verdict["gates"] if not g["passed"]}
     assert ("llama_tiny", "throughput") in failed and ("dlrm_tiny", "loss_trajectory") not in failed
     parent = next(r for r in mlflow_runs(results) if r.data.tags.get("qualification") == "true")
     assert parent.data.tags["verdict"] == "FAIL" and parent.data.metrics["gates_failed"] >= 1
 
 
-def test_bad_gates_and_goldens_are_refused_before_anything_runs(recorded, tmp_path: Path):
+def test_bad_gates_and_goldens_are_refused_before_anything_runs(recorded, tmp_path: Path, capsys, monkeypatch):
+    """Each refusal through the command's own entry point (`suite.cli.main`), in this process: no interpreter
+    and library start per case, the same exit code and message."""
+    from suite.cli import main
+
     tmp, gates, golden = recorded
     results = tmp_path / "res"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # as clean_env() gives a command
+    monkeypatch.chdir(tmp_path)
 
     def refused(*args: str, overrides: tuple[str, ...] = ()) -> str:
-        proc = subprocess.run([sys.executable, "-m", "suite.cli", "qualify", *args, *SHORT, *overrides,
-                               f"results_dir={results}"], capture_output=True, text=True, timeout=120,
-                              env=clean_env(), cwd=tmp_path)
-        assert proc.returncode == 2, proc.stderr
+        code = main(["qualify", *args, *SHORT, *overrides, f"results_dir={results}"])
+        stderr = capsys.readouterr().err
+        assert code == 2, stderr
         assert mlflow_runs(results) == []  # nothing ran
-        return proc.stderr
+        return stderr
 
     assert "platform 'nowhere' has no gates" in refused(overrides=("platform.name=nowhere",))
     assert "no golden reference" in refused("--gates", str(gates), "--golden", str(tmp_path / "none.yaml"))

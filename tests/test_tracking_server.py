@@ -7,12 +7,12 @@ from conftest import TINY
 
 
 def test_run_logs_to_a_tracking_server(cobench, mlflow_server):
-    proc = cobench("run", "tracking=server", f"tracking.uri={mlflow_server}", *TINY)
+    proc = cobench("run", "tracking=server", f"tracking.uri={mlflow_server}", "tracking.experiment=server-run", *TINY)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=mlflow_server)
-    experiment = client.get_experiment_by_name("cobench")
+    experiment = client.get_experiment_by_name("server-run")  # the shared server's: this test's own experiment
     (run,) = client.search_runs([experiment.experiment_id])
     assert run.info.status == "FINISHED"
     assert run.data.tags["workload"] == "llama" and "throughput" in run.data.metrics
@@ -21,12 +21,12 @@ def test_run_logs_to_a_tracking_server(cobench, mlflow_server):
 
 
 def test_env_var_selects_the_server_too(cobench, mlflow_server):
-    proc = cobench("run", *TINY, extra_env={"MLFLOW_TRACKING_URI": mlflow_server})
+    proc = cobench("run", "tracking.experiment=server-env", *TINY, extra_env={"MLFLOW_TRACKING_URI": mlflow_server})
     assert proc.returncode == 0, proc.stderr[-3000:]
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=mlflow_server)
-    assert len(client.search_runs([client.get_experiment_by_name("cobench").experiment_id])) == 1
+    assert len(client.search_runs([client.get_experiment_by_name("server-env").experiment_id])) == 1
 
 
 def test_eight_concurrent_runs_into_a_server_on_postgresql(tmp_path, calibration_cache, postgres_mlflow_server):

@@ -21,6 +21,18 @@ from pathlib import Path
 import pytest
 
 
+def refused(capsys: pytest.CaptureFixture, *args: str) -> str:
+    """``cobench ARGS``, refused: through the command's own entry point (`suite.cli.main`) in this process, with
+    no interpreter and library start per case; asserts exit 2 and returns what the command wrote to stderr."""
+    from suite.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    return err
+
+
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import subprocess
@@ -101,7 +113,8 @@ def test_edits_move_the_prediction_the_right_way(bundle: Path, tmp_path: Path):
     assert same.predicted_step_ms - compute / 2 <= on_faster.predicted_step_ms < same.predicted_step_ms - compute / 4
 
 
-def test_cobench_trace_predict_writes_its_inputs_and_refuses_bad_changes(cobench, bundle: Path, tmp_path: Path):
+def test_cobench_trace_predict_writes_its_inputs_and_refuses_bad_changes(cobench, bundle: Path, tmp_path: Path,
+                                                                         capsys):
     from workloads.whatif.cache import cache_dir
 
     untouched = sorted(p.relative_to(bundle) for p in bundle.rglob("*"))
@@ -130,14 +143,14 @@ def test_cobench_trace_predict_writes_its_inputs_and_refuses_bad_changes(cobench
     assert cache_dir(bundle).parent.name == "whatif"
     assert sorted(p.relative_to(bundle) for p in bundle.rglob("*")) == untouched
 
-    proc = cobench("trace", "predict", str(bundle), "workload.nlayers=4")
-    assert proc.returncode == 2 and "workload.n_layers" in proc.stderr
-    proc = cobench("trace", "predict", str(bundle), "workload.batch_size=-3")
-    assert proc.returncode == 2 and "positive integer" in proc.stderr
+    err = refused(capsys, "trace", "predict", str(bundle), "workload.nlayers=4")
+    assert "workload.n_layers" in err
+    err = refused(capsys, "trace", "predict", str(bundle), "workload.batch_size=-3")
+    assert "positive integer" in err
     foreign = tmp_path / "foreign.json"
     foreign.write_text('{"schema": "something else"}')
-    proc = cobench("trace", "predict", str(bundle), "--target-calibration", str(foreign))
-    assert proc.returncode == 2 and "not a what-if calibration" in proc.stderr
+    err = refused(capsys, "trace", "predict", str(bundle), "--target-calibration", str(foreign))
+    assert "not a what-if calibration" in err
 
 
 def test_predict_then_measure_logs_the_error_with_the_real_run(cobench, bundle: Path, tmp_path: Path):
@@ -295,7 +308,7 @@ def test_the_edited_graph_exports_as_chakra(bundle: Path, tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_cobench_trace_predict_ranks_json_chakra_and_refusals(cobench, bundle: Path, tmp_path: Path):
+def test_cobench_trace_predict_ranks_json_chakra_and_refusals(cobench, bundle: Path, tmp_path: Path, capsys):
     import subprocess
     import sys
 
@@ -364,37 +377,35 @@ def test_cobench_trace_predict_ranks_json_chakra_and_refusals(cobench, bundle: P
     proc = cobench("trace", "predict", str(bundle), "world_size=2", "workload.parallelism=ddp",
                    "--calibration", str(calibration), "--gradient-sync", str(made))
     assert proc.returncode == 0 and str(made) in proc.stdout
-    proc = cobench("trace", "predict", str(bundle), "world_size=2", "workload.parallelism=ddp", "workload.n_layers=4",
-                   "--calibration", str(calibration), "--gradient-sync", str(made))
-    assert proc.returncode == 2 and "timed for 21 gradients" in proc.stderr and "time-sync" in proc.stderr
+    err = refused(capsys, "trace", "predict", str(bundle), "world_size=2", "workload.parallelism=ddp",
+                  "workload.n_layers=4", "--calibration", str(calibration), "--gradient-sync", str(made))
+    assert "timed for 21 gradients" in err and "time-sync" in err
     # a timing of each rank's own median (no job step: an earlier cobench's) is refused, not taken as the job's
     older = tmp_path / "older_sync.json"
     older.write_text(json.dumps({k: v for k, v in json.loads(made.read_text()).items() if k != "job_ddp_ms_p50"}))
-    proc = cobench("trace", "predict", str(bundle), "world_size=2", "workload.parallelism=ddp",
-                   "--calibration", str(calibration), "--gradient-sync", str(older))
-    assert proc.returncode == 2 and "slowest rank's" in proc.stderr and "time it again" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "suite.cli", "trace", "time-sync", str(calibration), "--out",
-                           str(made)], capture_output=True, text=True, timeout=300, env=clean_env())
-    assert proc.returncode == 2 and "sync_spec" in proc.stderr
+    err = refused(capsys, "trace", "predict", str(bundle), "world_size=2", "workload.parallelism=ddp",
+                  "--calibration", str(calibration), "--gradient-sync", str(older))
+    assert "slowest rank's" in err and "time it again" in err
+    assert "sync_spec" in refused(capsys, "trace", "time-sync", str(calibration), "--out", str(made))
 
     ddp = ["world_size=2", "workload.parallelism=ddp"]
     proc = cobench("trace", "predict", str(bundle), *ddp, "--calibration", str(calibration), "--sync-from", "table")
     assert proc.returncode == 0 and "ASSUMED bus bandwidth" in proc.stdout  # no table: the assumption is said
     # Llama's default parallelism shards parameters at 2 ranks (FSDP2), which the prediction does not model
-    proc = cobench("trace", "predict", str(bundle), "world_size=2", "--calibration", str(calibration))
-    assert proc.returncode == 2 and "workload.parallelism=ddp" in proc.stderr
+    err = refused(capsys, "trace", "predict", str(bundle), "world_size=2", "--calibration", str(calibration))
+    assert "workload.parallelism=ddp" in err
 
-    proc = cobench("trace", "predict", str(bundle), "workload.world=2")
-    assert proc.returncode == 2 and "'workload.world'" in proc.stderr and "world_size" in proc.stderr
+    err = refused(capsys, "trace", "predict", str(bundle), "workload.world=2")
+    assert "'workload.world'" in err and "world_size" in err
     foreign = tmp_path / "foreign.json"
     foreign.write_text('{"format": "something else"}')
-    proc = cobench("trace", "predict", str(bundle), *ddp, "--calibration", str(calibration),
-                   "--collectives", str(foreign))
-    assert proc.returncode == 2 and "foreign.json" in proc.stderr and "cobench.collectives.sweep" in proc.stderr
-    proc = cobench("trace", "predict", str(bundle), *ddp, "--collectives", str(tmp_path / "nope.json"))
-    assert proc.returncode == 2 and "nope.json does not exist" in proc.stderr
-    proc = cobench("trace", "predict", str(tmp_path), "world_size=2")
-    assert proc.returncode == 2 and str(tmp_path) in proc.stderr
+    err = refused(capsys, "trace", "predict", str(bundle), *ddp, "--calibration", str(calibration),
+                  "--collectives", str(foreign))
+    assert "foreign.json" in err and "cobench.collectives.sweep" in err
+    err = refused(capsys, "trace", "predict", str(bundle), *ddp, "--collectives", str(tmp_path / "nope.json"))
+    assert "nope.json does not exist" in err
+    err = refused(capsys, "trace", "predict", str(tmp_path), "world_size=2")
+    assert str(tmp_path) in err
 
 
 def test_validation_judges_each_rounds_predicted_ratio_against_its_measured_ratio():
@@ -520,7 +531,7 @@ def test_a_jagged_batch_is_predicted_from_the_runs_own_batches_bucket_by_bucket(
 
 @pytest.mark.slow
 def test_a_sharded_stage_timed_at_two_ranks_replaces_the_captured_embeddings(cobench, seqrec_bundle: Path,
-                                                                            tmp_path: Path):
+                                                                            tmp_path: Path, capsys):
     """TorchRec's DMP at 2 ranks: seqrec's sharded embedding stage is timed alone under torchrun (2 gloo ranks,
     the workload's own plan and batches), and the prediction puts it in place of the capture's embedding ops
     — forward and backward by module, the tables' in-backward Adagrad by their shapes — whose gradients DDP
@@ -608,18 +619,18 @@ def test_a_sharded_stage_timed_at_two_ranks_replaces_the_captured_embeddings(cob
     assert cli["inputs"]["data_parallel"]["sharded_stage"]["ops_replaced"] == len(replaced)
     assert cli["breakdown_ms"]["sharded_stage"] == pytest.approx(record["ms_p50"])
     assert cli["predicted_step_ms"] > record["ms_p50"] + cli["inputs"]["data_parallel"]["allreduce_ms"]
-    proc = cobench("trace", "predict", str(seqrec_bundle), "world_size=2", "--calibration", str(calibration),
-                   "--sharded-stage", str(tmp_path / "nope.json"))
-    assert proc.returncode == 2 and "nope.json does not exist" in proc.stderr and "time-stage" in proc.stderr
-    proc = cobench("trace", "predict", str(seqrec_bundle), "world_size=2", "--calibration", str(calibration),
-                   "--sharded-stage", str(table))
-    assert proc.returncode == 2 and "not a sharded-stage timing" in proc.stderr
-    proc = cobench("trace", "predict", str(seqrec_bundle), "world_size=2", "--calibration", str(calibration),
-                   "--target-calibration", str(calibration))
-    assert proc.returncode == 2 and "timed there" in proc.stderr
-    proc = cobench("trace", "predict", str(seqrec_bundle), "world_size=2", "workload.batch_size=64",
-                   "--calibration", str(calibration), "--sharded-stage", str(timing))
-    assert proc.returncode == 2 and "timed with changes []" in proc.stderr
+    err = refused(capsys, "trace", "predict", str(seqrec_bundle), "world_size=2", "--calibration",
+                  str(calibration), "--sharded-stage", str(tmp_path / "nope.json"))
+    assert "nope.json does not exist" in err and "time-stage" in err
+    err = refused(capsys, "trace", "predict", str(seqrec_bundle), "world_size=2", "--calibration",
+                  str(calibration), "--sharded-stage", str(table))
+    assert "not a sharded-stage timing" in err
+    err = refused(capsys, "trace", "predict", str(seqrec_bundle), "world_size=2", "--calibration",
+                  str(calibration), "--target-calibration", str(calibration))
+    assert "timed there" in err
+    err = refused(capsys, "trace", "predict", str(seqrec_bundle), "world_size=2", "workload.batch_size=64",
+                  "--calibration", str(calibration), "--sharded-stage", str(timing))
+    assert "timed with changes []" in err
 
 
 def test_the_skeleton_cuts_the_step_at_its_gradients_with_the_collectives_inside():
@@ -640,7 +651,7 @@ def test_a_calibration_spike_is_lowered_not_carried_to_larger_sizes():
 
 
 @pytest.mark.slow
-def test_predict_validate_captures_every_round_and_logs_each_case(tmp_path: Path, cobench):
+def test_predict_validate_captures_every_round_and_logs_each_case(tmp_path: Path, cobench, capsys):
     """Each round captures afresh and judges that capture's prediction against a base and a changed run made
     right after it; the case lands in MLflow with the figures the table shows."""
     from conftest import mlflow_runs
@@ -668,16 +679,16 @@ def test_predict_validate_captures_every_round_and_logs_each_case(tmp_path: Path
         low, high = pairs[-1]["ratio_ci"]
         assert low <= pairs[-1]["ratio"] <= high and pairs[-1]["ratio"] == pytest.approx(
             pairs[-1]["changed_ms"] / pairs[-1]["base_ms"])
-    proc = cobench("trace", "measure-pair", "--out", str(tmp_path / "pair.json"), "workload=llama", "--changed",
-                   "world_size=2")
-    assert proc.returncode == 2 and "one process" in proc.stderr
+    err = refused(capsys, "trace", "measure-pair", "--out", str(tmp_path / "pair.json"), "workload=llama",
+                  "--changed", "world_size=2")
+    assert "one process" in err
     (run,) = [r for r in mlflow_runs(store) if r.info.run_name == "whatif-validate-llama-layers"]
     assert run.info.status == "FINISHED" and run.data.metrics["prediction_error_pct"] == pytest.approx(
         row["prediction_error_pct"]) and row["run_id"] == run.info.run_id
     fresh = tmp_path / "fresh"
-    proc = cobench("trace", "predict-validate", "--out", str(fresh), "--cases", "heads", "workload=llama",
-                   "workload.preset=tiny", "tracking=off")
-    assert proc.returncode == 2 and "unknown case 'heads'" in proc.stderr and "layers, batch, ranks" in proc.stderr
+    err = refused(capsys, "trace", "predict-validate", "--out", str(fresh), "--cases", "heads", "workload=llama",
+                  "workload.preset=tiny", "tracking=off")
+    assert "unknown case 'heads'" in err and "layers, batch, ranks" in err
     assert not (fresh / "bundle-0").exists()  # refused before any capture
 
 
