@@ -2,8 +2,9 @@
 layout given (``tp=2,pp=2``, one argument per layout, run one after the other in the same processes), 20
 training steps through the workload's own ``step()``; prints one JSON line per layout: the global loss per step,
 the largest step-1 gradient difference from a reference (``--reference FILE``, written by the 1-rank run with
-``--write-reference FILE``), the eval loss, and with ``--checkpoint DIR`` the eval loss of a fresh model that
-loaded (DCP) what the first layout saved."""
+``--write-reference FILE``), the eval loss, the samples and FLOPs of a step summed over the ranks (as the
+harness sums them), the per-dimension communication figures, and with ``--checkpoint DIR`` the eval loss of a
+fresh model that loaded (DCP) what the first layout saved."""
 
 from __future__ import annotations
 
@@ -60,12 +61,20 @@ def train(workload: LlamaWorkload, opts: argparse.Namespace, world: int) -> dict
     workload.optimizer.register_step_pre_hook(record)
     losses = []
     for _ in range(opts.steps):
-        loss = workload.step().loss.detach().clone().float()
+        step = workload.step()
+        loss = step.loss.detach().clone().float()
         if world > 1:  # each rank holds its data-parallel slice's loss: the mean over ranks is the global one
             dist.all_reduce(loss)
             loss /= world
         losses.append(float(loss))
-    result = {"losses": losses, "eval_loss": workload.evaluate()["eval_loss"], "layout": workload.layout.describe()}
+    # what the harness sums over the ranks: one step's samples and FLOPs
+    counted = torch.tensor([float(step.samples), workload.flops_per_step()], dtype=torch.float64)
+    if world > 1:
+        dist.all_reduce(counted)
+    metrics = workload.extra_metrics()
+    result = {"losses": losses, "eval_loss": workload.evaluate()["eval_loss"], "layout": workload.layout.describe(),
+              "samples_per_step": counted[0].item(), "flops_per_step": counted[1].item(),
+              "comm": {k: v for k, v in metrics.items() if "comm" in k or "bubble" in k}}
     if opts.write_reference:
         torch.save(grads, opts.write_reference)
     if opts.reference:
@@ -95,8 +104,9 @@ def main() -> None:
     if world > 1:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if world > 1 else 0
+    # the harness's warm-up: the second step is the one whose communication is measured per dimension
     ctx = RunContext(device=torch.device("cpu"), seed=0, rank=rank, world_size=world,
-                     process_group=dist.group.WORLD if world > 1 else None)
+                     process_group=dist.group.WORLD if world > 1 else None, warmup_steps=2)
     for index, layout in enumerate(opts.layouts or [""]):
         workload = make_workload(layout, opts, ctx)
         result = train(workload, opts, world)

@@ -1,7 +1,8 @@
 """Llama layouts on a device mesh (tensor, pipeline, sharded and replicated data parallelism) on CPU ranks
 with gloo: every layout trains like one rank (same losses over 20 steps, same step-1 gradients), a DCP
-checkpoint saved in one layout loads in the others, and a layout that cannot work exits 2 naming its numbers
-before any process group exists."""
+checkpoint saved in one layout loads in the others, samples and FLOPs count once whatever the layout, each
+dimension's communication is measured, and a layout that cannot work exits 2 naming its numbers before any
+process group exists."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import clean_env
 
+from workloads.llama.args import PRESETS, training_flops_per_token
 from workloads.llama.config import LlamaConfig
 from workloads.llama.layout import ParallelConfig
 
@@ -47,6 +49,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
 @pytest.mark.parametrize(("ranks", "layouts"), [(2, TWO_RANKS), (4, FOUR_RANKS)], ids=["2 ranks", "4 ranks"])
 def test_every_layout_trains_like_one_rank_and_loads_the_others_checkpoint(reference, tmp_path, ranks, layouts):
     grads, one = reference
+    assert one["comm"] == {} and one["samples_per_step"] == 8
     results = _launch(ranks, "--reference", str(grads), "--checkpoint", str(tmp_path / "ckpt"), *layouts)
     assert len(results) == len(layouts)
     table = []
@@ -57,6 +60,16 @@ def test_every_layout_trains_like_one_rank_and_loads_the_others_checkpoint(refer
         assert result["grad_max_err"] <= GRAD_TOL, (layout, result["grad_max_err"])
         assert result["grad_tensors_this_rank"] > 0
         assert abs(result["eval_loss"] - one["eval_loss"]) <= LOSS_TOL
+        # the harness sums the ranks' samples and FLOPs: each sequence and the model's FLOPs count once
+        assert result["samples_per_step"] == 8
+        assert result["flops_per_step"] == pytest.approx(training_flops_per_token(PRESETS["tiny"], 64) * 8 * 64)
+        # each dimension's communication, measured in the last warm-up step: in (0, 1) of the step, bytes moved
+        dims = {"tp": "tp_comm_share", "pp": "pp_bubble_share", "dp": "dp_comm_share"}
+        present = {dim for dim in ("tp", "pp") if f"{dim} " in result["layout"]} | (
+            {"dp"} if "dp_" in result["layout"] else set())
+        assert {k for k in result["comm"] if k.endswith("_share")} == {dims[d] for d in present}, result["comm"]
+        for dim in present:
+            assert 0 < result["comm"][dims[dim]] < 1 and result["comm"][f"{dim}_comm_mb_per_step"] > 0
         if "loaded_eval_loss" in result:  # the first layout's trained model, saved (DCP) and loaded in this one
             assert abs(result["loaded_eval_loss"] - results[0]["eval_loss"]) <= LOSS_TOL, layout
     assert sum("loaded_eval_loss" in r for r in results) == len(layouts) - 1
@@ -91,31 +104,25 @@ def test_cobench_run_refuses_a_bad_layout_before_any_process_group(cobench):
     assert "8 ranks, but the world size is 4" in proc.stderr
 
 
-def test_a_run_on_eight_ranks_reports_each_dimension_and_counts_the_model_once(tmp_path):
-    """`cobench run` with tp 2 × pp 2 × dp_shard 2 under torchrun: the run finishes with one MLflow run,
-    its communication shares per dimension, and MFU from the model's FLOPs counted once."""
-    from conftest import mlflow_runs
 
-    from workloads.llama.args import PRESETS, training_flops_per_token
+def test_cobench_run_on_a_mesh_logs_the_layout_and_its_communication(tmp_path):
+    """`cobench run` under torchrun with tp 2: one FINISHED MLflow run tagged with its layout, the
+    tensor-parallel share logged, and MFU from the model's FLOPs counted once."""
+    from conftest import mlflow_runs
 
     results = tmp_path / "results"
     peak = 1e12  # declared, so MFU is computed (its value is not the point: how the FLOPs are counted is)
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "--standalone", "-m", "suite.cli",
-         "run", "workload=llama", "workload.parallel.tp=2", "workload.parallel.pp=2", "runner.steps=4",
-         "runner.warmup_steps=2", "runner.repetitions=1", "runner.eval_interval=0", "platform=cpu",
-         f"+platform.peak_flops.float32={peak}", "runner.progress=false", f"results_dir={results}"],
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", "-m", "suite.cli",
+         "run", "workload=llama", "workload.parallel.tp=2", "runner.steps=4", "runner.warmup_steps=2",
+         "runner.repetitions=1", "runner.eval_interval=0", "platform=cpu", f"+platform.peak_flops.float32={peak}",
+         "runner.progress=false", f"results_dir={results}"],
         capture_output=True, text=True, timeout=600, env=clean_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     (run,) = mlflow_runs(results)
-    metrics, tags = run.data.metrics, run.data.tags
-    assert run.info.status == "FINISHED" and tags["layout"] == "pp 2 × dp_shard 2 × tp 2"
-    for share in ("tp_comm_share", "pp_bubble_share", "dp_comm_share"):
-        assert 0 < metrics[share] < 1, (share, metrics[share])
-    for dim in ("tp", "pp", "dp"):
-        assert metrics[f"{dim}_comm_mb_per_step"] > 0
-    # tokens/s counts each sequence once (not once per tensor or pipeline rank) ...
+    metrics = run.data.metrics
+    assert run.info.status == "FINISHED" and run.data.tags["layout"] == "tp 2"
+    assert 0 < metrics["tp_comm_share"] < 1 and metrics["tp_comm_mb_per_step"] > 0
     assert metrics["throughput"] == pytest.approx(64 * metrics["samples_per_s"], rel=1e-6)
-    # ... and MFU the model's FLOPs once: achieved = FLOPs per token × tokens/s, over 8 devices' peak
     achieved = training_flops_per_token(PRESETS["tiny"], 64) * metrics["throughput"]
-    assert metrics["mfu"] == pytest.approx(achieved / (peak * 8), rel=1e-3)
+    assert metrics["mfu"] == pytest.approx(achieved / (peak * 2), rel=1e-3)
