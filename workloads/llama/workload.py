@@ -510,7 +510,7 @@ class LlamaWorkload(WorkloadBase):
             names = {"tp": "tp_comm_share", "pp": "pp_bubble_share", "dp": "dp_comm_share"}
             for dim, seconds in meter.seconds.items():
                 metrics[names[dim]] = seconds / step_s
-                metrics[f"{dim}_comm_mb_per_step"] = meter.bytes[dim] / 1e6
+                metrics[f"{dim}_comm_mb_per_step"] = meter.bytes.get(dim, 0) / 1e6
         return metrics
 
     def _moe_metrics(self) -> dict[str, float]:
