@@ -44,8 +44,9 @@ def make_workload(layout: str, opts: argparse.Namespace, ctx: RunContext) -> Lla
     for item in filter(None, layout.split(",")):
         key, value = item.split("=")
         values[key] = value if key == "pp_schedule" else int(value)
-    config = LlamaConfig(preset=opts.preset, batch_size=8, seq_len=64, train_batches=opts.steps, eval_batches=1,
-                         parallel=ParallelConfig(**values))
+    # three layers: two pipeline stages hold 2 and 1 (the uneven split Llama 3 405B's 126 layers on 16 need)
+    config = LlamaConfig(preset=opts.preset, n_layers=3, batch_size=8, seq_len=64, train_batches=opts.steps,
+                         eval_batches=1, parallel=ParallelConfig(**values))
     workload = LlamaWorkload(config, ctx)
     workload.setup()
     return workload

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from conftest import clean_env
 
 from workloads.llama.args import PRESETS, training_flops_per_token
 from workloads.llama.config import LlamaConfig
-from workloads.llama.layout import ParallelConfig
+from workloads.llama.layout import ParallelConfig, stage_layers
 
 WORKER = Path(__file__).resolve().parent / "layout_worker.py"
 # float32 on CPU: the layouts sum the same numbers in other orders (sharded matmuls, reduce-scatters,
@@ -62,7 +63,8 @@ def test_every_layout_trains_like_one_rank_and_loads_the_others_checkpoint(refer
         assert abs(result["eval_loss"] - one["eval_loss"]) <= LOSS_TOL
         # the harness sums the ranks' samples and FLOPs: each sequence and the model's FLOPs count once
         assert result["samples_per_step"] == 8
-        assert result["flops_per_step"] == pytest.approx(training_flops_per_token(PRESETS["tiny"], 64) * 8 * 64)
+        assert result["flops_per_step"] == pytest.approx(
+            training_flops_per_token(replace(PRESETS["tiny"], n_layers=3), 64) * 8 * 64)
         # each dimension's communication, measured in the last warm-up step: in (0, 1) of the step, bytes moved
         dims = {"tp": "tp_comm_share", "pp": "pp_bubble_share", "dp": "dp_comm_share"}
         present = {dim for dim in ("tp", "pp") if f"{dim} " in result["layout"]} | (
@@ -82,7 +84,7 @@ def test_every_layout_trains_like_one_rank_and_loads_the_others_checkpoint(refer
     (4, "tiny", {"tp": 2, "pp": 2, "dp_shard": 2}, "pp 2 × dp_replicate 1 × dp_shard 2 × tp 2 = 8 ranks, but the world "
                                                    "size is 4"),
     (3, "tiny", {"tp": 3}, "n_heads 4 is not divisible by tp 3"),
-    (3, "tiny", {"pp": 3}, "2 layers cannot be split into 3 equal stages"),
+    (3, "tiny", {"pp": 3}, "2 layers cannot be split into 3 stages: each stage needs at least one layer"),
     (2, "tiny", {"pp": 2, "pp_microbatches": 1}, "1 microbatches for 2 stages"),
     (3, "tiny_moe", {"ep": 3}, "8 experts cannot be split evenly over ep 3 ranks"),
     (4, "tiny", {"tp": 2, "dp_replicate": 3}, "dp_replicate 3 × tp 2 × pp 1 = 6 does not divide the world size 4"),
@@ -92,6 +94,14 @@ def test_a_layout_that_cannot_work_names_its_numbers(monkeypatch, world, preset,
     with pytest.raises(ValueError, match="invalid config 'workload.parallel") as err:
         LlamaConfig(preset=preset, batch_size=12, parallel=ParallelConfig(**parallel))
     assert expected in str(err.value)
+
+
+@pytest.mark.parametrize(("n_layers", "pp", "sizes"), [
+    (126, 16, [7] + [8] * 14 + [7]), (32, 4, [8, 8, 8, 8]), (3, 2, [2, 1]), (5, 4, [1, 2, 1, 1]), (4, 4, [1] * 4)])
+def test_stages_split_the_layers_as_evenly_as_they_go_the_ends_lighter(n_layers, pp, sizes):
+    stages = [stage_layers(n_layers, pp, s) for s in range(pp)]
+    assert [len(s) for s in stages] == sizes
+    assert [i for s in stages for i in s] == list(range(n_layers))  # every layer once, in order
 
 
 def test_cobench_run_refuses_a_bad_layout_before_any_process_group(cobench):

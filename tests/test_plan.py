@@ -122,9 +122,17 @@ def test_plan_llama3_405b_on_512_80gb_devices(capsys):
     code, plan = _plan_json(capsys, *machine, "workload.grad_accum_steps=8")
     fitting = {c["describe"] for c in plan["candidates"] if c["fits_with_activation_checkpointing"]}
     assert code == 0 and "dp_shard 64 × tp 8" in fitting
-    # Llama 3 405B's own pp 16 needs uneven stages (126 layers); the layout allows even ones only
-    assert "126 layers cannot be split into 16 equal stages" in plan["excluded"][
-        "dp_replicate 1 × dp_shard 4 × tp 8 × pp 16"]
+
+def test_plan_llama3_405b_the_way_it_was_trained(capsys):
+    """Llama 3 405B's own tp 8 × pp 16: its 126 layers on 16 stages are uneven (the first and last hold 7, the others
+    8); with 128 microbatches of one sequence, 1F1B keeps at most 16 in flight and it fits with checkpointing."""
+    code, plan = _plan_json(capsys, "workload.preset=llama3_405b", "workload.seq_len=8192", "workload.batch_size=512",
+                            "workload.parallel.pp_microbatches=128", "platform.devices=512",
+                            "platform.device_memory_gb=80")
+    candidates = {c["describe"]: c for c in plan["candidates"]}
+    trained = candidates["pp 16 × dp_shard 4 × tp 8"]
+    assert code == 0 and trained["fits_with_activation_checkpointing"] and not trained["fits"]
+    assert trained["bubble"] == pytest.approx(15 / 143)  # (pp - 1) / (microbatches + pp - 1)
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -1,8 +1,9 @@
 """What one device holds and sends in one training step of a Llama layout: the planner's arithmetic.
 
 Parameters come from the model built on the meta device (no memory allocated, even for 405B), each
-assigned to the pipeline stage that holds it (layers split evenly; the first stage also holds the token
-embedding, the last the final norm and the output head) and cut the way the layout cuts it:
+assigned to the pipeline stage that holds it (layers split by :func:`workloads.llama.layout.stage_layers`;
+the first stage also holds the token embedding, the last the final norm and the output head) and cut the
+way the layout cuts it:
 
 - tensor parallelism (``tp``): ``wq wk wv w1 w3`` and the shared expert's ``gate_proj up_proj`` column-wise
   (their output dim / tp), ``wo w2 down_proj`` row-wise (input dim / tp), the token embedding row-wise and the
@@ -42,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from workloads.llama.args import ModelArgs
-from workloads.llama.layout import Layout
+from workloads.llama.layout import Layout, stage_of_layer
 
 # linear cross-entropy's logits per chunk (workloads/llama/loss.py): on a CPU, on an accelerator
 LOSS_CHUNK_ELEMENTS = {"cpu": 1 << 22, "accelerator": 1 << 27}
@@ -101,7 +102,7 @@ class MetaModel:
 
     def stage_of(self, param: ParamShape, pp: int) -> int:
         if param.layer is not None:
-            return param.layer // (self.args.n_layers // pp)
+            return stage_of_layer(self.args.n_layers, pp)[param.layer]
         return 0 if param.name.startswith("tok_embeddings") else pp - 1
 
 

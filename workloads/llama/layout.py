@@ -6,8 +6,10 @@ most, on neighbouring ranks -- the GPUs of one node):
 
 - ``tp``: tensor parallelism (Megatron): attention heads and feed-forward columns split over ``tp``
   ranks, the norms sequence-parallel;
-- ``pp``: pipeline parallelism: the layers split evenly into ``pp`` stages, each batch cut into
-  microbatches run by a GPipe or 1F1B schedule;
+- ``pp``: pipeline parallelism: the layers split into ``pp`` stages as evenly as they go (where ``pp`` does
+  not divide them, the last and first stages, which also hold the output head and the token embedding,
+  get one layer fewer: :func:`stage_layers`), each batch cut into microbatches run by a GPipe or 1F1B
+  schedule;
 - ``dp_shard``: FSDP2 shards parameters, gradients and optimizer state over these ranks;
 - ``dp_replicate``: replicas of a sharded group (HSDP when ``dp_shard > 1``, plain replication when 1);
 - ``ep`` (MoE only): the routed experts split over ``ep`` of the data-parallel ranks.
@@ -19,6 +21,7 @@ process group exists, so a layout that cannot work exits 2 naming its numbers. B
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from workloads.base import invalid_config
@@ -36,7 +39,7 @@ class ParallelConfig:
     dp_replicate: int = 1  # data-parallel replicas, each a whole FSDP group (HSDP with dp_shard > 1)
     dp_shard: int = -1  # FSDP2 shards over these ranks; -1: the ranks the other dims leave
     tp: int = 1  # tensor parallel: heads and feed-forward columns split, norms sequence-parallel
-    pp: int = 1  # pipeline stages: the layers split evenly
+    pp: int = 1  # pipeline stages: the layers split as evenly as they go (see stage_layers)
     ep: int = 1  # MoE: routed experts split over this many data-parallel ranks
     pp_schedule: str = "1f1b"  # gpipe | 1f1b (torch.distributed.pipelining)
     pp_microbatches: int | None = None  # microbatches per step and pipeline; None: 2 * pp
@@ -132,6 +135,28 @@ def resolve_layout(parallel: ParallelConfig, world_size: int, args: ModelArgs, b
     return layout
 
 
+@functools.cache
+def stage_layers(n_layers: int, pp: int, stage: int) -> range:
+    """The layers pipeline stage ``stage`` of ``pp`` holds: ``ceil(n_layers / pp)`` each, except that where ``pp``
+    does not divide ``n_layers`` the stages at the ends, the last first (it also holds the output head and the
+    loss, the first the token embedding), hold one fewer -- Llama 3 405B's 126 layers on 16 stages: 7, then
+    fourteen of 8, then 7."""
+    if not 0 <= stage < pp <= n_layers:
+        raise ValueError(f"stage {stage} of {pp}: needs 0 <= stage < pp <= n_layers ({n_layers})")
+    per = -(-n_layers // pp)
+    short = per * pp - n_layers  # stages holding per - 1 layers, taken from the ends inwards
+    ends = [i // 2 if i % 2 else pp - 1 - i // 2 for i in range(short)]  # last, first, second last, ...
+    sizes = [per - (s in ends) for s in range(pp)]
+    start = sum(sizes[:stage])
+    return range(start, start + sizes[stage])
+
+
+@functools.cache
+def stage_of_layer(n_layers: int, pp: int) -> tuple[int, ...]:
+    """Each layer's pipeline stage (:func:`stage_layers`), by layer index."""
+    return tuple(stage for stage in range(pp) for _ in stage_layers(n_layers, pp, stage))
+
+
 def check_model_fits(layout: Layout, args: ModelArgs, batch_size: int, seq_len: int,
                      grad_accum_steps: int = 1) -> None:
     """The divisibility a layout needs from the model and the batch (``ValueError`` naming the numbers)."""
@@ -150,9 +175,9 @@ def check_model_fits(layout: Layout, args: ModelArgs, batch_size: int, seq_len: 
                                               f"splits the sequence); change seq_len or set "
                                               f"workload.parallel.sequence_parallel=false")
     if pp > 1:
-        if args.n_layers % pp:
-            raise invalid_config(f"{key}.pp", f"{args.n_layers} layers cannot be split into {pp} equal stages; "
-                                              f"use a pp that divides {args.n_layers}")
+        if args.n_layers < pp:
+            raise invalid_config(f"{key}.pp", f"{args.n_layers} layers cannot be split into {pp} stages: each stage "
+                                              f"needs at least one layer (use pp <= {args.n_layers})")
         if layout.pp_microbatches < pp:
             raise invalid_config(f"{key}.pp_microbatches",
                                  f"{layout.pp_microbatches} microbatches for {pp} stages: a pipeline needs at least "

@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from workloads.device import synchronize
 from workloads.llama.args import ModelArgs, count_total_params
-from workloads.llama.layout import MESH_DIMS, Layout
+from workloads.llama.layout import MESH_DIMS, Layout, stage_layers
 from workloads.llama.model import SkippedLayer, Transformer, build_model
 
 WHOLE_INIT_MAX_PARAMS = 1_000_000_000
@@ -74,12 +74,6 @@ def build_mesh(layout: Layout, device: torch.device) -> object:
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device.type, tuple(layout.sizes().values()), mesh_dim_names=MESH_DIMS)
-
-
-def stage_layers(n_layers: int, pp: int, pp_rank: int) -> range:
-    """The layers of stage ``pp_rank`` (an even split)."""
-    per = n_layers // pp
-    return range(pp_rank * per, (pp_rank + 1) * per)
 
 
 def split_stage(model: Transformer, pp: int, pp_rank: int) -> None:
@@ -363,5 +357,5 @@ def _tensors(args: tuple) -> list[torch.Tensor]:
 
 
 __all__ = ["WHOLE_INIT_MAX_PARAMS", "CommMeter", "MeshModel", "apply_fsdp", "apply_tensor_parallel", "build",
-           "build_mesh", "clip_grad_norm", "copy_whole_weights", "cross_entropy", "split_stage", "stage_layers",
+           "build_mesh", "clip_grad_norm", "copy_whole_weights", "cross_entropy", "split_stage",
            "vocab_parallel_cross_entropy"]
