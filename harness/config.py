@@ -278,7 +278,8 @@ def register_configs() -> None:
     """Put the schemas in Hydra's ConfigStore; workload schemas come from the registry.
 
     Workload schemas live in group ``schema/workload`` (not ``workload``) so that the user's
-    choices for ``workload=`` are exactly the files in ``conf/workload/``.
+    choices for ``workload=`` are exactly the files in ``conf/workload/``. Each is imported from its
+    light module alone (``WorkloadSpec.config``): no workload's code, nor its libraries, is imported here.
     """
     store = ConfigStore.instance()
     store.store(name="cobench_schema", node=CobenchConfig)
@@ -293,6 +294,21 @@ def register_configs() -> None:
 
 # workload → why its module does not import on this machine (a library it needs is missing or broken)
 UNAVAILABLE: dict[str, str] = {}
+
+
+def _unavailable(name: str) -> str:
+    return (f"workload {name} cannot run on this machine: {UNAVAILABLE[name]} "
+            f"(`cobench doctor` lists what each workload needs)")
+
+
+def require_workload_code(name: str) -> None:
+    """Import workload ``name``'s own module (its model code and libraries); ValueError naming the import that
+    failed when they are missing here, so a config that cannot run is refused before anything ran."""
+    try:
+        discover()[name].factory  # noqa: B018 - imports the module that binds the factory
+    except (ImportError, OSError) as err:
+        UNAVAILABLE[name] = f"{type(err).__name__}: {err}"
+        raise ValueError(_unavailable(name)) from None
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
@@ -312,8 +328,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
     except HydraException as err:
         missing = [name for name in UNAVAILABLE if f"schema/workload/{name}" in str(err)]
         if missing:
-            raise ValueError(f"workload {missing[0]} cannot run on this machine: {UNAVAILABLE[missing[0]]} "
-                             f"(`cobench doctor` lists what each workload needs)") from err
+            raise ValueError(_unavailable(missing[0])) from err
         raise ValueError(explain_composition_error(err)) from err
     finally:
         if running:
@@ -344,6 +359,8 @@ def to_run_config(cfg: DictConfig) -> CobenchConfig:
     """Validate values and return typed objects; raises ValueError naming the bad key."""
     if OmegaConf.is_missing(cfg, "workload"):
         raise ValueError(f"no workload selected: pass workload=<name>, one of {sorted(discover())}")
+    if OmegaConf.select(cfg, "workload.name") in discover():  # its checks may import its code
+        require_workload_code(cfg.workload.name)
     run_cfg: CobenchConfig = OmegaConf.to_object(cfg)  # runs every __post_init__
     if not dataclasses.is_dataclass(run_cfg.workload):  # a plain mapping: no workload schema was selected
         raise ValueError("invalid config 'workload': it has no schema; pick one with workload=<name>")

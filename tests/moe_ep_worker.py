@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 from workloads.base import RunContext
-from workloads.llama.workload import LlamaConfig, LlamaWorkload
+from workloads.llama.config import LlamaConfig
+from workloads.llama.workload import LlamaWorkload
 
 STEPS = 6
 

@@ -110,7 +110,8 @@ def aim_at_file(spec: dict[str, Any], target: Path) -> dict[str, Any]:
 def try_one(spec: dict[str, Any], work: Path) -> str:
     """'replayed', 'refused' (the message the user would see) or 'crashed: ...'."""
     from workloads.base import RunContext
-    from workloads.trace_replay.workload import GeneratedConfig, GeneratedWorkload
+    from workloads.trace_replay.config import GeneratedConfig
+    from workloads.trace_replay.workload import GeneratedWorkload
 
     path = work / "spec.json"
     path.write_text(json.dumps(spec))

@@ -13,9 +13,10 @@ from torchrec.distributed.types import QuantizedCommCodecs
 
 from workloads.base import PlatformUnsupported, RunContext
 from workloads.dlrm import comm
+from workloads.dlrm.config import DLRMConfig
 from workloads.dlrm.data import SyntheticCriteo, zipf_ranks
 from workloads.dlrm.model import PRESETS, count_params, dense_training_flops
-from workloads.dlrm.workload import DLRMConfig, DLRMWorkload, roc_auc
+from workloads.dlrm.workload import DLRMWorkload, roc_auc
 
 CPU = torch.device("cpu")
 

@@ -20,9 +20,10 @@ from conftest import mlflow_runs
 from suite.cli import main
 from workloads.base import RunContext
 from workloads.data_source import DataError
+from workloads.dlrm.config import DLRMConfig
 from workloads.dlrm.criteo import MANIFEST, CriteoSource, find_days
 from workloads.dlrm.data import roc_auc
-from workloads.dlrm.workload import DLRMConfig, DLRMWorkload
+from workloads.dlrm.workload import DLRMWorkload
 
 ROWS = 48  # rows per table in the test data: small enough that every id is seen often
 HOT = tuple((3, 2, 1, 2, 4, 1, 1, 2)[k % 8] for k in range(26))  # the tiny preset's sizes, cycled to 26

@@ -15,10 +15,11 @@ from workloads.base import RunContext
 from workloads.llama import Transformer, from_hf_config, load_hf_state_dict
 from workloads.llama.model import PRESETS, build_model
 from workloads.llama_infer.capacity import search_qps_at_slo
+from workloads.llama_infer.config import LlamaInferConfig
 from workloads.llama_infer.decoder import CachedDecoder
 from workloads.llama_infer.engine import Request, ServingEngine, generate
 from workloads.llama_infer.loadgen_sut import LoadGenResult
-from workloads.llama_infer.workload import LlamaInferConfig, LlamaInferWorkload
+from workloads.llama_infer.workload import LlamaInferWorkload
 
 # GQA (4 query heads over 2 KV heads) and Llama 3 RoPE scaling in all three frequency regimes
 HF_CONFIG = {

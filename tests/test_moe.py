@@ -370,7 +370,8 @@ def test_the_moe_logs_no_mlperf_benchmark_name_it_does_not_mirror():
     import torch
 
     from workloads.base import RunContext
-    from workloads.llama.workload import LlamaConfig, LlamaWorkload
+    from workloads.llama.config import LlamaConfig
+    from workloads.llama.workload import LlamaWorkload
 
     ctx = RunContext(device=torch.device("cpu"), seed=0)
     assert LlamaWorkload(LlamaConfig(preset="tiny_moe"), ctx).mlperf_info().benchmark == "llama4_moe"

@@ -28,6 +28,7 @@ from workloads.seqrec.balance import (
     partition,
 )
 from workloads.seqrec.batch import build_batch
+from workloads.seqrec.config import SeqRecConfig
 from workloads.seqrec.data import (
     FEATURES,
     LengthDistribution,
@@ -36,7 +37,7 @@ from workloads.seqrec.data import (
 )
 from workloads.seqrec.model import PRESETS, SequenceEncoder, build_embedding_collection
 from workloads.seqrec.simulate import simulate_scaling
-from workloads.seqrec.workload import SeqRecConfig, SeqRecWorkload
+from workloads.seqrec.workload import SeqRecWorkload
 
 CPU = torch.device("cpu")
 SHAPE = PRESETS["tiny"]

@@ -19,9 +19,10 @@ from conftest import mlflow_runs
 from suite.cli import main
 from workloads.base import RunContext
 from workloads.data_source import DataError
+from workloads.seqrec.config import SeqRecConfig
 from workloads.seqrec.data import FEATURES
 from workloads.seqrec.movielens import MIN_INTERACTIONS, MovieLensSource, load_ratings
-from workloads.seqrec.workload import SeqRecConfig, SeqRecWorkload
+from workloads.seqrec.workload import SeqRecWorkload
 
 CPU = torch.device("cpu")
 CHAINS, CHAIN_LENGTH = 8, 10  # 80 movies; each one's successor is the next in its chain

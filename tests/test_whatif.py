@@ -497,7 +497,7 @@ def test_a_jagged_batch_is_predicted_from_the_runs_own_batches_bucket_by_bucket(
     on the batches the changed run trains on — more and longer buckets, not the traced ones doubled."""
     from omegaconf import OmegaConf
 
-    from workloads.seqrec.workload import SeqRecConfig
+    from workloads.seqrec.config import SeqRecConfig
     from workloads.trace_bundle import KINETO_TIMING_FILE, STEP_ANNOTATION
     from workloads.whatif.graph import load_graph
     from workloads.whatif.jagged import buckets_of, find_groups

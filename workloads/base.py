@@ -24,9 +24,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def invalid_config(key: str, message: str) -> ValueError:
@@ -174,11 +175,21 @@ class Workload(Protocol):
     def teardown(self) -> None: ...
 
 
+class _Float32:
+    """``torch.float32``, looked up when read: this module (which every workload package imports to declare
+    itself, and every config schema imports) needs no torch. A subclass or an instance sets its own."""
+
+    def __get__(self, instance: object, owner: type) -> torch.dtype:
+        import torch
+
+        return torch.float32
+
+
 class WorkloadBase:
     """Defaults for the optional parts of the protocol."""
 
     throughput_unit = "samples/s"
-    compute_dtype = torch.float32
+    compute_dtype = _Float32()
 
     def evaluate(self) -> dict[str, float]:
         return {}
@@ -234,8 +245,9 @@ class WorkloadSpec:
     """A registry entry: the workload's name, its config schema and how to build it.
 
     A workload package declares its entry (:func:`declare`) without importing its code: listing
-    workloads is cheap, and a workload's module (TorchRec, for some) is imported the first time
-    its config schema or factory is asked for.
+    workloads is cheap. Its config schema lives in a light module of its own (``config``), imported
+    alone when configs are composed; the workload's module (TorchRec, for some) is imported the first
+    time its factory is asked for.
     """
 
     name: str
@@ -244,10 +256,16 @@ class WorkloadSpec:
     # Replays trace bundles (``factory.from_bundle(bundle, ctx, **options)`` builds one from a
     # capture): the harness finds the replay by this property, never by a workload's name.
     replays_bundle: bool = False
+    # "package.module:Class", the config schema, importable without the workload's module; None: the
+    # class @register binds (the workload's module is imported to find it)
+    config: str | None = None
 
     @property
     def config_class(self) -> type:
-        return self._bound()[0]
+        if self.config is None:
+            return self._bound()[0]
+        module, _, name = self.config.partition(":")
+        return getattr(importlib.import_module(module), name)
 
     @property
     def factory(self) -> Callable[[Any, RunContext], Workload]:
@@ -259,19 +277,25 @@ class WorkloadSpec:
         if self.name not in _BOUND:
             raise RuntimeError(f"workload {self.name!r}: importing {self.module} registered no class "
                                f"(decorate it with @register({self.name!r}, ConfigClass))")
-        return _BOUND[self.name]
+        bound = _BOUND[self.name]
+        if self.config is not None and bound[0] is not self.config_class:
+            raise RuntimeError(f"workload {self.name!r} is declared with config {self.config} but @register binds "
+                               f"{bound[0].__module__}:{bound[0].__qualname__}")
+        return bound
 
 
 REGISTRY: dict[str, WorkloadSpec] = {}
 _BOUND: dict[str, tuple[type, Callable[[Any, RunContext], Workload]]] = {}
 
 
-def declare(name: str, module: str, description: str, *, replays_bundle: bool = False) -> None:
-    """Declare workload ``name``, implemented (``@register``) in ``module``, imported on first use."""
+def declare(name: str, module: str, description: str, *, config: str | None = None,
+            replays_bundle: bool = False) -> None:
+    """Declare workload ``name``, implemented (``@register``) in ``module``, imported on first use;
+    ``config`` ("package.module:Class") names its config schema, imported alone to compose configs."""
     existing = REGISTRY.get(name)
     if existing is not None and existing.module != module:
         raise ValueError(f"workload {name!r} is declared twice ({existing.module}, {module})")
-    REGISTRY[name] = WorkloadSpec(name, module, description, replays_bundle)
+    REGISTRY[name] = WorkloadSpec(name, module, description, replays_bundle=replays_bundle, config=config)
 
 
 def lazy_attributes(package: str, exports: dict[str, list[str]]) -> Callable[[str], Any]:
@@ -353,7 +377,7 @@ def register(name: str, config_class: type, description: str = "", *,
             raise ValueError(f"workload {name!r} is registered twice")
         if name not in REGISTRY:
             REGISTRY[name] = WorkloadSpec(name, cls.__module__, description or (cls.__doc__ or "").strip(),
-                                          replays_bundle)
+                                          replays_bundle=replays_bundle)
         _BOUND[name] = (config_class, cls)
         return cls
 

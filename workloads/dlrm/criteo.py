@@ -48,8 +48,8 @@ from workloads.dlrm.data import ClickBatch
 from workloads.dlrm.stored_arrays import StoredArray, npz_member_count, open_npy, open_npz
 
 if TYPE_CHECKING:
+    from workloads.dlrm.config import DLRMConfig
     from workloads.dlrm.model import DLRMShape
-    from workloads.dlrm.workload import DLRMConfig
 
 # MLPerf Training's quality target for DLRM-DCNv2 on this data: validation AUROC 0.80275 within one
 # epoch (mlcommons/training recommendation_v2/torchrec_dlrm/README.MD, "Running the MLPerf DLRM v2

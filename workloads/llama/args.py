@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from workloads.llama.moe import ROUTER_SCORE_FUNCTIONS
+ROUTER_SCORE_FUNCTIONS = ("sigmoid", "softmax")
 
 
 @dataclass(kw_only=True)

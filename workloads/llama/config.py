@@ -1,4 +1,7 @@
-"""``workload=llama``'s config: the schema of ``conf/workload/llama.yaml`` (every key listed there)."""
+"""``workload=llama``'s config: the schema of ``conf/workload/llama.yaml`` (every key listed there).
+
+Light: it imports neither torch nor the model's code, so composing configs stays cheap; the data
+fields' checks (:func:`workloads.llama.sources.check_text_config`) are imported when a config is checked."""
 
 from __future__ import annotations
 
@@ -7,9 +10,8 @@ import os
 from dataclasses import dataclass, field, replace
 
 from workloads.base import invalid_config as _invalid
+from workloads.llama.args import PRESETS, ModelArgs
 from workloads.llama.layout import PP_SCHEDULES, ParallelConfig, resolve_layout
-from workloads.llama.model import PRESETS, ModelArgs
-from workloads.llama.sources import check_text_config
 
 DTYPES = ("auto", "float32", "bfloat16")
 PARALLELISMS = ("auto", "ddp", "fsdp2")
@@ -92,6 +94,8 @@ class LlamaConfig:
         if self.parallel.pp_schedule not in PP_SCHEDULES:
             raise _invalid("parallel.pp_schedule",
                            f"got {self.parallel.pp_schedule!r}, allowed values: {', '.join(PP_SCHEDULES)}")
+        from workloads.llama.sources import check_text_config  # the data readers' code: torch, numpy
+
         check_text_config(self)
         args = self.model_args()
         try:

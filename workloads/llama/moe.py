@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ROUTER_SCORE_FUNCTIONS = ("sigmoid", "softmax")
+from workloads.llama.args import ROUTER_SCORE_FUNCTIONS
 
 # torch.nn.functional.grouped_mm is public from torch 2.10 (its op, torch._grouped_mm, runs on the CPU and in
 # float32 from 2.9; in 2.8 only on CUDA sm90 in bf16). Where this torch lacks it, grouped_mm_loop stands in.
@@ -224,5 +224,5 @@ def _trunc_normal(weight: torch.Tensor, std: float, generator: torch.Generator |
     nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
 
 
-__all__ = ["ROUTER_SCORE_FUNCTIONS", "grouped_mm", "grouped_mm_loop", "MoE", "GroupedExperts", "SharedExpert",
-           "ExpertDispatcher", "LocalDispatcher", "moe_layers", "update_expert_bias", "moe_aux_loss"]
+__all__ = ["grouped_mm", "grouped_mm_loop", "MoE", "GroupedExperts", "SharedExpert", "ExpertDispatcher",
+           "LocalDispatcher", "moe_layers", "update_expert_bias", "moe_aux_loss"]

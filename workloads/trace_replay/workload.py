@@ -13,7 +13,6 @@ import os
 import resource
 import sys
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,35 +21,13 @@ import torch
 from workloads.base import MLPerfInfo, RunContext, StepResult, WorkloadBase, invalid_config, register
 from workloads.device import max_memory_allocated
 from workloads.trace_bundle import TraceError, rank_dirs, read_meta
+from workloads.trace_replay.config import GeneratedConfig
 from workloads.trace_replay.fidelity import FIDELITY_FILE, compute_fidelity
 from workloads.trace_replay.probe import find_crashing_ops
 from workloads.trace_replay.records import SpecRecord
 from workloads.trace_replay.replay import Replayer
 from workloads.trace_replay.safety import available_memory_bytes, check_spec
 from workloads.trace_replay.spec import generate_spec, load_spec, write_spec
-
-
-@dataclass
-class GeneratedConfig:
-    """``workload=generated``: which spec to replay, and what to judge it against."""
-
-    name: str = "generated"
-    spec: str = ""  # the spec file `cobench trace generate` wrote (required)
-    # A bundle captured from the *original* program on the replay's platform: its plain step times
-    # become the reference (portability: captured on A, replayed on B, judged against the original on B).
-    reference_bundle: str = ""
-    op_timing: bool = True  # after the timed steps, time each op alone (per-op / per-category fidelity)
-    # Single process: first dry-run in a child process and skip ops that crash it (see probe.py).
-    probe: bool = True
-    # Spend the program's own host time between ops (measured at capture, under Kineto alone) as it
-    # did; off: ops back to back (the device work alone). Only for whole-step specs.
-    host_gaps: bool = True
-    # Run ops the safety policy refuses (files, raw storages, process-wide state, unknown namespaces:
-    # see workloads/trace_replay/safety.py). Only for a spec you trust; logged loudly and tagged.
-    trust_spec: bool = False
-    # Refuse a spec whose tensors need more than this at their peak; 0: what the device has available.
-    memory_limit_mb: float = 0.0
-
 
 # What decides "same platform as the capture": a replay elsewhere is a portability run.
 _PLATFORM_KEYS = ("device_type", "device_name", "num_threads", "world_size")

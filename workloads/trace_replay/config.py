@@ -1,0 +1,31 @@
+"""``workload=generated``'s config: the schema of ``conf/workload/generated.yaml``, which spec to replay and
+how. Light: importing it imports neither torch nor the replay's code, so composing configs stays cheap."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class GeneratedConfig:
+    """``workload=generated``: which spec to replay, and what to judge it against."""
+
+    name: str = "generated"
+    spec: str = ""  # the spec file `cobench trace generate` wrote (required)
+    # A bundle captured from the *original* program on the replay's platform: its plain step times
+    # become the reference (portability: captured on A, replayed on B, judged against the original on B).
+    reference_bundle: str = ""
+    op_timing: bool = True  # after the timed steps, time each op alone (per-op / per-category fidelity)
+    # Single process: first dry-run in a child process and skip ops that crash it (see probe.py).
+    probe: bool = True
+    # Spend the program's own host time between ops (measured at capture, under Kineto alone) as it
+    # did; off: ops back to back (the device work alone). Only for whole-step specs.
+    host_gaps: bool = True
+    # Run ops the safety policy refuses (files, raw storages, process-wide state, unknown namespaces:
+    # see workloads/trace_replay/safety.py). Only for a spec you trust; logged loudly and tagged.
+    trust_spec: bool = False
+    # Refuse a spec whose tensors need more than this at their peak; 0: what the device has available.
+    memory_limit_mb: float = 0.0
+
+
+__all__ = ["GeneratedConfig"]
