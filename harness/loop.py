@@ -66,7 +66,11 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     if deterministic:
         # cuBLAS needs a fixed workspace to be deterministic; harmless elsewhere
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(deterministic)  # set both ways: sweeps share a process
+    # set both ways (sweeps share a process), but only when it changes: the call imports torch._inductor and
+    # torch._dynamo (seconds of CPU at every start) to tell inductor too
+    if (torch.are_deterministic_algorithms_enabled() != deterministic
+            or (deterministic and torch.is_deterministic_algorithms_warn_only_enabled())):
+        torch.use_deterministic_algorithms(deterministic)
 
 
 class MemoryMeter:

@@ -50,6 +50,21 @@ def grouped_mm(x_nd: torch.Tensor, w_xdf: torch.Tensor, offsets_x: torch.Tensor)
     return grouped_mm_loop(x_nd, w_xdf, offsets_x)
 
 
+def _run_experts(x_nd: torch.Tensor, tokens_per_expert_x: torch.Tensor, gate_up: torch.Tensor,
+                 down: torch.Tensor) -> torch.Tensor:
+    """Every expert's SwiGLU on its slice of ``x_nd``: two grouped GEMMs."""
+    if torch.is_autocast_enabled(x_nd.device.type):  # grouped_mm has no autocast rule
+        dtype = torch.get_autocast_dtype(x_nd.device.type)
+        x_nd, gate_up, down = x_nd.to(dtype), gate_up.to(dtype), down.to(dtype)
+    offsets_x = tokens_per_expert_x.cumsum(0).to(torch.int32)
+    gate_nf, up_nf = grouped_mm(x_nd, gate_up, offsets_x).chunk(2, dim=-1)
+    out_nd = grouped_mm(F.silu(gate_nf) * up_nf, down, offsets_x)
+    if out_nd.requires_grad:
+        # grouped_mm's backward rejects a stride-0 gradient (what `out.sum()` sends back)
+        out_nd.register_hook(torch.Tensor.contiguous)
+    return out_nd
+
+
 class GroupedExperts(nn.Module):
     """``n_experts`` SwiGLU experts stored as stacked weights in transformers' layout:
     ``gate_up_proj [x, d, 2f]`` (gate columns first, then up) and ``down_proj [x, f, d]``."""
@@ -58,23 +73,15 @@ class GroupedExperts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, dim, 2 * hidden_dim))
         self.down_proj = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        # torch.compile leaves the grouped GEMMs out (a graph break): grouped_mm's fake-tensor rule in torch 2.13
+        # accepts only bfloat16, so a float32 model would not trace; eager grouped_mm runs both. Wrapped here,
+        # not with a decorator: torch.compiler.disable imports torch._dynamo (seconds of CPU), which a process
+        # that builds no mixture of experts never needs
+        self._eager_experts = torch.compiler.disable(_run_experts)
 
-    # torch.compile leaves this out (a graph break): grouped_mm's fake-tensor rule in torch 2.13
-    # accepts only bfloat16, so a float32 model would not trace; eager grouped_mm runs both
-    @torch.compiler.disable
     def forward(self, x_nd: torch.Tensor, tokens_per_expert_x: torch.Tensor) -> torch.Tensor:
         """``x_nd`` holds each expert's tokens as consecutive slices of the given sizes."""
-        gate_up, down = self.gate_up_proj, self.down_proj
-        if torch.is_autocast_enabled(x_nd.device.type):  # grouped_mm has no autocast rule
-            dtype = torch.get_autocast_dtype(x_nd.device.type)
-            x_nd, gate_up, down = x_nd.to(dtype), gate_up.to(dtype), down.to(dtype)
-        offsets_x = tokens_per_expert_x.cumsum(0).to(torch.int32)
-        gate_nf, up_nf = grouped_mm(x_nd, gate_up, offsets_x).chunk(2, dim=-1)
-        out_nd = grouped_mm(F.silu(gate_nf) * up_nf, down, offsets_x)
-        if out_nd.requires_grad:
-            # grouped_mm's backward rejects a stride-0 gradient (what `out.sum()` sends back)
-            out_nd.register_hook(torch.Tensor.contiguous)
-        return out_nd
+        return self._eager_experts(x_nd, tokens_per_expert_x, self.gate_up_proj, self.down_proj)
 
     def init_weights(self, init_std: float, out_std: float, generator: torch.Generator | None) -> None:
         _trunc_normal(self.gate_up_proj, init_std, generator)
