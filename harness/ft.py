@@ -195,7 +195,7 @@ def replica_main(argv: list[str]) -> int:
     """One process of a replica group (``--side torchft``) or of the plain job (``--side baseline``)."""
     from harness.loop import seed_everything
     from harness.platform import synchronize
-    from harness.runner import join
+    from harness.runner import join_process_group
     from workloads.base import RunContext
     from workloads.fault_tolerance import FaultTolerance
 
@@ -207,7 +207,7 @@ def replica_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     cfg = load_run_config(args.run_dir / "config.yaml")
     ft = cfg.ft
-    platform, dist_info = join(cfg)
+    platform, dist_info = join_process_group(cfg)
     manager = None
     if args.side == "torchft":
         from torchft import Manager, ProcessGroupGloo

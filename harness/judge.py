@@ -50,7 +50,7 @@ from harness.runner import (
     STATUS_KILLED,
     BenchmarkResult,
     connect_tracker,
-    join,
+    join_process_group,
     new_run_dir,
     open_run,
     write_and_publish,
@@ -491,7 +491,7 @@ def judge_benchmark(cfg: CobenchConfig, *, benchmark: str | None = None, rounds:
     """
     name = benchmark or f"{cfg.workload.name}_fidelity"
     root = results_root(cfg)
-    join(cfg)
+    join_process_group(cfg)
     run_dir = Path(broadcast_from_main(new_run_dir(root, name) if env_dist_info().is_main else None))
     bundle = run_dir / "bundle"
     source = prepare_source(cfg, bundle)  # validates the workload before any run exists

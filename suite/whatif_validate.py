@@ -56,10 +56,10 @@ def measure_pair(base: list[str], changed: list[str], work_dir: Path, steps: int
     from harness.config import compose_config, to_run_config
     from harness.judge import interleave
     from harness.loop import seed_everything
-    from harness.runner import join, open_workload
+    from harness.runner import join_process_group, open_workload
 
     cfgs = [to_run_config(compose_config([*side, "tracking=off"])) for side in (base, changed)]
-    joined = join(cfgs[0])
+    joined = join_process_group(cfgs[0])
     opened = []
     try:
         for name, cfg in zip(("base", "changed"), cfgs, strict=True):
