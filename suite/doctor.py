@@ -287,9 +287,9 @@ def option_support(platform: Platform, measure: bool) -> dict[str, dict[str, Any
             check_launcher("submitit_slurm", [])
         except ValueError as err:
             slurm = str(err)
-    ft, lighthouse = missing("torchft", load=True) or missing("harness.ft", load=True), None
+    ft, lighthouse = missing("torchft", load=True) or missing("harness.ft.supervisor", load=True), None
     if ft is None:
-        from harness.ft import lighthouse_binary
+        from harness.ft.processes import lighthouse_binary
 
         lighthouse = lighthouse_binary()
         ft = None if lighthouse else "no torchft_lighthouse program beside this Python or on PATH"
