@@ -17,8 +17,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from workloads.dlrm import eb_kernels
-from workloads.dlrm.compression import ErrorBoundConfig, ErrorBoundedCodec
+from workloads.dlrm.error_bounded import fast_kernels as eb_kernels
+from workloads.dlrm.error_bounded.codec import ErrorBoundedCodec
+from workloads.dlrm.error_bounded.config import ErrorBoundConfig
 
 SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20]
 ROW = 128

@@ -274,9 +274,9 @@ def option_support(platform: Platform, measure: bool) -> dict[str, dict[str, Any
     elif fbgemm_variant() not in (None, "cuda"):
         gpu_sharding = "fbgemm-gpu-cpu is installed: row-wise/table-wise sharding on GPU needs CUDA fbgemm-gpu"
     # the harness's own checks, where the harness's modules import here (a bare machine may lack their libraries)
-    fp8 = missing("workloads.dlrm.comm", load=True)
+    fp8 = missing("workloads.dlrm.codec_registry", load=True)
     if fp8 is None:
-        from workloads.dlrm.comm import codec_unsupported
+        from workloads.dlrm.codec_registry import codec_unsupported
 
         fp8 = codec_unsupported("fp8", device, 2)
     slurm = missing("hydra_plugins.hydra_submitit_launcher") or missing("harness.scheduler", load=True)
@@ -313,7 +313,7 @@ def option_support(platform: Platform, measure: bool) -> dict[str, dict[str, Any
 
 def eb_kernel(device: torch.device, compiler: str | None, measure: bool) -> str:
     """Which implementation of the error-bounded codec runs here; on CPU without building it unless ``measure``."""
-    from workloads.dlrm import eb_kernels
+    from workloads.dlrm.error_bounded import fast_kernels as eb_kernels
 
     if device.type != "cpu" or measure:
         with quiet():

@@ -15,7 +15,7 @@ from suite.accelerator_check.framework import FAIL, PASS, STEP_LIMITS, Check, Ou
 if TYPE_CHECKING:  # torch and the workloads are imported where a step runs
     import torch
 
-    from workloads.dlrm.compression import ErrorBoundedCodec
+    from workloads.dlrm.error_bounded.codec import ErrorBoundedCodec
 
 CODEC_SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20]
 
@@ -60,8 +60,9 @@ def codec_step(platform: str, dry_run: bool) -> Outcome:
     import torch
 
     from harness.timing import StepTimer, step_stats
-    from workloads.dlrm import eb_kernels
-    from workloads.dlrm.compression import ErrorBoundConfig, ErrorBoundedCodec
+    from workloads.dlrm.error_bounded import fast_kernels
+    from workloads.dlrm.error_bounded.codec import ErrorBoundedCodec
+    from workloads.dlrm.error_bounded.config import ErrorBoundConfig
 
     device = _device(platform)
     sizes = CODEC_SIZES[:1] if dry_run else CODEC_SIZES
@@ -105,7 +106,7 @@ def codec_step(platform: str, dry_run: bool) -> Outcome:
     base = {(r["bytes"]): r["gb_per_s"] for r in rows_out if r["codec"] == "cast-bf16"}
     for row in rows_out:
         row["vs_bf16_cast"] = row["gb_per_s"] / base[row["bytes"]]
-    figures = {"kernel": eb_kernels.kernel_name(device), "device": str(device), "table": rows_out}
+    figures = {"kernel": fast_kernels.kernel_name(device), "device": str(device), "table": rows_out}
     largest = max(sizes)
     for row in rows_out:
         if row["bytes"] == largest:

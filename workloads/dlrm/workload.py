@@ -47,8 +47,10 @@ from workloads.base import (
 from workloads.base import invalid_config as _invalid
 from workloads.data_source import Prefetcher
 from workloads.device import pins_host_memory
-from workloads.dlrm import a2a, comm, compression, criteo, stored_arrays  # noqa: F401 - compression: comm_codec=eb
+from workloads.dlrm import a2a, criteo, stored_arrays  # noqa: F401
+from workloads.dlrm import codec_registry as comm
 from workloads.dlrm.data import ClickBatch, SyntheticCriteo, roc_auc
+from workloads.dlrm.error_bounded import codec as error_bounded_codec  # noqa: F401 - registers comm_codec=eb
 from workloads.dlrm.model import PRESETS, DLRMShape, build_dlrm, count_params, dense_training_flops
 
 SHARDINGS = ("table_wise", "column_wise", "row_wise")
