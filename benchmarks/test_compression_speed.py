@@ -17,8 +17,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from workloads.dlrm import eb_kernels
-from workloads.dlrm.compression import ErrorBoundConfig, ErrorBoundedCodec
+from workloads.dlrm.error_bounded import fast_kernels
+from workloads.dlrm.error_bounded.codec import ErrorBoundedCodec
+from workloads.dlrm.error_bounded.config import ErrorBoundConfig
 
 SIZES = [64 << 10, 1 << 20, 16 << 20, 64 << 20]
 ROW = 128
@@ -71,7 +72,7 @@ def test_encode_decode(benchmark, embeddings, name):
     gbps = nbytes / benchmark.stats.stats.median / 1e9
     ratio = nbytes / (message.numel() * message.element_size())  # FP16's message is float16, not bytes
     benchmark.extra_info.update(gb_per_s=gbps, compression_ratio=ratio, device=str(DEVICE),
-                                kernel=eb_kernels.kernel_name(DEVICE))
+                                kernel=fast_kernels.kernel_name(DEVICE))
     _TABLE[(nbytes, name)] = (gbps, ratio)
     if name.startswith("eb"):
         assert codec.stats.bound_violations == 0
@@ -81,7 +82,7 @@ def codec_table() -> list[str]:
     """The side-by-side table of this run's figures (printed by ``conftest.py`` at the end)."""
     if not _TABLE:
         return []
-    lines = [f"codec throughput, encode + decode, {DEVICE} ({eb_kernels.kernel_name(DEVICE)} kernels), "
+    lines = [f"codec throughput, encode + decode, {DEVICE} ({fast_kernels.kernel_name(DEVICE)} kernels), "
              f"{torch.get_num_threads()} threads",
              f"{'message':>10}  {'codec':<21} {'GB/s':>6}  {'vs int8':>7}  {'ratio':>5}"]
     for size in SIZES:

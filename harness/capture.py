@@ -46,7 +46,7 @@ from harness.distributed import broadcast_from_main, env_dist_info
 from harness.fingerprint import git_state, library_versions
 from harness.loop import MemoryMeter, seed_everything
 from harness.platform import Platform, device_name, host_allocator_in_effect, synchronize
-from harness.runner import join, open_workload
+from harness.runner import join_process_group, open_workload
 from workloads import discover
 from workloads.base import RunContext, Workload
 from workloads.trace_bundle import (
@@ -436,7 +436,7 @@ def capture_benchmark(cfg: CobenchConfig, out_dir: Path | None, *, steps: int, w
     Returns this rank's bundle folder (``<results_dir>/traces/<workload>-<time>`` by default).
     """
     if out_dir is None:
-        join(cfg)
+        join_process_group(cfg)
         out_dir = default_trace_dir(cfg, cfg.workload.name)
     out_dir.mkdir(parents=True, exist_ok=True)
     source = prepare_source(cfg, out_dir)

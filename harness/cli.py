@@ -86,8 +86,8 @@ def run_main(argv: list[str]) -> int:
             adopt_slurm_tasks()  # a job of several srun tasks: one process group, as under torchrun
             run_cfg = to_run_config(cfg)
             job_overrides.append(list(HydraConfig.get().overrides.task))
-            if run_cfg.ft.name != "none":  # the failure scenario launches its own processes (harness/ft.py)
-                from harness.ft import run_ft
+            if run_cfg.ft.name != "none":  # the failure scenario launches its own processes (harness/ft/)
+                from harness.ft.supervisor import run_ft
 
                 results.append(run_ft(run_cfg))
             else:

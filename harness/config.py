@@ -221,7 +221,7 @@ FT_MODES = ("none", "torchft")
 
 @dataclass
 class FTConfig:
-    """Fault tolerance (config group ``ft``): the failure scenario of harness/ft.py, or none."""
+    """Fault tolerance (config group ``ft``): the failure scenario of harness/ft/, or none."""
 
     name: str = "none"  # none: a plain run | torchft: R replica groups under torchft, one killed and restarted
     replicas: int = 2  # replica groups (at least 2: one must survive)

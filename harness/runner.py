@@ -117,7 +117,7 @@ class OpenedWorkload:
     workload: Workload
 
 
-def join(cfg: CobenchConfig) -> tuple[Platform, DistInfo]:
+def join_process_group(cfg: CobenchConfig) -> tuple[Platform, DistInfo]:
     """This process's platform, and its place in the process group (joined once per process)."""
     platform = discover_platform(cfg.platform, env_dist_info().local_rank)
     return platform, init_distributed(platform.device, cfg.platform.dist_backend)
@@ -125,13 +125,13 @@ def join(cfg: CobenchConfig) -> tuple[Platform, DistInfo]:
 
 def open_workload(cfg: CobenchConfig, work_dir: Path,
                   joined: tuple[Platform, DistInfo] | None = None) -> OpenedWorkload:
-    """Build the workload ``cfg`` names on this platform (:func:`join`, unless ``joined`` already).
+    """Build the workload ``cfg`` names on this platform (:func:`join_process_group`, unless ``joined`` already).
 
     The workload's constructor checks its config against the context (world size, device):
     :class:`~workloads.base.PlatformUnsupported` when this platform cannot run it, ValueError when
     the config is wrong; nothing is written and no run exists yet.
     """
-    platform, dist_info = joined or join(cfg)
+    platform, dist_info = joined or join_process_group(cfg)
     ctx = RunContext(
         device=platform.device,
         seed=cfg.seed,
@@ -183,10 +183,10 @@ def run_benchmark(
     """
     name = benchmark or cfg.workload.name
     derived = with_serving_cost(derived, cfg.platform.cost)  # cost per token, where the platform declares it
-    joined = join(cfg)
+    joined = join_process_group(cfg)
     run_dir = Path(broadcast_from_main(new_run_dir(results_root(cfg), name) if joined[1].is_main else None))
     opened = open_workload(cfg, run_dir, joined)  # validates against the context before any run exists
-    platform, dist_info, ctx, spec, workload = opened.platform, opened.dist, opened.ctx, opened.spec, opened.workload
+    platform, dist_info = opened.platform, opened.dist
     if tracker is None and connect:
         tracker = connect_tracker(cfg)
     main = dist_info.is_main
@@ -195,40 +195,14 @@ def run_benchmark(
     if dist_info.enabled:
         torch.distributed.barrier()  # ctx.work_dir exists before any rank uses it
         record_rank(run_dir, dist_info.rank)
-    result = BenchmarkResult(name, spec.name, platform.name, STATUS_FINISHED, workload.throughput_unit, run_dir)
-
-    peak = platform.peak_flops(workload.compute_dtype) if main else None
-    if main:
-        tags = {**(peak.tags() if peak else {"peak_flops_source": "unknown"}),
-                **workload.run_tags()}  # e.g. a replay's source and portability
-        open_run(cfg, result, platform, dist_info.world_size, tracker, tags=tags, suite=suite,
-                 parent_run_id=parent_run_id)
-        if tracker is not None and peak is not None and peak.value:
-            tracker.log_metrics(result.run_id, {"peak_flops": peak.value})
+    result = BenchmarkResult(name, opened.spec.name, platform.name, STATUS_FINISHED, opened.workload.throughput_unit,
+                             run_dir)
+    peak = _open_benchmark_run(cfg, result, opened, tracker, suite, parent_run_id) if main else None
 
     repetitions: list[list[RepetitionState]] = []
-    states: list[RepetitionState] = []
-    total_steps = cfg.runner.repetitions * (cfg.runner.warmup_steps + cfg.runner.steps)
+    unfinished: list[RepetitionState] = []  # the repetition under way, if any
     try:
-        with step_progress(f"{name} on {platform.name}", total_steps, enabled=main and cfg.runner.progress) as advance:
-            for rep in range(cfg.runner.repetitions):
-                rep_ctx = dataclasses.replace(ctx, seed=cfg.seed + rep)
-                if rep > 0:
-                    workload = spec.factory(cfg.workload, rep_ctx)
-                writer = MLPerfLogWriter(run_dir / f"mllog_rep{rep}.txt") if main else None
-                state = RepetitionState(repetition=rep)
-                states = [state]
-                try:
-                    run_repetition(workload, cfg, rep_ctx, writer, state, platform.name, advance)
-                finally:
-                    workload.teardown()
-                    if ctx.is_accelerator:  # the next repetition (or a sweep's next run) starts with the memory free
-                        gc.collect()
-                        empty_cache(ctx.device)
-                    if writer is not None:
-                        writer.close()
-                repetitions.append(gather_to_all(state))
-                states = []
+        _run_repetitions(cfg, opened, name, repetitions, unfinished)
     except KeyboardInterrupt as err:
         # A second signal (torchrun's SIGTERM after the user's, or after a peer died) waits until the run
         # is closed: it must not cut the look at the peers, nor leave the run to be closed as KILLED.
@@ -240,7 +214,7 @@ def run_benchmark(
                 if lost:  # torchrun stops the survivors of a rank that died: the run failed, not cancelled
                     status = STATUS_FAILED
                     reason = f"{', '.join(lost)} died (no longer running) during the run; then this rank was {reason}"
-            _finish(result, tracker, repetitions, states, peak, status, reason, runner=cfg.runner)
+            _finish(result, tracker, repetitions, unfinished, peak, status, reason, runner=cfg.runner)
         raise
     except Exception as err:  # noqa: BLE001 - any failure must end the run FAILED, with its reason
         # torchrun SIGTERMs this rank right after a peer died, often while this rank is here, having
@@ -252,10 +226,53 @@ def run_benchmark(
                 reason = f"{', '.join(lost)} died (no longer running) during the run; this rank saw: {reason}"
             if main:
                 write_atomic(run_dir / "error.txt", traceback.format_exc())
-            _finish(result, tracker, repetitions, states, peak, STATUS_FAILED, reason, runner=cfg.runner)
+            _finish(result, tracker, repetitions, unfinished, peak, STATUS_FAILED, reason, runner=cfg.runner)
         return result
     _finish(result, tracker, repetitions, [], peak, STATUS_FINISHED, None, derived, runner=cfg.runner)
     return result
+
+
+def _open_benchmark_run(cfg: CobenchConfig, result: BenchmarkResult, opened: OpenedWorkload, tracker: Tracker | None,
+                        suite: str, parent_run_id: str | None) -> PeakFlops | None:
+    """Open the run (main rank) with the peak FLOP/s it is measured against; returns that peak."""
+    peak = opened.platform.peak_flops(opened.workload.compute_dtype)
+    tags = {**(peak.tags() if peak else {"peak_flops_source": "unknown"}),
+            **opened.workload.run_tags()}  # e.g. a replay's source and portability
+    open_run(cfg, result, opened.platform, opened.dist.world_size, tracker, tags=tags, suite=suite,
+             parent_run_id=parent_run_id)
+    if tracker is not None and peak is not None and peak.value:
+        tracker.log_metrics(result.run_id, {"peak_flops": peak.value})
+    return peak
+
+
+def _run_repetitions(cfg: CobenchConfig, opened: OpenedWorkload, name: str,
+                     repetitions: list[list[RepetitionState]], unfinished: list[RepetitionState]) -> None:
+    """Every repetition on a fresh workload (seed ``seed + i``), one MLPerf log each: each finished one's
+    every rank's state lands in ``repetitions``; ``unfinished`` holds the one under way, for a run cut short."""
+    ctx, spec, workload, platform = opened.ctx, opened.spec, opened.workload, opened.platform
+    main = opened.dist.is_main
+    run_dir = ctx.work_dir
+    total_steps = cfg.runner.repetitions * (cfg.runner.warmup_steps + cfg.runner.steps)
+    with step_progress(f"{name} on {platform.name}", total_steps,
+                       enabled=main and cfg.runner.progress) as advance:
+        for rep in range(cfg.runner.repetitions):
+            rep_ctx = dataclasses.replace(ctx, seed=cfg.seed + rep)
+            if rep > 0:
+                workload = spec.factory(cfg.workload, rep_ctx)
+            writer = MLPerfLogWriter(run_dir / f"mllog_rep{rep}.txt") if main else None
+            state = RepetitionState(repetition=rep)
+            unfinished[:] = [state]
+            try:
+                run_repetition(workload, cfg, rep_ctx, writer, state, platform.name, advance)
+            finally:
+                workload.teardown()
+                if ctx.is_accelerator:  # the next repetition (or a sweep's next run) starts with the memory free
+                    gc.collect()
+                    empty_cache(ctx.device)
+                if writer is not None:
+                    writer.close()
+            repetitions.append(gather_to_all(state))
+            unfinished.clear()
 
 
 @deferred_interrupts()  # signals wait until the run folder and the store tell one story

@@ -274,9 +274,9 @@ def option_support(platform: Platform, measure: bool) -> dict[str, dict[str, Any
     elif fbgemm_variant() not in (None, "cuda"):
         gpu_sharding = "fbgemm-gpu-cpu is installed: row-wise/table-wise sharding on GPU needs CUDA fbgemm-gpu"
     # the harness's own checks, where the harness's modules import here (a bare machine may lack their libraries)
-    fp8 = missing("workloads.dlrm.comm", load=True)
+    fp8 = missing("workloads.dlrm.codec_registry", load=True)
     if fp8 is None:
-        from workloads.dlrm.comm import codec_unsupported
+        from workloads.dlrm.codec_registry import codec_unsupported
 
         fp8 = codec_unsupported("fp8", device, 2)
     slurm = missing("hydra_plugins.hydra_submitit_launcher") or missing("harness.scheduler", load=True)
@@ -287,9 +287,9 @@ def option_support(platform: Platform, measure: bool) -> dict[str, dict[str, Any
             check_launcher("submitit_slurm", [])
         except ValueError as err:
             slurm = str(err)
-    ft, lighthouse = missing("torchft", load=True) or missing("harness.ft", load=True), None
+    ft, lighthouse = missing("torchft", load=True) or missing("harness.ft.supervisor", load=True), None
     if ft is None:
-        from harness.ft import lighthouse_binary
+        from harness.ft.processes import lighthouse_binary
 
         lighthouse = lighthouse_binary()
         ft = None if lighthouse else "no torchft_lighthouse program beside this Python or on PATH"
@@ -313,11 +313,11 @@ def option_support(platform: Platform, measure: bool) -> dict[str, dict[str, Any
 
 def eb_kernel(device: torch.device, compiler: str | None, measure: bool) -> str:
     """Which implementation of the error-bounded codec runs here; on CPU without building it unless ``measure``."""
-    from workloads.dlrm import eb_kernels
+    from workloads.dlrm.error_bounded import fast_kernels
 
     if device.type != "cpu" or measure:
         with quiet():
-            name = eb_kernels.kernel_name(device)
+            name = fast_kernels.kernel_name(device)
         return {"cpp": "cpp kernels", "compiled": "the tensor program under torch.compile"}.get(
             name, "the tensor program, eager (slower)") + " (with >1 rank)"
     from torch.utils.cpp_extension import get_default_build_root, is_ninja_available

@@ -27,7 +27,7 @@ import torch
 from harness.cli import EXIT_FAILED, EXIT_OK
 from harness.config import CONF_DIR, CobenchConfig, config_hash, results_root
 from harness.distributed import env_dist_info
-from harness.runner import STATUS_FINISHED, join
+from harness.runner import STATUS_FINISHED, join_process_group
 from suite.gates import (
     GateError,
     GateResult,
@@ -62,7 +62,7 @@ def _benchmark_hash(plan: Plan) -> str:
 
 
 def _gates_for(base: CobenchConfig, plans: list[Plan], suite: str, path: Path | None) -> tuple[str, GatesFile]:
-    platform = join(base)[0].name
+    platform = join_process_group(base)[0].name
     path = path or CONF_DIR / "gates" / f"{platform}.yaml"
     if not path.is_file():
         raise GateError(f"platform {platform!r} has no gates: {path} does not exist; write one (see "

@@ -26,7 +26,7 @@ from harness.runner import (
     STATUS_SKIPPED,
     BenchmarkResult,
     connect_tracker,
-    join,
+    join_process_group,
     open_workload,
     run_benchmark,
 )
@@ -76,7 +76,7 @@ def plan_suite(name: str, overrides: list[str]) -> tuple[CobenchConfig, list[Pla
     base = to_run_config(compose_config([f"suite={name}", *suite_level(overrides)]))
     if base.suite is None:
         raise ValueError(f"suite {name!r} is empty: conf/suite/{name}.yaml needs name and benchmarks")
-    joined = join(base)
+    joined = join_process_group(base)
     chosen = [b for b in base.suite.benchmarks if not base.suite.only or b.name in base.suite.only]
     for override in overrides:  # a workload.* override must fit some benchmark: a typo fits none
         key = _workload_key(override)

@@ -606,7 +606,7 @@ def _time_sync(spec: dict, out: Path, passes: int, warmup: int) -> dict:
     """Time the skeleton in this process group (its world size must be the spec's); rank 0 writes ``out``."""
     from harness.config import compose_config, to_run_config
     from harness.distributed import env_dist_info
-    from harness.runner import join
+    from harness.runner import join_process_group
     from harness.sync_probe import time_gradient_sync
 
     world = env_dist_info().world_size
@@ -615,7 +615,8 @@ def _time_sync(spec: dict, out: Path, passes: int, warmup: int) -> dict:
                          f"with torchrun --nproc-per-node {spec['world_size']} -m suite.cli trace time-sync ...")
     if world < 2:
         raise ValueError("time-sync needs 2 or more ranks: launch it with torchrun --nproc-per-node W")
-    platform, _ = join(to_run_config(compose_config(["tracking=off"])))  # this rank's device, in the process group
+    # this rank's device, in the process group
+    platform, _ = join_process_group(to_run_config(compose_config(["tracking=off"])))
     timing = time_gradient_sync(spec, platform.device, passes, warmup).to_json()
     if os.environ.get("RANK", "0") == "0":
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -51,15 +51,15 @@ PAIR_STEPS_PER_ROUND = 10  # a side-by-side pair's steps per side per round (rou
 
 def measure_pair(base: list[str], changed: list[str], work_dir: Path, steps: int, warmup: int) -> dict[str, Any]:
     """The base and changed configurations (Hydra overrides) of one workload in this process, their steps
-    interleaved in rounds (:func:`harness.judge.interleave`): step medians, the ratio changed / base and its
+    interleaved in rounds (:func:`harness.side_by_side.interleave`): step medians, the ratio changed / base and its
     95 % interval (whole rounds resampled)."""
     from harness.config import compose_config, to_run_config
-    from harness.judge import interleave
     from harness.loop import seed_everything
-    from harness.runner import join, open_workload
+    from harness.runner import join_process_group, open_workload
+    from harness.side_by_side import interleave
 
     cfgs = [to_run_config(compose_config([*side, "tracking=off"])) for side in (base, changed)]
-    joined = join(cfgs[0])
+    joined = join_process_group(cfgs[0])
     opened = []
     try:
         for name, cfg in zip(("base", "changed"), cfgs, strict=True):

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from suite import accelerator_check
-from suite.accelerator_check import FAIL, PASS, SKIPPED, STEPS, Outcome, markdown
+import suite.accelerator_check.check as accelerator_check
+from suite.accelerator_check.check import STEPS
+from suite.accelerator_check.framework import FAIL, PASS, SKIPPED, Outcome, Step
+from suite.accelerator_check.report import markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "tools" / "accelerator_check.py"
@@ -35,9 +37,9 @@ def test_unknown_step_is_refused(tmp_path):
 def test_a_step_that_does_not_fit_the_budget_is_skipped_saying_so(tmp_path, monkeypatch):
     ran = []
     monkeypatch.setattr(accelerator_check, "STEPS", [
-        accelerator_check.Step("quick", "q", lambda check: ran.append("quick") or Outcome("quick", PASS), 0),
-        accelerator_check.Step("long", "l", lambda check: ran.append("long") or Outcome("long", PASS), 1e6),
-        accelerator_check.Step("broken", "b", lambda check: 1 / 0, 0),
+        Step("quick", "q", lambda check: ran.append("quick") or Outcome("quick", PASS), 0),
+        Step("long", "l", lambda check: ran.append("long") or Outcome("long", PASS), 1e6),
+        Step("broken", "b", lambda check: 1 / 0, 0),
     ])
     outcomes = accelerator_check.run_check(tmp_path, dry_run=True, budget_s=60)
     assert ran == ["quick"]

@@ -13,15 +13,9 @@ import sys
 import pytest
 import torch
 
-from workloads.dlrm.compression import (
-    RAW_BITS,
-    BoundSchedule,
-    ErrorBoundConfig,
-    ErrorBoundedCodec,
-    bytes_per_block,
-    column_block_scales,
-    make_error_bounded_codecs,
-)
+from workloads.dlrm.error_bounded.codec import ErrorBoundedCodec, bytes_per_block, make_error_bounded_codecs
+from workloads.dlrm.error_bounded.config import BoundSchedule, ErrorBoundConfig, column_block_scales
+from workloads.dlrm.error_bounded.exact_grid import RAW_BITS
 
 BS = 64
 
@@ -420,9 +414,9 @@ if __name__ == "__main__":
 def test_cpu_kernels_and_tensor_program_send_the_same_bytes():
     """The C++ kernels (CPU) and the tensor program (every other device) are one format: same
     message bytes, same verdict per block, same decoded floats, on ordinary and adversarial data."""
-    from workloads.dlrm import eb_kernels
+    from workloads.dlrm.error_bounded import fast_kernels
 
-    kernels = eb_kernels.cpu_kernels()
+    kernels = fast_kernels.cpu_kernels()
     assert kernels is not None, "the C++ kernels did not build here (see the warning above)"
     g = torch.Generator().manual_seed(11)
     ordinary = torch.randn(300, 40, generator=g) * 0.1
@@ -431,17 +425,17 @@ def test_cpu_kernels_and_tensor_program_send_the_same_bytes():
         x[7, 3] = math.nan
         x[8, 0] = math.inf
         for bits in (0, 1, 3, 7, 8, 9, 13, 16):
-            factor = eb_kernels.float32_below(torch.full((x.shape[0],), 1.0 / (2**bits + 1), dtype=torch.float64))
+            factor = fast_kernels.float32_below(torch.full((x.shape[0],), 1.0 / (2**bits + 1), dtype=torch.float64))
             for rel in (True, False):
                 cpp = kernels.encode(x, factor, rel, bits)
-                tensor = eb_kernels._encode_tensor(x, factor, rel, bits)
+                tensor = fast_kernels._encode_tensor(x, factor, rel, bits)
                 assert torch.equal(cpp[0], tensor[0]) and torch.equal(cpp[1], tensor[1]), (bits, rel)
                 assert torch.equal(cpp[2][:, :2], tensor[2][:, :2]), (bits, rel)  # largest error, ÷ bound
                 assert torch.allclose(cpp[2][:, 2], tensor[2][:, 2], rtol=1e-5, atol=0), (bits, rel)  # sums
                 assert torch.allclose(cpp[3], tensor[3], rtol=1e-5, atol=0), (bits, rel)
-                assert int((cpp[1] == eb_kernels.STATUS_NONFINITE).sum()) == 2
+                assert int((cpp[1] == fast_kernels.STATUS_NONFINITE).sum()) == 2
                 ours = kernels.decode(cpp[0], bits, 40)
-                theirs = eb_kernels._decode_tensor(cpp[0], bits, 40)
+                theirs = fast_kernels._decode_tensor(cpp[0], bits, 40)
                 assert torch.equal(ours.isnan(), theirs.isnan())
                 assert torch.equal(ours.nan_to_num(), theirs.nan_to_num())
 
@@ -450,15 +444,15 @@ def test_cpu_width_kernels_agree_with_the_tensor_code(monkeypatch):
     """Agreed packing sizes a message from the blocks' min and max; on CPU a C++ loop does it. Same
     min/max as torch.aminmax (NaN blocks included) and the same width as the tensor code, on ordinary,
     wide, nearly constant, subnormal and non-finite blocks, rel and abs."""
-    from workloads.dlrm import eb_kernels
+    from workloads.dlrm.error_bounded import fast_kernels
 
-    assert eb_kernels.cpu_kernels() is not None
+    assert fast_kernels.cpu_kernels() is not None
     g = torch.Generator().manual_seed(21)
     blocks = torch.cat([torch.randn(64, BS, generator=g) * 0.1, torch.randn(64, BS, generator=g) * 1e4,
                         1.0 + torch.randn(64, BS, generator=g) * 1e-7, torch.randn(64, BS, generator=g) * 1e-40,
                         adversarial_blocks(64, BS, seed=22).view(-1, BS)])
     blocks[3, 5], blocks[4, 0], blocks[5, 9] = math.nan, math.inf, -math.inf
-    lo, hi = eb_kernels.block_minmax(blocks)
+    lo, hi = fast_kernels.block_minmax(blocks)
     want_lo, want_hi = torch.aminmax(blocks, dim=1)
     assert torch.equal(lo, want_lo) or torch.allclose(lo, want_lo, equal_nan=True, rtol=0, atol=0)
     assert torch.allclose(hi, want_hi, equal_nan=True, rtol=0, atol=0)
@@ -466,7 +460,7 @@ def test_cpu_width_kernels_agree_with_the_tensor_code(monkeypatch):
         c = codec(mode=mode, eb=eb, packing="agreed", measure_error=False)
         factor, _ = c._block_factors(blocks.shape[0], blocks, None)
         cpp = c._local_bits(blocks, factor)
-        monkeypatch.setattr(eb_kernels, "cpu_kernels", lambda: None)
+        monkeypatch.setattr(fast_kernels, "cpu_kernels", lambda: None)
         tensor = c._local_bits(blocks, factor)
         monkeypatch.undo()
         assert cpp == tensor, (mode, eb, cpp, tensor)

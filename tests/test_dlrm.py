@@ -12,7 +12,7 @@ from conftest import TINY, mlflow_runs
 from torchrec.distributed.types import QuantizedCommCodecs
 
 from workloads.base import PlatformUnsupported, RunContext
-from workloads.dlrm import comm
+from workloads.dlrm import codec_registry
 from workloads.dlrm.config import DLRMConfig
 from workloads.dlrm.data import SyntheticCriteo, zipf_ranks
 from workloads.dlrm.model import PRESETS, count_params, dense_training_flops
@@ -106,9 +106,9 @@ def test_flops_are_counted_forward_and_backward_and_scale_with_batch():
     ],
 )
 def test_builtin_codecs_send_the_dtype_they_are_named_after_on_cpu(codec, forward, backward):
-    (codecs,) = comm.build_qcomm_registry(codec, CPU).values()  # CPU: the all-to-all only
+    (codecs,) = codec_registry.build_qcomm_registry(codec, CPU).values()  # CPU: the all-to-all only
     assert (codecs.forward.quantized_dtype, codecs.backward.quantized_dtype) == (forward, backward)
-    assert comm.build_qcomm_registry("none", CPU) is None
+    assert codec_registry.build_qcomm_registry("none", CPU) is None
 
 
 def test_custom_codecs_register_by_name_and_receive_their_options(monkeypatch):
@@ -118,16 +118,16 @@ def test_custom_codecs_register_by_name_and_receive_their_options(monkeypatch):
         received.update(options=options, process_group=process_group)
         return QuantizedCommCodecs()
 
-    monkeypatch.setitem(comm.CUSTOM_CODECS, "eb", factory)
+    monkeypatch.setitem(codec_registry.CUSTOM_CODECS, "eb", factory)
     config = DLRMConfig(comm_codec="eb", codec_options={"error_bound": 0.01})
     DLRMWorkload(config, context(world_size=2))  # options allowed for a custom codec
-    registry = comm.build_qcomm_registry("eb", CPU, {"error_bound": 0.01}, process_group="pg")
+    registry = codec_registry.build_qcomm_registry("eb", CPU, {"error_bound": 0.01}, process_group="pg")
     assert list(registry) == ["POOLED_EMBEDDINGS_ALL_TO_ALL"]
     assert received == {"options": {"error_bound": 0.01}, "process_group": "pg"}
 
 
 def test_codec_hooks_advance_the_schedule_and_report_stats():
-    class ScheduledCodec(comm.CustomCodec):  # one of ours: gets the schedule and reports its statistics
+    class ScheduledCodec(codec_registry.CustomCodec):  # one of ours: gets the schedule and reports its statistics
         def __init__(self):
             self.calls = []
 
@@ -140,12 +140,13 @@ def test_codec_hooks_advance_the_schedule_and_report_stats():
     codecs = QuantizedCommCodecs()
     codecs.forward, codecs.backward = ScheduledCodec(), ScheduledCodec()
     registry = {"POOLED_EMBEDDINGS_ALL_TO_ALL": codecs}
-    comm.advance_codecs(registry, 0, None)
-    comm.advance_codecs(registry, 1, torch.tensor(0.5))
+    codec_registry.advance_codecs(registry, 0, None)
+    codec_registry.advance_codecs(registry, 1, torch.tensor(0.5))
     assert codecs.forward.calls == codecs.backward.calls == [(0, None), (1, 0.5)]
-    assert comm.codec_metrics(registry) == {"codec_forward_compression_ratio": 5.0,
-                                            "codec_backward_compression_ratio": 5.0}
-    assert comm.codec_metrics(comm.build_qcomm_registry("int8", CPU)) == {}  # FBGEMM's codecs keep no stats
+    assert codec_registry.codec_metrics(registry) == {"codec_forward_compression_ratio": 5.0,
+                                                      "codec_backward_compression_ratio": 5.0}
+    # FBGEMM's codecs keep no stats
+    assert codec_registry.codec_metrics(codec_registry.build_qcomm_registry("int8", CPU)) == {}
 
 
 # -- data and quality ---------------------------------------------------------------------------
@@ -230,7 +231,7 @@ def test_bad_codec_setup_fails_before_any_mlflow_run(cobench, tmp_path):
 
 
 def test_bad_error_bound_options_are_refused_before_the_run():
-    from workloads.dlrm.comm import codec_problem
+    from workloads.dlrm.codec_registry import codec_problem
 
     for options, fragment in (({"eb": -1}, "eb must be"), ({"eb": float("nan")}, "eb must be"),
                               ({"mode": "fuzzy"}, "mode"), ({"bogus": 1}, "unknown compression options")):

@@ -18,8 +18,9 @@ import torch
 from conftest import clean_env, mlflow_runs
 from fidelity_corpus import PROGRAMS
 
-import harness.judge as judge_module
-from harness.judge import SideBySide, interleave, judge
+import harness.side_by_side as side_by_side_module
+from harness.judge import judge
+from harness.side_by_side import SideBySide, interleave
 
 
 class FakeClock:
@@ -36,7 +37,7 @@ def test_interleaving_cancels_machine_drift(monkeypatch):
     """The machine slows down steadily through the measurement (3x by the end): a judgement that ran
     all source steps first would call the replay 2x slower; interleaved, identical sides agree."""
     clock = FakeClock()
-    monkeypatch.setattr(judge_module.time, "perf_counter", clock)
+    monkeypatch.setattr(side_by_side_module.time, "perf_counter", clock)
     calls = [0]
 
     def step() -> None:  # 1 ms of work on a machine that gets slower with every step
@@ -77,7 +78,7 @@ def test_the_judge_adds_rounds_until_the_interval_is_narrow_or_the_budget_is_spe
     is within ±2.5 %, inside its budget. With ±60 % noise and a budget too small for that it stops when the
     budget is spent, and says so with the interval reached."""
     clock = FakeClock()
-    monkeypatch.setattr(judge_module.time, "perf_counter", clock)
+    monkeypatch.setattr(side_by_side_module.time, "perf_counter", clock)
     noise = random.Random(7)
 
     def work(ms: float, spread: float = 0.1) -> None:

@@ -12,7 +12,8 @@ import pytest
 from conftest import clean_env, mlflow_runs
 
 from harness.config import compose_config, to_run_config
-from harness.ft import Side, check_scenario, scenario_metrics
+from harness.ft.checks import check_scenario
+from harness.ft.metrics import FailureRun, scenario_metrics
 
 
 def _cfg(*overrides: str):
@@ -60,8 +61,8 @@ def test_metric_definitions_on_a_known_timeline():
         entry["end"] += 9.0
     victim = [dict(e) for e in survivor[:10]]
     victim += [_attempt(s, 13.0 + 0.1 * (s - 31), 0.1, incarnation=1) for s in range(31, 41)]
-    side = Side("torchft", kill_time=10.0, logs={(0, 0): survivor, (1, 0): victim},
-                hashes={(0, 0): "abc", (1, 0): "abc"})
+    side = FailureRun("torchft", kill_time=10.0, logs={(0, 0): survivor, (1, 0): victim},
+                      hashes={(0, 0): "abc", (1, 0): "abc"})
     m = scenario_metrics(side)
     assert m["stall_s"] == pytest.approx(0.9)  # the longest step (1 s) beyond the median (0.1 s)
     assert m["recovery_s"] == pytest.approx(3.1)  # kill → the restarted group's first committed step ends

@@ -7,7 +7,7 @@
 Needs only torch (and what a GPU image has: numpy, pyyaml, rich, psutil, jinja2, pandas). What cobench needs
 beyond that is installed first, without network, from the wheels ``tools/wheelhouse.sh`` put in ``.whl/``
 beside this checkout (into a folder under the system's temporary directory; nothing is installed into the
-machine's Python). The steps, the report and the options: ``suite/accelerator_check.py``.
+machine's Python). The steps, the report and the options: ``suite/accelerator_check/``.
 """
 
 from __future__ import annotations
@@ -47,6 +47,6 @@ def install_wheels() -> None:
 if __name__ == "__main__":
     install_wheels()
     sys.path.insert(0, str(ROOT))
-    from suite.accelerator_check import main
+    from suite.accelerator_check.check import main
 
     sys.exit(main())

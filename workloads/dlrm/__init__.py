@@ -12,8 +12,8 @@ declare_preparer("criteo", "workloads.dlrm.prepare",
 # the public names, imported on first use: the package itself stays cheap to import
 EXPORTS = {
     "workloads.dlrm.config": ["DLRMConfig"],
-    "workloads.dlrm.compression": ["CUSTOM_CODECS"],  # with comm_codec=eb registered
-    "workloads.dlrm.comm": ["build_qcomm_registry"],
+    "workloads.dlrm.error_bounded.codec": ["CUSTOM_CODECS"],  # with comm_codec=eb registered
+    "workloads.dlrm.codec_registry": ["build_qcomm_registry"],
     "workloads.dlrm.a2a": ["PooledA2AMeter", "TimedCodec"],
     "workloads.dlrm.data": ["ClickBatch", "PlantedClickModel", "SyntheticCriteo"],
     "workloads.dlrm.criteo": ["CriteoSource", "MLPERF_AUC_TARGET"],

@@ -2,7 +2,7 @@
 
 Light: importing it imports neither torch nor TorchRec, so composing configs stays cheap; the
 preset table (:mod:`workloads.dlrm.model`), the Criteo reader's kinds and the all-to-all codecs
-(:mod:`workloads.dlrm.comm`) are imported when a config is checked.
+(:mod:`workloads.dlrm.codec_registry`) are imported when a config is checked.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class DLRMConfig:
     lr: float = 0.005  # Adagrad, dense and sparse
     adagrad_eps: float = 1e-8
     sharding: str = "table_wise"  # with >1 rank: table_wise | column_wise | row_wise (CUDA only)
-    comm_codec: str = "none"  # compression of the pooled-embedding all-to-all (see comm.py)
+    comm_codec: str = "none"  # compression of the pooled-embedding all-to-all (see codec_registry.py)
     codec_options: dict[str, Any] = field(default_factory=dict)  # passed to a CUSTOM_CODECS factory
     data: str = "synthetic"  # synthetic (planted click model) | criteo_1tb (MLPerf's preprocessed files)
     data_path: str | None = None  # criteo_1tb: the folder of day_{d}_{dense,labels,sparse...} files
@@ -57,7 +57,8 @@ class DLRMConfig:
 
     def __post_init__(self) -> None:
         # the model's, the reader's and the codecs' modules (torch): imported when a config is checked
-        from workloads.dlrm import comm, compression, criteo  # noqa: F401 - compression: comm_codec=eb
+        from workloads.dlrm import codec_registry, criteo  # noqa: F401
+        from workloads.dlrm.error_bounded import codec  # noqa: F401 - registers comm_codec=eb
         from workloads.dlrm.model import PRESETS
 
         if self.preset not in PRESETS:
@@ -86,8 +87,9 @@ class DLRMConfig:
                                            "the synthetic source needs a number of batches")
         if self.sharding not in SHARDINGS:
             raise _invalid("sharding", f"got {self.sharding!r}, allowed values: {', '.join(SHARDINGS)}")
-        if self.comm_codec not in comm.codec_names():
-            raise _invalid("comm_codec", f"got {self.comm_codec!r}, allowed values: {', '.join(comm.codec_names())}")
+        codecs = codec_registry.codec_names()
+        if self.comm_codec not in codecs:
+            raise _invalid("comm_codec", f"got {self.comm_codec!r}, allowed values: {', '.join(codecs)}")
         if self.auc_target is not None and not 0.5 < self.auc_target <= 1:
             raise _invalid("auc_target", f"got {self.auc_target}, must be in (0.5, 1]")
         for key in ("table_rows", "multi_hot_sizes"):

@@ -8,7 +8,7 @@ One process trains the plain TorchRec model (``nn.EmbeddingBag`` tables); under 
 the tables are sharded by ``DistributedModelParallel`` following an ``EmbeddingShardingPlanner``
 plan restricted to the configured sharding type, the dense part is data-parallel (DDP, inside
 DMP), and the pooled embeddings cross ranks in TorchRec's own all-to-all, optionally compressed
-by a codec from :mod:`workloads.dlrm.comm`. (A world-size-1 DMP is not an option: TorchRec's
+by a codec from :mod:`workloads.dlrm.codec_registry`. (A world-size-1 DMP is not an option: TorchRec's
 fused optimiser needs a default process group, which a single process does not have.)
 
 Optimiser, as MLPerf's closed DLRM-DCNv2 rules fix it: Adagrad with a constant learning rate,
@@ -46,9 +46,10 @@ from workloads.base import (
 from workloads.base import invalid_config as _invalid
 from workloads.data_source import Prefetcher
 from workloads.device import pins_host_memory
-from workloads.dlrm import a2a, comm, compression, criteo, stored_arrays  # noqa: F401 - compression: comm_codec=eb
+from workloads.dlrm import a2a, codec_registry, criteo, stored_arrays  # noqa: F401
 from workloads.dlrm.config import DLRMConfig
 from workloads.dlrm.data import ClickBatch, SyntheticCriteo, roc_auc
+from workloads.dlrm.error_bounded import codec as error_bounded_codec  # noqa: F401 - registers comm_codec=eb
 from workloads.dlrm.model import build_dlrm, count_params, dense_training_flops
 
 # auc_target null: this fraction of the way from chance (0.5) to the planted model's own AUC.
@@ -75,10 +76,10 @@ class DLRMWorkload(WorkloadBase):
         if config.data == "criteo_1tb":  # every check of the files happens here, before any run exists
             self.source, self.shape = criteo.open_source(config, self.shape, ctx.rank, ctx.world_size)
         self._stream: Prefetcher[ClickBatch] | None = None
-        problem = comm.codec_problem(config.comm_codec, config.codec_options)
+        problem = codec_registry.codec_problem(config.comm_codec, config.codec_options)
         if problem:
             raise _invalid("comm_codec", problem)
-        problem = comm.codec_unsupported(config.comm_codec, ctx.device, ctx.world_size)
+        problem = codec_registry.codec_unsupported(config.comm_codec, ctx.device, ctx.world_size)
         if problem:
             raise unsupported("comm_codec", problem)
         self._check_sharding()
@@ -214,9 +215,9 @@ class DLRMWorkload(WorkloadBase):
             )
             plan = planner.collective_plan(model, [EmbeddingBagCollectionSharder()], ctx.process_group)
             self.plan = plan
-            if cfg.comm_codec in comm.CUSTOM_CODECS:
-                self.codec_block_size = comm.auto_block_size(math.gcd(*self._dim_per_rank()) or 64)
-            self.qcomm_registry = comm.build_qcomm_registry(
+            if cfg.comm_codec in codec_registry.CUSTOM_CODECS:
+                self.codec_block_size = codec_registry.auto_block_size(math.gcd(*self._dim_per_rank()) or 64)
+            self.qcomm_registry = codec_registry.build_qcomm_registry(
                 cfg.comm_codec, ctx.device, cfg.codec_options, ctx.process_group, self.codec_block_size
             )
             sharder = EmbeddingBagCollectionSharder(qcomm_codecs_registry=self.qcomm_registry)
@@ -234,18 +235,18 @@ class DLRMWorkload(WorkloadBase):
     def step(self) -> StepResult:
         self.model.train()
         batch, waited = self._next_batch()
-        comm.advance_codecs(self.qcomm_registry, self._cursor, self._previous_loss)
+        codec_registry.advance_codecs(self.qcomm_registry, self._cursor, self._previous_loss)
         self._cursor += 1
         metered = self.a2a_meter.step() if self.a2a_meter is not None else contextlib.nullcontext()
         started = time.perf_counter()
-        codec_before = comm.codec_seconds(self.qcomm_registry)
+        codec_before = codec_registry.codec_seconds(self.qcomm_registry)
         self.optimizer.zero_grad(set_to_none=True)
         with metered:  # forward and backward: both pooled-embedding all-to-alls
             loss = F.binary_cross_entropy_with_logits(self._logits(batch), batch.labels)
             loss.backward()  # the tables are updated here, by the fused in-backward Adagrad
         self.optimizer.step()
         self._step_seconds.append(time.perf_counter() - started)
-        codec_after = comm.codec_seconds(self.qcomm_registry)
+        codec_after = codec_registry.codec_seconds(self.qcomm_registry)
         self._codec_seconds.append(codec_after[0] - codec_before[0])
         self._exchange_seconds.append(codec_after[1] - codec_before[1])
         self._previous_loss = loss.detach()
@@ -361,7 +362,7 @@ class DLRMWorkload(WorkloadBase):
             metrics["auc_oracle"] = self.oracle_auc
         if self.a2a_meter is None:
             return metrics
-        metrics.update(comm.codec_metrics(self.qcomm_registry))
+        metrics.update(codec_registry.codec_metrics(self.qcomm_registry))
         if self.codec_block_size:
             metrics["codec_block_size"] = float(self.codec_block_size)
         measured = self.a2a_meter.summary()

@@ -3,7 +3,7 @@
 Block wire format (``8 + bits · ceil(block / 8)`` bytes): a header of two 32-bit words, then the
 codes packed. Fast blocks (step word's sign bit clear): ``origin`` = the block minimum as float32,
 ``step`` as float32; element ``i`` decodes to ``float32(origin + code_i · step)``. Exact-path
-blocks (sign bit set; see :mod:`workloads.dlrm.eb_grid`): ``|step|`` is the high word of a
+blocks (sign bit set; see :mod:`workloads.dlrm.error_bounded.exact_grid`): ``|step|`` is the high word of a
 float64 pointing from the origin towards zero, decoded in float64 and clamped to ±FLT_MAX. A
 non-finite block has a NaN origin and decodes to NaN. Codes: element ``p · G + g`` (``G =
 ceil(block / 8)`` groups, padding codes zero) sits in group ``g`` at bit offset ``bits · p`` of a
@@ -29,7 +29,7 @@ Why a fast block meets its bound (float32 only, no float64 on this path):
 A block that fails the check (float32 rounding dominates: a nearly constant block far from zero, a
 range that overflows) is re-encoded by the exact float64 path; a non-finite one travels as NaN.
 
-On CPU the path runs as a C++ kernel (``eb_kernels.cpp``, built once with the toolchain PyTorch
+On CPU the path runs as a C++ kernel (``fast_kernels.cpp``, built once with the toolchain PyTorch
 uses, cached under ``TORCH_EXTENSIONS_DIR``); elsewhere, or when that build fails (stated in a
 warning: no compiler, no ninja), as the tensor program below, which computes the same bytes
 (``tests/test_compression.py`` compares them) and runs under ``torch.compile`` on CUDA.
@@ -48,7 +48,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 HEADER_BYTES = 8
-_SOURCE = Path(__file__).with_name("eb_kernels.cpp")
+_SOURCE = Path(__file__).with_name("fast_kernels.cpp")
 STATUS_SENT, STATUS_EXACT_PATH, STATUS_NONFINITE = 0, 1, 2
 
 

@@ -1,11 +1,11 @@
-"""Compression of the pooled-embedding all-to-all, and measuring that all-to-all.
+"""The registry of codecs for the pooled-embedding all-to-all: FBGEMM's built-in ones and cobench's own.
 
 Codecs plug into TorchRec's own interface: the sharder takes a ``qcomm_codecs_registry`` (comm op
 name → :class:`QuantizedCommCodecs`, a forward and a backward ``QuantizedCommCodec``), and TorchRec
 encodes before and decodes after each collective. Built-in codecs are FBGEMM's (fp16, bf16, fp8,
 int8). Other codecs register a factory in :data:`CUSTOM_CODECS`::
 
-    from workloads.dlrm.comm import CUSTOM_CODECS
+    from workloads.dlrm.codec_registry import CUSTOM_CODECS
     CUSTOM_CODECS["eb"] = lambda options, process_group: QuantizedCommCodecs(forward=..., backward=...)
 
 at import time of a module the ``workloads.dlrm`` package imports; ``workload.comm_codec=eb``

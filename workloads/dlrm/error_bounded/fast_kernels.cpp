@@ -1,4 +1,4 @@
-// Fused CPU kernels of the error-bounded codec's fast path (see workloads/dlrm/eb_kernels.py for the
+// Fused CPU kernels of the error-bounded codec's fast path (see workloads/dlrm/error_bounded/fast_kernels.py for the
 // format and the proof; the tensor program there computes the same bytes on every other device).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -330,7 +330,7 @@ std::vector<torch::Tensor> block_minmax(torch::Tensor x) {
   return {lo, hi};
 }
 
-// Agreed packing's width from the blocks' min and max (compression.ErrorBoundedCodec._local_bits has the
+// Agreed packing's width from the blocks' min and max (codec.ErrorBoundedCodec._local_bits has the
 // argument): factor (n,) float64 — the bound (abs) or its fraction of the range (rel). Returns (the width
 // the "easy" blocks need, int64 scalar; hard (n,) bool — the blocks float32 rounding could matter for,
 // which take the exact float64 answer). Non-finite blocks are neither. All in float64, as the tensor

@@ -1,6 +1,6 @@
 """The error-bounded codec's exact path: float64 grids for the blocks float32 arithmetic cannot carry.
 
-Most blocks travel on the fast float32 grid (:mod:`workloads.dlrm.eb_kernels`). A block fails
+Most blocks travel on the fast float32 grid (:mod:`workloads.dlrm.error_bounded.fast_kernels`). A block fails
 there when float32 rounding eats its bound (nearly constant far from zero, subnormals) or its
 range overflows; this path re-encodes it. Its header: ``origin`` as float32 (the block end of
 largest magnitude) and the step as the high word of a float64 with the sign bit set (21

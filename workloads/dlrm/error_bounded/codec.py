@@ -12,8 +12,8 @@ codecs it bounds the error: every decoded element ``x̂`` of a finite block obey
 Wire format and proof: every block is encoded on its own into ``8 + bits · ceil(block_size / 8)``
 bytes, so a chunk's size follows from its element count (TorchRec computes split sizes before the
 collective). Most blocks travel on a float32 grid encoded and decoded by fused kernels
-(:mod:`workloads.dlrm.eb_kernels`: the format, and why the check it makes proves the bound); the
-few that float32 rounding cannot carry take the exact float64 path (:mod:`workloads.dlrm.eb_grid`).
+(:mod:`workloads.dlrm.error_bounded.fast_kernels`: the format, and why the check it makes proves the bound); the
+few that float32 rounding cannot carry take the exact float64 path (:mod:`workloads.dlrm.error_bounded.exact_grid`).
 When the bound needs more than 16 bits the message is raw float32 (bit-exact, ``bits = 32``). A
 block holding NaN or Inf is sent with a NaN origin, so it decodes to all-NaN (in a raw message they
 travel as they are): never silently finite; they are counted (:attr:`ErrorBoundedCodec.nonfinite_count`).
@@ -21,17 +21,7 @@ travel as they are): never silently finite; they are counted (:attr:`ErrorBounde
 One width per message: table scales tighten the bound of chosen tables, but the tightest table sets
 the width (the others get the spare precision), so bytes fall only when all bounds loosen.
 
-Table-wise bounds from the data (``table_bounds="range"``, abs mode, agreed packing): the codec
-measures each column block's value range (the widest range of its blocks in the message: of a
-table's pooled embeddings, when the block is the table's dim) and scales that block's absolute
-bound by it, normalised to a geometric mean of 1, so ``eb`` stays the bound of a table of typical
-range. A uniform absolute bound is needlessly tight on wide tables and the width follows the
-widest; bounds in proportion to each table's range ask every table for the same relative precision,
-and the one width follows the typical table (log2(widest / geometric mean) bits fewer). Measured
-at every message by default (from the blocks' min and max, which the width needs anyway), or every
-``table_bounds_refresh`` iterations (the iteration-wise schedule multiplies on top). Each rank
-measures the tables it sends; the receiver reads every block's grid from its header, so nothing else
-needs to agree.
+Table-wise bounds from the data: :class:`~workloads.dlrm.error_bounded.config.TableBounds`.
 """
 
 from __future__ import annotations
@@ -41,8 +31,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
-from enum import Enum, StrEnum
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,114 +40,22 @@ import torch.distributed as dist
 if TYPE_CHECKING:  # torchrec is imported where used: every cobench command imports all workloads
     from torchrec.distributed.types import QuantizedCommCodecs
 
-from workloads.dlrm import eb_grid, eb_kernels
-from workloads.dlrm.comm import CUSTOM_CODECS, CustomCodec
-from workloads.dlrm.eb_grid import MAX_PACKED_BITS, RAW_BITS
-from workloads.dlrm.eb_kernels import HEADER_BYTES
+from workloads.dlrm.codec_registry import CUSTOM_CODECS, CustomCodec
+from workloads.dlrm.error_bounded import exact_grid, fast_kernels
+from workloads.dlrm.error_bounded.config import (
+    BoundMode,
+    CodecOptions,
+    ErrorBoundConfig,
+    Packing,
+    ScheduleKind,
+    TableBounds,
+)
+from workloads.dlrm.error_bounded.exact_grid import MAX_PACKED_BITS, RAW_BITS
+from workloads.dlrm.error_bounded.fast_kernels import HEADER_BYTES
+from workloads.dlrm.error_bounded.stats import CompressionStats
 
 logger = logging.getLogger(__name__)
 
-
-
-class BoundMode(StrEnum):
-    ABS = "abs"
-    REL = "rel"
-
-
-class Packing(StrEnum):
-    AGREED = "agreed"
-    FIXED = "fixed"
-
-
-class TableBounds(StrEnum):
-    UNIFORM = "uniform"  # eb (times any declared table_scales) for every table
-    RANGE = "range"  # eb times each table's measured value range over the geometric mean of all (abs mode)
-
-
-class ScheduleKind(StrEnum):
-    CONSTANT = "constant"
-    LINEAR_DECAY = "linear_decay"
-    FEEDBACK = "feedback"
-
-
-def _parse(enum: type[Enum], value: Any, what: str) -> Any:
-    try:
-        return enum(value)
-    except ValueError:
-        raise ValueError(f"unknown {what} {value!r}; choose one of {[m.value for m in enum]}") from None
-
-
-@dataclass(frozen=True)
-class BoundSchedule:
-    """Per-iteration factor on the bound: constant, linear decay to ``min_factor``, or feedback
-    (multiply by ``tighten`` after ``patience`` losses without a ``min_delta`` relative gain)."""
-
-    kind: ScheduleKind = ScheduleKind.CONSTANT
-    decay_steps: int = 10_000
-    min_factor: float = 0.1
-    patience: int = 50
-    tighten: float = 0.5
-    min_delta: float = 1e-3
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", _parse(ScheduleKind, self.kind, "schedule"))
-        if not 0 < self.min_factor <= 1:
-            raise ValueError(f"schedule min_factor must be in (0, 1], got {self.min_factor}")
-        if not 0 < self.tighten < 1:
-            raise ValueError(f"schedule tighten must be in (0, 1), got {self.tighten}")
-        if self.decay_steps < 1 or self.patience < 1 or self.min_delta < 0:
-            raise ValueError("schedule decay_steps and patience must be >= 1 and min_delta >= 0")
-
-    @property
-    def floor(self) -> float:
-        """The smallest factor this schedule can reach."""
-        return 1.0 if self.kind is ScheduleKind.CONSTANT else self.min_factor
-
-
-@dataclass(frozen=True)
-class ErrorBoundConfig:
-    """One codec's settings. ``table_scales`` are multipliers per column block of the rows the codec
-    sees (see :func:`column_block_scales`); ``value_range`` declares ``(lo, hi)`` for abs + fixed."""
-
-    mode: BoundMode = BoundMode.REL
-    eb: float = 1e-2
-    packing: Packing = Packing.FIXED
-    bits: int | None = None  # fixed packing only; None: the fewest that guarantee the bound
-    block_size: int = 64
-    schedule: BoundSchedule = field(default_factory=BoundSchedule)
-    table_scales: tuple[float, ...] | None = None
-    value_range: tuple[float, float] | None = None
-    measure_error: bool = False  # also decode every message again and check each element (slow)
-    table_bounds: TableBounds = TableBounds.UNIFORM
-    table_bounds_refresh: int = 1  # iterations between measurements of the tables' ranges (1: every one)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "mode", _parse(BoundMode, self.mode, "mode"))
-        object.__setattr__(self, "packing", _parse(Packing, self.packing, "packing"))
-        object.__setattr__(self, "table_bounds", _parse(TableBounds, self.table_bounds, "table_bounds"))
-        if self.table_bounds is TableBounds.RANGE:
-            if self.mode is not BoundMode.ABS or self.packing is not Packing.AGREED:
-                raise ValueError("table_bounds='range' scales absolute bounds by each table's measured range: it "
-                                 "needs mode='abs' and packing='agreed' (a rel bound already follows each block's "
-                                 "range; a fixed width cannot follow measured data)")
-            if self.table_scales is not None:
-                raise ValueError("table_bounds='range' measures the table scales: do not also set table_scales")
-            if self.table_bounds_refresh < 1:
-                raise ValueError(f"table_bounds_refresh must be >= 1, got {self.table_bounds_refresh}")
-        if not (math.isfinite(self.eb) and self.eb > 0):
-            raise ValueError(f"eb must be a finite number > 0, got {self.eb}")
-        if self.mode is BoundMode.REL and self.eb > 0.5:
-            raise ValueError(f"a rel bound is a fraction of the block range; eb={self.eb} > 0.5 is meaningless")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.table_scales is not None:
-            object.__setattr__(self, "table_scales", tuple(float(s) for s in self.table_scales))
-            if not self.table_scales or not all(math.isfinite(s) and s > 0 for s in self.table_scales):
-                raise ValueError("table_scales must be a non-empty list of finite numbers > 0")
-        if self.packing is Packing.AGREED and self.bits is not None:
-            raise ValueError("bits is set by the exchange under packing='agreed'; use packing='fixed'")
-        if self.bits is not None and not 1 <= self.bits <= MAX_PACKED_BITS:
-            raise ValueError(f"bits must be in [1, {MAX_PACKED_BITS}] (raw float32 is automatic), got {self.bits}")
 
 
 @dataclass
@@ -171,88 +68,17 @@ class ErrorBoundedContext:
     row_dim: int = -1  # read by TorchRec's variable-batch path; -1: no row-wise padding
 
 
-@dataclass
-class CompressionStats:
-    """Totals since the last reset. Errors are the encoder's own per-block figures, computed with the
-    decoder's arithmetic (so they are what the receiver gets); ``measure_error=True`` also decodes
-    every message again and checks each element against its float64 bound (``verified_elements``;
-    a violation there counts elements, from the encoder's figures blocks). Non-finite blocks are
-    excluded and counted instead."""
-
-    encode_calls: int = 0
-    decode_calls: int = 0
-    bytes_in: int = 0  # float32 bytes given to encode
-    bytes_out: int = 0  # bytes encode produced
-    decoded_bytes: int = 0  # float32 bytes decode produced
-    measured_elements: int = 0
-    max_abs_error: float = 0.0
-    sum_abs_error: float = 0.0
-    max_error_over_bound: float = 0.0  # <= 1 is the guarantee
-    bound_violations: int = 0  # messages with a block over its bound (elements, with measure_error); stays 0
-    nonfinite_elements: int = 0
-    nonfinite_blocks: int = 0
-    exact_path_blocks: int = 0  # blocks float32 rounding could not carry: sent on float64 grids
-    lattice_blocks: int = 0  # of those, on the float32-lattice grid (rounding-dominated)
-    raw_messages: int = 0  # messages sent as raw float32 (bound below what 16 bits guarantee)
-    last_bits: int | None = None
-    encode_seconds: float = 0.0  # the size exchange of agreed packing excluded
-    exchange_seconds: float = 0.0  # agreed packing's all-reduce: it waits for the slowest rank, like a collective
-    decode_seconds: float = 0.0
-    verified_elements: int = 0  # measure_error: elements checked by decoding the message again
-    measure_seconds: float = 0.0  # measure_error: that second decode and its check
-
-    @property
-    def compression_ratio(self) -> float:
-        return self.bytes_in / self.bytes_out if self.bytes_out else float("nan")
-
-    @property
-    def mean_abs_error(self) -> float:
-        return self.sum_abs_error / self.measured_elements if self.measured_elements else float("nan")
-
-    @property
-    def encode_gbps(self) -> float:
-        """float32 input bytes encoded per second, in GB/s."""
-        return self.bytes_in / self.encode_seconds / 1e9 if self.encode_seconds else float("nan")
-
-    @property
-    def decode_gbps(self) -> float:
-        """float32 output bytes decoded per second, in GB/s."""
-        return self.decoded_bytes / self.decode_seconds / 1e9 if self.decode_seconds else float("nan")
-
-    def as_dict(self) -> dict[str, float]:
-        """Flat numbers for a metrics logger."""
-        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "last_bits"}
-        values["last_bits"] = self.last_bits if self.last_bits is not None else float("nan")
-        for name in ("compression_ratio", "mean_abs_error", "encode_gbps", "decode_gbps"):
-            values[name] = getattr(self, name)
-        return {k: float(v) for k, v in values.items()}
-
-
 def bytes_per_block(bits: int, block_size: int) -> int:
     """Encoded bytes of one block at this width (``RAW_BITS``: raw float32)."""
     if bits == RAW_BITS:
         return 4 * block_size
-    return HEADER_BYTES + eb_kernels.payload_bytes(bits, block_size)
-
-
-def column_block_scales(
-    table_dims: Sequence[int], table_scales: Sequence[float] | Mapping[int, float], block_size: int
-) -> list[float]:
-    """Expand per-table multipliers (a list, or ``{table index: scale}`` with 1.0 for the rest) to the
-    per-column-block list the codec takes, for rows laid out as the tables' columns in order."""
-    if isinstance(table_scales, Mapping):
-        table_scales = [table_scales.get(t, 1.0) for t in range(len(table_dims))]
-    if len(table_scales) != len(table_dims):
-        raise ValueError(f"{len(table_scales)} table scales for {len(table_dims)} tables")
-    if any(d % block_size for d in table_dims):
-        raise ValueError(f"every table dim must be a multiple of block_size={block_size}: {list(table_dims)}")
-    return [float(s) for d, s in zip(table_dims, table_scales, strict=True) for _ in range(d // block_size)]
+    return HEADER_BYTES + fast_kernels.payload_bytes(bits, block_size)
 
 
 def _fixed_width(config: ErrorBoundConfig) -> int:
     """Bits a fixed-width codec needs for the tightest bound its schedule and table scales reach."""
     tightest = config.eb * config.schedule.floor * min(config.table_scales or (1.0,))
-    return eb_grid.fixed_width(config.mode is BoundMode.REL, tightest, config.value_range, config.bits)
+    return exact_grid.fixed_width(config.mode is BoundMode.REL, tightest, config.value_range, config.bits)
 
 
 # ---- the codec -----------------------------------------------------------------------------------
@@ -349,11 +175,11 @@ class ErrorBoundedCodec(CustomCodec):
         if input_tensor.dtype != torch.float32:
             raise ValueError(f"the codec encodes float32 embeddings, got {input_tensor.dtype}")
         if input_tensor.device.type == "cpu":
-            eb_kernels.cpu_kernels()  # built or loaded once per process, before the clock starts
+            fast_kernels.cpu_kernels()  # built or loaded once per process, before the clock starts
         start, exchanged = time.perf_counter(), self.stats.exchange_seconds
         x = input_tensor.reshape(self._num_blocks(input_tensor.numel()), self.config.block_size)
         self._check_value_range(x)
-        minmax = eb_kernels.block_minmax(x) if self._fixed_bits is None else None  # agreed packing reads it
+        minmax = fast_kernels.block_minmax(x) if self._fixed_bits is None else None  # agreed packing reads it
         if self.config.table_bounds is TableBounds.RANGE:
             self._measure_ranges(minmax, input_tensor, ctx)
         factor, factor32 = self._block_factors(x.shape[0], input_tensor, ctx)
@@ -362,16 +188,16 @@ class ErrorBoundedCodec(CustomCodec):
         if bits == RAW_BITS:
             message = x.reshape(-1).view(torch.uint8)
         else:
-            rows, status, errors, summary = eb_kernels.encode_fast(x, factor32, self._rel, bits)
+            rows, status, errors, summary = fast_kernels.encode_fast(x, factor32, self._rel, bits)
             summary = summary.tolist()  # the one read: blocks sent, exact path, non-finite; error figures
             counts = [int(c) for c in summary[:3]]
-            if counts[eb_kernels.STATUS_EXACT_PATH]:  # float32 rounding could not carry these: float64 grids can
-                exact = (status == eb_kernels.STATUS_EXACT_PATH).nonzero().flatten()
+            if counts[fast_kernels.STATUS_EXACT_PATH]:  # float32 rounding could not carry these: float64 grids can
+                exact = (status == fast_kernels.STATUS_EXACT_PATH).nonzero().flatten()
                 bound = self._bounds(x[exact], factor[exact])
-                header, codes, exact_lattice = eb_grid.encode_exact(x[exact], bound, bits)
-                rows[exact] = torch.cat([header.view(torch.uint8), eb_kernels.pack(codes, bits)], 1)
+                header, codes, exact_lattice = exact_grid.encode_exact(x[exact], bound, bits)
+                rows[exact] = torch.cat([header.view(torch.uint8), fast_kernels.pack(codes, bits)], 1)
                 errors = self._exact_path_errors(errors, exact, x, rows, bound, bits)
-                summary = eb_kernels.summarise(status, errors).tolist()
+                summary = fast_kernels.summarise(status, errors).tolist()
             message = rows.view(-1)
         self._sync(message)
         seconds = time.perf_counter() - start - (self.stats.exchange_seconds - exchanged)
@@ -385,7 +211,7 @@ class ErrorBoundedCodec(CustomCodec):
     def _exact_path_errors(self, errors: torch.Tensor, exact: torch.Tensor, x: torch.Tensor, rows: torch.Tensor,
                            bound: torch.Tensor, bits: int) -> torch.Tensor:
         """``errors`` with the exact-path blocks' figures filled in (decoded as the receiver will)."""
-        decoded = eb_kernels.decode_fast(rows[exact], bits, self.config.block_size).double()
+        decoded = fast_kernels.decode_fast(rows[exact], bits, self.config.block_size).double()
         error = (decoded - x[exact].double()).abs()
         largest = error.amax(1)
         ratio = torch.where(bound > 0, largest / bound, torch.where(largest > 0, math.inf, 0.0))
@@ -461,7 +287,7 @@ class ErrorBoundedCodec(CustomCodec):
         if self._factor_cache is None or self._factor_cache[0] != key:
             scales = self._scales.to(x.device)
             factor = self.config.eb * self._factor * scales[torch.arange(blocks, device=x.device) % len(scales)]
-            self._factor_cache = (key, factor, eb_kernels.float32_below(factor))
+            self._factor_cache = (key, factor, fast_kernels.float32_below(factor))
         return self._factor_cache[1], self._factor_cache[2]
 
     def _bounds(self, x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
@@ -488,15 +314,15 @@ class ErrorBoundedCodec(CustomCodec):
         ``2**(b - 22)`` steps, a float32 rounding of ``2**-11 · bound``) stays under the bound for
         ``b <= 14``; beyond, or should the kernel's check refuse a block, the exact path's uniform grid
         (step near ``2 · bound``) fits the same width. The other blocks get the exact float64 answer
-        (:func:`eb_grid.needed_bits`). The encoder checks every block either way. ``minmax``: the
+        (:func:`exact_grid.needed_bits`). The encoder checks every block either way. ``minmax``: the
         blocks' min and max, when the caller has them."""
-        lo, hi = minmax if minmax is not None else eb_kernels.block_minmax(x)
-        if x.device.type == "cpu" and (kernels := eb_kernels.cpu_kernels()) is not None:  # the same, in one loop
+        lo, hi = minmax if minmax is not None else fast_kernels.block_minmax(x)
+        if x.device.type == "cpu" and (kernels := fast_kernels.cpu_kernels()) is not None:  # the same, in one loop
             easy_bits, hard_mask = kernels.easy_width(lo, hi, factor.double().contiguous(), self._rel)
             needed, hard = int(easy_bits), hard_mask.nonzero().flatten()
             if hard.numel():
                 bound = factor[hard] * (hi[hard].double() - lo[hard].double()) if self._rel else factor[hard]
-                needed = max(needed, int(eb_grid.needed_bits(x[hard], bound).max()))
+                needed = max(needed, int(exact_grid.needed_bits(x[hard], bound).max()))
             return RAW_BITS if needed > MAX_PACKED_BITS else needed
         finite = torch.isfinite(lo) & torch.isfinite(hi)  # a NaN anywhere makes the block's min/max NaN
         if not bool(finite.all()):
@@ -512,7 +338,7 @@ class ErrorBoundedCodec(CustomCodec):
         needed = int(torch.ceil(torch.log2(codes + 1)).max()) if bool(easy.any()) else 0
         hard = (~easy).nonzero().flatten()
         if hard.numel():
-            needed = max(needed, int(eb_grid.needed_bits(x[hard], bound[hard]).max()))
+            needed = max(needed, int(exact_grid.needed_bits(x[hard], bound[hard]).max()))
         return RAW_BITS if needed > MAX_PACKED_BITS else needed
 
     def _message_bits(self, x: torch.Tensor, factor: torch.Tensor, ctx: ErrorBoundedContext | None,
@@ -543,7 +369,7 @@ class ErrorBoundedCodec(CustomCodec):
         width = bytes_per_block(bits, block)
         if message.numel() % width:
             raise ValueError(f"{message.numel()} bytes are not whole {width}-byte blocks of {bits}-bit codes")
-        return eb_kernels.decode_fast(message.view(-1, width), bits, block).view(-1)
+        return fast_kernels.decode_fast(message.view(-1, width), bits, block).view(-1)
 
     def _record_encode(self, x: torch.Tensor, counts: list[int] | None, exact_lattice: torch.Tensor | None,
                        bits: int, message: torch.Tensor, seconds: float) -> None:
@@ -551,7 +377,7 @@ class ErrorBoundedCodec(CustomCodec):
         if counts is None:  # raw float32: NaN and Inf travel as they are
             nonfinite_blocks = int((~torch.isfinite(x).all(1)).sum())
         else:
-            nonfinite_blocks = counts[eb_kernels.STATUS_NONFINITE]
+            nonfinite_blocks = counts[fast_kernels.STATUS_NONFINITE]
         nonfinite = int((~torch.isfinite(x)).sum()) if nonfinite_blocks else 0
         stats.encode_calls += 1
         stats.bytes_in += 4 * x.numel()
@@ -575,7 +401,7 @@ class ErrorBoundedCodec(CustomCodec):
         stats.max_abs_error = max(stats.max_abs_error, largest)
         stats.max_error_over_bound = max(stats.max_error_over_bound, ratio)
         stats.sum_abs_error += total
-        finite_blocks = counts[eb_kernels.STATUS_SENT] + counts[eb_kernels.STATUS_EXACT_PATH]
+        finite_blocks = counts[fast_kernels.STATUS_SENT] + counts[fast_kernels.STATUS_EXACT_PATH]
         stats.measured_elements += finite_blocks * self.config.block_size
         stats.bound_violations += int(ratio > 1)  # a block over its bound (never, by construction)
 
@@ -606,59 +432,6 @@ class ErrorBoundedCodec(CustomCodec):
     def _sync(tensor: torch.Tensor) -> None:
         if tensor.device.type != "cpu":
             torch.accelerator.synchronize(tensor.device)  # time kernels, not launches (any accelerator)
-
-
-@dataclass(frozen=True)
-class CodecOptions:
-    """``workload.codec_options`` of ``comm_codec=eb``: the forward codec's settings (pooled
-    embeddings), the schedule's, and the backward codec's own bound (gradients have their own scale).
-    Defaults are the fields'; unknown keys are refused by name."""
-
-    mode: str = BoundMode.REL.value
-    eb: float = 1e-2
-    packing: str = Packing.FIXED.value
-    bits: int | None = None
-    block_size: int | None = None  # None: 64, or what DLRM passes (comm.auto_block_size)
-    schedule: str = ScheduleKind.CONSTANT.value
-    schedule_decay_steps: int = BoundSchedule.decay_steps
-    schedule_min_factor: float = BoundSchedule.min_factor
-    schedule_patience: int = BoundSchedule.patience
-    schedule_tighten: float = BoundSchedule.tighten
-    table_scales: tuple[float, ...] | None = None  # forward only: column blocks of this rank's rows
-    value_range: tuple[float, float] | None = None
-    measure_error: bool = False  # also decode every message again and check each element (slow)
-    table_bounds: str = TableBounds.UNIFORM.value  # forward only: 'range' = bounds from each table's range
-    table_bounds_refresh: int = ErrorBoundConfig.table_bounds_refresh
-    backward_mode: str = BoundMode.REL.value
-    backward_eb: float = 1e-2
-    backward_bits: int | None = None
-    backward_value_range: tuple[float, float] | None = None
-
-    @classmethod
-    def of(cls, options: Mapping[str, Any]) -> CodecOptions:
-        known = {f.name for f in fields(cls)}
-        unknown = set(options) - known
-        if unknown:
-            raise ValueError(f"unknown compression options {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**options)
-
-    def configs(self) -> tuple[ErrorBoundConfig, ErrorBoundConfig]:
-        """(forward, backward) codec configs."""
-        schedule = BoundSchedule(kind=self.schedule, decay_steps=self.schedule_decay_steps,
-                                 min_factor=self.schedule_min_factor, patience=self.schedule_patience,
-                                 tighten=self.schedule_tighten)
-        common = {"packing": self.packing, "block_size": self.block_size or ErrorBoundConfig.block_size,
-                  "schedule": schedule, "measure_error": self.measure_error}
-        forward = ErrorBoundConfig(mode=self.mode, eb=self.eb, bits=self.bits, table_scales=self.table_scales,
-                                   value_range=_pair(self.value_range), table_bounds=self.table_bounds,
-                                   table_bounds_refresh=self.table_bounds_refresh, **common)
-        backward = ErrorBoundConfig(mode=self.backward_mode, eb=self.backward_eb, bits=self.backward_bits,
-                                    value_range=_pair(self.backward_value_range), **common)
-        return forward, backward
-
-
-def _pair(value: Sequence[float] | None) -> tuple[float, float] | None:
-    return tuple(value) if value is not None else None
 
 
 def make_error_bounded_codecs(options: Mapping[str, Any], process_group: dist.ProcessGroup | None

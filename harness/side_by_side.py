@@ -1,0 +1,252 @@
+"""Two step functions timed side by side in one process, and the verdict on the ratio of their steps.
+
+The source and its replay run interleaved in rounds — source K samples, replay K samples, the order
+alternating every round — so machine drift lands on both sides alike (:func:`interleave`). The figure
+is the ratio of the two sides' median step times, with a 95 % interval from a bootstrap over rounds
+(each round's pair resampled together); rounds are added until the interval's half-width is within
+the target or the time budget runs out, and :class:`SideBySide` says whether the figure is a verdict
+and, when it is not, why.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from harness.platform import synchronize
+
+# A verdict needs the 95 % interval of the replay ÷ source ratio within ±TARGET_HALF_WIDTH_PCT: the judge
+# adds rounds until it is, or until its time budget runs out (then, and only then, no verdict).
+TARGET_HALF_WIDTH_PCT = 2.5
+MIN_VALID_ROUNDS = 5  # a bootstrap over fewer rounds gives an interval too narrow to believe
+MAX_ROUNDS = 400
+MIN_SAMPLE_MS = 20.0  # a sample times enough consecutive steps to last this long: timer and sync costs vanish
+BOOTSTRAP_SAMPLES = 2000
+
+
+@dataclass
+class SideBySide:
+    """Interleaved step times of the source and its replay, round by round (ms per step), and the verdict.
+
+    Each value is one sample: ``batch`` consecutive steps timed together, divided by ``batch``.
+    """
+
+    source_ms: list[list[float]]
+    replay_ms: list[list[float]]
+    order: list[str]  # which side went first in each round
+    batch: int = 1  # steps per timed sample
+    target_half_width_pct: float = TARGET_HALF_WIDTH_PCT
+    budget_s: float | None = None  # None: a fixed number of rounds
+    elapsed_s: float = 0.0  # what the rounds took
+    budget_exhausted: bool = False
+    # bootstrap draws of how much a replay step would move were the capture's host time and the replay's
+    # own call cost measured again (ms; see capture_shift_draws): the interval covers them too
+    replay_shift_ms: list[float] | None = None
+    capture_half_width_pct: float = 0.0  # that alone, as a half-width of the figure
+    time_error_signed_pct: float = math.nan
+    time_error_pct: float = math.nan
+    time_error_ci_low_pct: float = math.nan
+    time_error_ci_high_pct: float = math.nan
+    source_step_ms: float = math.nan
+    replay_step_ms: float = math.nan
+    source_round_cv_pct: float = math.nan
+    replay_round_cv_pct: float = math.nan
+    fidelity_valid: bool = False
+    invalid_reason: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def half_width_pct(self) -> float:
+        return (self.time_error_ci_high_pct - self.time_error_ci_low_pct) / 2
+
+    def summarise(self, seed: int = 0) -> SideBySide:
+        """Fill in the figures from the step times."""
+        source = [t for r in self.source_ms for t in r]
+        replay = [t for r in self.replay_ms for t in r]
+        self.source_step_ms, self.replay_step_ms = statistics.median(source), statistics.median(replay)
+        ratio = self.replay_step_ms / self.source_step_ms
+        self.time_error_signed_pct = 100.0 * (ratio - 1.0)
+        self.time_error_pct = abs(self.time_error_signed_pct)
+        low, high = bootstrap_ratio_interval(self.source_ms, self.replay_ms, seed=seed, shift_ms=self.replay_shift_ms)
+        if self.replay_shift_ms:
+            shifts = sorted(100.0 * d / self.replay_step_ms for d in self.replay_shift_ms)
+            last = len(shifts) - 1
+            self.capture_half_width_pct = (shifts[int(0.975 * last)] - shifts[int(0.025 * last)]) / 2
+        self.time_error_ci_low_pct, self.time_error_ci_high_pct = 100.0 * (low - 1.0), 100.0 * (high - 1.0)
+        self.source_round_cv_pct = cv_pct([statistics.median(r) for r in self.source_ms])
+        self.replay_round_cv_pct = cv_pct([statistics.median(r) for r in self.replay_ms])
+        reasons = []
+        if len(self.order) < MIN_VALID_ROUNDS:
+            reasons.append(f"{len(self.order)} rounds are too few for an interval (at least {MIN_VALID_ROUNDS}: "
+                           f"--rounds)")
+        if not self.half_width_pct <= self.target_half_width_pct:
+            spent = (f" after {len(self.order)} rounds in {self.elapsed_s:.0f} s, the budget spent "
+                     f"(--budget-s {self.budget_s:.0f})" if self.budget_s is not None else
+                     f" after {len(self.order)} rounds (--rounds)")
+            reasons.append(f"the 95 % interval is ±{self.half_width_pct:.1f} % (> ±{self.target_half_width_pct:g} %)"
+                           f"{spent}: the source's round medians vary {self.source_round_cv_pct:.1f} %"
+                           + (f", and re-measuring the capture's host time and the replay's call cost alone moves "
+                              f"it ±{self.capture_half_width_pct:.1f} %" if self.replay_shift_ms else "")
+                           + "; a larger budget or a quieter machine narrows it")
+        self.fidelity_valid = not reasons
+        self.invalid_reason = "; ".join(reasons)
+        return self
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "time_error_pct": self.time_error_pct,
+            "time_error_signed_pct": self.time_error_signed_pct,
+            "time_error_ci_low_pct": self.time_error_ci_low_pct,
+            "time_error_ci_high_pct": self.time_error_ci_high_pct,
+            "time_error_ci_pct": self.half_width_pct,
+            "source_step_ms": self.source_step_ms,
+            "replay_step_ms": self.replay_step_ms,
+            "reference_step_ms": self.source_step_ms,
+            "source_round_cv_pct": self.source_round_cv_pct,
+            "replay_round_cv_pct": self.replay_round_cv_pct,
+            "fidelity_valid": float(self.fidelity_valid),
+            "judgement_rounds": float(len(self.order)),
+            "judgement_batch_steps": float(self.batch),
+            "judgement_elapsed_s": self.elapsed_s,
+            "capture_half_width_pct": self.capture_half_width_pct,
+            **({"judgement_budget_s": self.budget_s} if self.budget_s is not None else {}),
+        }
+
+
+def bootstrap_ratio_interval(source_ms: list[list[float]], replay_ms: list[list[float]], *, seed: int = 0,
+                             samples: int = BOOTSTRAP_SAMPLES, level: float = 0.95,
+                             shift_ms: list[float] | None = None) -> tuple[float, float]:
+    """95 % interval of median(replay) ÷ median(source), resampling whole rounds (pairs stay together);
+    ``shift_ms``: draws of what re-measuring the capture would add to a replay step, one per sample."""
+    rng = random.Random(seed)
+    rounds = len(source_ms)
+    ratios = []
+    for b in range(samples):
+        picked = [rng.randrange(rounds) for _ in range(rounds)]
+        source = [t for i in picked for t in source_ms[i]]
+        replay = [t for i in picked for t in replay_ms[i]]
+        shift = shift_ms[b % len(shift_ms)] if shift_ms else 0.0
+        ratios.append((statistics.median(replay) + shift) / statistics.median(source))
+    ratios.sort()
+    tail = (1.0 - level) / 2
+    return ratios[int(tail * (samples - 1))], ratios[int(math.ceil((1.0 - tail) * (samples - 1)))]
+
+
+def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], device: torch.device, *,
+               rounds: int = 10, steps_per_round: int = 10, warmup: int = 3, seed: int = 0,
+               budget_s: float | None = None, target_half_width_pct: float = TARGET_HALF_WIDTH_PCT,
+               batch: int | None = None, agree: Callable[[Any], Any] | None = None,
+               replay_shift_ms: list[float] | None = None,
+               prepare: dict[str, Callable[[], Any]] | None = None) -> SideBySide:
+    """Run both sides in alternating rounds of ``steps_per_round`` samples each, timed device-synchronised.
+
+    A sample is ``batch`` consecutive steps timed together (default: as many as last
+    :data:`MIN_SAMPLE_MS`, from the warm-up steps' times), so that short steps are not lost in the
+    timer's and the synchronisation's own cost. With ``budget_s``, ``rounds`` is the least: more are
+    added until the interval's half-width is within ``target_half_width_pct`` or the rounds have
+    taken ``budget_s`` (the figure is then reported as reached, and not valid). ``agree``: under
+    torchrun, returns rank 0's value of what it is given, so that every rank runs the same batch and
+    rounds (the steps hold collectives). ``replay_shift_ms``: see :func:`capture_shift_draws`.
+    ``prepare``: side name → called before that side's samples of each round, untimed (the replay puts
+    its carried state back as it was made: the replay workload's ``restore_values``).
+    """
+    agree = agree or (lambda value: value)
+    if rounds < 2 or steps_per_round < 1 or warmup < 0:
+        raise ValueError(f"side-by-side needs rounds >= 2, steps per round >= 1, warmup >= 0; got rounds={rounds}, "
+                         f"steps per round={steps_per_round}, warmup={warmup}")
+    if budget_s is not None and not budget_s > 0:
+        raise ValueError(f"the judgement's time budget must be > 0 s, got {budget_s}")
+    sides = {"source": source_step, "replay": replay_step}
+    warm_ms = []
+    for step in sides.values():  # both warm: caches, allocator, lazy init
+        for _ in range(warmup):
+            warm_ms.append(_timed(step, device, 1))
+    if batch is None:
+        typical = statistics.median(warm_ms[len(warm_ms) // 4:]) if warm_ms else MIN_SAMPLE_MS
+        batch = agree(max(1, min(1000, math.ceil(MIN_SAMPLE_MS / max(typical, 1e-3)))))
+    times: dict[str, list[list[float]]] = {"source": [], "replay": []}
+    order: list[str] = []
+    started = time.perf_counter()
+
+    def run_round() -> None:
+        first, second = ("source", "replay") if len(order) % 2 == 0 else ("replay", "source")
+        order.append(first)
+        for name in (first, second):
+            if name in (prepare or {}):
+                prepare[name]()
+            times[name].append([_timed(sides[name], device, batch) for _ in range(steps_per_round)])
+
+    for _ in range(rounds):
+        run_round()
+    side = SideBySide(times["source"], times["replay"], order, batch=batch, budget_s=budget_s,
+                      target_half_width_pct=target_half_width_pct, replay_shift_ms=replay_shift_ms)
+    side.elapsed_s = time.perf_counter() - started
+    side.summarise(seed)
+    while budget_s is not None:
+        per_round = side.elapsed_s / len(order)
+        # a quarter more rounds at a time (the bootstrap is recomputed each time), within the budget;
+        # every rank follows rank 0's decision (its own interval may differ)
+        done = side.half_width_pct <= target_half_width_pct or len(order) >= MAX_ROUNDS
+        exhausted = side.elapsed_s + per_round > budget_s
+        more = max(1, min(max(2, len(order) // 4), int((budget_s - side.elapsed_s) / per_round),
+                          MAX_ROUNDS - len(order)))
+        done, exhausted, more = agree((done, exhausted, more))
+        if done:
+            break
+        if exhausted:
+            side.budget_exhausted = True
+            break
+        for _ in range(more):
+            run_round()
+        side.elapsed_s = time.perf_counter() - started
+        side.summarise(seed)
+    return side
+
+
+def _timed(step: Callable[[], Any], device: torch.device, batch: int) -> float:
+    """Milliseconds per step over ``batch`` consecutive steps, device-synchronised before and after."""
+    synchronize(device)
+    started = time.perf_counter()
+    for _ in range(batch):
+        step()
+    synchronize(device)
+    return 1e3 * (time.perf_counter() - started) / batch
+
+
+def capture_shift_draws(replayer: Any, *, seed: int = 0, samples: int = BOOTSTRAP_SAMPLES) -> list[float] | None:
+    """Bootstrap draws (ms) of how far a replay step would move were its two measured inputs measured again.
+
+    A replay spends the program's host time per step, measured once at capture (the median of the
+    Kineto-alone steps), less its own cost per op call, measured once at setup (the median of its
+    calibration steps). Two judgements of one program differ mostly by these two medians. Each draw
+    resamples both sets of measurements: the median gap moves the step by as much; the median call cost
+    moves it the other way, once per op. None when the replay spends no host gaps.
+    """
+    if replayer is None or not getattr(replayer, "host_gaps", False):
+        return None
+    gaps, calls = list(replayer.gap_samples_us), list(replayer.call_samples_s)
+    if len(gaps) < 2 and len(calls) < 2:
+        return None
+    ops = statistics.fmean(len(step) for step in replayer.sequence)
+    gap, call = (statistics.median(gaps) if gaps else 0.0), replayer.call_s
+    rng = random.Random(seed + 1)
+    draws = []
+    for _ in range(samples):
+        g = statistics.median(rng.choices(gaps, k=len(gaps))) if len(gaps) > 1 else gap
+        c = statistics.median(rng.choices(calls, k=len(calls))) if len(calls) > 1 else call
+        draws.append(((g - gap) - ops * 1e6 * (c - call)) / 1e3)
+    return draws
+
+
+def cv_pct(values: list[float]) -> float:
+    """Coefficient of variation of ``values``, in percent (0 for fewer than two)."""
+    if len(values) < 2:
+        return 0.0
+    return 100.0 * statistics.stdev(values) / statistics.fmean(values)
