@@ -22,7 +22,6 @@ all is :mod:`.safety`'s policy, checked before a replay is built.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import statistics
@@ -36,7 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from workloads.trace_bundle import STEP_ANNOTATION
 from workloads.trace_replay.codegen import generate_step, seconds
+from workloads.trace_replay.host_time import kineto_host_gaps
 from workloads.trace_replay.ops import (
     LAYOUTS,
     MEMORY_FORMATS,
@@ -53,9 +54,9 @@ from workloads.trace_replay.ops import (
     tensor_info,
     waited,
 )
+from workloads.trace_replay.parse import is_tensor_ref, read_kineto
 from workloads.trace_replay.records import OpRecord, RankRecord, ValueStats
 from workloads.trace_replay.safety import op_refusal
-from workloads.trace_replay.spec import STEP_ANNOTATION, is_tensor_ref, kineto_host_gaps
 from workloads.trace_replay.tensors import copy_recorded, fill_view, match_values, recorded_view, stand_in
 
 # Ops whose output shape follows a boolean mask's count of True, with the mask's argument position
@@ -832,7 +833,7 @@ class Replayer:
         """Measure the replay's own host time per op call (seconds; kept in :attr:`call_s`).
 
         The program's host gaps were measured from its Kineto trace as the time outside its ops, the
-        profiler's cost taken out (:func:`.spec.kineto_host_gaps`); the replay's own time outside its
+        profiler's cost taken out (:func:`.host_time.kineto_host_gaps`); the replay's own time outside its
         ops (the generated code: argument lists, the op binding, slot stores and releases) is measured
         here the same way on its own steps with every gap zero, so the gaps it spends are exactly the
         program's host time it does not already pay. (A fixed per-call figure from a one-argument op
@@ -875,7 +876,7 @@ class Replayer:
                     synchronize()
                     plain_us[k] = 1e6 * (time.perf_counter() - started)
                 prof.export_chrome_trace(str(path))
-                host_us = kineto_host_gaps(json.loads(path.read_text()), path, plain_us)
+                host_us = kineto_host_gaps(read_kineto(path), plain_us)
                 per_op += [host_us[k] / max(1, len(self.sequence[k])) for k in host_us]
         self.call_samples_s = [1e-6 * v for v in per_op]  # what the figure rests on: a judgement resamples it
         self.call_s = statistics.median(self.call_samples_s) if per_op else 0.0
