@@ -32,8 +32,8 @@ from workloads.trace_replay.ops import (
     waited,
 )
 from workloads.trace_replay.parse import is_tensor_ref
+from workloads.trace_replay.policy import op_refusal
 from workloads.trace_replay.records import OpRecord
-from workloads.trace_replay.safety import op_refusal
 from workloads.trace_replay.tensors import recorded_view
 
 # Kernels whose outputs depend on autograd being on (the workspace their backward reads).
