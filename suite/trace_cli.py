@@ -207,7 +207,7 @@ def _capture(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from workloads.trace_replay.safety import refused_ops
+    from workloads.trace_replay.policy import refused_ops
     from workloads.trace_replay.spec import GenerateOptions, generate_spec, write_spec
 
     steps = [int(s) for s in args.steps.split(",")] if args.steps else None

@@ -18,7 +18,9 @@ from conftest import clean_env, mlflow_runs
 from spec_fuzz import aim_at_file, try_one
 
 from workloads.trace_bundle import TraceError
-from workloads.trace_replay.safety import check_spec, estimate_peak_bytes, op_refusal
+from workloads.trace_replay.memory import estimate_peak_bytes
+from workloads.trace_replay.policy import op_refusal
+from workloads.trace_replay.safety import check_spec
 from workloads.trace_replay.spec import generate_spec, write_spec
 
 REPLAY = ["runner.warmup_steps=1", "runner.steps=3", "runner.progress=false"]

@@ -19,9 +19,11 @@ import torch
 from conftest import clean_env, mlflow_runs
 
 from workloads.trace_bundle import ET_FILE, KINETO_FILE, META_FILE, TraceError, read_meta
+from workloads.trace_replay.host_time import kineto_host_gaps
+from workloads.trace_replay.parse import kineto_trace
 from workloads.trace_replay.records import RankRecord
 from workloads.trace_replay.replay import Replayer
-from workloads.trace_replay.spec import GenerateOptions, generate_spec, kineto_host_gaps, load_spec, write_spec
+from workloads.trace_replay.spec import GenerateOptions, generate_spec, load_spec, write_spec
 
 CAPTURE_STEPS = ["--steps", "2", "--warmup", "1", "--baseline-steps", "3"]
 REPLAY = ["runner.warmup_steps=1", "runner.steps=4", "runner.progress=false"]
@@ -354,11 +356,11 @@ def test_host_gap_estimate_takes_the_profilers_cost_out():
         event("aten::relu", 1050, 40),
         event("aten::relu", 1200, 5),  # after the step: not counted
     ]}
-    assert kineto_host_gaps(trace, Path("t.json"), {None: 70.0}) == {0: pytest.approx(10.0)}
+    assert kineto_host_gaps(kineto_trace(trace, Path("t.json")), {None: 70.0}) == {0: pytest.approx(10.0)}
     # no profiler cost (plain as slow as traced): every gap is the program's
-    assert kineto_host_gaps(trace, Path("t.json"), {0: 100.0}) == {0: pytest.approx(30.0)}
+    assert kineto_host_gaps(kineto_trace(trace, Path("t.json")), {0: 100.0}) == {0: pytest.approx(30.0)}
     with pytest.raises(TraceError, match="not a Kineto"):
-        kineto_host_gaps({"nodes": []}, Path("t.json"), {None: 1.0})
+        kineto_trace({"nodes": []}, Path("t.json"))
 
 
 def test_host_time_inside_a_wrapper_the_replay_does_not_run_counts_as_host_time():
@@ -380,9 +382,9 @@ def test_host_time_inside_a_wrapper_the_replay_does_not_run_counts_as_host_time(
         event("aten::relu", 1060, 30),
     ]}
     replayed = {"aten::mm", "aten::add", "aten::relu"}.__contains__
-    assert kineto_host_gaps(trace, Path("t.json"), {None: 80.0}, replayed) == {0: pytest.approx(30.0)}
+    assert kineto_host_gaps(kineto_trace(trace, Path("t.json")), {None: 80.0}, replayed) == {0: pytest.approx(30.0)}
     # without the replayed set the wrapper counts as one op: busy 70 µs (wrapper, relu), 2 events × 5
-    assert kineto_host_gaps(trace, Path("t.json"), {None: 80.0}) == {0: pytest.approx(20.0)}
+    assert kineto_host_gaps(kineto_trace(trace, Path("t.json")), {None: 80.0}) == {0: pytest.approx(20.0)}
 
 
 def test_the_programs_own_host_time_is_measured_and_spent_by_the_replay(tmp_path: Path):

@@ -62,7 +62,7 @@ def _replayer(bundle: Path) -> Replayer:
 def _external(replayer: Replayer, target: torch.Tensor) -> torch.Tensor:
     """The replay's synthesised tensor standing for the program's ``target`` (the one of its shape, in
     first-read order of that shape: the weights here have distinct shapes)."""
-    found = [replayer.vals[slot] for slot, (info, _, _) in replayer._externals.items()
+    found = [replayer.vals[slot] for slot, (info, _, _) in replayer.externals.items()
              if tuple(info.shape) == tuple(target.shape) and info.dtype == target.dtype
              and isinstance(replayer.vals[slot], torch.Tensor)]
     assert found, f"no external of shape {tuple(target.shape)}"
@@ -92,7 +92,7 @@ def test_the_replay_draws_the_programs_parameters_and_optimiser_state_like_them(
     assert 3.0 <= bias.min().item() and bias.max().item() <= 4.0  # inside the program's own range
     # every external second moment (the tensors sqrt reads) is drawn inside its range: never negative
     shapes = {tuple(p.shape) for p in model.parameters()}
-    moments = [replayer.vals[slot] for slot, (info, _, _) in replayer._externals.items()
+    moments = [replayer.vals[slot] for slot, (info, _, _) in replayer.externals.items()
                if tuple(info.shape) in shapes and isinstance(replayer.vals[slot], torch.Tensor)]
     assert len(moments) >= 3 * len(shapes) and all(torch.isfinite(m).all() for m in moments)
     replayer.dry_run()

@@ -92,6 +92,29 @@ def unfaithful_reason(ops: list[Any], errors: dict[int, str], divergent: dict[in
     return "; ".join(parts)
 
 
+def _category_shares(ops: list[Any], op_times_s: dict[int, list[float]]
+                     ) -> tuple[dict[str, dict[str, float]], list[tuple[float, float]]]:
+    """Per category, the share of the captured op time vs the share of the replayed op time; and the
+    (captured µs, replayed µs) of every op timed on both sides."""
+    orig_cat: dict[str, float] = defaultdict(float)
+    replay_cat: dict[str, float] = defaultdict(float)
+    pairs = []
+    for i, op in enumerate(ops):
+        orig_cat[op.category] += op.dur_us or 0.0
+        if i in op_times_s:
+            replay_us = 1e6 * min(op_times_s[i])
+            replay_cat[op.category] += replay_us
+            if op.dur_us:
+                pairs.append((op.dur_us, replay_us))
+    orig_total, replay_total = sum(orig_cat.values()) or 1.0, sum(replay_cat.values()) or 1.0
+    categories = {
+        c: {"source_share": orig_cat[c] / orig_total, "replay_share": replay_cat.get(c, 0.0) / replay_total,
+            "source_us": orig_cat[c], "replay_us": replay_cat.get(c, 0.0)}
+        for c in sorted(set(orig_cat) | set(replay_cat))
+    }
+    return categories, pairs
+
+
 def compute_fidelity(
     spec: SpecRecord,
     rank: int,
@@ -116,23 +139,7 @@ def compute_fidelity(
     ran = [i for i in range(len(ops)) if i not in errors]
     ran_dur = sum(ops[i].dur_us or 0.0 for i in ran)
 
-    # Per category: share of the captured op time vs share of the replayed op time.
-    orig_cat: dict[str, float] = defaultdict(float)
-    replay_cat: dict[str, float] = defaultdict(float)
-    pairs = []
-    for i, op in enumerate(ops):
-        orig_cat[op.category] += op.dur_us or 0.0
-        if i in op_times_s:
-            replay_us = 1e6 * min(op_times_s[i])
-            replay_cat[op.category] += replay_us
-            if op.dur_us:
-                pairs.append((op.dur_us, replay_us))
-    orig_total, replay_total = sum(orig_cat.values()) or 1.0, sum(replay_cat.values()) or 1.0
-    categories = {
-        c: {"source_share": orig_cat[c] / orig_total, "replay_share": replay_cat.get(c, 0.0) / replay_total,
-            "source_us": orig_cat[c], "replay_us": replay_cat.get(c, 0.0)}
-        for c in sorted(set(orig_cat) | set(replay_cat))
-    }
+    categories, pairs = _category_shares(ops, op_times_s)
     distance = 0.5 * sum(abs(v["source_share"] - v["replay_share"]) for v in categories.values())
     logs = [(math.log(a), math.log(max(b, 1e-3))) for a, b in pairs if a > 0]
 

@@ -41,7 +41,7 @@ class OpUnavailable(RuntimeError):
 
 
 class OpRefused(RuntimeError):
-    """The replay policy (:mod:`workloads.trace_replay.safety`) refuses this op and the spec is not trusted."""
+    """The replay policy (:mod:`workloads.trace_replay.policy`) refuses this op and the spec is not trusted."""
 
 
 def tensor_dtype(et_type: str) -> torch.dtype:

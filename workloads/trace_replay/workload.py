@@ -23,10 +23,11 @@ from workloads.device import max_memory_allocated
 from workloads.trace_bundle import TraceError, rank_dirs, read_meta
 from workloads.trace_replay.config import GeneratedConfig
 from workloads.trace_replay.fidelity import FIDELITY_FILE, compute_fidelity
+from workloads.trace_replay.memory import available_memory_bytes
 from workloads.trace_replay.probe import find_crashing_ops
 from workloads.trace_replay.records import SpecRecord
 from workloads.trace_replay.replay import Replayer
-from workloads.trace_replay.safety import available_memory_bytes, check_spec
+from workloads.trace_replay.safety import check_spec
 from workloads.trace_replay.spec import generate_spec, load_spec, write_spec
 
 # What decides "same platform as the capture": a replay elsewhere is a portability run.

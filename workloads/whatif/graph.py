@@ -1,6 +1,6 @@
 """The execution graph of one captured step, read from a trace bundle: what what-if prediction edits.
 
-Nodes are the ops a replay would run (``workloads.trace_replay.spec``: the execution trace joined with
+Nodes are the ops a replay would run (``workloads.trace_replay.extract``: the execution trace joined with
 its Kineto trace), in host order, each with
 
 - its duration from the steps the capture ran under Kineto alone, matched op by op, less Kineto's own
@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workloads.trace_bundle import ET_FILE, TraceError, read_json, read_meta
-from workloads.trace_replay.spec import generate_spec
+from workloads.trace_bundle import BundleMeta, TraceError
+from workloads.trace_replay.extract import add_dependencies, extract_rank
+from workloads.trace_replay.parse import KinetoTrace, Node, is_tensor_ref, read_bundle
 
 COMM_CATEGORIES = ("communication",)
 MIN_LAYER_OPS = 4  # a repeated layer has at least this many forward ops (fewer: q/k/v-like repeats inside one)
@@ -192,10 +193,6 @@ def _common_prefix(paths: list[str]) -> str:
     return ".".join(common)
 
 
-def _attrs(raw: dict[str, Any]) -> dict[str, Any]:
-    return {a["name"]: a.get("value") for a in raw.get("attrs", []) if isinstance(a, dict) and "name" in a}
-
-
 def _layer_of(scopes: list[str]) -> tuple[str, int] | None:
     """The innermost ``<stack>.<i>`` module in an op's scopes (``nn.Module: layers.3.attention`` → layers, 3)."""
     for scope in reversed(scopes):
@@ -208,99 +205,97 @@ def _layer_of(scopes: list[str]) -> tuple[str, int] | None:
     return None
 
 
-def load_graph(bundle: str | Path, step: int | None = None) -> Graph:
-    """The graph of one captured step of ``bundle`` (a single-rank bundle or its ``rank0``); ``step``:
-    which traced step (default: the middle one)."""
-    bundle = Path(bundle)
-    if (bundle / "rank0").is_dir():
-        bundle = bundle / "rank0"
-    meta = read_meta(bundle)
-    spec = generate_spec(bundle)
-    (rank,) = spec["ranks"][:1]
-    raw_ops = rank["ops"]
-    steps = sorted({o["step"] for o in raw_ops})
-    if not steps:
-        raise TraceError(f"{bundle}: the capture holds no complete step to predict from")
-    chosen = steps[len(steps) // 2] if step is None else step
-    if chosen not in steps:
-        raise TraceError(f"{bundle}: no traced step {chosen}; it has {steps}")
+class _NodeTree:
+    """The execution trace's node tree, read for what each op belongs to: its scopes, module and forward op."""
 
-    et = read_json(bundle / ET_FILE, "execution trace")
-    nodes = {int(n["id"]): n for n in et["nodes"]}
-    parent = {i: int(n.get("ctrl_deps", 0)) for i, n in nodes.items()}
-    attrs = {i: _attrs(n) for i, n in nodes.items()}
-    children: dict[int, list[int]] = defaultdict(list)
-    for i, p in parent.items():
-        if p != i:
-            children[p].append(i)
+    def __init__(self, nodes: dict[int, Node]):
+        self.nodes = nodes
+        self.children: dict[int, list[int]] = defaultdict(list)
+        for i, node in nodes.items():
+            if node.parent != i:
+                self.children[node.parent].append(i)
+        # forward ops by sequence number: a backward op's autograd node carries its forward op's seq_id
+        self.forward_by_seq: dict[int, int] = {}
+        for i, node in nodes.items():
+            if node.seq_id is not None and "Backward" not in node.name:
+                self.forward_by_seq.setdefault(node.seq_id, i)
 
-    def descendants(i: int) -> int:
-        count, todo = 0, list(children.get(i, ()))
+    def _parent(self, i: int) -> int | None:
+        return self.nodes[i].parent if i in self.nodes else None
+
+    def descendants(self, i: int) -> int:
+        count, todo = 0, list(self.children.get(i, ()))
         while todo:
             j = todo.pop()
             count += 1
-            todo.extend(children.get(j, ()))
+            todo.extend(self.children.get(j, ()))
         return count
 
-    def scopes_of(i: int) -> list[str]:
+    def scopes_of(self, i: int) -> list[str]:
         chain, seen = [], set()
-        j = parent.get(i)
-        while j is not None and j in nodes and j not in seen and j != 0:
+        j = self._parent(i)
+        while j is not None and j in self.nodes and j not in seen and j != 0:
             seen.add(j)
-            chain.append(nodes[j]["name"])
-            j = parent.get(j)
+            chain.append(self.nodes[j].name)
+            j = self._parent(j)
         return list(reversed(chain))
 
-    # forward ops by sequence number: a backward op's autograd node carries its forward op's seq_id
-    forward_by_seq: dict[int, int] = {}
-    for i, a in attrs.items():
-        seq = a.get("seq_id", -1)
-        if seq is not None and seq >= 0 and "Backward" not in nodes[i]["name"]:
-            forward_by_seq.setdefault(int(seq), i)
-
-    def anchor_of(i: int) -> tuple[int | None, bool]:
+    def anchor_of(self, i: int) -> tuple[int | None, bool]:
         """The forward op (ET node with a sequence number) an op belongs to, and whether the op is in
         backward: a forward op's own or nearest ancestor's; a backward op's autograd node's forward op."""
+        nodes = self.nodes
         j, seen = i, set()
         while j in nodes and j not in seen and j != 0:
             seen.add(j)
-            candidates = [j]
-            if nodes[j]["name"].startswith("autograd::engine::evaluate_function"):
-                candidates += children.get(j, [])  # the engine's own work for a node sits beside the node
-            engine = nodes[j]["name"].startswith("autograd::engine::evaluate_function")
+            engine = nodes[j].name.startswith("autograd::engine::evaluate_function")
+            # the engine's own work for a node sits beside the node
+            candidates = [j, *self.children.get(j, [])] if engine else [j]
             for k in candidates:
-                name, seq = nodes[k]["name"], attrs[k].get("seq_id", -1)
                 # the autograd node: ``XBackward0``, or a C++ custom function's ``CppNode<...>``
-                if (("Backward" in name or (engine and k != j)) and seq is not None and seq >= 0):
-                    return forward_by_seq.get(int(seq)), True
-            j = parent.get(j, 0)
+                if ("Backward" in nodes[k].name or (engine and k != j)) and nodes[k].seq_id is not None:
+                    return self.forward_by_seq.get(nodes[k].seq_id), True
+            j = nodes[j].parent
         j, seen = i, set()
         while j in nodes and j not in seen and j != 0:
             seen.add(j)
-            seq = attrs[j].get("seq_id", -1)
-            if seq is not None and seq >= 0 and "Backward" not in nodes[j]["name"]:
+            if nodes[j].seq_id is not None and "Backward" not in nodes[j].name:
                 return j, False
-            j = parent.get(j, 0)
+            j = nodes[j].parent
         return None, False
 
-    def module_of(i: int) -> str | None:
+    def module_of(self, i: int) -> str | None:
         """The innermost ``nn.Module`` an ET node runs in (its path, e.g. ``layers.3.attention``)."""
-        for scope in reversed(scopes_of(i)):
+        for scope in reversed(self.scopes_of(i)):
             if scope.startswith("nn.Module: "):
                 return scope.removeprefix("nn.Module: ")
         return None
 
-    # the tracer's cost per recorded event, from the bundle's own three timings
+
+@dataclass(frozen=True)
+class _TracerCosts:
+    """The step times a bundle records, and the tracers' cost per recorded event they imply."""
+
+    plain_ms: float  # the plain steps' median
+    plain_near_ms: float  # the plain steps run between the Kineto-alone ones
+    et_us: float  # the execution-trace observer's, per event
+    kineto_us: float  # Kineto's, per event
+
+
+def _tracer_costs(meta: BundleMeta, events_per_step: float) -> _TracerCosts:
+    """The tracer's cost per recorded event, from the bundle's own three timings."""
     plain_ms = statistics.median(meta.step_times_s) * 1e3
     traced_ms = statistics.median(meta.traced_step_times_s) * 1e3
     kineto_ms = statistics.median(meta.timing_step_times_s) * 1e3 if meta.timing_step_times_s else plain_ms
     plain_near_ms = statistics.median(meta.timing_plain_step_times_s) * 1e3 if meta.timing_plain_step_times_s \
         else plain_ms
-    events_per_step = len(nodes) / max(1, len(steps))
-    et_cost = max(0.0, (traced_ms - kineto_ms) * 1e3 / events_per_step)
-    kineto_cost = max(0.0, (kineto_ms - plain_near_ms) * 1e3 / events_per_step)
+    return _TracerCosts(plain_ms, plain_near_ms, max(0.0, (traced_ms - kineto_ms) * 1e3 / events_per_step),
+                        max(0.0, (kineto_ms - plain_near_ms) * 1e3 / events_per_step))
 
-    chosen_ops = [o for o in raw_ops if o["step"] == chosen]
+
+def _graph_ops(chosen_ops: list[dict[str, Any]], tree: _NodeTree, alone: list[float] | None,
+               costs: _TracerCosts) -> list[Op]:
+    """The step's spec ops as graph nodes: tracer cost taken out of their times, each with its tensors,
+    module and forward op."""
     # a tensor lives across steps (a parameter, optimizer state, the prepared data) when no earlier op of
     # the step made its storage: storage ids are recycled by the allocator step after step, so their
     # reappearance says nothing; what the step itself produced is an activation or a gradient
@@ -309,77 +304,86 @@ def load_graph(bundle: str | Path, step: int | None = None) -> Graph:
     def uses(io: dict[str, Any], persistent_inputs: set[Any] | None = None) -> list[TensorUse]:
         found = []
         for value, shape in zip(io.get("values", []), io.get("shapes", []), strict=False):
-            if _is_tensor(value) and isinstance(shape, list) and all(isinstance(d, int) for d in shape):
+            if is_tensor_ref(value) and isinstance(shape, list) and all(isinstance(d, int) for d in shape):
                 lives = value[1] in persistent_inputs if persistent_inputs is not None else value[1] not in produced
                 found.append(TensorUse(tuple(shape), int(value[4]), lives))
         return found
 
-    alone = _kineto_alone_durations(bundle, [o["name"] for o in chosen_ops])
     ops = []
     for k, raw in enumerate(chosen_ops):
-        inner = 1 + descendants(int(raw["id"]))
+        inner = 1 + tree.descendants(int(raw["id"]))
         if alone is not None:  # the same op in the steps run under Kineto alone, less Kineto's own cost
-            dur = max(alone[k] - kineto_cost * inner, 0.5 * alone[k])
+            dur = max(alone[k] - costs.kineto_us * inner, 0.5 * alone[k])
         else:
             traced = float(raw.get("dur_us") or 0.0)
-            dur = max(traced - (et_cost + kineto_cost) * inner, 0.05 * traced)
+            dur = max(traced - (costs.et_us + costs.kineto_us) * inner, 0.05 * traced)
         read = uses(raw.get("inputs") or {})
-        in_values = [v for v in (raw.get("inputs") or {}).get("values", []) if _is_tensor(v)]
-        out_values = [v for v in (raw.get("outputs") or {}).get("values", []) if _is_tensor(v)]
+        in_values = [v for v in (raw.get("inputs") or {}).get("values", []) if is_tensor_ref(v)]
+        out_values = [v for v in (raw.get("outputs") or {}).get("values", []) if is_tensor_ref(v)]
         lasting = {v[1] for v in in_values if v[1] not in produced}
         wrote = uses(raw.get("outputs") or {}, lasting)  # in place on a lasting tensor: still lasting
         produced.update(v[1] for v in out_values if v[1] not in lasting)
-        anchor, backward = anchor_of(int(raw["id"]))
-        module = module_of(anchor) if backward and anchor is not None else module_of(int(raw["id"]))
+        anchor, backward = tree.anchor_of(int(raw["id"]))
+        module = tree.module_of(anchor) if backward and anchor is not None else tree.module_of(int(raw["id"]))
         ops.append(Op(int(raw["id"]), raw["name"], raw["category"], dur, float(raw.get("gap_us") or 0.0),
                       list((raw.get("inputs") or {}).get("shapes", [])), list(raw.get("deps", [])),
                       None, inputs=read, outputs=wrote, module=module, anchor=anchor, backward=backward,
                       scopes=list(raw.get("scopes", []))))
-    step_info = next(s for s in rank["steps"] if s["index"] == chosen)
-    return Graph(workload=str(spec["source"].get("workload", "")), config=dict(spec["source"].get("config") or {}),
-                 ops=ops, tail_gap_us=float(step_info.get("tail_gap_us", 0.0)), measured_step_ms=plain_ms,
-                 tracer_cost_us=(et_cost, kineto_cost), platform=dict(meta.platform),
-                 replay_reference_ms=plain_near_ms)
+    return ops
 
 
-def _kineto_alone_durations(bundle: Path, names: list[str]) -> list[float] | None:
+def load_graph(bundle: str | Path, step: int | None = None) -> Graph:
+    """The graph of one captured step of ``bundle`` (a single-rank bundle or its ``rank0``); ``step``:
+    which traced step (default: the middle one)."""
+    bundle = Path(bundle)
+    if (bundle / "rank0").is_dir():
+        bundle = bundle / "rank0"
+    trace = read_bundle(bundle)  # each file once; the ops are the ones a spec of the whole step holds
+    raw_ops, raw_steps = extract_rank(trace)
+    add_dependencies(raw_ops)
+    steps = sorted({o["step"] for o in raw_ops})
+    if not steps:
+        raise TraceError(f"{bundle}: the capture holds no complete step to predict from")
+    chosen = steps[len(steps) // 2] if step is None else step
+    if chosen not in steps:
+        raise TraceError(f"{bundle}: no traced step {chosen}; it has {steps}")
+    meta = trace.meta
+    costs = _tracer_costs(meta, len(trace.nodes) / max(1, len(steps)))
+    chosen_ops = [o for o in raw_ops if o["step"] == chosen]
+    alone = _kineto_alone_durations(trace.timing, [o["name"] for o in chosen_ops])
+    ops = _graph_ops(chosen_ops, _NodeTree(trace.nodes), alone, costs)
+    step_info = next(s for s in raw_steps if s["index"] == chosen)
+    return Graph(workload=str(meta.source), config=dict(meta.config or {}), ops=ops,
+                 tail_gap_us=float(step_info.get("tail_gap_us", 0.0)), measured_step_ms=costs.plain_ms,
+                 tracer_cost_us=(costs.et_us, costs.kineto_us), platform=dict(meta.platform),
+                 replay_reference_ms=costs.plain_near_ms)
+
+
+def _kineto_alone_durations(timing: KinetoTrace | None, names: list[str]) -> list[float] | None:
     """Each op's median duration over the steps the capture ran under Kineto alone (no execution-trace
     observer, whose cost per op is far larger and uneven): the ops of a step, in host order, matched to
     that step's events on its thread one after another by name (an event nested inside the previous match
     is skipped). None when a step cannot be matched whole."""
-    from workloads.trace_bundle import KINETO_TIMING_FILE, STEP_ANNOTATION
-
-    path = bundle / KINETO_TIMING_FILE
-    if not path.exists():
+    if timing is None:
         return None
-    events = [e for e in read_json(path, "Kineto timing trace").get("traceEvents", [])
-              if isinstance(e, dict) and e.get("ph") == "X"]
-    steps = sorted((e for e in events if e.get("cat") == "user_annotation"
-                    and str(e.get("name", "")).startswith(STEP_ANNOTATION)), key=lambda e: e["ts"])
     per_step: list[list[float]] = []
-    for step in steps:
-        lo, hi = step["ts"], step["ts"] + step["dur"]
-        mine = sorted((e for e in events if e.get("cat") == "cpu_op" and e.get("tid") == step.get("tid")
-                       and lo <= e["ts"] < hi), key=lambda e: e["ts"])
+    for step in sorted(timing.steps, key=lambda e: e.ts):
+        lo, hi = step.ts, step.ts + step.dur
+        mine = sorted((e for e in timing.cpu_ops if e.tid == step.tid and lo <= e.ts < hi), key=lambda e: e.ts)
         found, cursor, after = [], 0, lo
         for name in names:
-            while cursor < len(mine) and (mine[cursor]["ts"] < after or mine[cursor]["name"] != name):
+            while cursor < len(mine) and (mine[cursor].ts < after or mine[cursor].name != name):
                 cursor += 1
             if cursor == len(mine):
                 break
-            found.append(float(mine[cursor]["dur"]))
-            after = mine[cursor]["ts"] + mine[cursor]["dur"]
+            found.append(mine[cursor].dur)
+            after = mine[cursor].ts + mine[cursor].dur
             cursor += 1
         if len(found) == len(names):
             per_step.append(found)
     if not per_step:
         return None
     return [statistics.median(column) for column in zip(*per_step, strict=True)]
-
-
-def _is_tensor(value: Any) -> bool:
-    return isinstance(value, list) and len(value) == 6 and isinstance(value[5], str) \
-        and all(isinstance(v, int) for v in value[:5])
 
 
 def _numel(shape: Any) -> int:

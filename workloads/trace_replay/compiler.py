@@ -1,0 +1,220 @@
+"""Captured ops made callable: each op's dispatcher call, its call template, the value slots of its tensors.
+
+Every tensor value a captured op reads or writes gets a slot (a position in the replay's value list),
+keyed by its captured identity and layout, so an op's outputs feed the later ops that read them and
+views share storage as they did. An op's schema names the dispatcher op it calls (:mod:`.ops`);
+collectives (``c10d::``) run through ``torch.distributed`` on the replay's process group (rank i
+replays captured rank i); integer inputs the trace recorded are passed as constants. An op this
+build cannot express is compiled with its error, not fatal; one the replay policy refuses
+(:mod:`.policy`) raises :class:`~.ops.OpRefused` unless the spec is trusted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from workloads.trace_replay.ops import (
+    LAYOUTS,
+    MEMORY_FORMATS,
+    SCALAR_TYPES,
+    CompiledOp,
+    OpRefused,
+    OpUnavailable,
+    TensorInfo,
+    at,
+    list_types,
+    resolve_op,
+    tensor_info,
+    waited,
+)
+from workloads.trace_replay.parse import is_tensor_ref
+from workloads.trace_replay.policy import op_refusal
+from workloads.trace_replay.records import OpRecord
+from workloads.trace_replay.tensors import recorded_view
+
+# Kernels whose outputs depend on autograd being on (the workspace their backward reads).
+GRAD_MODE_OPS = frozenset({"aten::mkldnn_rnn_layer", "aten::_cudnn_rnn", "aten::miopen_rnn"})
+
+
+def _with_autograd(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch.enable_grad():
+            return fn(*args, **kwargs)
+
+    return call
+
+
+class OpCompiler:
+    """Compiles a rank's ops one by one; :attr:`slots` numbers every tensor value they read or write."""
+
+    def __init__(self, device: torch.device, *, process_group: Any = None, trust: bool = False,
+                 training: bool = False):
+        self.device, self.group = device, process_group
+        self.trust = trust  # compile ops the safety policy refuses (the user vouched for this spec)
+        # A training step (its backward ran): kernels that keep what their backward needs only with autograd
+        # on (an RNN layer's workspace) run with it on, as in the program's forward
+        self.training = training
+        self.slots: dict[tuple, int] = {}
+
+    def _slot(self, info: TensorInfo) -> int:
+        return self.slots.setdefault(info.key, len(self.slots))
+
+    def compile(self, index: int, op: OpRecord) -> CompiledOp:
+        """One captured op as a :class:`~.ops.CompiledOp` (with its error where it cannot run here)."""
+        compiled = CompiledOp(index, op.name, op.category, op.step, None, [], {}, [], [], [], [], op.dur_us)
+        refusal = None if self.trust else op_refusal(op.name, op.schema)
+        if refusal is not None:  # check_spec refuses such a spec first: this is the last line of defence
+            raise OpRefused(f"op #{index} {op.schema.split('(', 1)[0]}: {refusal}")
+        try:
+            self._compile_outputs(op, compiled)
+            if op.name.startswith("c10d::"):
+                compiled.fn = self._collective(op.name)
+                self._compile_args(op, compiled, schema_args=None)
+                compiled.out_slots = []  # collectives write into their (input) buffers in place
+            elif op.name.startswith("_c10d_functional::") and op.name != "_c10d_functional::wait_tensor":
+                fn = resolve_op(op.schema)
+                wait = torch.ops._c10d_functional.wait_tensor.default
+                # The program waited later, inside another op the trace shows only as a whole.
+                compiled.fn = lambda *args, _fn=fn, **kwargs: waited(_fn(*args, **kwargs), wait)
+                self._compile_args(op, compiled, torch._C.parse_schema(op.schema).arguments)
+            else:
+                compiled.fn = resolve_op(op.schema)
+                if self.training and op.name in GRAD_MODE_OPS:
+                    compiled.fn = _with_autograd(compiled.fn)
+                self._compile_args(op, compiled, torch._C.parse_schema(op.schema).arguments)
+        except Exception as err:  # noqa: BLE001 - an op this build cannot express is recorded, not fatal
+            compiled.error = f"{type(err).__name__}: {err}"
+            compiled.fn = None
+        return compiled
+
+    def _compile_outputs(self, op: OpRecord, compiled: CompiledOp) -> None:
+        outputs = op.outputs
+        compiled.single_output = len(outputs.types) == 1 and outputs.types[0].startswith("Tensor(")
+        for value, shape, stride, et_type in zip(outputs.values, outputs.shapes, outputs.strides, outputs.types,
+                                                 strict=False):
+            if is_tensor_ref(value) and et_type.startswith("Tensor("):
+                info = self._info_or_none(value, shape, stride, et_type)
+                compiled.out_slots.append(self._slot(info) if info else None)
+                compiled.out_infos.append(info)
+            elif isinstance(value, list) and et_type.startswith("GenericList["):
+                types = list_types(et_type)
+                for j, item in enumerate(value):
+                    info = None
+                    if is_tensor_ref(item) and j < len(types):
+                        info = self._info_or_none(item, at(shape, j), at(stride, j), types[j])
+                    compiled.out_slots.append(self._slot(info) if info else None)
+                    compiled.out_infos.append(info)
+            else:
+                compiled.out_slots.append(None)
+                compiled.out_infos.append(None)
+
+    @staticmethod
+    def _info_or_none(ref: list, shape: Any, stride: Any, et_type: str) -> TensorInfo | None:
+        try:
+            return tensor_info(ref, shape, stride, et_type)
+        except OpUnavailable:
+            return None
+
+    def _compile_args(self, op: OpRecord, compiled: CompiledOp, schema_args: list | None) -> None:
+        values, types = op.inputs.values, op.inputs.types
+        shapes, strides = op.inputs.shapes, op.inputs.strides
+        if schema_args is not None and len(values) != len(schema_args):
+            raise OpUnavailable(f"the trace passes {len(values)} inputs, the schema takes {len(schema_args)}")
+        tensor_index = [-1]  # counts tensor inputs as the trace does (list elements included)
+        data = op.tensor_data
+        for i, (value, et_type) in enumerate(zip(values, types, strict=False)):
+            arg = schema_args[i] if schema_args is not None else None
+            arg_type = str(arg.type) if arg is not None else ""
+            converted, slots = self._convert(value, et_type, at(shapes, i), at(strides, i), arg_type,
+                                             tensor_index, data)
+            if arg is not None and arg.kwarg_only:
+                compiled.kwargs[arg.name] = converted
+                compiled.kwarg_slots.extend((arg.name, sub, slot) for sub, slot in slots)
+            else:
+                compiled.arg_slots.extend((len(compiled.args), sub, slot) for sub, slot in slots)
+                compiled.args.append(converted)
+
+    def _convert(self, value: Any, et_type: str, shape: Any, stride: Any, arg_type: str,
+                 tensor_index: list[int], data: dict[str, str]) -> tuple[Any, list]:
+        """A trace value → (call-template value, [(list index or −1, slot)])."""
+        if et_type.startswith("Tensor("):
+            tensor_index[0] += 1
+            if not is_tensor_ref(value) or "nullptr" in et_type:
+                return None, []
+            info = tensor_info(value, shape, stride, et_type)
+            pinned = self._pinned(info, data.get(str(tensor_index[0])))
+            return (pinned, []) if pinned is not None else (None, [(-1, self._slot(info))])
+        if et_type.startswith("GenericList["):
+            types = list_types(et_type)
+            if any(t.startswith("Tensor(") for t in types):
+                slots, template = [], []
+                for j, item in enumerate(value):
+                    template.append(None)
+                    if not types[j].startswith("Tensor(") if j < len(types) else True:
+                        continue
+                    tensor_index[0] += 1
+                    if is_tensor_ref(item) and "nullptr" not in types[j]:  # an undefined tensor: None
+                        info = tensor_info(item, at(shape, j), at(stride, j), types[j])
+                        pinned = self._pinned(info, data.get(str(tensor_index[0])))
+                        if pinned is not None:
+                            template[j] = pinned
+                        else:
+                            slots.append((j, self._slot(info)))
+                return template, slots
+            return list(value), []
+        if et_type == "None" or value == "<None>":
+            return None, []
+        if et_type == "Device":
+            return self.device, []
+        if et_type == "Int" and "ScalarType" in arg_type:
+            return SCALAR_TYPES[int(value)], []
+        if et_type == "Int" and "Layout" in arg_type:
+            return LAYOUTS[int(value)], []
+        if et_type == "Int" and "MemoryFormat" in arg_type:
+            return MEMORY_FORMATS[int(value)], []
+        if et_type == "Double" and isinstance(value, str):
+            return float(value), []
+        if et_type in ("Object", "Generator"):
+            return None, []
+        return value, []
+
+    def _pinned(self, info: TensorInfo, data: str | None) -> torch.Tensor | None:
+        """The program's own values for an integer input the trace recorded, as a constant.
+
+        Index tensors are often computed from data (``nonzero``, cumulative sums of lengths …); from
+        synthetic inputs they would come out with other values or even other shapes. Feeding the
+        recorded values keeps every lookup in range and every data-dependent shape as captured.
+        """
+        if data is None or info.dtype.is_floating_point:
+            return None
+        values = recorded_view(data, info.dtype, info.shape, info.stride)
+        # clone: a tensor of its own, not a view of the buffer (ops like detach_ refuse views)
+        return None if values is None else values.clone().to(self.device)
+
+    def _collective(self, name: str) -> Callable[..., Any]:
+        """The ``torch.distributed`` call for a captured ``c10d::`` op (its process-group arguments dropped)."""
+        if not dist.is_initialized():
+            raise OpUnavailable(f"{name} needs a process group: replay under torchrun with the captured world size")
+        group = self.group
+        table: dict[str, Callable[..., Any]] = {
+            "c10d::allreduce_": lambda tensors, *_: [dist.all_reduce(t, group=group) for t in tensors],
+            "c10d::_allgather_base_": lambda out, inp, *_: dist.all_gather_into_tensor(out, inp, group=group),
+            "c10d::allgather_into_tensor_coalesced_": lambda outs, ins, *_: [
+                dist.all_gather_into_tensor(o, i, group=group) for o, i in zip(outs, ins, strict=False)],
+            "c10d::_reduce_scatter_base_": lambda out, inp, *_: dist.reduce_scatter_tensor(out, inp, group=group),
+            "c10d::reduce_scatter_tensor_coalesced_": lambda outs, ins, *_: [
+                dist.reduce_scatter_tensor(o, i, group=group) for o, i in zip(outs, ins, strict=False)],
+            "c10d::alltoall_base_": lambda out, inp, _pg, out_splits, in_splits, *_: dist.all_to_all_single(
+                out, inp, list(out_splits) or None, list(in_splits) or None, group=group),
+            "c10d::alltoall_": lambda outs, ins, *_: dist.all_to_all(list(outs), list(ins), group=group),
+            "c10d::broadcast_": lambda tensors, _pg, root, *_: [
+                dist.broadcast(t, src=int(root), group=group) for t in tensors],
+            "c10d::barrier": lambda *_: dist.barrier(group=group),
+        }
+        if name not in table:
+            raise OpUnavailable(f"collective {name} is not replayed yet (known: {', '.join(sorted(table))})")
+        return table[name]

@@ -1,0 +1,191 @@
+"""Running a planned replay: the dry run that finds what cannot run, the generated steps, each op timed alone.
+
+The dry run calls each op once, in step order: an op that fails is recorded with its error and
+stood in for (outputs of its captured layout) from then on, so everything after it still runs,
+and an op whose result takes another shape than captured is recorded as divergent. Steps then run
+as generated straight-line code (:mod:`.codegen`), with the program's host time spent in the gaps
+between ops when asked to; an op that fails only then sends its step back through the dry run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from workloads.trace_replay.codegen import generate_step, seconds
+from workloads.trace_replay.ops import CompiledOp, describe, fit_length
+from workloads.trace_replay.plan import ReplayPlan
+from workloads.trace_replay.synthesis import Synthesis
+
+
+@dataclass
+class ReplayStats:
+    """What the dry run found: ops that could not run, by index, with their errors."""
+
+    errors: dict[int, str] = field(default_factory=dict)
+
+
+class StepRunner:
+    """Runs a plan's steps on its synthesised tensors; records which ops failed and which diverged."""
+
+    def __init__(self, plan: ReplayPlan, tensors: Synthesis, *, host_gaps: bool = False,
+                 tail_gaps_us: list[float] | None = None):
+        self.plan, self.tensors = plan, tensors
+        self.host_gaps = host_gaps
+        self._tail_gaps_us = tail_gaps_us or [0.0] * len(plan.sequence)
+        self._next = 0
+        self._generated: list[tuple[Callable[[list[Any]], None], int] | None] = [None] * len(plan.sequence)
+        self.errors: dict[int, str] = {}  # op index → why it did not run (compile, dry run or later)
+        self.divergent: dict[int, str] = {}  # op index → how what it made differs from what the program made
+        self.call_s = 0.0  # the replay's own host time per op call (:mod:`.host_cost`)
+
+    def regenerate(self) -> None:
+        """Generate each step's code again on its next run (ops failed, or the host cost changed)."""
+        self._generated = [None] * len(self.plan.sequence)
+
+    def exclude(self, reasons: dict[int, str]) -> None:
+        """Never run these ops (e.g. they crashed a probe process); they count as failed, with the reason."""
+        for index, reason in reasons.items():
+            self.plan.ops[index].error = reason
+        self.regenerate()
+
+    def dry_run(self, before_op: Callable[[int], object] | None = None, steps: list[int] | None = None) -> ReplayStats:
+        """Run every step (or ``steps``) once op by op; ops that fail are recorded and stood in for from then on.
+
+        ``before_op(index)`` is called before each op runs (the crash probe writes it down).
+        Failures accumulate in :attr:`errors`.
+        """
+        stats = ReplayStats()
+        for op in self.plan.ops:
+            if op.error is not None:
+                stats.errors[op.index] = op.error
+        integer_stand_ins: dict[int, int] = {}  # slot → the failed op whose output it stands in for
+        with torch.no_grad():
+            for k in range(len(self.plan.sequence)) if steps is None else steps:
+                offset = self.plan.offset(k)
+                for j, position in enumerate(self.plan.sequence[k]):
+                    op = self.plan.ops[position]
+                    if op.error is None:
+                        # Index-like inputs invented for a failed op could send an unchecked kernel out
+                        # of bounds: ops reading them are skipped too, with the reason.
+                        culprit = next((integer_stand_ins[s] for s, *_ in self.plan.inputs[position]
+                                        if s in integer_stand_ins), None)
+                        if culprit is not None:
+                            op.error = f"skipped: reads an integer output of failed op #{culprit}"
+                            stats.errors[op.index] = op.error
+                    if op.error is None:
+                        if before_op is not None:
+                            before_op(op.index)
+                        try:
+                            self._call_or_unalias(position)
+                            self._check_shapes(op)
+                        except Exception as err:  # noqa: BLE001 - recorded per op; replay goes on
+                            op.error = describe(err)
+                            stats.errors[op.index] = op.error
+                    if op.error is not None:
+                        self.tensors.stand_in(op)
+                        integer_stand_ins.update(
+                            (slot, op.index) for slot, info in zip(op.out_slots, op.out_infos, strict=False)
+                            if slot is not None and info is not None and not info.dtype.is_floating_point)
+                    self.tensors.give_birth(offset + j)
+        if steps is None:
+            self._next = 0
+        self.regenerate()  # ops that failed are stood in for now
+        self.errors.update(stats.errors)
+        return stats
+
+    def _check_shapes(self, op: CompiledOp) -> None:
+        """Record in :attr:`divergent` an op whose result's shape differs from the captured one (its inputs'
+        values decided it differently): it ran, but not as the program's did. The first output only: a
+        fused kernel's bookkeeping outputs (``_embedding_bag``'s offset2bag, a batch norm's saved
+        statistics) take shapes its code path chooses, which its backward reads either way. A 1-D integer
+        output of another length (an NMS keep list: how many boxes survive depends on the scores) is cut
+        or cycled to the captured length from then on (:attr:`CompiledOp.lengths`), like a mask's count."""
+        slot, info = (op.out_slots[0], op.out_infos[0]) if op.out_slots else (None, None)
+        value = self.tensors.vals[slot] if slot is not None else None
+        if (info is not None and isinstance(value, torch.Tensor) and value.dim() == 1 and len(info.shape) == 1
+                and not value.is_floating_point() and value.dtype != torch.bool and value.shape[0] != info.shape[0]
+                and not op.lengths):
+            # a keep list (NMS) whose length the values decided: the captured length, from its own elements
+            op.lengths.append((slot, info.shape[0]))
+            self.tensors.vals[slot] = fit_length(value, info.shape[0])
+            return
+        if info is not None and isinstance(value, torch.Tensor) and tuple(value.shape) != info.shape:
+            self.divergent.setdefault(op.index, f"made shape {list(value.shape)} where the program made "
+                                                f"{list(info.shape)}")
+
+    def _call_or_unalias(self, position: int) -> None:
+        """Run an op; if it refuses inputs that overlap in memory, give its synthesised inputs storage of
+        their own and try once more. The observer's storage ids come from data addresses, which are
+        reused after frees, so two tensors the program never aliased can arrive with one storage id."""
+        op = self.plan.ops[position]
+        try:
+            op.store(op.call(self.tensors.vals), self.tensors.vals, self.tensors.generator)
+        except RuntimeError as err:
+            shared = [slot for slot, *_ in self.plan.inputs[position] if slot in self.plan.externals]
+            if "single memory location" not in str(err) and "overlap" not in str(err) or not shared:
+                raise
+            for slot in shared:
+                self.tensors.vals[slot] = self.tensors.vals[slot].clone()
+            op.store(op.call(self.tensors.vals), self.tensors.vals, self.tensors.generator)
+
+    def run_step(self) -> int:
+        """Replay the next captured step (cycling); returns how many ops ran."""
+        k = self._next
+        self._next = (k + 1) % len(self.plan.sequence)
+        if self._generated[k] is None:
+            self._generated[k] = self.generated_step(k)
+        step, ran = self._generated[k]
+        try:
+            with torch.no_grad():
+                step(self.tensors.vals)
+        except Exception:  # noqa: BLE001 - an op failed only now (its inputs differ from the dry run's)
+            self.dry_run(steps=[k])  # find it op by op: recorded, stood in for, the code regenerated
+        return ran
+
+    def generated_step(self, k: int, *, no_gap_time: bool = False) -> tuple[Callable[[list[Any]], None], int]:
+        """Step ``k`` as one generated function (:func:`codegen.generate_step`); ``no_gap_time``: the
+        same code with every host gap zero (what :func:`.host_cost.measure_call_cost` measures)."""
+        positions = self.plan.sequence[k]
+        offset = self.plan.offset(k)
+        gaps = None
+        if self.host_gaps:
+            gaps = [0.0 if no_gap_time else seconds(self.plan.specs[p].gap_us) for p in positions]
+        tail = seconds(self._tail_gaps_us[k]) if self.host_gaps and not no_gap_time else 0.0
+        births = [offset + j if offset + j in self.plan.births else None for j in range(len(positions))]
+        return generate_step(self.plan.ops, positions, self.plan.clears[offset:offset + len(positions)], gaps, tail,
+                             call_s=0.0 if no_gap_time else self.call_s, births=births,
+                             stand_in=lambda i: self.tensors.stand_in(self.plan.ops[i]),
+                             fill=lambda i: self.plan.ops[i].store_fills(self.tensors.vals, self.tensors.generator),
+                             born=self.tensors.give_birth, name=f"step {k}")
+
+    def time_ops(self, synchronize: Callable[[], None]) -> dict[int, list[float]]:
+        """One pass over every step with each op timed alone (synchronised): op index → seconds."""
+        times: dict[int, list[float]] = {}
+        vals = self.tensors.vals
+        with torch.no_grad():
+            for k, step in enumerate(self.plan.sequence):
+                offset = self.plan.offset(k)
+                for j, position in enumerate(step):
+                    op = self.plan.ops[position]
+                    if op.error is None:
+                        synchronize()
+                        started = time.perf_counter()
+                        try:
+                            op.store(op.call(vals), vals, self.tensors.generator)
+                            synchronize()
+                            times.setdefault(op.index, []).append(time.perf_counter() - started)
+                        except Exception as err:  # noqa: BLE001 - recorded like a dry-run failure
+                            op.error = self.errors[op.index] = describe(err)
+                            self.tensors.stand_in(op)
+                    else:
+                        self.tensors.stand_in(op)
+                    self.tensors.give_birth(offset + j)
+                    for slot in self.plan.clears[offset + j]:
+                        vals[slot] = None
+        self._next = 0
+        return times

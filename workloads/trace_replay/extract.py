@@ -1,0 +1,238 @@
+"""The ops a replay runs, cut out of one rank's parsed trace (:class:`.parse.BundleTrace`), in execution order.
+
+Which ops: the *top-level* operators of each captured step — operators with a schema (``aten::``,
+``c10d::``, ``fbgemm::`` …) none of whose ancestors is itself such an operator. Their children run
+inside them, so replaying them too would count their time twice. Record-function scopes (the step
+marker, ``## forward ##``, module names, ``autograd::engine::evaluate_function: …``,
+``Optimizer.step#…``) are kept as each op's scope path, for selection. Ops of threads that run no
+framework work (e.g. a communication library's worker thread, whose copies are part of a
+collective) are left out; a backward thread (autograd engine) is kept.
+
+Each op keeps its schema, the ET's inputs/outputs (values, shapes, types, strides: storage ids and
+offsets, so views share storage on replay), the integer value ranges the ET recorded, the integer
+data it saved, its category and its original duration joined from Kineto on ``rf_id``; then the
+program's allocations and frees around it (:mod:`.allocations`) and its host time before it
+(:mod:`.host_time`). :func:`add_dependencies` adds the data-dependency edges of a selection.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any
+
+import torch
+
+from workloads.trace_bundle import ET_FILE, STEP_ANNOTATION, TraceError
+from workloads.trace_replay.allocations import mark_source_releases
+from workloads.trace_replay.host_time import measured_host_gaps, place_host_gaps
+from workloads.trace_replay.parse import (
+    BundleTrace,
+    KinetoEvent,
+    Node,
+    is_tensor_ref,
+    recorded_tensor_data,
+    step_index,
+    tensor_refs,
+)
+
+_THREAD_ROOT = "[pytorch|profiler|execution_trace|thread]"
+_PROCESS_ROOT = "[pytorch|profiler|execution_trace|process]"
+
+# Op categories for the time breakdown; the first pattern that matches the op's name wins.
+CATEGORIES: list[tuple[str, str]] = [
+    ("comm", r"^(c10d|_c10d_functional|c10d_functional)::"),
+    ("attention", r"attention|_flash_|_efficient_attention|_cudnn_attention"),
+    ("embedding", r"embedding|^fbgemm::.*(split_embedding|tbe|lookup)"),
+    ("gemm", r"::(mm|addmm|bmm|baddbmm|matmul|linear|_scaled_mm|convolution|conv\w*|_addmm_activation)$"),
+    ("gemm", r"^fbgemm::jagged_(dense|jagged)_bmm(_forward)?$"),  # a GEMM per sample over jagged rows
+    ("optimizer", r"::(_foreach_\w+|_fused_adam\w*|_fused_sgd\w*|_fused_adagrad\w*|addcdiv_|addcmul_|lerp_)$"),
+    ("reduction", r"::(sum|mean|norm|linalg_vector_norm|var|var_mean|std|max|min|amax|amin|argmax|softmax|"
+                  r"_softmax|log_softmax|_log_softmax|\w*_backward_data|nll_loss\w*|cross_entropy\w*|"
+                  r"cumsum|prod|all|any|topk|sort)$"),
+    ("memory", r"::(copy_|clone|empty\w*|zeros\w*|ones\w*|full\w*|fill_|zero_|cat|stack|_to_copy|to|contiguous|"
+               r"new_\w+|index_put_?|index_add_?|scatter\w*|gather|index_select|index|masked_fill_?|"
+               r"where|pad|constant_pad_nd|split_with_sizes_copy|_foreach_copy_|resize_|set_)$"),
+    ("view", r"::(view|_unsafe_view|reshape|as_strided|transpose|permute|slice|select|expand|t|unsqueeze|squeeze|"
+             r"flatten|unflatten|narrow|split|split_with_sizes|chunk|unbind|detach|alias|view_as|expand_as|"
+             r"_reshape_alias|unfold|movedim|numpy_T|lift_fresh)$"),
+]
+
+
+def op_category(name: str) -> str:
+    """An op's category in the time breakdown (:data:`CATEGORIES`)."""
+    for category, pattern in CATEGORIES:
+        if re.search(pattern, name):
+            return category
+    return "elementwise" if name.startswith("aten::") else "other"
+
+
+def ancestors(node: Node, nodes: dict[int, Node]) -> list[Node]:
+    """The scopes and ops ``node`` runs inside, innermost first."""
+    chain, seen = [], set()
+    current = nodes.get(node.parent)
+    while current is not None and current.id not in seen and current.id != node.id:
+        seen.add(current.id)
+        chain.append(current)
+        if current.parent == current.id:
+            break
+        current = nodes.get(current.parent)
+    return chain
+
+
+def _framework_threads(nodes: dict[int, Node]) -> set[int]:
+    """ET thread roots whose subtrees hold a step marker or autograd-engine work."""
+    keep = set()
+    for node in nodes.values():
+        if node.name.startswith(STEP_ANNOTATION) or node.name.startswith("autograd::engine::"):
+            roots = [a for a in ancestors(node, nodes) if a.name == _THREAD_ROOT]
+            keep.update(r.id for r in roots)
+    return keep
+
+
+def _keys(io: dict[str, list]) -> set[tuple]:
+    """(tensor id, storage id, offset, shape) of every tensor an op reads or writes (the observer's ids
+    come from object addresses, which are reused after frees: the id alone is not an identity)."""
+    keys = set()
+    for value, shape in zip(io.get("values", []), io.get("shapes", []), strict=False):
+        if is_tensor_ref(value):
+            keys.add((value[0], value[1], value[2], json.dumps(shape)))
+        elif isinstance(value, list) and isinstance(shape, list):
+            keys.update((v[0], v[1], v[2], json.dumps(sh)) for v, sh in zip(value, shape, strict=False)
+                        if is_tensor_ref(v))
+    return keys
+
+
+def _is_composite(schema: str) -> bool:
+    """Is this op implemented entirely by the ops it calls (CompositeImplicitAutograd)?"""
+    qualified = schema.split("(", 1)[0]
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CompositeImplicitAutograd"))
+    except RuntimeError:  # not registered in this process (e.g. a library not loaded): keep it whole
+        return False
+
+
+def _replay_level(nodes: dict[int, Node]) -> list[Node]:
+    """The ops to replay: top-level ops, except that a composite op (one whose work is all done by the
+    ops it calls) whose inner ops make a tensor a later op reads (e.g. attention's log-sum-exp, saved
+    for backward) is replaced by its inner ops, so the replay makes that tensor instead of inventing it."""
+    children: dict[int, list[Node]] = {}
+    for node in nodes.values():
+        if node.parent != node.id:
+            children.setdefault(node.parent, []).append(node)
+    readers: dict[tuple, list[int]] = {}
+    for node in nodes.values():
+        if node.schema:
+            for key in _keys(node.inputs):
+                readers.setdefault(key, []).append(node.id)
+
+    def ops_below(node: Node) -> list[Node]:
+        """The nearest ops with a schema under ``node`` (through record-function scopes)."""
+        found = []
+        for child in sorted(children.get(node.id, []), key=lambda n: n.id):
+            found.extend([child] if child.schema else ops_below(child))
+        return found
+
+    def subtree(node: Node) -> list[Node]:
+        out, stack = [], list(children.get(node.id, []))
+        while stack:
+            current = stack.pop()
+            out.append(current)
+            stack.extend(children.get(current.id, []))
+        return out
+
+    def escapes(node: Node) -> bool:
+        if not _is_composite(node.schema):
+            return False  # it has a kernel of its own: expanding it would drop that work
+        inner = subtree(node)
+        if not inner:
+            return False
+        last = max(n.id for n in inner)
+        made_inside = set().union(*(_keys(n.outputs) for n in inner if n.schema)) - _keys(node.outputs)
+        return any(reader > last for key in made_inside for reader in readers.get(key, ()))
+
+    roots = [n for n in nodes.values() if n.schema and not any(a.schema for a in ancestors(n, nodes))]
+    level, work = [], sorted(roots, key=lambda n: n.id)
+    while work:
+        node = work.pop(0)
+        below = ops_below(node) if escapes(node) else []
+        if below:
+            work = below + work
+        else:
+            level.append(node)
+    return level
+
+
+def _step_of(node: Node, chain: list[Node], event: KinetoEvent | None, step_events: list[KinetoEvent]) -> int | None:
+    for a in chain:
+        if a.name.startswith(STEP_ANNOTATION):
+            return int(a.name[len(STEP_ANNOTATION):])
+    if event is not None:  # another thread (e.g. CUDA's backward thread): place it by time
+        for s in step_events:
+            if s.ts <= event.ts < s.ts + s.dur:
+                return step_index(s)
+    return None
+
+
+def _captured_ops(trace: BundleTrace) -> list[dict[str, Any]]:
+    """The replay-level ops of the captured steps with what the trace says of each, in execution order."""
+    nodes, by_rf, step_events = trace.nodes, trace.kineto.by_rf_id(), trace.kineto.steps
+    threads = _framework_threads(nodes)
+    ops = []
+    for node in _replay_level(nodes):
+        chain = ancestors(node, nodes)
+        if not any(a.id in threads for a in chain):
+            continue  # a library worker thread's ops (part of a collective), not framework work
+        event = by_rf.get(node.rf_id) if node.rf_id is not None else None
+        step = _step_of(node, chain, event, step_events)
+        if step is None:
+            continue
+        scopes = [a.name for a in reversed(chain)
+                  if a.name not in (_THREAD_ROOT, _PROCESS_ROOT) and not a.name.startswith(STEP_ANNOTATION)]
+        ops.append({
+            "id": node.id,
+            "name": node.name,
+            "schema": node.schema,
+            "step": step,
+            "tid": node.tid,
+            "scopes": scopes,
+            "category": op_category(node.name),
+            "inputs": node.inputs,
+            "outputs": node.outputs,
+            "tensor_range": node.tensor_range,
+            "tensor_data": recorded_tensor_data(trace.path, node),
+            "ts_us": event.ts if event else None,
+            "dur_us": event.dur if event else None,
+        })
+    ops.sort(key=lambda o: (o["step"], o["ts_us"] if o["ts_us"] is not None else math.inf, o["id"]))
+    return ops
+
+
+def extract_rank(trace: BundleTrace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """One rank's parsed bundle → (ops, steps), ops in execution order, as the spec holds them."""
+    et_path = trace.path / ET_FILE
+    if not any(n.name.startswith(STEP_ANNOTATION) for n in trace.nodes.values()):
+        raise TraceError(f"{et_path}: no captured steps (no '{STEP_ANNOTATION}<i>' markers); capture with "
+                         f"harness.capture.capture() or `cobench trace capture`")
+    ops = _captured_ops(trace)
+    steps = [{"index": step_index(e), "ts_us": e.ts, "traced_ms": e.dur / 1e3}
+             for e in sorted(trace.kineto.steps, key=lambda e: e.ts)]
+    if not ops:
+        raise TraceError(f"{et_path}: the captured steps contain no operators with a schema")
+    mark_source_releases(ops, trace.kineto.memory)
+    gap, samples = measured_host_gaps(trace, {op["name"] for op in ops})
+    place_host_gaps(ops, steps, gap)
+    for step in steps:  # what the estimate rests on: a judgement resamples it (harness.judge)
+        step["host_gap_samples_us"] = samples
+    return ops, steps
+
+
+def add_dependencies(ops: list[dict[str, Any]]) -> None:
+    """``deps``: the ops (by position) whose outputs each op reads — the data-dependency edges."""
+    producer: dict[int, int] = {}
+    for index, op in enumerate(ops):
+        deps = {producer[ref[0]] for ref in tensor_refs(op["inputs"].get("values", [])) if ref[0] in producer}
+        op["deps"] = sorted(deps)
+        for ref in tensor_refs(op["outputs"].get("values", [])):
+            producer[ref[0]] = index

@@ -1,0 +1,232 @@
+"""A bundle's traces read once into typed records: the execution trace's nodes and the Kineto events.
+
+One rank's bundle (:mod:`workloads.trace_bundle`) holds an execution trace (ET: every op and
+record-function scope as a node of a tree, with its inputs and outputs), the Kineto trace of the
+same steps (each op's time, joined to its node on the record-function id, and the allocator's
+events), and optionally a Kineto trace of steps run under Kineto alone (the host time between ops,
+each op's time without the ET observer's cost). :func:`read_bundle` reads each file once; spec
+generation (:mod:`.extract`, :mod:`.spec`) and what-if (:mod:`workloads.whatif.graph`) both start
+from its :class:`BundleTrace`.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from workloads.trace_bundle import (
+    ET_FILE,
+    ET_RESOURCES,
+    KINETO_FILE,
+    KINETO_TIMING_FILE,
+    STEP_ANNOTATION,
+    BundleMeta,
+    TraceError,
+    check_et_schema,
+    read_json,
+    read_meta,
+)
+from workloads.trace_replay.ops import list_types
+
+MAX_TENSOR_DATA_BYTES = 16 * 2**20  # larger recorded integer inputs fall back to their value range
+
+
+@dataclass
+class Node:
+    """One execution-trace node: an op (it has a schema) or a record-function scope."""
+
+    id: int
+    name: str
+    parent: int
+    schema: str
+    rf_id: int | None
+    tid: int
+    inputs: dict[str, list]
+    outputs: dict[str, list]
+    tensor_range: dict[str, list]
+    seq_id: int | None = None  # autograd sequence number: a backward node carries its forward op's
+
+
+@dataclass(frozen=True)
+class KinetoEvent:
+    """A complete (``ph: X``) Kineto event: an op, a step annotation or another scope."""
+
+    name: str
+    cat: str
+    ts: float  # µs
+    dur: float  # µs
+    tid: Any
+    rf_id: int | None  # the record-function id joining it to its ET node
+
+
+@dataclass(frozen=True)
+class MemoryEvent:
+    """An allocator event of a ``profile_memory`` trace: ``nbytes`` > 0 allocates at ``addr``, < 0 frees."""
+
+    ts: float
+    addr: int
+    nbytes: int
+
+
+@dataclass
+class KinetoTrace:
+    """A Kineto trace's events, each list in file order."""
+
+    events: list[KinetoEvent]  # every complete event
+    memory: list[MemoryEvent]
+
+    @property
+    def steps(self) -> list[KinetoEvent]:
+        """The step annotations (``cobench_step#<k>``)."""
+        return [e for e in self.events if e.cat == "user_annotation" and e.name.startswith(STEP_ANNOTATION)]
+
+    @property
+    def cpu_ops(self) -> list[KinetoEvent]:
+        return [e for e in self.events if e.cat == "cpu_op"]
+
+    def by_rf_id(self) -> dict[int, KinetoEvent]:
+        """Events by record-function id (a later event with the same id wins)."""
+        return {e.rf_id: e for e in self.events if e.rf_id is not None}
+
+
+@dataclass
+class BundleTrace:
+    """One rank's bundle, read: its metadata, ET nodes, traced steps' Kineto trace and Kineto-alone steps'."""
+
+    path: Path
+    meta: BundleMeta
+    nodes: dict[int, Node]
+    kineto: KinetoTrace
+    timing: KinetoTrace | None  # None: the bundle has no Kineto-alone steps
+
+
+def step_index(event: KinetoEvent) -> int:
+    """The captured step a step annotation marks."""
+    return int(event.name[len(STEP_ANNOTATION):])
+
+
+def _attrs(raw: dict[str, Any]) -> dict[str, Any]:
+    return {a["name"]: a.get("value") for a in raw.get("attrs", []) if isinstance(a, dict) and "name" in a}
+
+
+def _node(raw: dict[str, Any]) -> Node:
+    attrs = _attrs(raw)
+    ranges = attrs.get("tensor_range") or ""
+    seq = attrs.get("seq_id", -1)
+    return Node(
+        id=int(raw["id"]),
+        name=str(raw["name"]),
+        parent=int(raw.get("ctrl_deps", 0)),
+        schema=str(attrs.get("op_schema") or ""),
+        rf_id=int(attrs["rf_id"]) if attrs.get("rf_id") is not None else None,
+        tid=int(attrs.get("tid", 0)),
+        inputs=raw.get("inputs") or {},
+        outputs=raw.get("outputs") or {},
+        tensor_range=json.loads(ranges) if ranges else {},
+        seq_id=int(seq) if seq is not None and seq >= 0 else None,
+    )
+
+
+def parse_nodes(et: dict[str, Any], path: Path) -> dict[int, Node]:
+    """An execution trace's nodes by id; a malformed node is a TraceError naming ``path``."""
+    nodes: dict[int, Node] = {}
+    for raw in et["nodes"]:
+        try:
+            node = _node(raw)
+        except (KeyError, TypeError, ValueError) as err:
+            raise TraceError(f"{path}: malformed execution-trace node {str(raw)[:120]}: {err}") from None
+        nodes[node.id] = node
+    return nodes
+
+
+def read_et(path: Path) -> dict[int, Node]:
+    """Read and check an execution-trace file: its nodes by id."""
+    et = read_json(path, "execution trace")
+    check_et_schema(et, path)
+    return parse_nodes(et, path)
+
+
+def _memory_event(event: Any) -> MemoryEvent | None:
+    if not (isinstance(event, dict) and event.get("name") == "[memory]" and isinstance(event.get("args"), dict)
+            and isinstance(event["args"].get("Bytes"), int) and isinstance(event["args"].get("Addr"), int)
+            and isinstance(event.get("ts"), int | float)):
+        return None
+    return MemoryEvent(float(event["ts"]), event["args"]["Addr"], event["args"]["Bytes"])
+
+
+def kineto_trace(raw: Any, path: Path) -> KinetoTrace:
+    """A loaded Kineto (chrome) trace as typed events; one that is not such a trace is a TraceError."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("traceEvents"), list):
+        raise TraceError(f"{path} is not a Kineto/chrome trace: expected an object with 'traceEvents'")
+    events, memory = [], []
+    for event in raw["traceEvents"]:
+        if isinstance(event, dict) and event.get("ph") == "X":
+            rf = (event.get("args") or {}).get("Record function id")
+            try:
+                events.append(KinetoEvent(str(event.get("name", "")), str(event.get("cat", "")), float(event["ts"]),
+                                          float(event["dur"]), event.get("tid"), int(rf) if rf is not None else None))
+            except (KeyError, TypeError, ValueError) as err:
+                raise TraceError(f"{path}: malformed Kineto event {str(event)[:120]}: {err}") from None
+        found = _memory_event(event)
+        if found is not None:
+            memory.append(found)
+    return KinetoTrace(events, sorted(memory, key=lambda e: e.ts))
+
+
+def read_kineto(path: Path, what: str = "Kineto trace") -> KinetoTrace:
+    """Read a Kineto trace file as typed events."""
+    return kineto_trace(read_json(path, what), path)
+
+
+def read_bundle(bundle: Path) -> BundleTrace:
+    """Read one rank's bundle folder: each of its trace files once."""
+    timing = bundle / KINETO_TIMING_FILE
+    return BundleTrace(bundle, read_meta(bundle), read_et(bundle / ET_FILE), read_kineto(bundle / KINETO_FILE),
+                       read_kineto(timing, "Kineto timing trace") if timing.is_file() else None)
+
+
+def is_tensor_ref(value: Any) -> bool:
+    """Whether an ET value is a tensor reference: [tensor id, storage id, offset, numel, itemsize, device]."""
+    return (isinstance(value, list) and len(value) == 6 and all(isinstance(v, int) for v in value[:5])
+            and isinstance(value[5], str))
+
+
+def tensor_refs(values: Iterable[Any]) -> Iterator[list]:
+    """Every tensor value ``[tensor_id, storage_id, offset, numel, itemsize, device]``, lists included."""
+    for value in values:
+        if is_tensor_ref(value):
+            yield value
+        elif isinstance(value, list):
+            yield from tensor_refs(value)
+
+
+def recorded_tensor_data(bundle: Path, node: Node) -> dict[str, str]:
+    """Tensor-input index → base64 of the raw integer data the ET observer saved for this op, if any.
+
+    torch 2.13's observer copies ``numel × itemsize`` bytes from ``storage + offset`` with the offset
+    in elements, not bytes: the data of a view that starts past its storage's first element is wrong,
+    so it is dropped (the replay falls back to the recorded value range there).
+    """
+    resources = bundle / ET_RESOURCES
+    data: dict[str, str] = {}
+    if not resources.is_dir():
+        return data
+    index = -1
+    for value, et_type in zip(node.inputs.get("values", []), node.inputs.get("types", []), strict=False):
+        items = [(value, et_type)]
+        if et_type.startswith("GenericList[") and isinstance(value, list):
+            items = list(zip(value, list_types(et_type), strict=False))
+        for item, item_type in items:
+            if not item_type.startswith("Tensor("):
+                continue
+            index += 1
+            path = resources / f"nid_{node.id}_tid_{index}.dat"
+            if not (is_tensor_ref(item) and item[2] == 0 and path.is_file()):
+                continue
+            if 0 < path.stat().st_size <= MAX_TENSOR_DATA_BYTES:
+                data[str(index)] = base64.b64encode(path.read_bytes()).decode("ascii")
+    return data

@@ -1,0 +1,146 @@
+"""The tensors a replay reads but no replayed op makes: synthesised with defined contents, restored, checked.
+
+Tensors the steps read but never produced (parameters, optimiser state, inputs) are synthesised
+once, before timing: one buffer per captured storage, sized from the true extent of every view of
+it, each view laid over it, filled with the values their readers recorded (:mod:`.tensors`). A
+storage the program made itself between ops (the spec's ``born``) is made at that point of each
+step instead. The floating state carried across steps can be put back as it was made, and an op
+that could not run is stood in for by outputs of its captured layout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from workloads.trace_replay.dataflow import Constraint, External
+from workloads.trace_replay.ops import CompiledOp
+from workloads.trace_replay.plan import ReplayPlan
+from workloads.trace_replay.records import ValueStats
+from workloads.trace_replay.tensors import copy_recorded, fill_view, match_values, stand_in
+
+
+class Synthesis:
+    """The replay's value list (:attr:`vals`, by slot) and the tensors it makes itself."""
+
+    def __init__(self, plan: ReplayPlan, device: torch.device, generator: torch.Generator,
+                 external_values: list[Any]):
+        self.plan, self.device, self.generator = plan, device, generator
+        self.vals: list[Any] = [None] * len(plan.slots)
+        self.external_values = external_values  # what the program's own floating inputs held
+        self.static_bytes = 0  # synthesised tensors (parameters, optimiser state, inputs): set by materialize()
+        self._values_of: dict[tuple[int, torch.dtype], ValueStats] = {}
+        self._initial_values: list[tuple[torch.Tensor, torch.Tensor]] = []  # (storage's bytes, their copy)
+        self._birth_plans: dict[int, tuple[dict, list, list]] = {}
+
+    def materialize(self) -> None:
+        """Synthesise every external tensor that lives across steps: one buffer per captured storage,
+        views laid over it (those the program makes during a step are made there: :meth:`give_birth`)."""
+        static = {slot: entry for slot, entry in self.plan.externals.items() if slot not in self.plan.born_slots}
+        self._values_of = match_values([((info.storage_id, info.dtype), info.shape, info.dtype)
+                                        for info, _, _ in static.values() if info.dtype.is_floating_point],
+                                       self.external_values)
+        self.static_bytes = self._lay_out(static)  # what lives across steps
+        for slot, mask in self.plan.external_masks.items():
+            if slot in static:
+                self.vals[slot].copy_(mask)
+        for index, slots in self.plan.wrapped.items():  # Python numbers in the program: Python numbers again
+            op = self.plan.ops[index]
+            for pos, sub, slot in [entry for entry in op.arg_slots if entry[2] in slots and entry[1] < 0]:
+                if isinstance(self.vals[slot], torch.Tensor):
+                    op.args[pos] = self.vals[slot].item()
+                    op.arg_slots.remove((pos, sub, slot))
+        self._initial_values, seen = [], set()  # the floating state as made, for restore_values()
+        for slot, (info, _, _) in static.items():
+            value = self.vals[slot]
+            if info.dtype.is_floating_point and isinstance(value, torch.Tensor) and value.numel():
+                storage = value.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    whole = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
+                    self._initial_values.append((whole, whole.to("cpu", copy=True)))
+
+    def restore_values(self) -> None:
+        """Put the floating state carried across steps (parameters, optimiser state) back as it was made.
+
+        A replay runs the same captured steps again and again, on the same batches: its optimiser
+        drives the parameters where those batches' loss is least, its softmaxes saturate and its
+        gradients sink into subnormal floats that the program, on fresh batches, never computes
+        with (GPT-2: 113 op calls with subnormal inputs per step after some 300 replayed steps, 2 in
+        the program) — and a CPU's kernels slow down on them. Restoring between measurements keeps
+        the replay where the program was. The copy is in host memory; this costs a copy, not a step.
+        """
+        with torch.no_grad():
+            for whole, initial in self._initial_values:
+                whole.copy_(initial)
+
+    def give_birth(self, k: int) -> None:
+        """Make the storages the program made right after flat position ``k``, with defined contents."""
+        if k not in self._birth_plans:  # each step pays for the buffers, not for working out their layout
+            births, every = self.plan.births.get(k, []), self.plan.externals
+            externals = {slot: every[slot] for _, slots in births for slot in slots}
+            keys = {(info.storage_id, info.dtype) for info, _, _ in externals.values()}
+            constraints = [c for c in self.plan.constraints if (c[0].storage_id, c[0].dtype) in keys]
+            # floating storages without recorded constraints (on the CPU, where the generator lives): one
+            # buffer each, filled whole in one call, views laid over it; else the general path
+            fast = [(max(every[s].info.offset + every[s].info.extent for s in slots), dtype,
+                     [(s, every[s].info) for s in slots]) for (_, dtype), slots in births]
+            if constraints or self.device.type != "cpu" or any(not dtype.is_floating_point for _, dtype, _ in fast):
+                fast = []
+            self._birth_plans[k] = (externals, constraints, fast)
+        externals, constraints, fast = self._birth_plans[k]
+        if not fast:
+            self._lay_out(externals, constraints)
+            return
+        for numel, dtype, views in fast:
+            whole = torch.empty(max(numel, 1), dtype=dtype, device=self.device)
+            whole.uniform_(0.1, 1.0, generator=self.generator)  # see tensors.fill_view: positive, defined
+            for slot, info in views:
+                self.vals[slot] = whole.as_strided(info.shape, info.stride, info.offset)
+
+    def _lay_out(self, externals: dict[int, External], constraints: list[Constraint] | None = None) -> int:
+        """Buffers for these external slots, their views in :attr:`vals` with defined contents (``constraints``:
+        the readers' recorded ranges and data that may apply, default all); returns the bytes allocated."""
+        # Keyed by storage and dtype: the observer's storage ids come from data addresses, reused after
+        # frees, so a step counter (int64) and a bias correction (float64) freed and made in turn can
+        # arrive with one id; views of one storage in two dtypes are otherwise rare.
+        nbytes: dict[tuple[int, torch.dtype], int] = {}
+        for info, _, _ in externals.values():
+            end = (info.offset + info.extent) * info.itemsize
+            key = (info.storage_id, info.dtype)
+            nbytes[key] = max(nbytes.get(key, 0), end)
+        storages = {sid: torch.empty(max(n, 1), dtype=torch.uint8, device=self.device).untyped_storage()
+                    for sid, n in nbytes.items()}
+        # Wide views first: a narrower view of the same storage (e.g. one table's slice of a
+        # jagged batch's offsets) carries its own reader's range, so it is written last and wins.
+        ordered = sorted(externals.items(), key=lambda item: -item[1][0].extent)
+        for slot, (info, rng, is_offsets) in ordered:
+            view = torch.empty(0, dtype=info.dtype, device=self.device)
+            view.set_(storages[(info.storage_id, info.dtype)], info.offset, info.shape, info.stride)
+            fill_view(view, rng, is_offsets, self.generator, self._values_of.get((info.storage_id, info.dtype)))
+            self.vals[slot] = view
+        # Then what the readers recorded, on every view of a synthesised storage: ranges from the
+        # widest view to the narrowest, recorded data last (it is the program's own values).
+        constraints = self.plan.constraints if constraints is None else constraints
+        for info, rng, is_offsets, data in sorted(constraints, key=lambda c: (c[3] is not None, -c[0].extent)):
+            if (info.storage_id, info.dtype) in storages:
+                view = torch.empty(0, dtype=info.dtype, device=self.device)
+                view.set_(storages[(info.storage_id, info.dtype)], info.offset, info.shape, info.stride)
+                if data is None or not copy_recorded(view, data):
+                    fill_view(view, rng, is_offsets, self.generator)
+        return sum(max(n, 1) for n in nbytes.values())
+
+    def nonfinite_tensors(self) -> int:
+        """How many of the tensors carried across steps (parameters, optimiser state, inputs) now hold an
+        infinite or NaN element: 0 in a sane replay. (A step's intermediates may hold them by design,
+        e.g. a division masked afterwards, as in the program itself.)"""
+        carried = (self.vals[slot] for slot in self.plan.externals)
+        return sum(1 for v in carried if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()
+                   and not bool(torch.isfinite(v).all()))
+
+    def stand_in(self, op: CompiledOp) -> None:
+        """Outputs of the captured shapes for an op that could not run, so its consumers still run."""
+        for slot, info in zip(op.out_slots, op.out_infos, strict=False):
+            if slot is not None and info is not None and self.vals[slot] is None:
+                self.vals[slot] = stand_in(info.shape, info.stride, info.offset, info.extent, info.dtype, self.device)
