@@ -76,7 +76,7 @@ INDEX_OPS = (
     "aten::scatter", "aten::scatter_add_", "aten::index_add_", "aten::take", "aten::nll_loss_forward",
     "aten::nll_loss_backward", "aten::cross_entropy_loss", "aten::one_hot", "aten::bincount",
     "aten::repeat_interleave", "aten::searchsorted", "aten::masked_select", "aten::_unique2", "aten::segment_reduce",
-    # ops that carry index tensors whole (storage offset 0: see workloads.trace_replay.spec._tensor_data)
+    # ops that carry index tensors whole (storage offset 0: see workloads.trace_replay.parse.recorded_tensor_data)
     "aten::split", "aten::split_with_sizes", "aten::narrow", "aten::slice", "aten::select", "aten::view",
     "aten::reshape", "aten::to", "aten::_to_copy", "aten::copy_", "aten::clone", "aten::cat", "aten::stack",
     "aten::unbind", "aten::flatten", "aten::contiguous",
