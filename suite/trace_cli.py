@@ -311,6 +311,7 @@ def _predict(args: argparse.Namespace) -> int:
     from harness.platform import configure_host_allocator, host_allocator_in_effect
     from workloads.whatif.cache import cache_dir
     from workloads.whatif.chakra_export import edited_ops, export_edited_chakra
+    from workloads.whatif.changes import parse_changes
     from workloads.whatif.costmodel import calibrate, load_or_calibrate, read_calibration
     from workloads.whatif.dataparallel import (
         allreduce_cost,
@@ -320,7 +321,6 @@ def _predict(args: argparse.Namespace) -> int:
         stage_ops,
         threads_per_rank,
     )
-    from workloads.whatif.edits import parse_changes
     from workloads.whatif.graph import load_graph
     from workloads.whatif.predict import predict
 
@@ -646,7 +646,7 @@ def _measure_prediction(graph: Graph, changes: list[str], overrides: list[str], 
 
     from harness.config import compose_config, to_run_config
     from harness.runner import run_benchmark
-    from workloads.whatif.edits import WORLD_KEYS
+    from workloads.whatif.changes import WORLD_KEYS
 
     world = next((int(c.partition("=")[2]) for c in changes if c.partition("=")[0] in WORLD_KEYS), 1)
     running = int(os.environ.get("WORLD_SIZE", "1"))
@@ -712,7 +712,7 @@ def _measure_pair(args: argparse.Namespace) -> int:
 
     if args.steps < 1 or args.warmup < 0:
         raise ValueError("--steps must be at least 1 and --warmup at least 0")
-    from workloads.whatif.edits import WORLD_KEYS
+    from workloads.whatif.changes import WORLD_KEYS
 
     if any(c.partition("=")[0] in WORLD_KEYS for c in args.changed):
         raise ValueError("measure-pair runs both sides in one process: a world-size change needs its own launch")

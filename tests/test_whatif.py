@@ -700,8 +700,8 @@ def test_a_programs_own_bundle_says_once_what_it_can_predict_and_how_to_name_its
     from torch import nn
 
     from harness.capture import capture
+    from workloads.whatif.changes import parse_changes
     from workloads.whatif.costmodel import Calibration, Curve
-    from workloads.whatif.edits import parse_changes
     from workloads.whatif.graph import load_graph
     from workloads.whatif.predict import predict
 
