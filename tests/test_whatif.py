@@ -153,6 +153,20 @@ def test_cobench_trace_predict_writes_its_inputs_and_refuses_bad_changes(cobench
     assert "not a what-if calibration" in err
 
 
+def test_a_second_prediction_on_the_same_bundle_gives_the_same_figures(cobench, bundle: Path, tmp_path: Path):
+    """The curves the first prediction measured are kept in the bundle's what-if cache: the next prediction of
+    the same changes takes them and gives the same record, figure for figure."""
+    records = []
+    for name in ("first", "again"):
+        out = tmp_path / f"{name}.json"
+        proc = cobench("trace", "predict", str(bundle), "workload.n_layers=4", "workload.batch_size=16", "--json",
+                       str(out))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        records.append(json.loads(out.read_text()))
+    assert records[0]["inputs"]["change"] == {"layers": 4, "batch_size": 16}
+    assert records[0] == records[1]
+
+
 def test_predict_then_measure_logs_the_error_with_the_real_run(cobench, bundle: Path, tmp_path: Path):
     """`--measure`: the changed configuration runs for real, its MLflow run carries the prediction's error
     and naive scaling's."""
