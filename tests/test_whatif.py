@@ -153,6 +153,20 @@ def test_cobench_trace_predict_writes_its_inputs_and_refuses_bad_changes(cobench
     assert "not a what-if calibration" in err
 
 
+def test_a_second_prediction_on_the_same_bundle_gives_the_same_figures(cobench, bundle: Path, tmp_path: Path):
+    """The curves the first prediction measured are kept in the bundle's what-if cache: the next prediction of
+    the same changes takes them and gives the same record, figure for figure."""
+    records = []
+    for name in ("first", "again"):
+        out = tmp_path / f"{name}.json"
+        proc = cobench("trace", "predict", str(bundle), "workload.n_layers=4", "workload.batch_size=16", "--json",
+                       str(out))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        records.append(json.loads(out.read_text()))
+    assert records[0]["inputs"]["change"] == {"layers": 4, "batch_size": 16}
+    assert records[0] == records[1]
+
+
 def test_predict_then_measure_logs_the_error_with_the_real_run(cobench, bundle: Path, tmp_path: Path):
     """`--measure`: the changed configuration runs for real, its MLflow run carries the prediction's error
     and naive scaling's."""
@@ -367,10 +381,10 @@ def test_cobench_trace_predict_ranks_json_chakra_and_refusals(cobench, bundle: P
     assert again.returncode == 0 and "timing DDP's" not in again.stdout  # the cached timing of this skeleton
     assert json.loads((tmp_path / "again.json").read_text())["inputs"]["data_parallel"]["gradient_sync_ms"] == \
         dp["gradient_sync_ms"]
-    # a timing made elsewhere (`trace time-sync` of the prediction's JSON) is taken; one of another step refused
+    # a timing made elsewhere (the sync probe on the prediction's JSON) is taken; one of another step refused
     made = tmp_path / "sync.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "suite.cli",
-                           "trace", "time-sync", str(out), "--out", str(made), "--passes", "6", "--warmup", "2"],
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+                           "harness.whatif.sync_probe", str(out), "--out", str(made), "--passes", "6", "--warmup", "2"],
                           capture_output=True, text=True, timeout=300, env=clean_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "DDP gradient sync at 2 ranks" in proc.stdout and json.loads(made.read_text())["passes"] == 6
@@ -379,14 +393,17 @@ def test_cobench_trace_predict_ranks_json_chakra_and_refusals(cobench, bundle: P
     assert proc.returncode == 0 and str(made) in proc.stdout
     err = refused(capsys, "trace", "predict", str(bundle), "world_size=2", "workload.parallelism=ddp",
                   "workload.n_layers=4", "--calibration", str(calibration), "--gradient-sync", str(made))
-    assert "timed for 21 gradients" in err and "time-sync" in err
+    assert "timed for 21 gradients" in err and "harness.whatif.sync_probe" in err
     # a timing of each rank's own median (no job step: an earlier cobench's) is refused, not taken as the job's
     older = tmp_path / "older_sync.json"
     older.write_text(json.dumps({k: v for k, v in json.loads(made.read_text()).items() if k != "job_ddp_ms_p50"}))
     err = refused(capsys, "trace", "predict", str(bundle), "world_size=2", "workload.parallelism=ddp",
                   "--calibration", str(calibration), "--gradient-sync", str(older))
     assert "slowest rank's" in err and "time it again" in err
-    assert "sync_spec" in refused(capsys, "trace", "time-sync", str(calibration), "--out", str(made))
+    from harness.whatif.sync_probe import main as sync_probe
+
+    capsys.readouterr()
+    assert sync_probe([str(calibration), "--out", str(made)]) == 2 and "sync_spec" in capsys.readouterr().err
 
     ddp = ["world_size=2", "workload.parallelism=ddp"]
     proc = cobench("trace", "predict", str(bundle), *ddp, "--calibration", str(calibration), "--sync-from", "table")
@@ -411,7 +428,7 @@ def test_cobench_trace_predict_ranks_json_chakra_and_refusals(cobench, bundle: P
 def test_validation_judges_each_rounds_predicted_ratio_against_its_measured_ratio():
     """Drift common to a round's base and changed run cancels: a prediction of the right ratio has no error
     however much the machine's speed moved between rounds; naive scaling's ratio is judged the same way."""
-    from suite.whatif_validate import CaseResult
+    from harness.whatif.validate import CaseResult
 
     drifting = CaseResult("llama", "layers", ["workload.n_layers=4"], predicted_ms=[18.0, 21.6, 14.4],
                           predicted_ratios=[1.8, 1.8, 1.8], naive_ratio=2.0, base_ms=[10.0, 12.0, 8.0],
@@ -433,7 +450,7 @@ def test_validation_judges_each_rounds_predicted_ratio_against_its_measured_rati
 def test_a_world_size_change_is_measured_between_two_base_runs(tmp_path: Path, monkeypatch):
     """A 2-rank run cannot share a process with its base: it runs between two base runs, and its ratio is to
     their geometric mean, so a host that slows down over the three runs moves both sides alike."""
-    import suite.whatif_validate as validate
+    import harness.whatif.validate as validate
 
     ran = []
 
@@ -443,7 +460,7 @@ def test_a_world_size_change_is_measured_between_two_base_runs(tmp_path: Path, m
 
     monkeypatch.setattr(validate, "_step_ms", step_ms)
     (base, changed), noisy = validate._measure(tmp_path / "r", 2, ["workload=llama"], ["workload.parallelism=ddp"],
-                                               ["runner.steps=8"], 8, 2)
+                                               ["runner.steps=8"], 8, 2, "suite.cli")
     assert [name for name, _ in ran] == ["r-base", "r-changed", "r-base-after"]
     assert "torch.distributed.run" in ran[1][1] and "workload.parallelism=ddp" in ran[1][1]
     assert all("torch.distributed.run" not in c and "workload.parallelism=ddp" not in c for _, c in (ran[0], ran[2]))
@@ -552,8 +569,8 @@ def test_a_sharded_stage_timed_at_two_ranks_replaces_the_captured_embeddings(cob
     from workloads.whatif.predict import Change, predict
 
     timing = tmp_path / "stage.json"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "suite.cli",
-                           "trace", "time-stage", str(seqrec_bundle), "--out", str(timing), "--passes", "12",
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+                           "harness.whatif.stage_probe", str(seqrec_bundle), "--out", str(timing), "--passes", "12",
                            "--warmup", "2"], capture_output=True, text=True, timeout=300, env=clean_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(timing.read_text())
@@ -621,7 +638,7 @@ def test_a_sharded_stage_timed_at_two_ranks_replaces_the_captured_embeddings(cob
     assert cli["predicted_step_ms"] > record["ms_p50"] + cli["inputs"]["data_parallel"]["allreduce_ms"]
     err = refused(capsys, "trace", "predict", str(seqrec_bundle), "world_size=2", "--calibration",
                   str(calibration), "--sharded-stage", str(tmp_path / "nope.json"))
-    assert "nope.json does not exist" in err and "time-stage" in err
+    assert "nope.json does not exist" in err and "harness.whatif.stage_probe" in err
     err = refused(capsys, "trace", "predict", str(seqrec_bundle), "world_size=2", "--calibration",
                   str(calibration), "--sharded-stage", str(table))
     assert "not a sharded-stage timing" in err
@@ -634,7 +651,7 @@ def test_a_sharded_stage_timed_at_two_ranks_replaces_the_captured_embeddings(cob
 
 
 def test_the_skeleton_cuts_the_step_at_its_gradients_with_the_collectives_inside():
-    from harness.sync_probe import _stretches
+    from harness.whatif.sync_probe import _stretches
 
     # gradients made at 2 and 3 ms of a 5 ms step, the stage's collectives at 0.5 and 4 ms; 10 products a ms
     stretches = _stretches(10.0, [2.0, 3.0], 5.0, [0.5, 4.0])
@@ -700,8 +717,8 @@ def test_a_programs_own_bundle_says_once_what_it_can_predict_and_how_to_name_its
     from torch import nn
 
     from harness.capture import capture
+    from workloads.whatif.changes import parse_changes
     from workloads.whatif.costmodel import Calibration, Curve
-    from workloads.whatif.edits import parse_changes
     from workloads.whatif.graph import load_graph
     from workloads.whatif.predict import predict
 

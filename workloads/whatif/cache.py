@@ -5,12 +5,14 @@ seconds to minutes, so it is kept for the next prediction on the same bundle, in
 folder (``$COBENCH_CACHE_DIR``, else ``$XDG_CACHE_HOME/cobench``, else ``~/.cache/cobench``) under
 ``whatif/<bundle name>-<key>/``; the key is made of the bundle's resolved path and its execution
 trace's size and modification time, so a bundle captured again into the same folder starts afresh.
-Delete the folder to measure again.
+Delete the folder to measure again. A kept record, or a timing file made on the target, is read back with
+:func:`read_json_file`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -34,3 +36,14 @@ def cache_dir(bundle: str | Path) -> Path:
     folder = cache_root() / "whatif" / f"{bundle.name}-{key}"
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+def read_json_file(path: Path) -> dict:
+    """A JSON object from ``path``, or a ValueError naming the file."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path}: not readable as JSON ({err})") from err
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: not a JSON object")
+    return record

@@ -12,7 +12,7 @@ workload's ``batch_size`` is global):
   as soon as its gradients are ready (the first, 1 MiB, while backward still runs), the step waiting for
   the last bucket, for the slower rank and for the collective's threads to wake after compute — is
   *measured* at ``world`` ranks on a skeleton of this rank's predicted step (:func:`sync_spec`, timed by
-  :mod:`harness.sync_probe`: the gradients' shapes made at their predicted times between calibrated busy
+  :mod:`harness.whatif.sync_probe`: the gradients' shapes made at their predicted times between calibrated busy
   compute, with and without the real DDP). On this host that costs several times the collective alone
   (Llama tiny at 2 ranks: 3.0 ms a step, where its 657 KB all-reduced back to back take 0.4 ms).
   Without that timing (another platform, or asked for), the gradients are all-reduced in DDP's buckets
@@ -28,7 +28,7 @@ rank in a way a single-rank capture cannot show: the tables are sharded, the KJT
 all-to-alls, the looked-up embeddings in an output all-to-all and its backward, a fused optimizer updates the
 shards, and every rank waits for the one whose shards are busiest. That stage is *measured*: the workload's
 own sharded stage (:meth:`workloads.base.WorkloadBase.sharded_stage`) run alone at ``world`` ranks on the
-target (:mod:`harness.stage_probe`, on the workload's per-rank batches and sharding plan — a component
+target (:mod:`harness.whatif.stage_probe`, on the workload's per-rank batches and sharding plan — a component
 benchmark, as TorchRec's sharded-module benchmarks are), and it replaces the stage's ops in the single-rank
 graph (forward and backward by module scope, the in-backward optimizer by the tables' shapes). Without that
 measurement the prediction says the stage is not modelled.
@@ -67,7 +67,7 @@ NOT_MODELLED_STAGE = ("TorchRec's DistributedModelParallel shards the embedding 
 
 @dataclass
 class ShardedStageCost:
-    """The sharded stage's measured time per step at ``world`` ranks (:class:`harness.stage_probe.StageTiming`'s
+    """The sharded stage's measured time per step at ``world`` ranks (:class:`harness.whatif.stage_probe.StageTiming`'s
     record) and the module it replaces in the graph."""
 
     world: int
@@ -81,14 +81,14 @@ class ShardedStageCost:
         try:
             return cls(int(record["world_size"]), str(record["module"]), float(record["ms_p50"]), source, record)
         except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"{source}: not a sharded-stage timing (made by `cobench trace time-stage`): "
-                             f"{err!r}") from err
+            raise ValueError(f"{source}: not a sharded-stage timing (made by `torchrun -m "
+                             f"harness.whatif.stage_probe`): {err!r}") from err
 
 
 @dataclass
 class GradientSyncCost:
     """What DDP's gradient synchronisation adds to a step at ``world`` ranks, measured on the skeleton of
-    the predicted step (:class:`harness.sync_probe.SyncTiming`'s record, launches pooled)."""
+    the predicted step (:class:`harness.whatif.sync_probe.SyncTiming`'s record, launches pooled)."""
 
     world: int
     ms: float
@@ -100,11 +100,11 @@ class GradientSyncCost:
         if isinstance(record, dict) and "sync_ms" in record and "job_ddp_ms_p50" not in record:
             raise ValueError(f"{source}: a gradient-sync timing of each rank's own median (an earlier cobench); the "
                              "prediction is of the job's step (the slowest rank's at each step): time it again with "
-                             "`cobench trace time-sync`")
+                             "`torchrun -m harness.whatif.sync_probe`")
         try:
             return cls(int(record["world_size"]), float(record["sync_ms"]), source, record)
         except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"{source}: not a gradient-sync timing (made by `cobench trace time-sync`): "
+            raise ValueError(f"{source}: not a gradient-sync timing (made by `torchrun -m harness.whatif.sync_probe`): "
                              f"{err!r}") from err
 
     def check(self, spec: dict[str, Any]) -> None:
@@ -114,12 +114,13 @@ class GradientSyncCost:
         if mine != theirs:
             raise ValueError(f"{self.source}: timed for {theirs[0]} gradients of {theirs[1]} bytes at {theirs[2]} "
                              f"ranks; this prediction's step has {mine[0]} of {mine[1]} bytes at {mine[2]}: time the "
-                             "skeleton this prediction writes (`cobench trace time-sync PREDICTION.json`)")
+                             "skeleton this prediction writes (`torchrun -m harness.whatif.sync_probe "
+                             "PREDICTION.json`)")
 
 
 def sync_spec(graph: Graph, local: Prediction, world: int, threads: int, replaced: frozenset[int] = frozenset(),
               stage_ms: float = 0.0, layers: int | None = None, sharded: bool = False) -> dict[str, Any]:
-    """The skeleton of one rank's predicted step that :func:`harness.sync_probe.time_gradient_sync` times: the
+    """The skeleton of one rank's predicted step that :func:`harness.whatif.sync_probe.time_gradient_sync` times: the
     gradients DDP reduces (shape, dtype) in the order backward makes them, each at the time the edited step
     makes it (``local``'s op ends), and the step's length. The sharded stage's ops (``replaced``, timed apart:
     ``stage_ms``) are put back where they ran, in proportion to their captured time. ``layers``: a layer-count

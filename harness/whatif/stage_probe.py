@@ -7,20 +7,39 @@ optimizer, and the waits for the rank whose shards are busiest — which a singl
 (:meth:`workloads.base.WorkloadBase.sharded_stage`) under ``torchrun`` on the target, on the workload's own
 per-rank batches and sharding plan, and times it with the step timer. Every rank runs it; the stage's
 collectives keep the ranks in step, so its time is the slowest rank's, which every rank then waits for.
+
+    torchrun --nproc-per-node 2 -m harness.whatif.stage_probe BUNDLE --out FILE [--passes 100 --warmup 10]
+             [workload.* changes]
+
+times the stage of a single-rank capture's workload and config (with the prediction's ``workload.*`` changes)
+at the launch's world size; rank 0 writes the timing (JSON), what ``cobench trace predict --sharded-stage``
+takes.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import statistics
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.config import CobenchConfig
-from harness.distributed import gather_to_all
+from omegaconf import OmegaConf
+
+from harness.cli import EXIT_BAD_INPUT, EXIT_OK
+from harness.config import CobenchConfig, compose_config, to_run_config
+from harness.distributed import gather_to_all, shutdown_distributed
 from harness.loop import seed_everything
 from harness.runner import open_workload
 from harness.timing import StepTimer
+from workloads.whatif.cache import cache_dir
+from workloads.whatif.graph import load_graph
+
+PASSES = 100  # timed passes a launch: 2 ranks on 2 shared cores swing it 2-3x pass to pass
+WARMUP = 10  # untimed passes first
 
 
 @dataclass
@@ -99,3 +118,61 @@ def _spread(values: list[float]) -> tuple[float, float, float]:
     """(median, 10th, 90th percentile)."""
     deciles = statistics.quantiles(values, n=10)
     return statistics.median(values), deciles[0], deciles[-1]
+
+
+def time_stage(bundle: Path, out: Path, passes: int, warmup: int, changes: list[str]) -> dict[str, Any]:
+    """Time the sharded stage of ``bundle``'s workload (its captured config with ``changes``, ``workload.KEY=VALUE``
+    items) in this process group; every rank gets the timing, rank 0 writes it to ``out``."""
+    graph = load_graph(bundle)
+    bad = [c for c in changes if not c.startswith("workload.") or "=" not in c]
+    if bad:
+        raise ValueError(f"the stage probe takes workload.KEY=VALUE changes only, got {bad[0]!r}")
+    overrides = OmegaConf.to_container(OmegaConf.from_dotlist([c.removeprefix("workload.") for c in changes]))
+    workload = graph.workload_config(overrides)
+    if workload is None:
+        raise ValueError(f"{bundle}: its workload {graph.workload!r} cannot be built by this version of cobench "
+                         "(or the changes do not fit its config)")
+    cfg = to_run_config(compose_config([f"workload={graph.workload}", "tracking=off",
+                                        f"seed={graph.config.get('seed', 1234)}"]))
+    cfg.workload = workload
+    timing = time_sharded_stage(cfg, cache_dir(bundle) / "stage_probe", passes, warmup).to_json()
+    timing["changes"] = changes
+    if os.environ.get("RANK", "0") == "0":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(timing, indent=1))
+    return timing
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m harness.whatif.stage_probe",
+                                     description="under torchrun: time a TorchRec workload's sharded embedding stage "
+                                                 "alone at this world size (what `cobench trace predict world_size=W` "
+                                                 "needs of it)")
+    parser.add_argument("bundle", type=Path, help="the single-rank capture whose workload and config are timed")
+    parser.add_argument("--out", type=Path, required=True, help="the timing (JSON), for predict --sharded-stage")
+    parser.add_argument("--passes", type=int, default=PASSES, help=f"timed passes (default {PASSES})")
+    parser.add_argument("--warmup", type=int, default=WARMUP, help=f"untimed passes first (default {WARMUP})")
+    parser.add_argument("changes", nargs="*",
+                        help="workload.* changes the prediction makes (e.g. workload.batch_size=B)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The entry point: time the stage; bad input is exit 2 with a message, as cobench's commands do."""
+    args = _parser().parse_args(argv)
+    try:
+        timing = time_stage(args.bundle, args.out, args.passes, args.warmup, args.changes)
+    except ValueError as err:
+        print(f"stage probe: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    finally:
+        shutdown_distributed()
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{timing['workload']} sharded stage ({timing['module']}) at {timing['world_size']} rank(s): "
+              f"{timing['ms_p50']:.2f} ms a pass (p10 {timing['ms_p10']:.2f}, p90 {timing['ms_p90']:.2f}, "
+              f"{timing['passes']} passes): {args.out}")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,4 +1,5 @@
-"""``cobench trace predict-validate``: a what-if prediction's error, measured so that the figure means something.
+"""A what-if prediction's error, measured so that the figure means something (``cobench trace predict-validate``,
+``measure-pair`` and ``predict --measure``).
 
 Real step times on a shared machine drift by more than a model's error, and not only between sessions: here
 a process's step lands in a fast or a slow state (Llama's tiny step 5.2 or 7.1 ms, runs back to back) that
@@ -24,23 +25,36 @@ saw) is measured again, at most twice, then kept as it is; the count is reported
 (the median predicted ms against the median measured ms) are reported too.
 Each case's MLflow run carries ``prediction_error_pct`` and ``naive_error_pct`` (the medians) with their
 ranges, the ratios and the absolute figures.
+
+The captures, predictions and real runs are cobench's own commands, each in a fresh process: the caller
+names the module that is the ``cobench`` command (``cli``, run as ``python -m <cli>``), so this engine never
+imports the command line. :func:`measure_prediction` is ``predict --measure``'s: the changed configuration run
+for real in this process, the prediction's error logged with it.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # the what-if modules are imported where they are used
-    from workloads.whatif.graph import Graph
+from omegaconf import OmegaConf
 
-HERE = [sys.executable, "-m", "suite.cli"]
+from harness.config import compose_config, to_run_config
+from harness.loop import seed_everything
+from harness.runner import join_process_group, open_workload, run_benchmark
+from harness.side_by_side import interleave
+from harness.tracking import Tracker
+from workloads.whatif.changes import WORLD_KEYS
+from workloads.whatif.graph import Graph, load_graph
+from workloads.whatif.predict import BATCH_KEY, LAYER_KEYS, Prediction, resolved_workload, workload_value
+
 ROUND_RETRIES = 2  # a disturbed round is measured again at most this often (then kept as it is)
 # a base step more than this far (relative) from the round's captured plain step: the machine is not in the state
 # the capture saw (here a process's step lands fast or slow, DLRM tiny 2.9 or 4.0 ms, Llama tiny 5.1 or 7.0 ms)
@@ -53,11 +67,6 @@ def measure_pair(base: list[str], changed: list[str], work_dir: Path, steps: int
     """The base and changed configurations (Hydra overrides) of one workload in this process, their steps
     interleaved in rounds (:func:`harness.side_by_side.interleave`): step medians, the ratio changed / base and its
     95 % interval (whole rounds resampled)."""
-    from harness.config import compose_config, to_run_config
-    from harness.loop import seed_everything
-    from harness.runner import join_process_group, open_workload
-    from harness.side_by_side import interleave
-
     cfgs = [to_run_config(compose_config([*side, "tracking=off"])) for side in (base, changed)]
     joined = join_process_group(cfgs[0])
     opened = []
@@ -127,8 +136,6 @@ CASES = ("layers", "batch", "ranks")
 def cases_for(graph: Graph, values: dict[str, Any]) -> dict[str, list[str]]:
     """The three changes validated for the captured workload: 2× its repeated layers, 2× batch, 1 → 2 ranks
     (DDP where the workload has a parallelism choice)."""
-    from workloads.whatif.predict import BATCH_KEY, LAYER_KEYS, workload_value
-
     layers = workload_value(values, LAYER_KEYS.get(graph.workload, "")) or graph.assign_layers(None)[1]
     batch = workload_value(values, BATCH_KEY)
     return {"layers": [f"workload.{LAYER_KEYS.get(graph.workload)}={2 * (layers or 0)}"],
@@ -148,20 +155,21 @@ def _step_ms(run_root: Path, command: list[str]) -> tuple[float, bool]:
 
 
 def _measure(where: Path, world: int, workload: list[str], changes: list[str], run: list[str], steps: int,
-             warmup: int) -> tuple[list[float], bool]:
+             warmup: int, cli: str) -> tuple[list[float], bool]:
     """One round's [base, changed] step medians and whether a run was noisy: side by side in one process
     (``trace measure-pair``, its record ``<where>-pair.json``) when the change keeps one process; else a base
     run, the changed one under torchrun and the base again (``<where>-base``, ``<where>-changed``,
-    ``<where>-base-after``), the base's step the two runs' geometric mean."""
+    ``<where>-base-after``), the base's step the two runs' geometric mean. ``cli``: the cobench command's module."""
+    here = [sys.executable, "-m", cli]
     if world == 1:
         record = where.with_name(f"{where.name}-pair.json")
-        subprocess.run([*HERE, "trace", "measure-pair", "--out", str(record), "--steps", str(steps), "--warmup",
+        subprocess.run([*here, "trace", "measure-pair", "--out", str(record), "--steps", str(steps), "--warmup",
                         str(warmup), *workload, "--changed", *changes], check=True, stdout=subprocess.DEVNULL)
         measured = json.loads(record.read_text())
         return [measured["base_ms"], measured["changed_ms"]], False
     steps_ms, noisy = [], False
-    for side, launch, extra in (("base", HERE, []), ("changed", [*TORCHRUN, str(world), "-m", "suite.cli"], changes),
-                                ("base-after", HERE, [])):
+    for side, launch, extra in (("base", here, []), ("changed", [*TORCHRUN, str(world), "-m", cli], changes),
+                                ("base-after", here, [])):
         root = where.with_name(f"{where.name}-{side}")
         ms, flagged = _step_ms(root, [*launch, "run", *workload, *extra, *run, f"results_dir={root}"])
         steps_ms.append(ms)
@@ -171,40 +179,37 @@ def _measure(where: Path, world: int, workload: list[str], changes: list[str], r
     return [math.sqrt(steps_ms[0] * steps_ms[2]), steps_ms[1]], noisy
 
 
-def _capture(bundle: Path, workload: list[str], steps: int, out: Path) -> Graph:
+def _capture(bundle: Path, workload: list[str], steps: int, out: Path, cli: str) -> Graph:
     """The graph of a capture into ``bundle`` (taken now unless it is there: a rerun keeps its rounds' captures)."""
-    from workloads.whatif.graph import load_graph
-
     if not (bundle / "meta.json").exists():
-        subprocess.run([*HERE, "trace", "capture", "--out", str(bundle), "--baseline-steps", str(steps), *workload,
-                        "tracking=off", f"results_dir={out / 'capture'}"], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([sys.executable, "-m", cli, "trace", "capture", "--out", str(bundle), "--baseline-steps",
+                        str(steps), *workload, "tracking=off", f"results_dir={out / 'capture'}"], check=True,
+                       stdout=subprocess.DEVNULL)
     return load_graph(bundle)
 
 
 def validate(out: Path, overrides: list[str], case_names: list[str], rounds: int, steps: int, warmup: int,
-             collectives: Path | None) -> list[CaseResult]:
+             collectives: Path | None, cli: str) -> list[CaseResult]:
     """R rounds of: a capture into ``out/bundle-<r>``, then per case its prediction from that capture and the
-    base and changed runs back to back."""
-    from workloads.whatif.predict import resolved_workload
-
+    base and changed runs back to back, each a cobench command (``python -m <cli>``) of its own."""
     unknown = [n for n in case_names if n not in CASES]
     if unknown:  # before the first capture
         raise ValueError(f"unknown case {unknown[0]!r}: choose from {', '.join(CASES)}")
     workload = [o for o in overrides if not o.startswith(("tracking", "results_dir"))]
-    graph = _capture(out / "bundle-0", workload, steps, out)
+    graph = _capture(out / "bundle-0", workload, steps, out, cli)
     cases = cases_for(graph, resolved_workload(graph))
     run = ["runner.repetitions=1", f"runner.steps={steps}", f"runner.warmup_steps={warmup}",
            "runner.progress=false", "tracking=off"]
     results = {name: CaseResult(graph.workload, name, cases[name], [], [], 0.0, [], []) for name in case_names}
     for r in range(rounds):
         bundle = out / f"bundle-{r}"
-        graph = _capture(bundle, workload, steps, out) if r else graph
+        graph = _capture(bundle, workload, steps, out, cli) if r else graph
         for name, result in results.items():
             changes = cases[name]
             table = ["--collectives", str(collectives)] if name == "ranks" and collectives else []
             predicted = out / f"{name}-{r}.json"
-            subprocess.run([*HERE, "trace", "predict", str(bundle), *changes, *table, "--json", str(predicted)],
-                           check=True, stdout=subprocess.DEVNULL)
+            subprocess.run([sys.executable, "-m", cli, "trace", "predict", str(bundle), *changes, *table, "--json",
+                            str(predicted)], check=True, stdout=subprocess.DEVNULL)
             record = json.loads(predicted.read_text())
             # the prediction is the edited graph × measured / unchanged: over the measured step, the graphs' ratio
             result.predicted_ms.append(record["predicted_step_ms"])
@@ -214,7 +219,7 @@ def validate(out: Path, overrides: list[str], case_names: list[str], rounds: int
             real = [c for c in changes if not c.startswith("world_size=")]
             for attempt in range(1 + ROUND_RETRIES):
                 pair, noisy = _measure(out / "rounds" / f"{name}-{r}-{attempt}", world, workload, real, run, steps,
-                                       warmup)
+                                       warmup, cli)
                 # a round is judged only on the machine that was captured: neither run noisy, the base within
                 # CAPTURED_STATE of the capture's own plain step (else the machine moved to another state)
                 if not noisy and abs(pair[0] / graph.measured_step_ms - 1.0) <= CAPTURED_STATE:
@@ -235,9 +240,6 @@ def validate(out: Path, overrides: list[str], case_names: list[str], rounds: int
 def log_cases(results: list[CaseResult], overrides: list[str]) -> dict[str, str]:
     """One MLflow run per case (``whatif-validate-<workload>-<case>``) in the store ``overrides`` name;
     nothing with tracking off. Returns case → run id."""
-    from harness.config import compose_config, to_run_config
-    from harness.tracking import Tracker
-
     store = [o for o in overrides if o.startswith(("tracking", "results_dir", "workload="))]
     cfg = to_run_config(compose_config(store))
     if not cfg.tracking.enabled:
@@ -256,11 +258,71 @@ def log_cases(results: list[CaseResult], overrides: list[str]) -> dict[str, str]
     return ids
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"{'workload':8} {'case':7} {'pred ratio':>10} {'meas ratio (min…max)':>22} {'ours median (min…max)':>24} "
-          f"{'naive':>8} {'pred ms':>8} {'meas ms':>8}")
-    for r in rows:
-        print(f"{r['workload']:8} {r['case']:7} {r['predicted_ratio']:10.3f} {r['measured_ratio']:8.3f} "
-              f"({r['measured_ratio_min']:.3f}…{r['measured_ratio_max']:.3f}) {r['prediction_error_pct']:+7.1f} % "
-              f"({r['prediction_error_min_pct']:+.1f}…{r['prediction_error_max_pct']:+.1f}) "
-              f"{r['naive_error_pct']:+7.1f}% {r['predicted_step_ms']:8.2f} {r['measured_step_ms']:8.2f}")
+
+def run_validation(out: Path, overrides: list[str], case_names: list[str], rounds: int, steps: int, warmup: int,
+                   collectives: Path | None, cli: str) -> dict[str, Any]:
+    """:func:`validate`, then its table: every case's figures (``rows``, each with its MLflow run's id) and the
+    mean absolute errors, ours and naive scaling's, written to ``out/validation.json`` (before MLflow is reached,
+    and again with the run ids)."""
+    if rounds < 1 or steps < 1:
+        raise ValueError("--rounds and --steps must be at least 1")
+    results = validate(out, overrides, case_names, rounds, steps, warmup, collectives, cli)
+    rows = [r.summary() for r in results]
+    summary = {"rows": rows, "rounds": rounds, "steps": steps, "warmup": warmup,
+               "mae_pct": statistics.fmean(abs(r["prediction_error_pct"]) for r in rows),
+               "naive_mae_pct": statistics.fmean(abs(r["naive_error_pct"]) for r in rows)}
+    (out / "validation.json").write_text(json.dumps(summary, indent=2))  # kept should logging fail
+    run_ids = log_cases(results, overrides)
+    for row in rows:
+        row["run_id"] = run_ids.get(row["case"])
+    (out / "validation.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def measure_change(out: Path, overrides: list[str], changed: list[str], steps: int, warmup: int) -> dict[str, Any]:
+    """:func:`measure_pair` of the configuration ``overrides`` and it with ``changed`` on top, its record (with
+    ``changed``) written to ``out``; its workloads' files go to ``<out>-work``."""
+    if steps < 1 or warmup < 0:
+        raise ValueError("--steps must be at least 1 and --warmup at least 0")
+    if any(c.partition("=")[0] in WORLD_KEYS for c in changed):
+        raise ValueError("measure-pair runs both sides in one process: a world-size change needs its own launch")
+    record = measure_pair(overrides, [*overrides, *changed], out.parent / f"{out.stem}-work", steps, warmup)
+    record["changed"] = changed
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1))
+    return record
+
+
+def measure_prediction(graph: Graph, changes: list[str], overrides: list[str], prediction: Prediction) -> dict:
+    """Run the changed configuration for real (the captured workload config, the changes, ``overrides``)
+    and log the prediction's error with it: ``prediction_error_pct`` and naive scaling's beside it."""
+    world = next((int(c.partition("=")[2]) for c in changes if c.partition("=")[0] in WORLD_KEYS), 1)
+    running = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != running:
+        raise ValueError(f"--measure of world_size={world} needs {world} processes, this one runs {running}: "
+                         f"launch it with torchrun --nproc-per-node {world} -m suite.cli trace predict ...")
+    changes = [c for c in changes if c.partition("=")[0] not in WORLD_KEYS]
+    workload = {k: v for k, v in (graph.config.get("workload") or {}).items() if v is not None}
+    composed = compose_config([f"workload={workload['name']}", *overrides])
+    cfg = to_run_config(OmegaConf.merge(composed, {"workload": workload}, OmegaConf.from_dotlist(changes)))
+
+    def errors(metrics: dict[str, float]) -> dict[str, float]:
+        measured = metrics.get("step_time_ms_p50")
+        if not measured:
+            return {}
+        return {"predicted_step_ms": prediction.predicted_step_ms, "naive_step_ms": prediction.naive_step_ms,
+                "prediction_error_pct": 100.0 * (prediction.predicted_step_ms / measured - 1.0),
+                "naive_error_pct": 100.0 * (prediction.naive_step_ms / measured - 1.0)}
+
+    result = run_benchmark(cfg, benchmark=f"whatif-{cfg.workload.name}", derived=errors)
+    figures = errors(result.metrics)
+    if figures:
+        print(f"  measured: step p50 {result.metrics['step_time_ms_p50']:.2f} ms → prediction error "
+              f"{figures['prediction_error_pct']:+.1f} % (naive {figures['naive_error_pct']:+.1f} %); "
+              f"MLflow run {result.run_id or '(tracking off)'}")
+    else:
+        print(f"  measured: the run ended {result.status}: {result.error}")
+    return {"status": result.status, "run_id": result.run_id,
+            "step_time_ms_p50": result.metrics.get("step_time_ms_p50"),
+            "step_time_cv": result.metrics.get("step_time_cv"), "throughput_cv": result.metrics.get("throughput_cv"),
+            "repetitions": result.metrics.get("repetitions_completed"), **figures}

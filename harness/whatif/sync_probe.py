@@ -18,25 +18,41 @@ real run's step (:mod:`harness.metrics`) — over a rank's own step without DDP:
 slowest rank with DDP minus the ranks' mean median without. (A rank late in one pass makes the other wait; each
 rank's own median hides that: Llama tiny's skeleton 0.2 … 0.9 ms a step here, a real 2-rank run 0.2 … 1.8 ms.)
 The skeleton's spec comes from :mod:`workloads.whatif.dataparallel` (:func:`~workloads.whatif.dataparallel.sync_spec`);
-this module only runs it.
+this module only runs it:
+
+    torchrun --nproc-per-node 2 -m harness.whatif.sync_probe PREDICTION.json --out FILE [--passes 100 --warmup 10]
+
+times the skeleton a prediction at 2 ranks wrote (``cobench trace predict ... --json PREDICTION.json``, or its
+``sync_spec`` alone); rank 0 writes the timing (JSON), what ``cobench trace predict --gradient-sync`` takes.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from harness.distributed import gather_to_all
+from harness.cli import EXIT_BAD_INPUT, EXIT_OK
+from harness.config import compose_config, to_run_config
+from harness.distributed import env_dist_info, gather_to_all, shutdown_distributed
+from harness.runner import join_process_group
 from harness.timing import StepTimer
+from workloads.whatif.cache import read_json_file
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WORK_DIM = 64  # the busy work's matrix size: ~10-20 µs a product on a CPU thread, fine enough for short gaps
 BLOCK = 10  # passes of one variant in a row before the other's (interleaved: both see the host's same minutes)
+PASSES = 100  # timed passes a launch, of each variant (with and without DDP)
+WARMUP = 10  # untimed passes of each variant first
 
 
 @dataclass
@@ -222,3 +238,68 @@ def pooled(timings: list[dict[str, Any]]) -> dict[str, Any]:
                          "launch_plain_ms_p50": [t["plain_ms_p50"] for t in timings],
                          "launch_rank_sync_ms": ranks, "rank_sync_ms": statistics.median(ranks),
                          "timed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def read_sync_spec(path: Path) -> dict:
+    """A DDP skeleton's spec from ``path``: a prediction's JSON (its ``inputs.data_parallel.sync_spec``) or the
+    spec itself."""
+    record = read_json_file(path)
+    spec = (record.get("inputs") or {}).get("data_parallel", {}).get("sync_spec") if "inputs" in record else record
+    if not isinstance(spec, dict) or not {"gradients", "ready_ms", "step_ms", "world_size"} <= set(spec):
+        raise ValueError(f"{path}: neither a prediction at world_size>1 (predict --json) nor its sync_spec")
+    return spec
+
+
+def time_sync(spec: dict, out: Path, passes: int, warmup: int) -> dict[str, Any]:
+    """Time the skeleton in this process group (its world size must be the spec's); every rank gets the timing,
+    rank 0 writes it to ``out``."""
+    world = env_dist_info().world_size
+    if world != int(spec["world_size"]):
+        raise ValueError(f"the skeleton is of a step at {spec['world_size']} ranks, this runs {world}: launch it "
+                         f"with torchrun --nproc-per-node {spec['world_size']} -m harness.whatif.sync_probe ...")
+    if world < 2:
+        raise ValueError("the sync probe needs 2 or more ranks: launch it with torchrun --nproc-per-node W")
+    # this rank's device, in the process group
+    platform, _ = join_process_group(to_run_config(compose_config(["tracking=off"])))
+    timing = time_gradient_sync(spec, platform.device, passes, warmup).to_json()
+    if os.environ.get("RANK", "0") == "0":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(timing, indent=1))
+    return timing
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m harness.whatif.sync_probe",
+                                     description="under torchrun: time what DDP's gradient synchronisation adds to a "
+                                                 "predicted step at this world size (on the skeleton `cobench trace "
+                                                 "predict world_size=W` writes)")
+    parser.add_argument("spec", type=Path,
+                        help="the skeleton: a prediction's JSON (predict --json) or its sync_spec")
+    parser.add_argument("--out", type=Path, required=True, help="the timing (JSON), for predict --gradient-sync")
+    parser.add_argument("--passes", type=int, default=PASSES,
+                        help=f"timed passes of each variant (default {PASSES})")
+    parser.add_argument("--warmup", type=int, default=WARMUP,
+                        help=f"untimed passes of each variant first (default {WARMUP})")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The entry point: time the skeleton; bad input is exit 2 with a message, as cobench's commands do."""
+    args = _parser().parse_args(argv)
+    try:
+        timing = time_sync(read_sync_spec(args.spec), args.out, args.passes, args.warmup)
+    except ValueError as err:
+        print(f"sync probe: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    finally:
+        shutdown_distributed()
+    if os.environ.get("RANK", "0") == "0":
+        print(f"DDP gradient sync at {timing['world_size']} ranks ({timing['gradients']} gradients, "
+              f"{timing['gradient_bytes'] / 1e6:.2f} MB): +{timing['sync_ms']:.2f} ms a step (skeleton "
+              f"{statistics.median(timing['plain_ms_p50']):.2f} ms without DDP, "
+              f"{statistics.median(timing['ddp_ms_p50']):.2f} with; {timing['passes']} passes each): {args.out}")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
