@@ -1,4 +1,4 @@
-"""What-if prediction (`cobench trace predict`, `workloads/whatif`): a real capture of tiny Llama, its graph,
+"""What-if prediction (`cobench trace predict`, `harness/whatif`): a real capture of tiny Llama, its graph,
 the layer/batch/platform edits, the data-parallel degree, the edited graph as a Chakra trace, the CLI.
 
 Timing figures are not asserted (a shared 2-core machine): the validation table comes from
@@ -52,7 +52,7 @@ def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _linear(name: str = "linear", speed: float = 1.0):
     """A made-up platform whose curves are linear: an edit's arithmetic is then exact to check."""
-    from workloads.whatif.costmodel import Calibration, Curve
+    from harness.whatif.costmodel import Calibration, Curve
 
     return Calibration(name, 1, Curve([1.0, 1e12], [1.0 / speed, 1e12 / speed]),
                        Curve([1.0, 1e12], [1.0 / speed, 1e12 / speed]))
@@ -71,7 +71,7 @@ def _sweep_table(path: Path, world: int, us_per_mb: float) -> Path:
 
 
 def test_the_graph_puts_forward_and_backward_ops_in_their_layers(bundle: Path):
-    from workloads.whatif.graph import load_graph, schedule
+    from harness.whatif.graph import load_graph, schedule
 
     graph = load_graph(bundle)
     assert graph.stacks == {"layers": 2}
@@ -92,9 +92,9 @@ def test_the_graph_puts_forward_and_backward_ops_in_their_layers(bundle: Path):
 
 
 def test_edits_move_the_prediction_the_right_way(bundle: Path, tmp_path: Path):
-    from workloads.whatif.costmodel import Calibration, Curve
-    from workloads.whatif.graph import load_graph
-    from workloads.whatif.predict import Change, predict
+    from harness.whatif.costmodel import Calibration, Curve
+    from harness.whatif.graph import load_graph
+    from harness.whatif.predict import Change, predict
 
     graph = load_graph(bundle)
     # a made-up platform whose curves are linear: the edits' arithmetic is then exact to check
@@ -115,7 +115,7 @@ def test_edits_move_the_prediction_the_right_way(bundle: Path, tmp_path: Path):
 
 def test_cobench_trace_predict_writes_its_inputs_and_refuses_bad_changes(cobench, bundle: Path, tmp_path: Path,
                                                                          capsys):
-    from workloads.whatif.cache import cache_dir
+    from harness.whatif.cache import cache_dir
 
     untouched = sorted(p.relative_to(bundle) for p in bundle.rglob("*"))
     out = tmp_path / "prediction.json"
@@ -189,7 +189,7 @@ def test_layers_looped_inside_one_module_are_found_by_their_repeats():
     """A model that loops over its layers inside one module (DLRM's cross network) has no module list:
     the layers are the stretch of N identical consecutive blocks of forward ops; a shorter repeat (three
     projections in a row) is not taken for layers."""
-    from workloads.whatif.graph import Graph, Op
+    from harness.whatif.graph import Graph, Op
 
     def op(i: int, name: str, dur: float, backward: bool = False, anchor: int | None = None) -> Op:
         return Op(i, name, "elementwise", dur, 0.0, [], module="net.cross", anchor=anchor or i, backward=backward)
@@ -219,9 +219,9 @@ def test_the_unchanged_graph_gives_back_the_measured_step(bundle: Path):
     """No change: the prediction is the captured step; the raw replay of the graph is reported beside it
     (its error is not asserted: on a quiet machine a few %, but the capture's Kineto-alone and plain steps
     run at different moments, so a busy shared machine moves it by tens of %)."""
-    from workloads.whatif.dataparallel import predict_data_parallel
-    from workloads.whatif.graph import load_graph
-    from workloads.whatif.predict import Change, predict
+    from harness.whatif.dataparallel import predict_data_parallel
+    from harness.whatif.graph import load_graph
+    from harness.whatif.predict import Change, predict
 
     graph = load_graph(bundle)
     same = predict(graph, Change(), _linear())
@@ -234,10 +234,10 @@ def test_the_unchanged_graph_gives_back_the_measured_step(bundle: Path):
 
 @pytest.mark.slow
 def test_two_ranks_split_the_batch_and_all_reduce_every_gradient_once(bundle: Path, tmp_path: Path):
+    from harness.whatif.dataparallel import allreduce_cost, gradient_bytes, predict_data_parallel
+    from harness.whatif.graph import load_graph
+    from harness.whatif.predict import Change, predict
     from workloads.llama.args import PRESETS, count_total_params
-    from workloads.whatif.dataparallel import allreduce_cost, gradient_bytes, predict_data_parallel
-    from workloads.whatif.graph import load_graph
-    from workloads.whatif.predict import Change, predict
 
     graph = load_graph(bundle)
     # every parameter's gradient, float32: what DDP all-reduces
@@ -275,7 +275,7 @@ def test_two_ranks_split_the_batch_and_all_reduce_every_gradient_once(bundle: Pa
 def test_the_all_reduce_fit_rides_over_one_disturbed_size():
     """A sweep of latency 500 µs and 1 GB/s whose 16 KB point a busy host made 4x slower: the fit still gives
     about the machine's figures at 2 MB (interpolating between the neighbours of a disturbed point follows it)."""
-    from workloads.whatif.dataparallel import AllReduceCost, fit_latency_bandwidth
+    from harness.whatif.dataparallel import AllReduceCost, fit_latency_bandwidth
 
     sizes = [2.0**k for k in range(10, 25, 2)]
     times = [500.0 + n / 1e3 for n in sizes]
@@ -294,11 +294,11 @@ def test_the_all_reduce_fit_rides_over_one_disturbed_size():
 def test_the_edited_graph_exports_as_chakra(bundle: Path, tmp_path: Path):
     """2 → 4 layers: the last layer's ops appear twice more (forward and backward), their durations
     with them; at two ranks the all-reduce is one collective node of the gradients' size."""
+    from harness.whatif.chakra_export import edited_ops, export_edited_chakra
+    from harness.whatif.dataparallel import gradient_bytes
+    from harness.whatif.graph import load_graph
+    from harness.whatif.predict import Change
     from workloads.trace_replay.chakra import read_chakra
-    from workloads.whatif.chakra_export import edited_ops, export_edited_chakra
-    from workloads.whatif.dataparallel import gradient_bytes
-    from workloads.whatif.graph import load_graph
-    from workloads.whatif.predict import Change
 
     graph = load_graph(bundle)
     graph.assign_layers(2)
@@ -373,7 +373,7 @@ def test_cobench_trace_predict_ranks_json_chakra_and_refusals(cobench, bundle: P
         pytest.approx(timing["sync_ms"])
     rest = record["predicted_step_ms"] - dp["gradient_sync_ms"]
     assert rest == pytest.approx(sum(v for k, v in record["breakdown_ms"].items() if k != "communication"))
-    from workloads.whatif.cache import cache_dir
+    from harness.whatif.cache import cache_dir
 
     assert Path(dp["gradient_sync"]["source"]).parent == cache_dir(bundle)  # kept beside the bundle, not in it
     again = cobench("trace", "predict", str(bundle), "world_size=2", "workload.parallelism=ddp",
@@ -470,8 +470,8 @@ def test_a_world_size_change_is_measured_between_two_base_runs(tmp_path: Path, m
 def test_a_batch_change_resizes_data_the_step_made_in_shapes_it_does_not_name():
     """Jagged data (seqrec): a length bucket's histories and Σ(length − 1) target rows are no batch-sized
     dimension, yet grow with the batch; a gradient in a parameter's shape (or transposed) does not."""
-    from workloads.whatif.graph import TensorUse
-    from workloads.whatif.predict import Resize, _rescaled
+    from harness.whatif.graph import TensorUse
+    from harness.whatif.predict import Resize, _rescaled
 
     resize = Resize({32: 2.0, 512: 1.0}, 2.0, frozenset({(96, 32), (32, 96)}), single=(32, 512))
     assert _rescaled(TensorUse((2, 2, 156, 16), 4, False), resize).shape == (4, 2, 156, 16)  # a bucket
@@ -514,11 +514,11 @@ def test_a_jagged_batch_is_predicted_from_the_runs_own_batches_bucket_by_bucket(
     on the batches the changed run trains on — more and longer buckets, not the traced ones doubled."""
     from omegaconf import OmegaConf
 
+    from harness.whatif.graph import load_graph
+    from harness.whatif.jagged import buckets_of, find_groups
+    from harness.whatif.predict import Change, predict
     from workloads.seqrec.config import SeqRecConfig
     from workloads.trace_bundle import KINETO_TIMING_FILE, STEP_ANNOTATION
-    from workloads.whatif.graph import load_graph
-    from workloads.whatif.jagged import buckets_of, find_groups
-    from workloads.whatif.predict import Change, predict
 
     graph = load_graph(seqrec_bundle)
     config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(SeqRecConfig), graph.config["workload"]))
@@ -558,15 +558,15 @@ def test_a_sharded_stage_timed_at_two_ranks_replaces_the_captured_embeddings(cob
 
     from conftest import clean_env
 
-    from workloads.whatif.dataparallel import (
+    from harness.whatif.dataparallel import (
         ShardedStageCost,
         allreduce_cost,
         gradient_bytes,
         predict_data_parallel,
         stage_ops,
     )
-    from workloads.whatif.graph import load_graph
-    from workloads.whatif.predict import Change, predict
+    from harness.whatif.graph import load_graph
+    from harness.whatif.predict import Change, predict
 
     timing = tmp_path / "stage.json"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
@@ -661,7 +661,7 @@ def test_the_skeleton_cuts_the_step_at_its_gradients_with_the_collectives_inside
 
 
 def test_a_calibration_spike_is_lowered_not_carried_to_larger_sizes():
-    from workloads.whatif.costmodel import Curve, monotone
+    from harness.whatif.costmodel import Curve, monotone
 
     spiked = monotone(Curve([1.0, 2.0, 4.0, 8.0], [1.0, 500.0, 3.0, 7.0]))  # a pre-empted point at size 2
     assert spiked.times_us == [1.0, 3.0, 3.0, 7.0]
@@ -717,10 +717,10 @@ def test_a_programs_own_bundle_says_once_what_it_can_predict_and_how_to_name_its
     from torch import nn
 
     from harness.capture import capture
-    from workloads.whatif.changes import parse_changes
-    from workloads.whatif.costmodel import Calibration, Curve
-    from workloads.whatif.graph import load_graph
-    from workloads.whatif.predict import predict
+    from harness.whatif.changes import parse_changes
+    from harness.whatif.costmodel import Calibration, Curve
+    from harness.whatif.graph import load_graph
+    from harness.whatif.predict import predict
 
     def captured(out: Path, config: dict | None) -> Path:
         model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))

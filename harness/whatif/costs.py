@@ -1,7 +1,7 @@
 """The measured costs a prediction at W ranks takes: TorchRec's sharded stage and DDP's gradient synchronisation.
 
 Each comes from a timing file made on the target, else from the bundle's what-if cache
-(:mod:`workloads.whatif.cache`, one record per world size and ``workload.*`` changes), else it is timed now:
+(:mod:`harness.whatif.cache`, one record per world size and ``workload.*`` changes), else it is timed now:
 ``torchrun`` launches of its probe (:mod:`.stage_probe`, :mod:`.sync_probe`) on this host, their records pooled —
 a launch's placement of ranks on a shared host's cores moves its figure — or, when this process already runs
 at W ranks, in its own process group. For another platform neither is timed here.
@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from harness.whatif import stage_probe, sync_probe
+from harness.whatif.cache import cache_dir, read_json_file
+from harness.whatif.dataparallel import GradientSyncCost, ShardedStageCost
+from harness.whatif.graph import Graph
 from workloads import discover
 from workloads.base import WorkloadBase
-from workloads.whatif.cache import cache_dir, read_json_file
-from workloads.whatif.dataparallel import GradientSyncCost, ShardedStageCost
-from workloads.whatif.graph import Graph
 
 STAGE_LAUNCHES = 3  # launches pooled: where a launch's ranks land on the cores moves its median by ±15 %
 SYNC_LAUNCHES = 3  # launches pooled, the sync cost their median

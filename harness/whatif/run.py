@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 from harness.platform import configure_host_allocator, host_allocator_in_effect
+from harness.whatif.cache import cache_dir
+from harness.whatif.chakra_export import edited_ops, export_edited_chakra
+from harness.whatif.changes import Changes, parse_changes
+from harness.whatif.costmodel import Calibration, calibrate, load_or_calibrate, read_calibration
 from harness.whatif.costs import has_sharded_stage, stage_cost, sync_cost
-from workloads.whatif.cache import cache_dir
-from workloads.whatif.chakra_export import edited_ops, export_edited_chakra
-from workloads.whatif.changes import Changes, parse_changes
-from workloads.whatif.costmodel import Calibration, calibrate, load_or_calibrate, read_calibration
-from workloads.whatif.dataparallel import (
+from harness.whatif.dataparallel import (
     ASSUMED_BUSBW_GBPS,
     ASSUMED_LATENCY_US,
     AllReduceCost,
@@ -31,8 +31,8 @@ from workloads.whatif.dataparallel import (
     stage_ops,
     threads_per_rank,
 )
-from workloads.whatif.graph import Graph, load_graph
-from workloads.whatif.predict import Prediction, predict
+from harness.whatif.graph import Graph, load_graph
+from harness.whatif.predict import Prediction, predict
 
 
 @dataclass

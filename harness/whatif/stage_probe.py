@@ -35,8 +35,8 @@ from harness.distributed import gather_to_all, shutdown_distributed
 from harness.loop import seed_everything
 from harness.runner import open_workload
 from harness.timing import StepTimer
-from workloads.whatif.cache import cache_dir
-from workloads.whatif.graph import load_graph
+from harness.whatif.cache import cache_dir
+from harness.whatif.graph import load_graph
 
 PASSES = 100  # timed passes a launch: 2 ranks on 2 shared cores swing it 2-3x pass to pass
 WARMUP = 10  # untimed passes first

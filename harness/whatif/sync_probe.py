@@ -17,7 +17,7 @@ what DDP adds to the step *as the job sees it* — at each pass the slowest rank
 real run's step (:mod:`harness.metrics`) — over a rank's own step without DDP: the median over passes of the
 slowest rank with DDP minus the ranks' mean median without. (A rank late in one pass makes the other wait; each
 rank's own median hides that: Llama tiny's skeleton 0.2 … 0.9 ms a step here, a real 2-rank run 0.2 … 1.8 ms.)
-The skeleton's spec comes from :mod:`workloads.whatif.dataparallel` (:func:`~workloads.whatif.dataparallel.sync_spec`);
+The skeleton's spec comes from :mod:`harness.whatif.dataparallel` (:func:`~harness.whatif.dataparallel.sync_spec`);
 this module only runs it:
 
     torchrun --nproc-per-node 2 -m harness.whatif.sync_probe PREDICTION.json --out FILE [--passes 100 --warmup 10]
@@ -46,7 +46,7 @@ from harness.config import compose_config, to_run_config
 from harness.distributed import env_dist_info, gather_to_all, shutdown_distributed
 from harness.runner import join_process_group
 from harness.timing import StepTimer
-from workloads.whatif.cache import read_json_file
+from harness.whatif.cache import read_json_file
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WORK_DIM = 64  # the busy work's matrix size: ~10-20 µs a product on a CPU thread, fine enough for short gaps

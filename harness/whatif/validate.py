@@ -51,9 +51,9 @@ from harness.loop import seed_everything
 from harness.runner import join_process_group, open_workload, run_benchmark
 from harness.side_by_side import interleave
 from harness.tracking import Tracker
-from workloads.whatif.changes import WORLD_KEYS
-from workloads.whatif.graph import Graph, load_graph
-from workloads.whatif.predict import BATCH_KEY, LAYER_KEYS, Prediction, resolved_workload, workload_value
+from harness.whatif.changes import WORLD_KEYS
+from harness.whatif.graph import Graph, load_graph
+from harness.whatif.predict import BATCH_KEY, LAYER_KEYS, Prediction, resolved_workload, workload_value
 
 ROUND_RETRIES = 2  # a disturbed round is measured again at most this often (then kept as it is)
 # a base step more than this far (relative) from the round's captured plain step: the machine is not in the state

@@ -5,7 +5,7 @@ record-function scope as a node of a tree, with its inputs and outputs), the Kin
 same steps (each op's time, joined to its node on the record-function id, and the allocator's
 events), and optionally a Kineto trace of steps run under Kineto alone (the host time between ops,
 each op's time without the ET observer's cost). :func:`read_bundle` reads each file once; spec
-generation (:mod:`.extract`, :mod:`.spec`) and what-if (:mod:`workloads.whatif.graph`) both start
+generation (:mod:`.extract`, :mod:`.spec`) and what-if (:mod:`harness.whatif.graph`) both start
 from its :class:`BundleTrace`.
 """
 

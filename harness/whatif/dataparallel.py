@@ -4,7 +4,7 @@ What changes when the same global batch is spread over ``world`` data-parallel r
 workload's ``batch_size`` is global):
 
 - each rank runs the captured step at ``batch_size / world`` — the batch edit of
-  :func:`workloads.whatif.predict.predict`, re-timed by the calibrated curves;
+  :func:`harness.whatif.predict.predict`, re-timed by the calibrated curves;
 - ranks that share one host share its cores: a rank gets ``min(threads, cpu_count // world)`` intra-op
   threads (at least one), so its ops are re-timed by curves measured at that thread count (the
   platform edit, with this host's curves at the per-rank threads as the "target");
@@ -46,9 +46,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workloads.whatif.costmodel import Calibration
-from workloads.whatif.graph import Graph, Op
-from workloads.whatif.predict import BATCH_KEY, Change, Prediction, predict, resolved_workload, workload_value
+from harness.whatif.costmodel import Calibration
+from harness.whatif.graph import Graph, Op
+from harness.whatif.predict import BATCH_KEY, Change, Prediction, predict, resolved_workload, workload_value
 
 DDP_BUCKET_BYTES = 25 * 2**20
 # the DDP settings of cobench's wraps: Llama's own (DDP's defaults) and TorchRec's DefaultDataParallelWrapper's

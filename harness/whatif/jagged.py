@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from workloads.whatif.graph import Graph, Op, TensorUse
+from harness.whatif.graph import Graph, Op, TensorUse
 
 DRAWS = 201  # batches drawn per side (odd: the median is one of them)
 RUN_BATCHES = 101  # at most this many of the run's own batches (it cycles through them all)

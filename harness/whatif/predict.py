@@ -22,9 +22,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from workloads.whatif.costmodel import Calibration, Curve
-from workloads.whatif.graph import Graph, Op, TensorUse, schedule
-from workloads.whatif.jagged import jagged_edit
+from harness.whatif.costmodel import Calibration, Curve
+from harness.whatif.graph import Graph, Op, TensorUse, schedule
+from harness.whatif.jagged import jagged_edit
 
 # the config key of each workload's repeated layers, and of batch and sequence length
 LAYER_KEYS = {"llama": "n_layers", "seqrec": "num_layers", "dlrm": "dcn_num_layers"}

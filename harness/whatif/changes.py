@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from workloads.whatif.graph import Graph
-from workloads.whatif.predict import (
+from harness.whatif.graph import Graph
+from harness.whatif.predict import (
     BATCH_KEY,
     LAYER_KEYS,
     SEQ_KEYS,

@@ -15,10 +15,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from harness.whatif.costmodel import Calibration
+from harness.whatif.graph import Graph, Op
+from harness.whatif.predict import Change, dimension_factors, retimed
 from workloads.trace_bundle import TraceError
-from workloads.whatif.costmodel import Calibration
-from workloads.whatif.graph import Graph, Op
-from workloads.whatif.predict import Change, dimension_factors, retimed
 
 CHAKRA_VERSION = "0.0.4"  # the schema version mlc-chakra's PyTorch converter writes
 
