@@ -111,7 +111,7 @@ def perf(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def docs(session: nox.Session) -> None:
     """The documentation site (MkDocs, mkdocs.yml) built strictly into site/: a broken link or any warning fails.
-    The metrics page's table is rendered from harness.metrics at build time (docs/hooks/metrics.py)."""
+    The metrics page's table is rendered from harness.running.metrics at build time (docs/hooks/metrics.py)."""
     env = install(session, "docs")
     env["NO_MKDOCS_2_WARNING"] = "1"  # Material's banner about MkDocs 2: a notice, not a warning of this site's
     session.run(_bin("mkdocs"), "build", "--strict", "--site-dir", "site", *session.posargs, env=env, external=True)

@@ -1,6 +1,6 @@
 """The harness's own cost per step: its timed loop against a bare ``for`` loop over the same steps.
 
-The timed loop is the real one (``harness.loop._train``: step timer, memory sampling, loss
+The timed loop is the real one (``harness.running.loop._train``: step timer, memory sampling, loss
 bookkeeping, progress callback, MLPerf block events); the bare loop calls ``workload.step()``
 and nothing else. Two workloads: the smoke suite's tiny Llama (overhead as a share of a real
 step) and a no-op step (the absolute cost per step in microseconds).
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from harness.config import compose_config, to_run_config
-from harness.loop import MemoryMeter, RepetitionState, _train
-from harness.timing import StepTimer
+from harness.running.loop import MemoryMeter, RepetitionState, _train
+from harness.running.timing import StepTimer
 from workloads import discover
 from workloads.base import RunContext, StepResult, WorkloadBase
 

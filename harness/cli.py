@@ -71,10 +71,10 @@ def run_main(argv: list[str]) -> int:
     (:func:`suite.cli.guarded`): ValueError and TrackingError are bad input, Ctrl-C an interruption."""
     from harness.config import results_root, run_hydra_app, to_run_config
     from harness.distributed import adopt_slurm_tasks, env_dist_info
-    from harness.runner import STATUS_FINISHED, BenchmarkResult, run_benchmark
-    from harness.scheduler import check_launcher, collect_results, launcher_of, prepare_argv, save_result
-    from harness.summary import print_summary, sweep_labels
-    from harness.tracking import TrackingError
+    from harness.distribution.scheduler import check_launcher, collect_results, launcher_of, prepare_argv, save_result
+    from harness.recording.tracking import TrackingError
+    from harness.running.runner import STATUS_FINISHED, BenchmarkResult, run_benchmark
+    from harness.running.summary import print_summary, sweep_labels
 
     results: list[BenchmarkResult] = []
     job_overrides: list[list[str]] = []  # each job's own overrides: a sweep's rows are named by what differs
@@ -86,8 +86,8 @@ def run_main(argv: list[str]) -> int:
             adopt_slurm_tasks()  # a job of several srun tasks: one process group, as under torchrun
             run_cfg = to_run_config(cfg)
             job_overrides.append(list(HydraConfig.get().overrides.task))
-            if run_cfg.ft.name != "none":  # the failure scenario launches its own processes (harness/ft/)
-                from harness.ft.supervisor import run_ft
+            if run_cfg.ft.name != "none":  # the failure scenario launches its own processes (harness/distribution/ft/)
+                from harness.distribution.ft.supervisor import run_ft
 
                 results.append(run_ft(run_cfg))
             else:

@@ -141,7 +141,7 @@ class TrackingConfig:
     experiment: str = "cobench"
     connect_timeout_s: float = 5.0
     # an owner-only file in MLflow's layout ([mlflow] mlflow_tracking_username/_password or _token); None:
-    # MLflow's variables, or its own ~/.mlflow/credentials (harness/credentials.py)
+    # MLflow's variables, or its own ~/.mlflow/credentials (harness/recording/credentials.py)
     credentials_file: str | None = None
     server_cert: str | None = None  # PEM of the private CA of an https server; None: $MLFLOW_TRACKING_SERVER_CERT_PATH
 
@@ -175,7 +175,7 @@ class SuiteBenchmark:
     overrides: list[str] = field(default_factory=list)
     # A generated trace benchmark: the suite captures this source (Hydra overrides, e.g.
     # [workload=llama]) and judges the replay of its spec side by side with it, in one process
-    # (harness/judge.py): at least `rounds` interleaved rounds of `round_steps` samples of each, more
+    # (harness/traces/judge.py): at least `rounds` interleaved rounds of `round_steps` samples of each, more
     # until the interval is within ±2.5 % or `budget_s` seconds are spent. The entry's workload must
     # be one that replays bundles (workload: generated).
     capture: list[str] | None = None
@@ -221,7 +221,7 @@ FT_MODES = ("none", "torchft")
 
 @dataclass
 class FTConfig:
-    """Fault tolerance (config group ``ft``): the failure scenario of harness/ft/, or none."""
+    """Fault tolerance (config group ``ft``): the failure scenario of harness/distribution/ft/, or none."""
 
     name: str = "none"  # none: a plain run | torchft: R replica groups under torchft, one killed and restarted
     replicas: int = 2  # replica groups (at least 2: one must survive)

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 
 from harness.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, CommandFailed
-from harness.interrupts import deferred_interrupts, signal_name, sigterm_as_interrupt
+from harness.running.interrupts import deferred_interrupts, signal_name, sigterm_as_interrupt
 
 USAGE = """usage: cobench COMMAND [ARGS]
 
@@ -117,9 +117,9 @@ def upload_main(args: list[str]) -> int:
     from pathlib import Path
 
     from harness.config import TrackingConfig
-    from harness.credentials import apply_tracking_credentials
-    from harness.runner import UPLOAD_PENDING, publish, results_root_of
-    from harness.tracking import Tracker, check_server_reachable
+    from harness.recording.credentials import apply_tracking_credentials
+    from harness.recording.tracking import Tracker, check_server_reachable
+    from harness.running.runner import UPLOAD_PENDING, publish, results_root_of
 
     settings = dict(a.split("=", 1) for a in args if "=" in a)
     unknown = sorted(set(settings) - set(UPLOAD_SETTINGS))
@@ -163,7 +163,7 @@ def upload_main(args: list[str]) -> int:
 def reap_main(args: list[str]) -> int:
     """``cobench reap [results_dir=DIR] [tracking.uri=URI] [tracking.experiment=NAME]``."""
     from harness.config import compose_config, results_root, to_run_config
-    from harness.tracking import HOST_TAG, PID_TAG, Tracker
+    from harness.recording.tracking import HOST_TAG, PID_TAG, Tracker
 
     unknown = [a for a in args if a.partition("=")[0] not in SHARED_SETTINGS]
     if unknown:
@@ -237,7 +237,7 @@ def calibrate_main(args: list[str]) -> int:
 
 def guarded(command: str, fn: Callable[[list[str]], int], args: list[str]) -> int:
     """Run a command's function with the one error path every command shares (see the module doc)."""
-    from harness.tracking import TrackingError, close_open_runs, closed_runs
+    from harness.recording.tracking import TrackingError, close_open_runs, closed_runs
 
     sigterm_as_interrupt()
     already_closed = len(closed_runs())
@@ -281,7 +281,7 @@ def _leave_process_group() -> None:
 
 def _runs_said(since: int) -> str:
     """What happened to the MLflow runs this command started, for the interrupt message."""
-    from harness.tracking import closed_runs
+    from harness.recording.tracking import closed_runs
 
     runs = closed_runs(since)
     if not runs:

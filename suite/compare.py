@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.cli import EXIT_OK, add_store_flags
-from harness.summary import human, named_by_differences
-from harness.timing import olympic_mean
+from harness.running.summary import human, named_by_differences
+from harness.running.timing import olympic_mean
 from suite.results import RunRecord, find_runs, open_store, parse_date
 
 

@@ -249,7 +249,7 @@ def workload_support(platform: Platform) -> dict[str, dict[str, Any]]:
                                            f"collectives` (backend {backend})"),
         "generated": ([], "needs only torch; replays a spec from `cobench trace generate`"),
     }
-    harness = missing("mlperf_logging") or missing("harness.runner", load=True)  # what runs every workload
+    harness = missing("mlperf_logging") or missing("harness.running.runner", load=True)  # what runs every workload
     support = {}
     for name, spec in sorted(discover().items()):
         problems, works = requires.get(name, ([], "its module imports"))
@@ -279,17 +279,17 @@ def option_support(platform: Platform, measure: bool) -> dict[str, dict[str, Any
         from workloads.dlrm.codec_registry import codec_unsupported
 
         fp8 = codec_unsupported("fp8", device, 2)
-    slurm = missing("hydra_plugins.hydra_submitit_launcher") or missing("harness.scheduler", load=True)
+    slurm = missing("hydra_plugins.hydra_submitit_launcher") or missing("harness.distribution.scheduler", load=True)
     if slurm is None:
-        from harness.scheduler import check_launcher
+        from harness.distribution.scheduler import check_launcher
 
         try:
             check_launcher("submitit_slurm", [])
         except ValueError as err:
             slurm = str(err)
-    ft, lighthouse = missing("torchft", load=True) or missing("harness.ft.supervisor", load=True), None
+    ft, lighthouse = missing("torchft", load=True) or missing("harness.distribution.ft.supervisor", load=True), None
     if ft is None:
-        from harness.ft.processes import lighthouse_binary
+        from harness.distribution.ft.processes import lighthouse_binary
 
         lighthouse = lighthouse_binary()
         ft = None if lighthouse else "no torchft_lighthouse program beside this Python or on PATH"

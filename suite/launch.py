@@ -1,7 +1,7 @@
 """``cobench suite NAME``: the suite here, or with ``hydra/launcher=submitit_slurm`` each benchmark as its own job.
 
 The suite is planned here first (every config composed and every workload built once: a typo in the
-last benchmark costs nothing) and the launch checked (:func:`harness.scheduler.check_launcher`); the
+last benchmark costs nothing) and the launch checked (:func:`harness.distribution.scheduler.check_launcher`); the
 suite's MLflow parent run opens here. Then one Hydra multirun sweeps ``suite.only=[<benchmark>]`` over
 the benchmarks through the chosen launcher: Hydra's submitit plugin submits one SLURM job per
 benchmark, ``hydra.launcher.tasks_per_node=N`` makes each job N processes (srun tasks joined into one
@@ -22,8 +22,7 @@ from omegaconf import DictConfig
 from harness.cli import EXIT_FAILED, EXIT_OK
 from harness.config import results_root, run_hydra_app
 from harness.distributed import adopt_slurm_tasks, env_dist_info
-from harness.runner import STATUS_FAILED, STATUS_FINISHED, STATUS_SKIPPED, BenchmarkResult, connect_tracker
-from harness.scheduler import (
+from harness.distribution.scheduler import (
     check_launcher,
     collect_results,
     is_launcher_override,
@@ -31,8 +30,9 @@ from harness.scheduler import (
     prepare_argv,
     save_result,
 )
-from harness.summary import print_summary
-from harness.tracking import Tracker
+from harness.recording.tracking import Tracker
+from harness.running.runner import STATUS_FAILED, STATUS_FINISHED, STATUS_SKIPPED, BenchmarkResult, connect_tracker
+from harness.running.summary import print_summary
 from suite.runner import Derived, Plan, SuiteOutcome, plan_suite, run_one, run_suite, suite_level
 
 

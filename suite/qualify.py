@@ -27,7 +27,7 @@ import torch
 from harness.cli import EXIT_FAILED, EXIT_OK
 from harness.config import CONF_DIR, CobenchConfig, config_hash, results_root
 from harness.distributed import env_dist_info
-from harness.runner import STATUS_FINISHED, join_process_group
+from harness.running.runner import STATUS_FINISHED, join_process_group
 from suite.gates import (
     GateError,
     GateResult,

@@ -37,7 +37,7 @@ import yaml
 
 from harness.cli import EXIT_OK, add_store_flags
 from harness.config import reproduce_overrides
-from harness.summary import is_serving, serving_text
+from harness.running.summary import is_serving, serving_text
 from suite.results import RunRecord, find_runs, open_store
 
 if TYPE_CHECKING:  # mlflow is imported when a store is opened

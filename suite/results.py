@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.config import TrackingConfig
-from harness.credentials import apply_tracking_credentials
-from harness.tracking import TrackingError, check_server_reachable
+from harness.recording.credentials import apply_tracking_credentials
+from harness.recording.tracking import TrackingError, check_server_reachable
 
 if TYPE_CHECKING:  # mlflow is imported when a store is opened
     from mlflow.tracking import MlflowClient

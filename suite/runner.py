@@ -5,7 +5,7 @@ tenth benchmark costs nothing. Each benchmark becomes a child run of the suite's
 benchmark this platform cannot run (e.g. a CUDA-only codec on a CPU) is SKIPPED with its reason;
 the others still run. A generated trace benchmark (an entry with ``capture:``) is captured from
 its source workload on this platform, and its replay judged side by side with the source in one
-process (:mod:`harness.judge`): its run holds the replay's speed and the fidelity figures.
+process (:mod:`harness.traces.judge`): its run holds the replay's speed and the fidelity figures.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from harness.config import CobenchConfig, SuiteBenchmark, SuiteConfig, compose_config, results_root, to_run_config
 from harness.distributed import env_dist_info
-from harness.interrupts import deferred_interrupts, signal_name
-from harness.judge import judge_benchmark
-from harness.runner import (
+from harness.recording.tracking import Tracker
+from harness.running.interrupts import deferred_interrupts, signal_name
+from harness.running.runner import (
     STATUS_FAILED,
     STATUS_FINISHED,
     STATUS_KILLED,
@@ -30,7 +30,7 @@ from harness.runner import (
     open_workload,
     run_benchmark,
 )
-from harness.tracking import Tracker
+from harness.traces.judge import judge_benchmark
 from workloads import discover
 from workloads.base import PlatformUnsupported
 

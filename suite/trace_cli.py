@@ -107,9 +107,9 @@ def _add_export(commands: argparse._SubParsersAction) -> None:
 
 
 def _capture(args: argparse.Namespace) -> int:
-    from harness.capture import capture_benchmark
     from harness.config import compose_config, to_run_config
     from harness.distributed import shutdown_distributed
+    from harness.traces.capture import capture_benchmark
 
     cfg = to_run_config(compose_config(args.overrides))
     try:
@@ -149,8 +149,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _fidelity(args: argparse.Namespace) -> int:
     from harness.config import compose_config, to_run_config
     from harness.distributed import env_dist_info, shutdown_distributed
-    from harness.judge import judge_benchmark
-    from harness.runner import STATUS_FINISHED
+    from harness.running.runner import STATUS_FINISHED
+    from harness.traces.judge import judge_benchmark
 
     cfg = to_run_config(compose_config(args.overrides))
     try:
@@ -184,7 +184,7 @@ def _zoo(args: argparse.Namespace) -> int:
     import time
 
     from harness.config import compose_config, results_root, to_run_config
-    from harness.runner import connect_tracker
+    from harness.running.runner import connect_tracker
     from suite.zoo import markdown, run_program, write_tables
     from suite.zoo_programs import ZOO
 
@@ -232,7 +232,7 @@ def _export(args: argparse.Namespace) -> int:
 def run(argv: list[str]) -> int:
     """``cobench trace SUBCOMMAND ...`` (errors: :func:`suite.cli.guarded`; a capture or replay that
     fails once running exits 1)."""
-    from harness.tracking import TrackingError
+    from harness.recording.tracking import TrackingError
 
     args = _parser().parse_args(argv)
     try:

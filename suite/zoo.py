@@ -2,7 +2,7 @@
 
 Every program of :mod:`suite.zoo_programs` runs in a process of its own (under torchrun with gloo
 when it spans ranks), is captured, generated and replayed side by side with itself
-(:func:`harness.judge.judge`) ``judgements`` times, each from a fresh capture, and gives one row:
+(:func:`harness.traces.judge.judge`) ``judgements`` times, each from a fresh capture, and gives one row:
 ops per step, step time, op coverage, the time error with its 95 % interval and verdict per
 judgement, whether the judgements' intervals overlap, the memory error and the capture's overhead.
 The table goes to ``zoo.md``, ``zoo.csv`` and ``zoo.json`` in the output folder and, one run per
@@ -45,7 +45,7 @@ def judge_one(name: str, out: Path, *, judgements: int, rounds: int, steps_per_r
     import torch
     import torch.distributed as dist
 
-    from harness.judge import judge
+    from harness.traces.judge import judge
     from suite.zoo_programs import ZOO
 
     program = ZOO[name]

@@ -2,7 +2,7 @@
 
 Opens the tracking store as ``cobench run`` does (:meth:`Tracker.connect`, credentials from MLflow's
 variables), then records RUNS runs at once, one thread each, through the path every run takes
-(:func:`harness.runner.open_run`, then :func:`harness.runner.write_and_publish`: folder, params, tags,
+(:func:`harness.running.runner.open_run`, then :func:`harness.running.runner.write_and_publish`: folder, params, tags,
 metrics, loss curve, end status, artifacts). What a run measured is made up (``RUN_METRICS`` metrics and a
 ``RUN_STEPS``-step loss curve): what is tested is the writing, and a model would only add CPU time.
 Prints one JSON line per run: its name, run id, and whether the store took it.
@@ -24,8 +24,8 @@ RUN_STEPS = 20
 def main(results: Path, runs: int, overrides: list[str]) -> None:
     from harness.config import compose_config, to_run_config
     from harness.platform import discover_platform
-    from harness.runner import STATUS_FINISHED, BenchmarkResult, new_run_dir, open_run, write_and_publish
-    from harness.tracking import Tracker
+    from harness.recording.tracking import Tracker
+    from harness.running.runner import STATUS_FINISHED, BenchmarkResult, new_run_dir, open_run, write_and_publish
 
     cfg = to_run_config(compose_config([*overrides, f"results_dir={results}"]))
     tracker = Tracker.connect(cfg.tracking, results)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.capture import capture
+from harness.traces.capture import capture
 from workloads.trace_replay.records import RankRecord
 from workloads.trace_replay.replay import Replayer
 from workloads.trace_replay.spec import generate_spec

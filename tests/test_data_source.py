@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.loop import RepetitionState
-from harness.metrics import benchmark_metrics
+from harness.running.loop import RepetitionState
+from harness.running.metrics import benchmark_metrics
 from suite.cli import main
 from suite.data_cli import options_parser
 from workloads.data_source import DataError, Prefetcher, rank_shard, require_path

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from conftest import TINY, clean_env, mlflow_runs
 
-from harness.mlperf_log import read_mllog
+from harness.recording.mlperf_log import read_mllog
 
 METRICS = ("throughput", "step_time_ms_p50", "step_time_ms_p90", "step_time_ms_p99", "mfu",
            "peak_memory_mb", "loss", "eval_loss", "quality_target_reached", "quality_target_reps_reached",

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from conftest import mlflow_runs
 
 from harness.config import compose_config, to_run_config
-from harness.mlperf_log import read_mllog
-from harness.runner import run_benchmark
+from harness.recording.mlperf_log import read_mllog
+from harness.running.runner import run_benchmark
 from workloads.base import MLPerfInfo, StepResult, WorkloadBase, register
 
 
@@ -69,13 +69,13 @@ def test_a_sigterm_while_the_failure_is_being_recorded_leaves_the_run_failed(tmp
 
     import pytest
 
-    from harness import runner
-    from harness.interrupts import sigterm_as_interrupt
+    from harness.running import runner
+    from harness.running.interrupts import sigterm_as_interrupt
 
     format_exc = traceback.format_exc
 
     def format_exc_then_signalled():
-        if sys._getframe(1).f_globals["__name__"] == "harness.runner":  # the failure handler, before the close
+        if sys._getframe(1).f_globals["__name__"] == "harness.running.runner":  # the failure handler, before the close
             os.kill(os.getpid(), signal.SIGTERM)
         return format_exc()
 

@@ -18,9 +18,9 @@ import torch
 from conftest import clean_env, mlflow_runs
 from fidelity_corpus import PROGRAMS
 
-import harness.side_by_side as side_by_side_module
-from harness.judge import judge
-from harness.side_by_side import SideBySide, interleave
+import harness.traces.side_by_side as side_by_side_module
+from harness.traces.judge import judge
+from harness.traces.side_by_side import SideBySide, interleave
 
 
 class FakeClock:

@@ -78,7 +78,7 @@ def test_credentials_files_that_others_may_read_or_that_hold_none_are_refused(ow
     """MLflow's own ~/.mlflow/credentials (its client reads it by itself) must be owner-only too; a file with
     no credentials, or none at all, is named with what to write in it. The password is never in a message."""
     from harness.config import TrackingConfig
-    from harness.credentials import CredentialsError, apply_tracking_credentials
+    from harness.recording.credentials import CredentialsError, apply_tracking_credentials
 
     os.environ["HOME"] = str(tmp_path)
     os.environ.pop("MLFLOW_TRACKING_SERVER_CERT_PATH", None)
@@ -142,7 +142,7 @@ def test_a_team_server_refuses_unsafe_or_unentitled_writers_before_any_run(own_e
     EDIT; none leaves a run on the server. (In process: the exit code these errors give is tested with
     `cobench run` in test_tracking_server.py.)"""
     from harness.config import TrackingConfig
-    from harness.tracking import Tracker, TrackingError
+    from harness.recording.tracking import Tracker, TrackingError
 
     server = team_mlflow_server
     for key in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",

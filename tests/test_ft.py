@@ -12,8 +12,8 @@ import pytest
 from conftest import clean_env, mlflow_runs
 
 from harness.config import compose_config, to_run_config
-from harness.ft.checks import check_scenario
-from harness.ft.metrics import FailureRun, scenario_metrics
+from harness.distribution.ft.checks import check_scenario
+from harness.distribution.ft.metrics import FailureRun, scenario_metrics
 
 
 def _cfg(*overrides: str):

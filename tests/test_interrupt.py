@@ -9,7 +9,7 @@ import time
 
 from conftest import clean_env, mlflow_runs
 
-from harness.mlperf_log import read_mllog
+from harness.recording.mlperf_log import read_mllog
 
 
 def test_ctrl_c_leaves_a_killed_run_with_metrics_so_far(tmp_path, calibration_cache):

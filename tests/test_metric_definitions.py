@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import yaml
 
-from harness.loop import RepetitionState
-from harness.metrics import METRIC_DEFINITIONS, benchmark_metrics, defines, metric_table
+from harness.running.loop import RepetitionState
+from harness.running.metrics import METRIC_DEFINITIONS, benchmark_metrics, defines, metric_table
 from workloads.base import QualityTarget
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,8 +59,8 @@ def test_every_metric_a_gates_file_bounds_is_defined():
 def test_the_summary_fits_a_100_column_terminal_and_names_sweep_rows():
     from rich.console import Console
 
-    from harness.runner import BenchmarkResult
-    from harness.summary import summary_table, sweep_labels
+    from harness.running.runner import BenchmarkResult
+    from harness.running.summary import summary_table, sweep_labels
 
     metrics = {"throughput": 36942.1, "throughput_cv": 0.031, "repetitions_completed": 3.0, "step_time_ms_p50": 8.91,
                "step_time_cv": 0.05, "mfu": 0.0213, "eval_loss": 0.6834, "quality_target_value": 0.7,
@@ -82,8 +82,8 @@ def test_the_summary_fits_a_100_column_terminal_and_names_sweep_rows():
 def test_a_suites_own_metrics_fit_the_terminal_in_as_many_tables_as_it_takes():
     from rich.console import Console
 
-    from harness.runner import BenchmarkResult
-    from harness.summary import metric_tables
+    from harness.running.runner import BenchmarkResult
+    from harness.running.summary import metric_tables
 
     metrics = ["auc_delta", "a2a_compression_ratio", "codec_forward_max_error_over_bound", "codec_ms_per_step",
                "codec_break_even_gbps", "step_projected_ms_12p5GBps", "step_projected_ms_25GBps"]
@@ -102,8 +102,8 @@ def test_a_suites_own_metrics_fit_the_terminal_in_as_many_tables_as_it_takes():
 def test_a_serving_row_shows_what_serving_is_judged_by_not_a_whole_loadgen_test_as_a_step():
     from rich.console import Console
 
-    from harness.runner import BenchmarkResult
-    from harness.summary import summary_table
+    from harness.running.runner import BenchmarkResult
+    from harness.running.summary import summary_table
 
     metrics = {"throughput": 1234.0, "repetitions_completed": 1.0, "step_time_ms_p50": 15028.0,
                "step_time_cv": 0.0, "ttft_ms_p99": 7.36, "ttft_limit_ms": 400.0, "tpot_ms_p99": 52.5,

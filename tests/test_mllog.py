@@ -6,8 +6,8 @@ import pytest
 from conftest import TINY
 
 from harness.config import compose_config, to_run_config
-from harness.mlperf_log import read_mllog
-from harness.runner import run_benchmark
+from harness.recording.mlperf_log import read_mllog
+from harness.running.runner import run_benchmark
 
 REQUIRED_ONCE = ("submission_org", "submission_platform", "submission_division", "submission_benchmark",
                  "init_stop", "run_start", "run_stop", "global_batch_size", "seed", "train_samples",

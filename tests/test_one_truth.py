@@ -18,8 +18,8 @@ import pytest
 from conftest import clean_env, mlflow_runs
 
 from harness.config import TrackingConfig
-from harness.interrupts import deferred_interrupts, sigterm_as_interrupt
-from harness.tracking import HOST_TAG, PID_STARTED_TAG, PID_TAG, Tracker
+from harness.recording.tracking import HOST_TAG, PID_STARTED_TAG, PID_TAG, Tracker
+from harness.running.interrupts import deferred_interrupts, sigterm_as_interrupt
 
 
 @pytest.mark.parametrize("how", ["kill_rank1", "kill_rank1_then_sigterm_rank0", "sigterm_both"])

@@ -12,7 +12,7 @@ import torch
 from conftest import clean_env
 
 from harness.config import compose_config, to_run_config
-from harness.memory_probe import measure_step_memory
+from harness.running.memory_probe import measure_step_memory
 from suite.cli import main
 from workloads.llama.args import PRESETS, count_total_params
 from workloads.llama.footprint import MetaModel, footprint, layer_saved_bytes
@@ -67,7 +67,7 @@ def _measured_vs_predicted(measured_bytes: int, layout: Layout, batch_size: int 
 
 def test_the_planned_memory_of_one_rank_is_the_measured_peak(tmp_path):
     """The planner's peak for tiny on one CPU rank within 10 % of the tensor bytes a training step holds at
-    its peak (MemTracker, harness/memory_probe.py)."""
+    its peak (MemTracker, harness/running/memory_probe.py)."""
     cfg = to_run_config(compose_config(["tracking=off", *TINY_RUN]))
     (measured,) = measure_step_memory(cfg, tmp_path)
     assert abs(_measured_vs_predicted(measured.peak_bytes, Layout())) < 0.10, measured
@@ -87,7 +87,7 @@ def test_the_planned_memory_of_two_ranks_is_the_measured_peak(tmp_path, layout):
     layouts where the workload builds them on a device mesh)."""
     overrides, planned = TWO_RANK_LAYOUTS[layout]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           "-m", "harness.memory_probe", *TINY_RUN, *overrides]
+           "-m", "harness.running.memory_probe", *TINY_RUN, *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=clean_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = json.loads(proc.stdout.strip().splitlines()[-1])

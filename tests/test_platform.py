@@ -239,7 +239,7 @@ def test_a_peak_slower_than_fewer_threads_measured_is_measured_again(tmp_path, q
 
 
 def test_an_mfu_above_what_the_platform_reaches_is_flagged_with_the_fix():
-    from harness.metrics import mfu_doubt
+    from harness.running.metrics import mfu_doubt
 
     assert mfu_doubt({"mfu": 0.3}, 0.7, None) is None
     assert "86 % is above the 70 %" in mfu_doubt({"mfu": 0.86}, 0.7, None)
@@ -301,7 +301,7 @@ def test_torch_fx_tracing_notice_is_filtered_at_its_origin_and_nothing_else_ther
 
     import torch.fx._symbolic_trace as symbolic_trace
 
-    import harness.runner  # noqa: F401 - installs the filter
+    import harness.running.runner  # noqa: F401 - installs the filter
 
     symbolic_trace.is_fx_tracing_warning.cache_clear()
     with caplog.at_level(logging.WARNING, logger="torch.fx._symbolic_trace"):

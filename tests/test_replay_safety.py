@@ -29,7 +29,7 @@ PAYLOAD = "__import__('pathlib').Path('PWNED').write_text('x')"
 
 def _program(out: Path, read_file: Path | None = None) -> None:
     """A small training program; with ``read_file`` it also maps that file into a tensor each step."""
-    from harness.capture import capture
+    from harness.traces.capture import capture
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(16, 8)

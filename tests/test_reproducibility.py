@@ -7,7 +7,7 @@ import json
 from conftest import TINY
 
 from harness.config import compose_config, to_run_config
-from harness.runner import run_benchmark
+from harness.running.runner import run_benchmark
 
 
 def _run(tmp_path, calibration_cache, seed: int) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from harness.config import SuiteBenchmark, SuiteConfig
-from harness.runner import STATUS_FAILED, STATUS_FINISHED, STATUS_SKIPPED, BenchmarkResult
+from harness.running.runner import STATUS_FAILED, STATUS_FINISHED, STATUS_SKIPPED, BenchmarkResult
 from suite.runner import baseline_deltas
 
 

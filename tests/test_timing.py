@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from harness.timing import StepTimer, coefficient_of_variation, olympic_mean, step_stats
+from harness.running.timing import StepTimer, coefficient_of_variation, olympic_mean, step_stats
 
 
 def test_step_stats_percentiles_and_cv():

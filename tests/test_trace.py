@@ -39,7 +39,7 @@ def _cli(*args: str, cwd: Path, torchrun: int = 0, timeout: float = 300) -> subp
 def _user_program(out: Path, steps: int = 2) -> None:
     """A small program with the op kinds a trace must carry: views, in-place, embedding_bag, index ops,
     attention; forward, backward and an optimiser step per iteration."""
-    from harness.capture import capture
+    from harness.traces.capture import capture
 
     torch.manual_seed(0)
     emb = torch.nn.EmbeddingBag(500, 16, mode="sum")
@@ -257,7 +257,7 @@ def test_a_trace_without_steps_is_refused(program_bundle: Path, tmp_path: Path):
 
 
 def test_a_loop_that_stops_early_leaves_no_bundle(tmp_path: Path):
-    from harness.capture import capture
+    from harness.traces.capture import capture
 
     with pytest.raises(TraceError, match="loop until `cap.done`"):
         with capture(tmp_path / "b", steps=2, warmup=0, baseline_steps=2) as cap:
@@ -392,7 +392,7 @@ def test_the_programs_own_host_time_is_measured_and_spent_by_the_replay(tmp_path
     host time per step (the profiler's own cost taken out), and a replay of it takes at least as long."""
     import time
 
-    from harness.capture import capture
+    from harness.traces.capture import capture
 
     x = torch.randn(64, 64)
 

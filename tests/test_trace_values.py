@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from harness.capture import capture
+from harness.traces.capture import capture
 from workloads.trace_bundle import VALUES_FILE, TraceError
 from workloads.trace_replay.records import RankRecord
 from workloads.trace_replay.replay import Replayer

@@ -710,13 +710,13 @@ def test_predict_validate_captures_every_round_and_logs_each_case(tmp_path: Path
 
 
 def test_a_programs_own_bundle_says_once_what_it_can_predict_and_how_to_name_its_batch(tmp_path: Path):
-    """A program captured with ``harness.capture.capture``: without sizes in its config only the rank count
+    """A program captured with ``harness.traces.capture.capture``: without sizes in its config only the rank count
     can change, and every refused key says so (the same list, and how to name the batch); with its batch
     size named at capture, a batch change is predicted."""
     import torch
     from torch import nn
 
-    from harness.capture import capture
+    from harness.traces.capture import capture
     from harness.whatif.changes import parse_changes
     from harness.whatif.costmodel import Calibration, Curve
     from harness.whatif.graph import load_graph

@@ -1,6 +1,6 @@
 """What a workload sees of a fault-tolerant job: :class:`FaultTolerance` in ``RunContext.fault_tolerance``.
 
-The harness (``harness/ft/``) runs R replica groups; this process belongs to group ``replica``. A
+The harness (``harness/distribution/ft/``) runs R replica groups; this process belongs to group ``replica``. A
 workload that supports it calls :meth:`FaultTolerance.attach` once its model and optimizer exist,
 with functions that save and restore its whole training state (weights, optimizer, schedule, data
 position). With torchft's ``manager`` that is the workload's parallelism choice across replicas:

@@ -1,4 +1,4 @@
-"""The trace bundle: the contract between a capture (``harness.capture``) and a replay workload.
+"""The trace bundle: the contract between a capture (``harness.traces.capture``) and a replay workload.
 
 It lives beside the workload protocol (``workloads/base.py``) so the harness writes bundles
 without importing any named workload; the replay workload reads them.
@@ -11,7 +11,7 @@ A bundle is a folder per rank::
                            how much of a step is the program's own host time between ops
     <bundle>/et_resources/ raw bytes of the integer inputs of index-reading ops (optional)
     <bundle>/values.json   mean, spread and range of each floating tensor a step reads but does not
-                           make, in first-read order (``harness.capture_values``; optional)
+                           make, in first-read order (``harness.traces.capture_values``; optional)
     <bundle>/meta.json     cobench's own record: platform, config, step times with and without
                            instrumentation, capture overhead, rank/world size
 
@@ -31,7 +31,7 @@ from typing import Any
 
 ET_FILE, KINETO_FILE, META_FILE = "et.json", "kineto.json", "meta.json"
 KINETO_TIMING_FILE = "kineto_timing.json"  # the same steps again under Kineto alone: host gaps
-VALUES_FILE = "values.json"  # what the step's own floating inputs held (harness.capture_values)
+VALUES_FILE = "values.json"  # what the step's own floating inputs held (harness.traces.capture_values)
 ET_RESOURCES = "et_resources"  # integer input data the ET observer saved: nid_<node>_tid_<input>.dat
 META_SCHEMA = "cobench-trace-bundle/1"
 # Execution-trace schemas this code understands: the Chakra-flavoured 1.x family of torch 2.x.

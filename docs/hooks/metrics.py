@@ -1,7 +1,7 @@
-"""MkDocs hook: the metrics page's table is rendered from ``harness.metrics.METRIC_DEFINITIONS`` at build time.
+"""MkDocs hook: the metrics page's table is rendered from ``harness.running.metrics.METRIC_DEFINITIONS`` at build time.
 
 docs/metrics.md holds :data:`MARKER` where the table goes; :func:`on_page_markdown` puts
-``harness.metrics.metric_table()`` there, so the page shows the definitions the code uses and nothing
+``harness.running.metrics.metric_table()`` there, so the page shows the definitions the code uses and nothing
 else. Declared under ``hooks:`` in mkdocs.yml; imports nothing of MkDocs (the tests load it as it is).
 """
 
@@ -15,7 +15,7 @@ PAGE = "metrics.md"
 
 def render(markdown: str) -> str:
     """``markdown`` with its one :data:`MARKER` replaced by the metric table."""
-    from harness.metrics import metric_table
+    from harness.running.metrics import metric_table
 
     if markdown.count(MARKER) != 1:
         raise ValueError(f"docs/{PAGE} must hold {MARKER} exactly once, where the metric table goes")

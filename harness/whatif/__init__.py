@@ -14,6 +14,7 @@ cache, or pooled ``torchrun`` launches of the probes), :mod:`.stage_probe` and :
 timings, each run under ``torchrun`` by its own entry point), :mod:`.validate` (a prediction's error against
 real runs).
 
-May import ``workloads`` (the trace parsing, the registry, the collectives table) and the harness's running
-and recording machinery; never ``suite``.
+May import :mod:`harness.traces` (the side-by-side timing validation uses), :mod:`harness.running`,
+:mod:`harness.recording`, the modules at ``harness``'s top level and ``workloads`` (the trace parsing, the
+registry, the collectives table).
 """

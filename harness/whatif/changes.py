@@ -69,7 +69,7 @@ def parse_changes(graph: Graph, items: list[str]) -> Changes:
             known += [f"workload.{k}" for k in SEQ_KEYS if workload_value(values, k) is not None] + ["world_size"]
             hint = "" if batch_key else (
                 "; the capture's config names no batch size: a program of your own names its sizes when it is "
-                "captured, harness.capture.capture(..., config={'workload': {'batch_size': N, 'seq_len': L}}), "
+                "captured, harness.traces.capture.capture(..., config={'workload': {'batch_size': N, 'seq_len': L}}), "
                 "and a batch or sequence change can then be predicted")
             raise ValueError(f"invalid change {key!r} for a {graph.workload or 'captured'} trace: supported: "
                              f"{', '.join(known)}{hint}")

@@ -32,9 +32,9 @@ from omegaconf import OmegaConf
 from harness.cli import EXIT_BAD_INPUT, EXIT_OK
 from harness.config import CobenchConfig, compose_config, to_run_config
 from harness.distributed import gather_to_all, shutdown_distributed
-from harness.loop import seed_everything
-from harness.runner import open_workload
-from harness.timing import StepTimer
+from harness.running.loop import seed_everything
+from harness.running.runner import open_workload
+from harness.running.timing import StepTimer
 from harness.whatif.cache import cache_dir
 from harness.whatif.graph import load_graph
 

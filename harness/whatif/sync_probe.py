@@ -14,7 +14,7 @@ milliseconds, so that they slow down as the real compute does when the collectiv
 cores), the compute before the first gradient and after the last — run with the real DDP (the workload's
 own wrapper settings) and without it, interleaved, on every rank at once. The synchronisation's cost is
 what DDP adds to the step *as the job sees it* — at each pass the slowest rank's time, as the harness reports a
-real run's step (:mod:`harness.metrics`) — over a rank's own step without DDP: the median over passes of the
+real run's step (:mod:`harness.running.metrics`) — over a rank's own step without DDP: the median over passes of the
 slowest rank with DDP minus the ranks' mean median without. (A rank late in one pass makes the other wait; each
 rank's own median hides that: Llama tiny's skeleton 0.2 … 0.9 ms a step here, a real 2-rank run 0.2 … 1.8 ms.)
 The skeleton's spec comes from :mod:`harness.whatif.dataparallel` (:func:`~harness.whatif.dataparallel.sync_spec`);
@@ -44,8 +44,8 @@ from torch import nn
 from harness.cli import EXIT_BAD_INPUT, EXIT_OK
 from harness.config import compose_config, to_run_config
 from harness.distributed import env_dist_info, gather_to_all, shutdown_distributed
-from harness.runner import join_process_group
-from harness.timing import StepTimer
+from harness.running.runner import join_process_group
+from harness.running.timing import StepTimer
 from harness.whatif.cache import read_json_file
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -213,7 +213,7 @@ def time_gradient_sync(spec: dict[str, Any], device: torch.device, passes: int, 
     plain_p50 = [statistics.median(r["plain"]) for r in every]
     ddp_p50 = [statistics.median(r["ddp"]) for r in every]
     # DDP keeps the ranks in step, so pass k is the same step on every rank; the harness reports a real run's
-    # step as the slowest rank's at each step (harness.metrics), and so does this: a rank that is late in one
+    # step as the slowest rank's at each step (harness.running.metrics), and so does this: a rank that is late in one
     # pass makes the other wait, which each rank's own median does not show
     job_ddp = statistics.median(max(times) for times in zip(*(r["ddp"] for r in every), strict=True))
     nbytes = sum(torch.Size(shape).numel() * DTYPES[dtype].itemsize for shape, dtype in gradients)

@@ -47,10 +47,10 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from harness.config import compose_config, to_run_config
-from harness.loop import seed_everything
-from harness.runner import join_process_group, open_workload, run_benchmark
-from harness.side_by_side import interleave
-from harness.tracking import Tracker
+from harness.recording.tracking import Tracker
+from harness.running.loop import seed_everything
+from harness.running.runner import join_process_group, open_workload, run_benchmark
+from harness.traces.side_by_side import interleave
 from harness.whatif.changes import WORLD_KEYS
 from harness.whatif.graph import Graph, load_graph
 from harness.whatif.predict import BATCH_KEY, LAYER_KEYS, Prediction, resolved_workload, workload_value
@@ -65,8 +65,8 @@ PAIR_STEPS_PER_ROUND = 10  # a side-by-side pair's steps per side per round (rou
 
 def measure_pair(base: list[str], changed: list[str], work_dir: Path, steps: int, warmup: int) -> dict[str, Any]:
     """The base and changed configurations (Hydra overrides) of one workload in this process, their steps
-    interleaved in rounds (:func:`harness.side_by_side.interleave`): step medians, the ratio changed / base and its
-    95 % interval (whole rounds resampled)."""
+    interleaved in rounds (:func:`harness.traces.side_by_side.interleave`): step medians, the ratio changed /
+    base and its 95 % interval (whole rounds resampled)."""
     cfgs = [to_run_config(compose_config([*side, "tracking=off"])) for side in (base, changed)]
     joined = join_process_group(cfgs[0])
     opened = []

@@ -59,7 +59,7 @@ def codec_step(platform: str, dry_run: bool) -> Outcome:
     round trip on the same device, the compression ratio and the bound violations (must be 0)."""
     import torch
 
-    from harness.timing import StepTimer, step_stats
+    from harness.running.timing import StepTimer, step_stats
     from workloads.dlrm.error_bounded import fast_kernels
     from workloads.dlrm.error_bounded.codec import ErrorBoundedCodec
     from workloads.dlrm.error_bounded.config import ErrorBoundConfig

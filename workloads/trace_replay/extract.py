@@ -214,7 +214,7 @@ def extract_rank(trace: BundleTrace) -> tuple[list[dict[str, Any]], list[dict[st
     et_path = trace.path / ET_FILE
     if not any(n.name.startswith(STEP_ANNOTATION) for n in trace.nodes.values()):
         raise TraceError(f"{et_path}: no captured steps (no '{STEP_ANNOTATION}<i>' markers); capture with "
-                         f"harness.capture.capture() or `cobench trace capture`")
+                         f"harness.traces.capture.capture() or `cobench trace capture`")
     ops = _captured_ops(trace)
     steps = [{"index": step_index(e), "ts_us": e.ts, "traced_ms": e.dur / 1e3}
              for e in sorted(trace.kineto.steps, key=lambda e: e.ts)]
@@ -223,7 +223,7 @@ def extract_rank(trace: BundleTrace) -> tuple[list[dict[str, Any]], list[dict[st
     mark_source_releases(ops, trace.kineto.memory)
     gap, samples = measured_host_gaps(trace, {op["name"] for op in ops})
     place_host_gaps(ops, steps, gap)
-    for step in steps:  # what the estimate rests on: a judgement resamples it (harness.judge)
+    for step in steps:  # what the estimate rests on: a judgement resamples it (harness.traces.judge)
         step["host_gap_samples_us"] = samples
     return ops, steps
 

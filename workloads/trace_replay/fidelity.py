@@ -1,7 +1,7 @@
 """How faithfully a replay reproduces its source, measured on every replay.
 
 The reference iteration time is the source's step time measured *without* instrumentation (the
-profiler inflates it, see :mod:`harness.capture`); for a partial spec (a selected subgraph) it is
+profiler inflates it, see :mod:`harness.traces.capture`); for a partial spec (a selected subgraph) it is
 that time × the selected ops' share of the captured op time, × ``repeat``. Per-op and per-category
 comparisons use shares and ranks, which the profiler's inflation of the source durations leaves
 roughly intact, rather than absolute times.

@@ -31,7 +31,7 @@ MAX_GAP_SAMPLES = 1000  # host-gap measurements a step's estimate rests on
 MAX_STEP_HOST_US = 60e6  # one step's host time in all: 60 s
 MAX_REPEAT = 10_000
 MAX_STRING = 4096
-MAX_VALUE_ENTRIES = 100_000  # value profiles per rank (harness.capture_values keeps at most as many)
+MAX_VALUE_ENTRIES = 100_000  # value profiles per rank (harness.traces.capture_values keeps at most as many)
 FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                 "float8_e5m2fnuz", "complex64", "complex128", "complex32"}
 MAX_TENSOR_DATA_CHARS = 4 * (64 * 2**20) // 3  # base64 of 64 MiB

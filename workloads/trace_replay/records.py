@@ -77,7 +77,7 @@ class StepRecord:
 
 @dataclass(frozen=True)
 class ValueStats:
-    """What one floating tensor a step read but did not make held (``harness.capture_values``)."""
+    """What one floating tensor a step read but did not make held (``harness.traces.capture_values``)."""
 
     shape: tuple[int, ...]
     dtype: str

@@ -8,7 +8,7 @@ as they would under torchrun (:func:`harness.distributed.adopt_slurm_tasks`). He
 - :func:`check_launcher`: bad input costs nothing — a missing plugin, no SLURM commands, a controller
   that does not answer, a partition that does not exist are refused before any job or MLflow run exists;
 - :func:`prepare_argv`: the sweep folder is fixed up front, so the submitting process finds what the jobs
-  left there: each job's rank 0 writes its :class:`~harness.runner.BenchmarkResult` as ``result.json``
+  left there: each job's rank 0 writes its :class:`~harness.running.runner.BenchmarkResult` as ``result.json``
   in its Hydra job folder (:func:`save_result`), read back by :func:`collect_results`.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 import yaml
 
 from harness.files import write_atomic
-from harness.runner import STATUS_FAILED, BenchmarkResult
+from harness.running.runner import STATUS_FAILED, BenchmarkResult
 
 LOCAL_LAUNCHERS = ("basic",)  # Hydra's in-process launcher: the jobs run here, one after the other
 RESULT_FILE = "result.json"

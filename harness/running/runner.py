@@ -37,14 +37,14 @@ from harness.distributed import (
     record_rank_exit,
 )
 from harness.files import TEMP_PREFIX, write_atomic
-from harness.fingerprint import environment_fingerprint
-from harness.interrupts import deferred_interrupts, signal_name
-from harness.loop import RepetitionState, run_repetition
-from harness.metrics import benchmark_metrics, mfu_doubt, noise_verdict
-from harness.mlperf_log import MLPerfLogWriter
 from harness.platform import PeakFlops, Platform, discover_platform
-from harness.progress import step_progress
-from harness.tracking import Tracker, TrackingError
+from harness.recording.fingerprint import environment_fingerprint
+from harness.recording.mlperf_log import MLPerfLogWriter
+from harness.recording.tracking import Tracker, TrackingError
+from harness.running.interrupts import deferred_interrupts, signal_name
+from harness.running.loop import RepetitionState, run_repetition
+from harness.running.metrics import benchmark_metrics, mfu_doubt, noise_verdict
+from harness.running.progress import step_progress
 from workloads import discover
 from workloads.base import RunContext, Workload, WorkloadSpec
 from workloads.device import empty_cache

@@ -1,5 +1,5 @@
 """The failure scenario's supervisor: starts torchft's lighthouse and each side's replica groups
-(one ``torchrun`` of :mod:`harness.ft.replica` each), restarts the killed group after the delay, waits for
+(one ``torchrun`` of :mod:`harness.distribution.ft.replica` each), restarts the killed group after the delay, waits for
 the end and logs both sides' figures as one benchmark run (:func:`run_ft`)."""
 
 from __future__ import annotations
@@ -14,12 +14,19 @@ import traceback
 from pathlib import Path
 
 from harness.config import CobenchConfig, results_root
+from harness.distribution.ft.checks import check_scenario
+from harness.distribution.ft.group_sync import SYNC_DIR
+from harness.distribution.ft.metrics import FailureRun, scenario_metrics
+from harness.distribution.ft.processes import free_port, kill_tree, lighthouse_binary
 from harness.files import write_atomic
-from harness.ft.checks import check_scenario
-from harness.ft.group_sync import SYNC_DIR
-from harness.ft.metrics import FailureRun, scenario_metrics
-from harness.ft.processes import free_port, kill_tree, lighthouse_binary
-from harness.runner import STATUS_FAILED, STATUS_FINISHED, BenchmarkResult, new_run_dir, open_run, write_and_publish
+from harness.running.runner import (
+    STATUS_FAILED,
+    STATUS_FINISHED,
+    BenchmarkResult,
+    new_run_dir,
+    open_run,
+    write_and_publish,
+)
 
 
 def _read_logs(run_dir: Path, side: FailureRun) -> None:
@@ -37,8 +44,8 @@ def _spawn(cfg: CobenchConfig, run_dir: Path, side: str, replica: int, incarnati
            out: Path) -> subprocess.Popen:
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nprocs), "--master-port", str(port),
-           "-m", "harness.ft.replica", "--run-dir", str(run_dir), "--side", side, "--replica", str(replica),
-           "--incarnation", str(incarnation)]
+           "-m", "harness.distribution.ft.replica", "--run-dir", str(run_dir), "--side", side,
+           "--replica", str(replica), "--incarnation", str(incarnation)]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     return subprocess.Popen(cmd, stdout=out.open("a"), stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
                             start_new_session=True)  # apart from ours: a Ctrl-C here is the launcher's to handle
@@ -67,7 +74,7 @@ def run_side(cfg: CobenchConfig, run_dir: Path, side: str) -> FailureRun:
     procs = {r: _spawn(cfg, run_dir, side, r, 0, nprocs, run_dir / f"ft_{side}_replica{r}.log") for r in range(groups)}
     deadline = time.monotonic() + ft.timeout_s
     try:
-        try:  # the victim kills itself at the step (harness.ft.replica): exact, however short the steps
+        try:  # the victim kills itself at the step (harness.distribution.ft.replica): exact, however short the steps
             procs[victim].wait(timeout=ft.timeout_s)
         except subprocess.TimeoutExpired as err:
             raise RuntimeError(f"{side}: step {ft.kill_at_step} not reached within "
@@ -98,9 +105,9 @@ def run_side(cfg: CobenchConfig, run_dir: Path, side: str) -> FailureRun:
 
 
 def run_ft(cfg: CobenchConfig) -> BenchmarkResult:
-    """The whole scenario as one benchmark run (see :mod:`harness.ft`)."""
+    """The whole scenario as one benchmark run (see :mod:`harness.distribution.ft`)."""
     from harness.platform import discover_platform
-    from harness.tracking import Tracker
+    from harness.recording.tracking import Tracker
 
     check_scenario(cfg)
     platform = discover_platform(cfg.platform)

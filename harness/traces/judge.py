@@ -10,9 +10,9 @@ does not widen it). Short steps are timed in batches (a sample lasts at least 20
 adds rounds until the interval's half-width is within ±2.5 % or its time budget (60 s by default)
 runs out: only then is the figure declared invalid, with the interval it reached. A replay that did
 not run every op as captured is never a valid verdict either. The interleaved timing and its verdict
-are :mod:`harness.side_by_side`; each side's memory peak, :mod:`harness.allocator_peaks`.
+are :mod:`harness.traces.side_by_side`; each side's memory peak, :mod:`harness.traces.allocator_peaks`.
 
-    from harness.judge import judge
+    from harness.traces.judge import judge
     record = judge(train_step, "traces/mine", model=model)   # capture → generate → side by side
 
 ``cobench trace fidelity workload=<name>`` does the same for a registered workload, as one MLflow run.
@@ -35,14 +35,14 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from harness.allocator_peaks import captured_step_peak_bytes, step_memory_peak_bytes
-from harness.capture import capture, prepare_source
+from harness.traces.allocator_peaks import captured_step_peak_bytes, step_memory_peak_bytes
+from harness.traces.capture import capture, prepare_source
 from harness.config import CobenchConfig, results_root
 from harness.distributed import broadcast_from_main, env_dist_info
 from harness.files import write_atomic
-from harness.interrupts import deferred_interrupts, signal_name
+from harness.running.interrupts import deferred_interrupts, signal_name
 from harness.platform import device_name
-from harness.runner import (
+from harness.running.runner import (
     STATUS_FAILED,
     STATUS_FINISHED,
     STATUS_KILLED,
@@ -53,8 +53,8 @@ from harness.runner import (
     open_run,
     write_and_publish,
 )
-from harness.side_by_side import SideBySide, capture_shift_draws, cv_pct, interleave
-from harness.tracking import Tracker
+from harness.traces.side_by_side import SideBySide, capture_shift_draws, cv_pct, interleave
+from harness.recording.tracking import Tracker
 from workloads import discover
 from workloads.base import RunContext, WorkloadSpec
 from workloads.trace_bundle import rank_dirs, read_meta
@@ -169,7 +169,7 @@ def judge(step: Callable[[], Any], out_dir: str | Path, *, device: torch.device 
           replay_options: dict[str, Any] | None = None, verbose: bool = True,
           budget_s: float | None = DEFAULT_BUDGET_S) -> dict[str, Any]:
     """Capture ``step`` (your callable running one training step), generate its spec, and judge the replay
-    side by side with ``step`` in this process (see :mod:`harness.judge`).
+    side by side with ``step`` in this process (see :mod:`harness.traces.judge`).
 
     Returns the fidelity record, also written to ``<out_dir>/fidelity.json``; its ``metrics`` hold
     ``time_error_pct`` (signed: ``time_error_signed_pct``) with its 95 % interval, ``fidelity_valid``

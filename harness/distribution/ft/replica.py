@@ -1,5 +1,5 @@
 """One process of the failure scenario: a rank of a torchft replica group (``--side torchft``) or of the
-plain checkpointed job (``--side baseline``), started by torchrun as ``python -m harness.ft.replica``.
+plain checkpointed job (``--side baseline``), started by torchrun as ``python -m harness.distribution.ft.replica``.
 
 It builds the workload with its :class:`~workloads.fault_tolerance.FaultTolerance`, trains, logs one JSON
 line per step attempt, kills its own group at the kill step (the victim's first incarnation) and, at the
@@ -24,9 +24,9 @@ from omegaconf import OmegaConf
 
 from harness.config import CobenchConfig, FTConfig
 from harness.distributed import DistInfo
-from harness.ft.checks import total_steps
-from harness.ft.group_sync import SYNC_DIR, agree_to_stop, wait_for_all_groups
-from harness.ft.processes import kill_tree
+from harness.distribution.ft.checks import total_steps
+from harness.distribution.ft.group_sync import SYNC_DIR, agree_to_stop, wait_for_all_groups
+from harness.distribution.ft.processes import kill_tree
 from harness.platform import Platform, synchronize
 from workloads import discover
 from workloads.base import RunContext, Workload
@@ -105,7 +105,7 @@ class ReplicaProcess:
         """Whether to stop after step ``at``. With torchft, training goes on past the last step until every
         group is back (at most ft.timeout_s): a restart takes seconds, and a group that came back after the
         others had finished could heal from no one. From the last step on, the groups agree after each step
-        whether to stop (:func:`~harness.ft.group_sync.agree_to_stop`): all stop at the same step, with the
+        whether to stop (:func:`~harness.distribution.ft.group_sync.agree_to_stop`): all stop at the same step, with the
         same weights, or none does. ``ready``: the last step was committed by every group."""
         if self.manager is None:
             return at >= total_steps(self.cfg)
@@ -174,7 +174,7 @@ class ReplicaProcess:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m harness.ft.replica")
+    parser = argparse.ArgumentParser(prog="python -m harness.distribution.ft.replica")
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--side", choices=("torchft", "baseline"), required=True)
     parser.add_argument("--replica", type=int, default=0)
@@ -184,8 +184,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def replica_main(argv: list[str]) -> int:
     """One process of a replica group (``--side torchft``) or of the plain job (``--side baseline``)."""
-    from harness.loop import seed_everything
-    from harness.runner import join_process_group
+    from harness.running.loop import seed_everything
+    from harness.running.runner import join_process_group
 
     args = _parser().parse_args(argv)
     cfg = load_run_config(args.run_dir / "config.yaml")

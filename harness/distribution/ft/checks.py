@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from harness.config import CobenchConfig
-from harness.ft.processes import free_port, lighthouse_binary, port_is_free
+from harness.distribution.ft.processes import free_port, lighthouse_binary, port_is_free
 
 MIN_STEPS_AFTER_KILL = 5  # the restarted replica needs steps to heal and commit before the run ends
 SUPPORTING_WORKLOADS = ("llama",)  # workloads whose setup() calls RunContext.fault_tolerance.attach

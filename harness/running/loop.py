@@ -19,9 +19,9 @@ import torch
 from mlperf_logging.mllog import constants as C
 
 from harness.config import CobenchConfig, RunnerConfig
-from harness.mlperf_log import MLPerfLogWriter
 from harness.platform import synchronize
-from harness.timing import StepTimer
+from harness.recording.mlperf_log import MLPerfLogWriter
+from harness.running.timing import StepTimer
 from workloads.base import QualityTarget, RunContext, Workload
 from workloads.device import max_memory_allocated, reset_peak_memory_stats
 

@@ -11,8 +11,8 @@ import math
 import re
 from dataclasses import dataclass
 
-from harness.loop import RepetitionState
-from harness.timing import coefficient_of_variation, olympic_mean, step_stats
+from harness.running.loop import RepetitionState
+from harness.running.timing import coefficient_of_variation, olympic_mean, step_stats
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import CREDENTIALS_ADVICE, TrackingConfig, redacted_uri, uri_has_credentials
-from harness.credentials import CredentialsError, apply_tracking_credentials, tls_context, untrusted_certificate_advice
 from harness.distributed import process_started
+from harness.recording.credentials import (
+    CredentialsError,
+    apply_tracking_credentials,
+    tls_context,
+    untrusted_certificate_advice,
+)
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit for a parameter value
 BATCH_LIMIT = 100  # MLflow's limit of params (and tags) per log_batch call

@@ -2,7 +2,7 @@
 
 Wrap your own loop and mark its steps::
 
-    from harness.capture import capture
+    from harness.traces.capture import capture
 
     with capture("traces/mine", steps=3) as cap:
         while not cap.done:
@@ -10,7 +10,7 @@ Wrap your own loop and mark its steps::
                 train_step()
 
 The first ``warmup`` steps run plain (not timed; the last of them records what the step's
-floating tensors hold, :mod:`harness.capture_values`), the next ``baseline_steps`` run plain and are
+floating tensors hold, :mod:`harness.traces.capture_values`), the next ``baseline_steps`` run plain and are
 timed — the reference the replay is judged against, since the profiler itself distorts time —,
 the next ``steps`` run under the PyTorch execution-trace observer and the Kineto profiler (the
 structure), and the last ones measure how much of a step is the program's own host time between
@@ -40,13 +40,13 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile, record_function
 
-from harness.capture_values import ValueProfile
+from harness.traces.capture_values import ValueProfile
 from harness.config import CobenchConfig, results_root
 from harness.distributed import broadcast_from_main, env_dist_info
-from harness.fingerprint import git_state, library_versions
-from harness.loop import MemoryMeter, seed_everything
+from harness.recording.fingerprint import git_state, library_versions
+from harness.running.loop import MemoryMeter, seed_everything
 from harness.platform import Platform, device_name, host_allocator_in_effect, synchronize
-from harness.runner import join_process_group, open_workload
+from harness.running.runner import join_process_group, open_workload
 from workloads import discover
 from workloads.base import RunContext, Workload
 from workloads.trace_bundle import (

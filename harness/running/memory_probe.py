@@ -18,7 +18,7 @@ One warm step runs first, untracked, so the optimizer's state exists (the steady
 then ``steps`` steps are tracked and the largest peak is kept. Under ``torchrun`` every rank measures its
 own; :func:`measure_step_memory` returns them all, in rank order.
 
-    torchrun --nproc-per-node 2 -m harness.memory_probe workload=llama workload.parallelism=fsdp2
+    torchrun --nproc-per-node 2 -m harness.running.memory_probe workload=llama workload.parallelism=fsdp2
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any
 
 from harness.config import CobenchConfig, compose_config, to_run_config
 from harness.distributed import env_dist_info, gather_to_all, shutdown_distributed
-from harness.loop import seed_everything
-from harness.runner import open_workload
+from harness.running.loop import seed_everything
+from harness.running.runner import open_workload
 
 
 def _tracker() -> Any:
@@ -95,7 +95,7 @@ def measure_step_memory(cfg: CobenchConfig, work_dir: Path, steps: int = 1) -> l
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m harness.memory_probe [--steps N] OVERRIDES``: rank 0 prints every rank's peak as JSON."""
+    """``python -m harness.running.memory_probe [--steps N] OVERRIDES``: rank 0 prints every rank's peak as JSON."""
     import tempfile
 
     args = sys.argv[1:] if argv is None else argv

@@ -14,7 +14,7 @@ import os
 from rich.console import Console
 from rich.table import Table
 
-from harness.runner import STATUS_FINISHED, STATUS_SKIPPED, BenchmarkResult, results_root_of
+from harness.running.runner import STATUS_FINISHED, STATUS_SKIPPED, BenchmarkResult, results_root_of
 
 QUALITY_KEYS = ("eval_loss", "auc", "hr_at_10", "ndcg_at_10", "time_error_pct", "result_valid")
 WIDE_FROM = 150  # columns: from this terminal width on, the wide table
