@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from harness.cli import EXIT_FAILED, EXIT_OK
-from harness.config import CONF_DIR, CobenchConfig, config_hash, results_root
+from harness.config import CONF_DIR, CobenchConfig, results_root
 from harness.distributed import env_dist_info
+from harness.identity import config_hash
 from harness.running.runner import STATUS_FINISHED, join_process_group
 from suite.gates import (
     GateError,

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from harness.cli import EXIT_OK, add_store_flags
-from harness.config import reproduce_overrides
+from harness.identity import reproduce_overrides
 from harness.running.summary import is_serving, serving_text
 from suite.results import RunRecord, find_runs, open_store
 
@@ -155,7 +155,7 @@ def _plots(rows: list[dict[str, Any]], losses: dict[str, list[float]]) -> list[s
 
 def _command(config: dict[str, Any], workload: str) -> str:
     """``cobench run`` with every setting of the run's resolved config that differs from what its workload
-    composes by default, the platform's included (:func:`harness.config.reproduce_overrides`)."""
+    composes by default, the platform's included (:func:`harness.identity.reproduce_overrides`)."""
     overrides = reproduce_overrides(config) if config.get("workload") else [f"workload={workload}"]
     return "cobench run " + " ".join(shlex.quote(o) for o in overrides)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.config import compose_config, config_hash, to_run_config
+from harness.config import compose_config, to_run_config
+from harness.identity import config_hash
 from suite.runner import plan_suite
 from workloads import discover
 from workloads.base import RunContext
@@ -169,7 +170,7 @@ def test_reproduce_overrides_compose_the_same_run_on_the_same_platform():
     import yaml
     from omegaconf import OmegaConf
 
-    from harness.config import config_hash, reproduce_overrides
+    from harness.identity import config_hash, reproduce_overrides
 
     cfg = to_run_config(compose_config(["workload=dlrm", "platform.num_threads=1", "runner.steps=7",
                                         "workload.table_rows=[100,200]", "+workload.codec_options.error_bound=0.01",

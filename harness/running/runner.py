@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from harness.config import CobenchConfig, RunnerConfig, config_hash, results_root
+from harness.config import CobenchConfig, RunnerConfig, results_root
 from harness.cost import with_serving_cost
 from harness.distributed import (
     DistInfo,
@@ -37,6 +37,7 @@ from harness.distributed import (
     record_rank_exit,
 )
 from harness.files import TEMP_PREFIX, write_atomic
+from harness.identity import config_hash
 from harness.platform import PeakFlops, Platform, discover_platform
 from harness.recording.fingerprint import environment_fingerprint
 from harness.recording.mlperf_log import MLPerfLogWriter
