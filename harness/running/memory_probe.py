@@ -31,8 +31,7 @@ from typing import Any
 
 from harness.config import CobenchConfig, compose_config, to_run_config
 from harness.distributed import env_dist_info, gather_to_all, shutdown_distributed
-from harness.running.loop import seed_everything
-from harness.running.runner import open_workload
+from harness.running.runner import set_up_workload
 
 
 def _tracker() -> Any:
@@ -70,11 +69,8 @@ def measure_step_memory(cfg: CobenchConfig, work_dir: Path, steps: int = 1) -> l
     track ``steps`` more; every rank calls it and gets every rank's :class:`StepMemory`."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    opened = open_workload(cfg, work_dir)
-    seed_everything(cfg.seed, cfg.deterministic)
-    workload = opened.workload
-    workload.setup()
-    try:
+    with set_up_workload(cfg, work_dir) as opened:
+        workload = opened.workload
         workload.step()  # the optimizer's state now exists
         model = workload.root_module()
         external = [m for m in (model, getattr(workload, "optimizer", None)) if m is not None]
@@ -87,8 +83,6 @@ def measure_step_memory(cfg: CobenchConfig, work_dir: Path, steps: int = 1) -> l
         for device, categories in tracker.get_tracker_snapshot("peak").items():
             if str(device) == str(opened.ctx.device) or not peak:
                 peak = {str(getattr(k, "value", k)): int(v) for k, v in categories.items()}
-    finally:
-        workload.teardown()
     total = peak.pop("Total", sum(peak.values()))
     mine = StepMemory(opened.ctx.rank, opened.ctx.world_size, str(opened.ctx.device), total, peak)
     return gather_to_all(mine) if opened.dist.enabled else [mine]

@@ -16,7 +16,8 @@ import logging
 import time
 import traceback
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +44,7 @@ from harness.recording.fingerprint import environment_fingerprint
 from harness.recording.mlperf_log import MLPerfLogWriter
 from harness.recording.tracking import Tracker, TrackingError
 from harness.running.interrupts import deferred_interrupts, signal_name
-from harness.running.loop import RepetitionState, run_repetition
+from harness.running.loop import RepetitionState, run_repetition, seed_everything
 from harness.running.metrics import benchmark_metrics, mfu_doubt, noise_verdict
 from harness.running.progress import step_progress
 from workloads import discover
@@ -146,6 +147,19 @@ def open_workload(cfg: CobenchConfig, work_dir: Path,
     )
     spec = discover()[cfg.workload.name]
     return OpenedWorkload(platform, dist_info, ctx, spec, spec.factory(cfg.workload, ctx))
+
+
+@contextmanager
+def set_up_workload(cfg: CobenchConfig, work_dir: Path) -> Iterator[OpenedWorkload]:
+    """The workload ``cfg`` names, opened (:func:`open_workload`), seeded and set up for the ``with`` block, and
+    torn down after it whatever happens: how a probe measures one thing of a workload outside a run."""
+    opened = open_workload(cfg, work_dir)
+    seed_everything(cfg.seed, cfg.deterministic)
+    opened.workload.setup()
+    try:
+        yield opened
+    finally:
+        opened.workload.teardown()
 
 
 def connect_tracker(cfg: CobenchConfig) -> Tracker | None:

@@ -32,8 +32,7 @@ from omegaconf import OmegaConf
 from harness.cli import EXIT_BAD_INPUT, EXIT_OK
 from harness.config import CobenchConfig, compose_config, to_run_config
 from harness.distributed import gather_to_all, shutdown_distributed
-from harness.running.loop import seed_everything
-from harness.running.runner import open_workload
+from harness.running.runner import set_up_workload
 from harness.running.timing import StepTimer
 from harness.whatif.cache import cache_dir
 from harness.whatif.graph import load_graph
@@ -70,12 +69,8 @@ def time_sharded_stage(cfg: CobenchConfig, work_dir: Path, passes: int, warmup: 
 
     if passes < 3 or warmup < 0:
         raise ValueError(f"the stage needs at least 3 timed passes and warmup >= 0 (got {passes}, {warmup})")
-    opened = open_workload(cfg, work_dir)
-    seed_everything(cfg.seed, cfg.deterministic)
-    workload = opened.workload
-    workload.setup()
-    try:
-        stage = workload.sharded_stage()
+    with set_up_workload(cfg, work_dir) as opened:
+        stage = opened.workload.sharded_stage()
         if stage is None:
             raise ValueError(f"workload {cfg.workload.name} has no sharded embedding stage to time")
         timer = StepTimer(opened.ctx.device)
@@ -86,8 +81,6 @@ def time_sharded_stage(cfg: CobenchConfig, work_dir: Path, passes: int, warmup: 
             if i >= warmup:
                 timer.stop()
         mine = [1e3 * s for s in timer.durations_s()]
-    finally:
-        workload.teardown()
     every = gather_to_all(mine) if opened.dist.enabled else [mine]
     slowest = [max(times) for times in zip(*every, strict=True)]
     return StageTiming(cfg.workload.name, stage.module, opened.dist.world_size,
