@@ -82,7 +82,7 @@ def llama_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
     proc = _cli("trace", "capture", "--out", str(out), *CAPTURE_STEPS, "workload=llama", f"results_dir={work}",
                 cwd=work)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "capture overhead" in proc.stderr and f"next: cobench trace generate {out}" in proc.stderr
+    assert "capture overhead" in proc.stderr and f"to make its benchmark: cobench trace generate {out}" in proc.stderr
     return out
 
 
@@ -424,4 +424,4 @@ def test_the_capture_api_says_where_the_bundle_went(tmp_path: Path, capsys):
     _user_program(tmp_path / "bundle")
     said = capsys.readouterr().err
     assert f"captured user_program: {tmp_path / 'bundle'}" in said and "capture overhead" in said
-    assert f"next: cobench trace generate {tmp_path / 'bundle'}" in said
+    assert f"to make its benchmark: cobench trace generate {tmp_path / 'bundle'}" in said

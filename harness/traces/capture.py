@@ -381,7 +381,7 @@ def capture_summary(meta: BundleMeta, out_dir: Path) -> str:
     """What a capture says when it is done: where the bundle is, what it cost, what to run next."""
     plain_ms = meta.to_json()["step_time_ms_median"]
     return (f"captured {meta.source}: {out_dir}\n  step {plain_ms:.2f} ms plain, capture overhead "
-            f"{meta.capture_overhead_pct:+.0f} %\nnext: cobench trace generate {out_dir}")
+            f"{meta.capture_overhead_pct:+.0f} %\nto make its benchmark: cobench trace generate {out_dir}")
 
 
 @dataclass
