@@ -1,8 +1,8 @@
 """``workload=dlrm``'s config: the schema of ``conf/workload/dlrm.yaml``, a preset and its overrides.
 
 Light: importing it imports neither torch nor TorchRec, so composing configs stays cheap; the
-preset table (:mod:`workloads.dlrm.model`), the Criteo reader's kinds and the all-to-all codecs
-(:mod:`workloads.dlrm.codec_registry`) are imported when a config is checked.
+preset table (:mod:`workloads.dlrm.model`) and the all-to-all codecs (:mod:`workloads.dlrm.codec_registry`)
+are imported when a config is checked.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 SHARDINGS = ("table_wise", "column_wise", "row_wise")
 DATA_SOURCES = ("synthetic", "criteo_1tb")
+SPARSE_KINDS = ("multi_hot", "one_hot")  # criteo_1tb's sparse files: day_{d}_sparse_multi_hot.npz | day_{d}_sparse.npy
 ID_CHECKS = ("full", "batch")
 
 
@@ -57,7 +58,7 @@ class DLRMConfig:
 
     def __post_init__(self) -> None:
         # the model's, the reader's and the codecs' modules (torch): imported when a config is checked
-        from workloads.dlrm import codec_registry, criteo  # noqa: F401
+        from workloads.dlrm import codec_registry
         from workloads.dlrm.error_bounded import codec  # noqa: F401 - registers comm_codec=eb
         from workloads.dlrm.model import PRESETS
 
@@ -78,7 +79,7 @@ class DLRMConfig:
             raise _invalid("adagrad_eps", f"got {self.adagrad_eps}, must be a positive number")
         if not (math.isfinite(self.zipf_exponent) and self.zipf_exponent >= 0):
             raise _invalid("zipf_exponent", f"got {self.zipf_exponent}, must be >= 0")
-        for key, allowed in (("data", DATA_SOURCES), ("criteo_sparse", criteo.SPARSE_KINDS),
+        for key, allowed in (("data", DATA_SOURCES), ("criteo_sparse", SPARSE_KINDS),
                              ("criteo_id_check", ID_CHECKS)):
             if getattr(self, key) not in allowed:
                 raise _invalid(key, f"got {getattr(self, key)!r}, allowed values: {', '.join(allowed)}")
@@ -126,4 +127,4 @@ class DLRMConfig:
         return shape
 
 
-__all__ = ["DATA_SOURCES", "ID_CHECKS", "SHARDINGS", "DLRMConfig"]
+__all__ = ["DATA_SOURCES", "ID_CHECKS", "SHARDINGS", "SPARSE_KINDS", "DLRMConfig"]

@@ -44,11 +44,11 @@ import numpy as np
 import torch
 
 from workloads.data_source import DataError, cache_dir, require_path
+from workloads.dlrm.config import DLRMConfig
 from workloads.dlrm.data import ClickBatch
 from workloads.dlrm.stored_arrays import StoredArray, npz_member_count, open_npy, open_npz
 
 if TYPE_CHECKING:
-    from workloads.dlrm.config import DLRMConfig
     from workloads.dlrm.model import DLRMShape
 
 # MLPerf Training's quality target for DLRM-DCNv2 on this data: validation AUROC 0.80275 within one
@@ -59,7 +59,6 @@ MANIFEST = "criteo_manifest.json"  # what `cobench data prepare criteo` records 
 WHERE_FROM = ("Criteo 1TB comes from https://ailab.criteo.com/ressources/criteo-1tb-click-logs-dataset-for-mlperf "
               "(raw day_0 … day_23 TSV files: turn them into this layout with `cobench data prepare criteo`), or "
               "preprocessed from MLCommons (see mlcommons/training recommendation_v2/torchrec_dlrm/README.MD)")
-SPARSE_KINDS = ("multi_hot", "one_hot")
 _SCAN_ROWS = 1 << 20  # rows per read of the full id scan
 
 

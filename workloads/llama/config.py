@@ -1,7 +1,7 @@
 """``workload=llama``'s config: the schema of ``conf/workload/llama.yaml`` (every key listed there).
 
-Light: it imports neither torch nor the model's code, so composing configs stays cheap; the data
-fields' checks (:func:`workloads.llama.sources.check_text_config`) are imported when a config is checked."""
+Light: it imports neither torch nor the model's code, so composing configs stays cheap; the data fields are
+checked against :mod:`workloads.llama.recipes` (the sources, readers and MLPerf recipes)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from workloads.base import invalid_config as _invalid
 from workloads.llama.args import PRESETS, ModelArgs
 from workloads.llama.layout import PP_SCHEDULES, ParallelConfig, resolve_layout
+from workloads.llama.recipes import C4_READERS, DATA_CHECKS, SOURCES, recipe_of
 
 DTYPES = ("auto", "float32", "bfloat16")
 PARALLELISMS = ("auto", "ddp", "fsdp2")
@@ -94,9 +95,7 @@ class LlamaConfig:
         if self.parallel.pp_schedule not in PP_SCHEDULES:
             raise _invalid("parallel.pp_schedule",
                            f"got {self.parallel.pp_schedule!r}, allowed values: {', '.join(PP_SCHEDULES)}")
-        from workloads.llama.sources import check_text_config  # the data readers' code: torch, numpy
-
-        check_text_config(self)
+        self._check_data_fields()
         args = self.model_args()
         try:
             args.validate()
@@ -107,6 +106,27 @@ class LlamaConfig:
         world_size = int(os.environ.get("WORLD_SIZE", "0"))  # torchrun's: the layout is checked before any
         if world_size:                                        # process group exists
             resolve_layout(self.parallel, world_size, args, self.batch_size, self.seq_len, self.grad_accum_steps)
+
+    def _check_data_fields(self) -> None:
+        """The real-source fields' values alone (types and ranges); files are checked when the source opens."""
+        if self.data not in SOURCES:
+            raise _invalid("data", f"got {self.data!r}, allowed values: {', '.join(SOURCES)}")
+        if self.c4_reader not in C4_READERS:
+            raise _invalid("c4_reader", f"got {self.c4_reader!r}, allowed values: {', '.join(C4_READERS)}")
+        if self.data_check not in DATA_CHECKS:
+            raise _invalid("data_check", f"got {self.data_check!r}, allowed values: {', '.join(DATA_CHECKS)}")
+        recipe_of(self.data_recipe)
+        for key in ("val_documents", "eval_sequences", "shuffle_sequences", "prefetch_batches"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise _invalid(key, f"got {value}, must be >= 1")
+        if self.train_shards is not None:
+            from workloads.llama.c4 import parse_shards  # the reader's module: imported when it is used
+
+            try:
+                parse_shards(self.train_shards)
+            except ValueError as err:
+                raise _invalid("train_shards", str(err)) from err
 
     def model_args(self) -> ModelArgs:
         overrides = {k: getattr(self, k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size")}

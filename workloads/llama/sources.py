@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -22,6 +21,8 @@ from workloads.base import RunContext
 from workloads.base import invalid_config as _invalid
 from workloads.data_source import DataError, rank_shard, require_path
 from workloads.llama import c4
+from workloads.llama.config import LlamaConfig
+from workloads.llama.recipes import Recipe, recipe_of
 from workloads.llama.text_data import (
     C4Stream,
     IndexedStream,
@@ -31,40 +32,6 @@ from workloads.llama.text_data import (
     unigram_entropy,
 )
 from workloads.llama.tokenizer import TextTokenizer, load_tokenizer
-
-if TYPE_CHECKING:  # config.py imports this module
-    from workloads.llama.config import LlamaConfig
-
-SOURCES = ("synthetic", "c4", "megatron")
-C4_READERS = ("json", "datasets")
-DATA_CHECKS = ("auto", "full", "head")
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """What an MLPerf reference fixes about its data and quality target."""
-
-    train_shards: str  # C4 training shards, inclusive
-    val_documents: int  # the validation set: the first N documents of the unshuffled validation files
-    eval_sequences: int  # sequences of seq_len evaluated (the first of the validation set)
-    eval_every_sequences: int  # training sequences between evaluations (the harness's runner.eval_interval)
-    seq_len: int
-    eval_loss_target: float  # log perplexity
-    cite: str
-
-
-# github.com/mlcommons/training, small_llm_pretraining/nemo (Llama 3.1 8B): README.md "Training and test data
-# separation" (c4-train.<x>-of-01024 for 768 <= x <= 1023; the first 91,205 validation documents = 47,185,920
-# tokens = 5,760 sequences of 8,192), "Evaluation frequency" (every 12,288 sequences), "Evaluation thoroughness"
-# (1,024 sequences), "Quality target" (log perplexity 3.3); pretrain_llama31.py: seq_length 8192, --eval_every
-# 12288, --eval_tokens 1024, --target_log_ppl 3.3. The 405B reference (large_language_model_pretraining/nemo)
-# uses the same files and validation set, evaluates all 5,760 sequences every 46,080, to log perplexity 5.6.
-RECIPES = {
-    "mlperf_llama31_8b": Recipe("768-1023", 91_205, 1_024, 12_288, 8_192, 3.3,
-                                "mlcommons/training small_llm_pretraining/nemo (Llama 3.1 8B)"),
-    "mlperf_llama31_405b": Recipe("768-1023", 91_205, 5_760, 46_080, 8_192, 5.6,
-                                  "mlcommons/training large_language_model_pretraining/nemo (Llama 3.1 405B)"),
-}
 
 
 @dataclass
@@ -80,34 +47,6 @@ class TextSource:
     target_from: str  # where the target comes from: "config", the recipe, or "unigram entropy"
     recipe: Recipe | None
     details: dict[str, str]
-
-
-def recipe_of(name: str | None) -> Recipe | None:
-    if name is None:
-        return None
-    if name not in RECIPES:
-        raise _invalid("data_recipe", f"got {name!r}, allowed values: {', '.join(RECIPES)} (or null)")
-    return RECIPES[name]
-
-
-def check_text_config(cfg: LlamaConfig) -> None:
-    """The real-source fields' values alone (types and ranges); files are checked by :func:`open_text_source`."""
-    if cfg.data not in SOURCES:
-        raise _invalid("data", f"got {cfg.data!r}, allowed values: {', '.join(SOURCES)}")
-    if cfg.c4_reader not in C4_READERS:
-        raise _invalid("c4_reader", f"got {cfg.c4_reader!r}, allowed values: {', '.join(C4_READERS)}")
-    if cfg.data_check not in DATA_CHECKS:
-        raise _invalid("data_check", f"got {cfg.data_check!r}, allowed values: {', '.join(DATA_CHECKS)}")
-    recipe_of(cfg.data_recipe)
-    for key in ("val_documents", "eval_sequences", "shuffle_sequences", "prefetch_batches"):
-        value = getattr(cfg, key)
-        if value is not None and value < 1:
-            raise _invalid(key, f"got {value}, must be >= 1")
-    if cfg.train_shards is not None:
-        try:
-            c4.parse_shards(cfg.train_shards)
-        except ValueError as err:
-            raise _invalid("train_shards", str(err)) from err
 
 
 def _eval_share(windows: np.ndarray, ctx: RunContext) -> np.ndarray:
@@ -199,4 +138,4 @@ def _open_megatron(cfg: LlamaConfig, ctx: RunContext, recipe: Recipe | None, tok
     return (lambda: batches(stream.windows(), local_batch)), windows, train_sequences, details
 
 
-__all__ = ["RECIPES", "SOURCES", "Recipe", "TextSource", "check_text_config", "open_text_source", "recipe_of"]
+__all__ = ["TextSource", "open_text_source"]
