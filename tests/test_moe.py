@@ -18,7 +18,7 @@ from workloads.llama.model import (
     count_active_params,
     count_params,
 )
-from workloads.llama.moe import GroupedExperts, MoE, grouped_mm, grouped_mm_loop, update_expert_bias
+from workloads.llama.moe import GroupedExperts, MoE, grouped_mm, grouped_mm_loop, skew_routers, update_expert_bias
 
 # Every Llama 4 feature at once, small: NoPE every 2nd layer, MoE every 2nd layer (top-2 of 4, so
 # the sum over a token's experts is exercised), a 16-token attention chunk (sequences of 40 cross
@@ -237,12 +237,10 @@ def _balance_run(coeff: float, steps: int = 150) -> tuple[float, float]:
     """Route fresh random tokens through a frozen MoE layer whose router starts tilted towards a few
     experts, updating only the balancing bias: the load max/mean of the first step and the mean of
     the last 20."""
-    from workloads.llama.workload import _skew_routers
-
     generator = torch.Generator().manual_seed(0)
     moe = MoE(dim=32, hidden_dim=16, n_experts=8, top_k=1)
     moe.init_weights(0.02, 0.02, generator)
-    _skew_routers(moe, skew=0.8, seed=0)
+    skew_routers(moe, skew=0.8, seed=0)
     ratios = []
     with torch.no_grad():
         for _ in range(steps):

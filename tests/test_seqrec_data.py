@@ -22,6 +22,7 @@ from workloads.data_source import DataError
 from workloads.seqrec.config import SeqRecConfig
 from workloads.seqrec.data import FEATURES
 from workloads.seqrec.movielens import MIN_INTERACTIONS, MovieLensSource, load_ratings
+from workloads.seqrec.schedule import MovieLensSchedule, RankSplit
 from workloads.seqrec.workload import SeqRecWorkload
 
 CPU = torch.device("cpu")
@@ -146,9 +147,11 @@ def test_two_ranks_train_and_evaluate_disjoint_users_that_together_are_all(ml1m)
     evaluated: list[np.ndarray] = []
     for rank in (0, 1):
         w = workload(ml1m, rank=rank, world_size=2, compare_even=False)  # the balancer's partition
-        w.cost_model = w._fit_cost_model()  # tokens: nothing to measure, no process group needed
+        # tokens: nothing to measure, no process group needed
+        split = RankSplit(w._fit_cost_model(), 2, w.config.balancer, compare_even=False, token_budget=w.token_budget)
+        schedule = MovieLensSchedule(source, split, w.ctx.seed, rank, QUICK["batch_size"], w.shape)
         users = []
-        for entry in (e for k in range(per_epoch) for e in w._plan(k)):
+        for entry in (e for k in range(per_epoch) for e in schedule.plan(k)):
             users += source.batch_users(w.ctx.seed, entry.global_index, QUICK["batch_size"])[entry.parts[rank]].tolist()
         seen.append(users)
         w._make_movielens_eval_sets()

@@ -221,6 +221,22 @@ def update_expert_bias(
     return list(loads_lx)
 
 
+@torch.no_grad()
+def skew_routers(model: nn.Module, skew: float, seed: int) -> None:
+    """Tilt every router towards few experts (``workload.router_init_skew``): blend its weights with a
+    rank-one matrix ``a_e * u`` (one shared direction ``u``, expert strengths ``a_e`` spread from -1 to 1),
+    so the top-1 choice mostly depends on which side of ``u`` a token lies, and the experts at the ends
+    of ``a`` get most tokens. ``skew`` is the blend's weight of the tilt."""
+    generator = torch.Generator().manual_seed(seed + 17)
+    for layer in moe_layers(model):
+        weight = layer.router.weight
+        direction_d = torch.randn(weight.shape[1], generator=generator)
+        strength_x = torch.linspace(-1.0, 1.0, weight.shape[0])
+        tilt = torch.outer(strength_x, direction_d).to(weight)
+        tilt *= weight.norm() / tilt.norm()  # as strong as the initial weights
+        weight.mul_(1 - skew).add_(skew * tilt)
+
+
 def moe_aux_loss(model: nn.Module) -> torch.Tensor | None:
     """Sum of the MoE layers' auxiliary losses from the last training forward (None if off)."""
     losses = [layer.aux_loss for layer in moe_layers(model) if layer.aux_loss is not None]
@@ -232,4 +248,4 @@ def _trunc_normal(weight: torch.Tensor, std: float, generator: torch.Generator |
 
 
 __all__ = ["grouped_mm", "grouped_mm_loop", "MoE", "GroupedExperts", "SharedExpert", "ExpertDispatcher",
-           "LocalDispatcher", "moe_layers", "update_expert_bias", "moe_aux_loss"]
+           "LocalDispatcher", "moe_layers", "update_expert_bias", "skew_routers", "moe_aux_loss"]

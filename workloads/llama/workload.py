@@ -1,4 +1,10 @@
-"""The Llama training benchmark: config, data, optimiser and the train/eval steps.
+"""The Llama training benchmark: its config checked, its parts composed, its train/eval steps and its report.
+
+Before any set-up the workload checks the config against the world size and the layout; set-up then composes
+the batches (:mod:`workloads.llama.feed`) with the model, either on one rank or data-parallel over all ranks
+(:mod:`workloads.llama.data_parallel`; MoE experts split by :mod:`workloads.llama.expert_parallel`) or on a
+device mesh (:mod:`workloads.llama.mesh_training`), and its optimiser and learning-rate schedule. A MoE run
+reports its experts' load (:mod:`workloads.llama.expert_load`).
 
 By default (``workload.data=synthetic``) training data is a planted Markov chain
 (``data.MarkovTokenSource``), so the loss really falls and "eval loss ≤ target" is a meaningful,
@@ -10,14 +16,8 @@ background thread; every step reports how long it waited for its batch.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import itertools
 import math
-import time
-import warnings
-from collections import deque
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -25,24 +25,18 @@ from torch import nn
 
 from workloads.base import MLPerfInfo, QualityTarget, RunContext, StepResult, WorkloadBase, register
 from workloads.base import invalid_config as _invalid
-from workloads.data_source import Prefetcher
-from workloads.device import bf16_supported, pin, pins_host_memory, synchronize
+from workloads.device import bf16_supported
 from workloads.llama.config import LlamaConfig
-from workloads.llama.data import MarkovTokenSource
+from workloads.llama.data_parallel import clip_gradients, wrap_data_parallel
+from workloads.llama.expert_load import ExpertLoadLog
 from workloads.llama.expert_parallel import AllToAllMeter, shard_experts
+from workloads.llama.feed import TrainingFeed
 from workloads.llama.layout import resolve_layout
-from workloads.llama.model import (
-    SkippedLayer,
-    build_model,
-    count_active_params,
-    count_params,
-    training_flops_per_token,
-)
-from workloads.llama.moe import moe_aux_loss, moe_layers, update_expert_bias
-from workloads.llama.parallel import CommMeter, apply_activation_checkpointing, build, clip_grad_norm
+from workloads.llama.mesh_training import MeshTraining
+from workloads.llama.model import build_model, count_active_params, count_params, training_flops_per_token
+from workloads.llama.moe import moe_aux_loss, skew_routers, update_expert_bias
+from workloads.llama.parallel import apply_activation_checkpointing
 from workloads.llama.sources import TextSource, open_text_source
-
-HANDOVER = 8  # real data: batches taken from the prefetch thread at a time
 
 
 @register("llama", LlamaConfig)
@@ -139,35 +133,24 @@ class LlamaWorkload(WorkloadBase):
 
     def setup(self) -> None:
         cfg, ctx = self.config, self.ctx
-        self.prefetcher: Prefetcher | None = None
-        if self.text is not None:
-            self.entropy_rate = None
-            windows = torch.from_numpy(self.text.eval_windows.astype("int64")).to(ctx.device)
-            self.eval_set = [(w[:, :-1], w[:, 1:]) for w in windows.split(self.local_batch)]
-            # handed over HANDOVER batches at a time: taking an item from the thread can wait for the interpreter
-            # to switch threads even when it is ready, so that wait is paid once per HANDOVER steps
-            # bound for a GPU, batches are pinned on the reading thread: the step's copy is then asynchronous
-            pinned = pins_host_memory(ctx.device)
-            self.prefetcher = Prefetcher(lambda: _groups(self.text.make_batches(), HANDOVER),
-                                         depth=max(1, cfg.prefetch_batches // HANDOVER), name="llama",
-                                         transfer=lambda group: [tuple(t.to(ctx.device, non_blocking=True)
-                                                                       for t in batch) for batch in group],
-                                         prepare=(lambda group: [tuple(pin(t) for t in batch) for batch in group])
-                                         if pinned else None)
-            self._ready: deque = deque()
-        else:
-            self.source = MarkovTokenSource(self.args.vocab_size, seed=cfg.data_seed, branching=cfg.data_branching)
-            self.entropy_rate = self.source.entropy_rate()
-            # replica groups of a fault-tolerant job each train on their own data (their gradients are averaged)
-            replica = ctx.fault_tolerance.replica if ctx.fault_tolerance is not None else None
-            self.train_set = self._make_batches(cfg.train_batches, stream=0 if replica is None else 2 + replica)
-            self.eval_set = self._make_batches(cfg.eval_batches, stream=1)
-        if self.on_mesh:
-            self._setup_mesh()
+        self.feed = TrainingFeed(cfg, ctx, self.text, self.args.vocab_size, self.local_batch, self.data_rank)
+        self.entropy_rate = self.feed.entropy_rate
+        self._timed_steps, self._timed_seconds = 0, 0.0
+        self.mesh: MeshTraining | None = None
+        if self.on_mesh:  # the model as workload.parallel lays it out (workloads/llama/mesh_training.py)
+            self.mesh = MeshTraining(self.args, self.layout, ctx, cfg, self.compute_dtype, self._lr_factor)
+            self.raw_model = self.model = self.mesh.model
+            self.optimizer, self.scheduler = self.mesh.optimizer, self.mesh.scheduler
             return
+        self._setup_flat()
+
+    def _setup_flat(self) -> None:
+        """The model on one rank or data-parallel over all of them (workloads/llama/data_parallel.py), the
+        experts split over the ranks under expert parallelism, and its optimiser."""
+        cfg, ctx = self.config, self.ctx
         model = build_model(self.args, ctx.device, seed=ctx.seed)
         if cfg.router_init_skew:
-            _skew_routers(model, cfg.router_init_skew, seed=ctx.seed)
+            skew_routers(model, cfg.router_init_skew, seed=ctx.seed)
         if self.layout.activation_checkpointing:
             apply_activation_checkpointing(model)
         self.a2a_meter = AllToAllMeter(ctx.device)
@@ -177,7 +160,7 @@ class LlamaWorkload(WorkloadBase):
             self.ep_group = dist.new_group(list(range(ctx.world_size)))
             self.expert_param_names = shard_experts(model, self.ep_group, self.a2a_meter)
         self.raw_model = model
-        self.model = self._parallelize(model)
+        self.model = wrap_data_parallel(model, self.parallelism, ctx, self.expert_param_names)
         if cfg.compile:
             self.model = torch.compile(self.model)
         # fused AdamW: one kernel for all parameters' updates (CPU and CUDA kernels in torch >= 2.4);
@@ -191,71 +174,7 @@ class LlamaWorkload(WorkloadBase):
         if ctx.fault_tolerance is not None:  # torchft across replica groups: workloads/fault_tolerance.py
             self.model, self.optimizer = ctx.fault_tolerance.attach(self.model, self.optimizer, self._training_state,
                                                                     self._load_training_state)
-        self._loads: deque[torch.Tensor] = deque(maxlen=4096)  # per step: routed copies per layer and expert
-        self._a2a_seconds: deque[float] = deque(maxlen=4096)  # per step: time in the all-to-alls
-        self._a2a_bytes: deque[int] = deque(maxlen=4096)
-        self._timed_steps = 0
-
-    def _setup_mesh(self) -> None:
-        """The model as ``workload.parallel`` lays it out (workloads/llama/parallel.py), and its optimiser."""
-        cfg = self.config
-        self.a2a_meter = AllToAllMeter(self.ctx.device)
-        self.expert_param_names = []
-        # FSDP2 warns when a wrapped module returns a view (the tensor-parallel logits are one: a DTensor's local
-        # shard), in case an in-place op follows; only the loss reads them
-        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPTransformer\) returned a view tensor")
-        self.mesh_model = build(self.args, self.layout, self.ctx.device, self.ctx.seed)
-        self.raw_model = self.model = self.mesh_model.model
-        if cfg.compile:  # block by block, in place: the parameter names (and checkpoints) stay the model's
-            for block in self.model.layers:
-                if not isinstance(block, SkippedLayer):
-                    block.compile()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                                           eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=True)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        self._loads, self._a2a_seconds, self._a2a_bytes = deque(maxlen=1), deque(maxlen=1), deque(maxlen=1)
-        self._timed_steps = 0
-
-    def _make_batches(self, count: int, stream: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's slices of the global batches; ``stream`` 1 is held out (never seen in
-        training). Every rank draws the same global batches, so N ranks train on exactly the
-        data one rank would, and their losses can be compared."""
-        generator = torch.Generator().manual_seed(((self.ctx.seed * 1_000_003 + stream) * 1009) % 2**63)
-        mine = slice(self.data_rank * self.local_batch, (self.data_rank + 1) * self.local_batch)
-        batches = []
-        for _ in range(count):
-            inputs, targets = self.source.batch(self.config.batch_size, self.config.seq_len, generator)
-            batches.append((inputs[mine].to(self.ctx.device), targets[mine].to(self.ctx.device)))
-        return batches
-
-    def _parallelize(self, model: nn.Module) -> nn.Module:
-        if self.parallelism == "ddp":
-            from torch.nn.parallel import DistributedDataParallel
-
-            device_ids = [self.ctx.device.index] if self.ctx.is_accelerator else None
-            # no buffer broadcast before every forward (DDP's default): MoE's expert counters are each rank's
-            # own (see ep+ddp below), and the dense model's only buffers are the constant RoPE tables
-            # (rope_cos, rope_sin), whose broadcast is a collective per step that changes nothing (3.9 ms of a
-            # 2-rank CPU step here) and that TorchRec's DDP wrapper (DLRM, seqrec) does not make either
-            return DistributedDataParallel(model, device_ids=device_ids, process_group=self.ctx.process_group,
-                                           forward_sync_buffers=False)
-        if self.parallelism == "ep+ddp":
-            from torch.nn.parallel import DistributedDataParallel
-
-            # the rank-local experts are not replicas: DDP must not average them
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, self.expert_param_names)
-            device_ids = [self.ctx.device.index] if self.ctx.is_accelerator else None
-            # buffers are synced once at start, then stay per rank: the expert counters differ by
-            # design, and the bias moves alike everywhere (it follows the all-reduced loads)
-            return DistributedDataParallel(model, device_ids=device_ids, process_group=self.ctx.process_group,
-                                           forward_sync_buffers=False)
-        if self.parallelism == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
-
-            for block in model.layers:
-                fully_shard(block)
-            fully_shard(model)
-        return model
+        self.expert_load = ExpertLoadLog(self.args, cfg.batch_size, cfg.seq_len, self.expert_parallel)
 
     def _training_state(self) -> dict:
         """All a restarted replica (healing from a peer) or job (from a checkpoint) needs to go on exactly."""
@@ -289,112 +208,16 @@ class LlamaWorkload(WorkloadBase):
         aux = moe_aux_loss(self.raw_model) if self.config.moe_aux_loss_weight else None
         return loss if aux is None else loss + aux
 
-    def _loss_context(self) -> contextlib.AbstractContextManager:
-        """Tensor parallelism computes the loss on vocabulary-sharded logits: forward and backward inside
-        ``loss_parallel``."""
-        if self.on_mesh and self.layout.tp > 1:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            return loss_parallel()
-        return contextlib.nullcontext()
-
-    def _mesh_loss(self, inputs_bs: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
-        if self.layout.tp == 1:
-            return self._loss(inputs_bs, targets_bs)
-        autocast = torch.autocast(self.ctx.device.type, dtype=self.compute_dtype,
-                                  enabled=self.compute_dtype != torch.float32)
-        with autocast:
-            logits = self.model(inputs_bs)
-        return self.mesh_model.loss_fn(logits, targets_bs)
-
-    def _pipeline_loss(self, inputs_bs: torch.Tensor, targets_bs: torch.Tensor, train: bool) -> torch.Tensor:
-        """One pass of the pipeline schedule over the batch's microbatches (forward and, to train, backward);
-        the batch's mean loss on every stage."""
-        mm = self.mesh_model
-        losses: list[torch.Tensor] = []
-        args = (inputs_bs,) if mm.first_stage else ()
-        target = targets_bs if mm.last_stage else None
-        autocast = torch.autocast(self.ctx.device.type, dtype=self.compute_dtype,
-                                  enabled=self.compute_dtype != torch.float32)
-        with autocast, self._loss_context():
-            if train:
-                mm.schedule.step(*args, target=target, losses=losses, return_outputs=False)  # only losses kept
-            else:
-                mm.schedule.eval(*args, target=target, losses=losses)
-        loss = (torch.stack([x.detach().float() for x in losses]).mean() if mm.last_stage
-                else torch.zeros((), device=self.ctx.device))
-        dist.all_reduce(loss, group=mm.group("pp"))  # the last stage's, everywhere
-        return loss
-
-    def _mesh_step(self, inputs_bs: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
-        if self.mesh_model.schedule is not None:
-            total = self._pipeline_loss(inputs_bs, targets_bs, train=True)
-        else:
-            micro = self.config.grad_accum_steps
-            total = torch.zeros((), device=self.ctx.device)
-            for inputs, targets in zip(inputs_bs.chunk(micro), targets_bs.chunk(micro), strict=True):
-                with self._loss_context():
-                    loss = self._mesh_loss(inputs, targets) / micro
-                    loss.backward()
-                total += loss.detach()
-        clip_grad_norm(self.model.parameters(), self.config.grad_clip, self.mesh_model.group("pp"))
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return total
-
-    def _measured_mesh_step(self, inputs_bs: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
-        """The last warm-up step, its collectives timed per mesh dimension (:class:`CommMeter`): never a timed
-        step (the first warm-up step, with its one-time costs, is never measured either)."""
-        meter = CommMeter(self.mesh_model.mesh, self.layout, self.ctx.device)
-        synchronize(self.ctx.device)
-        start = time.perf_counter()
-        with meter:
-            total = self._mesh_step(inputs_bs, targets_bs)
-        synchronize(self.ctx.device)
-        self._comm_measured = (meter, time.perf_counter() - start)
-        return total
-
-    def _clip_gradients(self) -> None:
-        """Clip to ``grad_clip`` by the norm of the *whole* model's gradient: under expert
-        parallelism each rank holds only its experts' gradients, so their squared norms are summed
-        over the ranks. The experts' gradients are also averaged like DDP's: each is the sum of
-        every rank's contribution (they arrive through the all-to-all's backward)."""
-        if not self.expert_parallel:
-            nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
-            return
-        named = dict(self.raw_model.named_parameters())
-        experts = [named[name] for name in self.expert_param_names if named[name].grad is not None]
-        for param in experts:
-            param.grad.div_(self.ctx.world_size)
-        dense = [p for name, p in named.items() if name not in set(self.expert_param_names) and p.grad is not None]
-        dense_sq = nn.utils.get_total_norm([p.grad for p in dense]) ** 2
-        expert_sq = nn.utils.get_total_norm([p.grad for p in experts]) ** 2
-        dist.all_reduce(expert_sq, group=self.ctx.process_group)
-        total = (dense_sq + expert_sq).sqrt()
-        nn.utils.clip_grads_with_norm_(dense + experts, self.config.grad_clip, total)
-
-    def _next_batch(self) -> tuple[tuple[torch.Tensor, torch.Tensor], float]:
-        """The step's batch and the seconds it waited for it (for the synthetic pool: the lookup)."""
-        if self.prefetcher is not None:
-            start = time.perf_counter()
-            if not self._ready:  # a reader's error (a file gone bad) ends the run here, with its reason
-                self._ready.extend(self.prefetcher.next()[0])
-            return self._ready.popleft(), time.perf_counter() - start
-        start = time.perf_counter()
-        batch = self.train_set[self._cursor % len(self.train_set)]
-        return batch, time.perf_counter() - start
-
     def step(self) -> StepResult:
         self.model.train()
-        (inputs_bs, targets_bs), waited_s = self._next_batch()
+        (inputs_bs, targets_bs), waited_s = self.feed.next(self._cursor)
         self._cursor += 1
-        if self.on_mesh:  # one rank per data-parallel slice counts its samples (the harness sums the ranks')
+        if self.mesh is not None:  # one rank per data-parallel slice counts its samples (the harness sums the ranks')
             if self.ctx.distributed and self.ctx.warmup_steps >= 2 and self._cursor == self.ctx.warmup_steps:
-                total = self._measured_mesh_step(inputs_bs, targets_bs)
+                total = self.mesh.measured_step(inputs_bs, targets_bs)
             else:
-                total = self._mesh_step(inputs_bs, targets_bs)
-            counted = self.local_batch if self.mesh_model.counts_samples else 0
+                total = self.mesh.step(inputs_bs, targets_bs)
+            counted = self.local_batch if self.mesh.counts_samples else 0
             return StepResult(samples=counted, tokens=counted * self.config.seq_len, loss=total, data_wait_s=waited_s)
         micro = self.config.grad_accum_steps
         total = torch.zeros((), device=self.ctx.device)
@@ -403,16 +226,15 @@ class LlamaWorkload(WorkloadBase):
             loss = self._train_loss(inputs, targets) / micro
             loss.backward()
             total += loss.detach()
-        self._clip_gradients()
+        clip_gradients(self.model, self.raw_model, self.expert_param_names, self.config.grad_clip, self.ctx)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.is_moe:
             group = self.ctx.process_group if self.ctx.distributed else None
             loads = update_expert_bias(self.raw_model, self.config.moe_bias_update_coeff, group)
-            self._loads.append(torch.stack(loads))  # stays on the device: read once, by extra_metrics
-            self._a2a_seconds.append(self.a2a_meter.seconds - a2a_seconds)
-            self._a2a_bytes.append(self.a2a_meter.bytes_sent - a2a_bytes)
+            self.expert_load.record(torch.stack(loads), self.a2a_meter.seconds - a2a_seconds,
+                                    self.a2a_meter.bytes_sent - a2a_bytes)
         return StepResult(samples=self.local_batch, tokens=self.local_batch * self.config.seq_len, loss=total,
                           data_wait_s=waited_s)
 
@@ -421,15 +243,11 @@ class LlamaWorkload(WorkloadBase):
         """Mean loss per evaluated token over all ranks' evaluation sequences (ranks may hold unequal shares)."""
         self.model.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
-        for inputs, targets in self.eval_set:
-            if self.on_mesh and self.mesh_model.schedule is not None:
-                if not self.mesh_model.last_stage:  # the loss is the last stage's: counted there only
-                    self._pipeline_loss(inputs, targets, train=False)
+        for inputs, targets in self.feed.eval_set:
+            if self.mesh is not None:
+                loss = self.mesh.eval_loss(inputs, targets)
+                if loss is None:  # a pipeline stage before the last: the loss is the last stage's, counted there
                     continue
-                loss = self._pipeline_loss(inputs, targets, train=False)
-            elif self.on_mesh:
-                with self._loss_context():
-                    loss = self._mesh_loss(inputs, targets)
             else:
                 loss = self._loss(inputs, targets)
             sums[0] += loss.double() * targets.numel()
@@ -504,38 +322,9 @@ class LlamaWorkload(WorkloadBase):
         if self.entropy_rate is not None:
             metrics["data_entropy_nats"] = self.entropy_rate
         if self.is_moe:
-            metrics.update(self._moe_metrics())
-        if getattr(self, "_comm_measured", None) is not None:
-            meter, step_s = self._comm_measured
-            names = {"tp": "tp_comm_share", "pp": "pp_bubble_share", "dp": "dp_comm_share"}
-            for dim, seconds in meter.seconds.items():
-                metrics[names[dim]] = seconds / step_s
-                metrics[f"{dim}_comm_mb_per_step"] = meter.bytes.get(dim, 0) / 1e6
-        return metrics
-
-    def _moe_metrics(self) -> dict[str, float]:
-        """Expert load over the timed steps: per MoE layer, the busiest expert's routed copies
-        over the mean, taken per step and averaged over the steps (a step waits for its busiest
-        expert); ``expert_load_max_over_mean`` is the worst layer. ``tokens_dropped`` counts
-        routed copies that reached no expert (dropless routing: 0). All-to-all figures are this
-        rank's, over the same steps."""
-        steps = min(self._timed_steps or len(self._loads), len(self._loads))
-        if not steps:
-            return {}
-        loads_tle = torch.stack(list(self._loads)[-steps:]).cpu()
-        ratio_tl = loads_tle.amax(dim=-1) / loads_tle.mean(dim=-1)
-        per_layer = ratio_tl.mean(dim=0)
-        moe_ids = [i for i in range(self.args.n_layers) if self.args.is_moe_layer(i)]
-        routed_per_step = self.config.batch_size * self.config.seq_len * self.args.moe_top_k * len(moe_ids)
-        metrics = {f"expert_load_max_over_mean_layer{i}": float(r) for i, r in zip(moe_ids, per_layer, strict=True)}
-        metrics["expert_load_max_over_mean"] = float(per_layer.max())
-        metrics["tokens_dropped"] = float(steps * routed_per_step - loads_tle.sum())
-        if self.expert_parallel:
-            a2a_s = sum(list(self._a2a_seconds)[-steps:])
-            metrics["a2a_bytes_per_step"] = sum(list(self._a2a_bytes)[-steps:]) / steps
-            metrics["a2a_time_ms_per_step"] = 1e3 * a2a_s / steps
-            if self._timed_steps:
-                metrics["a2a_share"] = a2a_s / self._timed_seconds
+            metrics.update(self.expert_load.metrics(self._timed_steps, self._timed_seconds))
+        if self.mesh is not None:
+            metrics.update(self.mesh.comm_metrics())
         return metrics
 
     def run_tags(self) -> dict[str, str]:
@@ -551,29 +340,7 @@ class LlamaWorkload(WorkloadBase):
         return tags
 
     def teardown(self) -> None:
-        if getattr(self, "prefetcher", None) is not None:
-            self.prefetcher.close()
-        for name in ("model", "raw_model", "optimizer", "scheduler", "train_set", "eval_set", "prefetcher"):
+        if "feed" in self.__dict__:
+            self.feed.close()
+        for name in ("model", "raw_model", "optimizer", "scheduler", "mesh", "feed"):
             self.__dict__.pop(name, None)
-
-
-def _groups(items: Iterator, size: int) -> Iterator[list]:
-    """``items`` in lists of ``size`` (the last may be shorter)."""
-    while group := list(itertools.islice(items, size)):
-        yield group
-
-
-@torch.no_grad()
-def _skew_routers(model: nn.Module, skew: float, seed: int) -> None:
-    """Tilt every router towards few experts: blend its weights with a rank-one matrix
-    ``a_e * u`` (one shared direction ``u``, expert strengths ``a_e`` spread from -1 to 1), so the
-    top-1 choice mostly depends on which side of ``u`` a token lies, and the experts at the ends
-    of ``a`` get most tokens. ``skew`` is the blend's weight of the tilt."""
-    generator = torch.Generator().manual_seed(seed + 17)
-    for layer in moe_layers(model):
-        weight = layer.router.weight
-        direction_d = torch.randn(weight.shape[1], generator=generator)
-        strength_x = torch.linspace(-1.0, 1.0, weight.shape[0])
-        tilt = torch.outer(strength_x, direction_d).to(weight)
-        tilt *= weight.norm() / tilt.norm()  # as strong as the initial weights
-        weight.mul_(1 - skew).add_(skew * tilt)

@@ -1,4 +1,4 @@
-"""The sequence-recommender benchmark: sharding, partitioned batches, train/eval steps, bubbles.
+"""The sequence-recommender benchmark: its data, model, batch schedule and cost model composed; steps, bubbles.
 
 Data (``workload.data``). ``synthetic``: histories from the planted preference model, a fixed set of
 ``train_batches`` global batches built at set-up and cycled (:class:`~workloads.seqrec.feed.BatchPool`).
@@ -9,18 +9,18 @@ step reports how long it waited for its batch.
 
 The global batch is the unit. Every rank draws the *same* global batches (same seed) and keeps its
 own share: the even split (what a plain distributed sampler gives) or the balancer's partition on
-the per-sample cost model fitted at set-up (:mod:`workloads.seqrec.balance`). No sample crosses
-ranks and every rank knows every partition, so all ranks raise the same error on bad input
-instead of hanging in a collective.
+the per-sample cost model fitted at set-up (:mod:`workloads.seqrec.balance`; the schedule:
+:mod:`workloads.seqrec.schedule`). No sample crosses ranks and every rank knows every partition, so all
+ranks raise the same error on bad input instead of hanging in a collective.
 
 Training. Item and action tables live in a TorchRec ``EmbeddingCollection``: one process trains
 it unsharded; under ``torchrun`` DMP shards it table-wise and updates it with FBGEMM's fused
-Adagrad during backward. The dense part (:class:`~workloads.seqrec.model.NextItemHead`) is
-replicated; each rank divides its loss sum by the *global* number of targets and
-:class:`DataParallelDense` sums the gradients in one all-reduce, so a step's update is the same
-whatever the partition. Steps run through TorchRec's ``TrainPipelineSparseDist`` when
-``overlap`` is on (the next batch's input all-to-all is issued before this batch's dense compute
-and awaited only when needed), else through ``TrainPipelineBase``.
+Adagrad during backward (:mod:`workloads.seqrec.sharding`). The dense part
+(:class:`~workloads.seqrec.model.NextItemHead`) is replicated; each rank divides its loss sum by the
+*global* number of targets and :class:`DataParallelDense` sums the gradients in one all-reduce, so a
+step's update is the same whatever the partition. Steps run through TorchRec's
+``TrainPipelineSparseDist`` when ``overlap`` is on (the next batch's input all-to-all is issued
+before this batch's dense compute and awaited only when needed), else through ``TrainPipelineBase``.
 
 Bubbles. Every step, each rank's dense compute time (``DenseComputeTimer``) rides along the
 gradient all-reduce, so every rank has every rank's time without an extra collective. With
@@ -42,16 +42,12 @@ import json
 import logging
 import math
 import time
-import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.optim import _apply_optimizer_in_backward as apply_optimizer_in_backward
 
 from workloads.base import (
     MLPerfInfo,
@@ -60,32 +56,18 @@ from workloads.base import (
     ShardedStage,
     StepResult,
     WorkloadBase,
-    library_log_to,
     register,
 )
 from workloads.base import invalid_config as _invalid
 from workloads.data_source import DataError, rank_shard
-from workloads.seqrec.balance import (
-    CostModel,
-    CostModelError,
-    calibration_batches,
-    fit_cost_model,
-    partition,
-)
-from workloads.seqrec.batch import SeqBatch, build_batch
+from workloads.seqrec.balance import CostModel, CostModelError, calibration_batches, fit_cost_model
 from workloads.seqrec.config import SeqRecConfig
 from workloads.seqrec.data import Histories, oracle_quality
 from workloads.seqrec.feed import BatchPool, BatchStream, EvalSet
-from workloads.seqrec.model import (
-    DataParallelDense,
-    DenseComputeTimer,
-    NextItemHead,
-    SeqRecModel,
-    build_embedding_collection,
-    dense_training_flops,
-    time_dense_pass,
-)
+from workloads.seqrec.model import DataParallelDense, DenseComputeTimer, dense_training_flops, time_dense_pass
 from workloads.seqrec.movielens import NUM_ACTIONS, MovieLensSource, load_ratings
+from workloads.seqrec.schedule import MovieLensSchedule, RankSplit, synthetic_rank_batch, synthetic_schedule
+from workloads.seqrec.sharding import build_model, full_table, make_train_pipeline
 from workloads.seqrec.simulate import (
     ScalePrediction,
     StepRecord,
@@ -101,17 +83,6 @@ TOP_K = 10
 # on MovieLens this multiple of ranking by popularity's HR@10 (see target_hr)
 HR_TARGET_FRACTION = 0.5
 POPULARITY_MULTIPLE = 2.0
-
-
-@dataclass(frozen=True)
-class ScheduledBatch:
-    """One entry of the run's batch schedule: a global batch and how it was split."""
-
-    global_index: int
-    split: str
-    lengths: np.ndarray  # the global batch's history lengths
-    parts: list[np.ndarray]
-    num_targets: int
 
 
 @register("seqrec", SeqRecConfig)
@@ -168,73 +139,34 @@ class SeqRecWorkload(WorkloadBase):
         cfg, ctx = self.config, self.ctx
         self.preferences = cfg.preferences() if self.source is None else None
         self.timer = DenseComputeTimer(ctx.device)
-        self.model, self.head = self._build_model()
+        # the model as trained: its tables sharded over the ranks when distributed (workloads/seqrec/sharding.py)
+        self.model, self.head = build_model(self.shape, cfg.temperature, self.timer, cfg.embedding_lr, ctx)
         dense_optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.dense = DataParallelDense(self.head, dense_optimizer, ctx)
         self.cost_model = self._fit_cost_model()
+        split = RankSplit(self.cost_model, ctx.world_size, cfg.balancer if self.balancing else None, self.comparing,
+                          self.token_budget)
         if self.source is None:
-            self.schedule = self._make_schedule()
-            self.rank_batches = [self._rank_batch(entry, i) for i, entry in enumerate(self.schedule)]
+            self.train_set = self._global_batches(cfg.train_batches, stream=0)
+            self.schedule = synthetic_schedule(self.train_set, split)
+            self.rank_batches = [synthetic_rank_batch(self.train_set, entry, ctx.rank, i, self.shape.max_len,
+                                                      ctx.device) for i, entry in enumerate(self.schedule)]
             self._make_eval_set()
             self._batch_iter: BatchPool | BatchStream = BatchPool(self.rank_batches)
         else:
+            self.movielens = MovieLensSchedule(self.source, split, ctx.seed, ctx.rank, cfg.batch_size, self.shape)
             # the first train_batches global batches stand for the stream in FLOPs, shares and the sharded stage
-            self.schedule = [e for k in range(cfg.train_batches) for e in self._plan(k)]
+            self.schedule = [e for k in range(cfg.train_batches) for e in self.movielens.plan(k)]
             self.rank_batches = []
             self._make_movielens_eval_sets()
-            self._batch_iter = BatchStream(self._stream, ctx.device)
+            self._batch_iter = BatchStream(self.movielens.stream, ctx.device)
         if ctx.rank == 0 and cfg.simulate_batches:
             self.scale_predictions = simulate_scaling(
                 self.cost_model, self.sample_lengths, cfg.simulate_world_sizes,
                 per_rank_batch=max(1, cfg.batch_size // ctx.world_size), method=cfg.balancer,
                 batches=cfg.simulate_batches, seed=cfg.data_seed, token_budget=self.token_budget,
             )
-        self.pipeline = self._make_pipeline()
-
-    def _build_model(self) -> tuple[nn.Module, NextItemHead]:
-        ctx = self.ctx
-        torch.manual_seed(ctx.seed)  # the same dense initialisation on every rank
-        head = NextItemHead(self.shape, self.config.temperature, self.timer).to(ctx.device)
-        embedding_device = torch.device("meta") if ctx.distributed else ctx.device
-        model = SeqRecModel(build_embedding_collection(self.shape, embedding_device), head)
-        apply_optimizer_in_backward(torch.optim.Adagrad, model.embeddings.parameters(),
-                                    {"lr": self.config.embedding_lr})
-        if not ctx.distributed:
-            return model, head
-        for param in head.parameters():  # identical replicas, whatever the ranks' RNG history
-            dist.broadcast(param.data, src=0, group=ctx.process_group)
-        return self._shard(model), head
-
-    def _shard(self, model: SeqRecModel) -> nn.Module:
-        from torchrec.distributed.embedding import EmbeddingCollectionSharder
-        from torchrec.distributed.model_parallel import DistributedModelParallel
-        from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
-        from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
-        from torchrec.distributed.types import ShardingEnv
-
-        ctx = self.ctx
-        sharder = EmbeddingCollectionSharder()
-        topology = TopologyFactory.create_topology(
-            TrainerConfig(world_size=ctx.world_size), kernel_config=KernelConfig(compute_device=ctx.device.type)
-        )
-        constraints = {name: ParameterConstraints(sharding_types=["table_wise"]) for name in ("item", "action")}
-        # the planner's tables and the libraries' set-up notices go to the run's folder
-        with library_log_to(ctx.work_dir / f"sharding_plan_rank{ctx.rank}.log", "torchrec.distributed.planner",
-                            "torch.fx._symbolic_trace", "py.warnings"):
-            planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints, debug=False)
-            plan = planner.collective_plan(model, [sharder], ctx.process_group)
-            # No DDP: the dense gradients are summed by DataParallelDense (the loss is pre-divided globally).
-            return DistributedModelParallel(
-                model, env=ShardingEnv.from_process_group(ctx.process_group), device=ctx.device, plan=plan,
-                sharders=[sharder], init_data_parallel=False,
-            )
-
-    def _make_pipeline(self) -> Any:
-        from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
-
-        if self.ctx.distributed and self.config.overlap:
-            return TrainPipelineSparseDist(self.model, self.dense, self.ctx.device)
-        return TrainPipelineBase(self.model, self.dense, self.ctx.device)
+        self.pipeline = make_train_pipeline(self.model, self.dense, ctx, cfg.overlap)
 
     # -- cost model -----------------------------------------------------------------------------
 
@@ -265,49 +197,6 @@ class SeqRecWorkload(WorkloadBase):
 
     def _global_batches(self, count: int, stream: int) -> list[tuple[Histories, np.ndarray]]:
         return self.config.global_batches(self.ctx.seed, count, stream, self.preferences)
-
-    def _make_schedule(self) -> list[ScheduledBatch]:
-        self.train_set = self._global_batches(self.config.train_batches, stream=0)
-        return [entry for index, (histories, _) in enumerate(self.train_set)
-                for entry in self._split(index, histories.lengths)]
-
-    def _split(self, index: int, lengths: np.ndarray) -> list[ScheduledBatch]:
-        """Global batch ``index`` split across ranks: evenly, by the balancer, or both (``compare_even``)."""
-        cfg, world, targets = self.config, self.ctx.world_size, int(lengths.sum()) - lengths.size
-        splits = []
-        if not self.balancing or self.comparing:
-            splits.append(("even", partition(lengths, self.cost_model, world, "even")))
-        if self.balancing:
-            splits.append((cfg.balancer, partition(lengths, self.cost_model, world, cfg.balancer, self.token_budget)))
-        return [ScheduledBatch(index, split, lengths, parts, targets) for split, parts in splits]
-
-    def _plan(self, index: int) -> list[ScheduledBatch]:
-        """MovieLens global batch ``index`` (every rank plans the same), split as :meth:`_split` does."""
-        users = self.source.batch_users(self.ctx.seed, index, self.config.batch_size)
-        return self._split(index, self.source.train_lengths[users])
-
-    def _movielens_batch(self, entry: ScheduledBatch, position: int) -> SeqBatch:
-        """This rank's share of a MovieLens global batch: its users' histories and their negatives."""
-        seed, source, batch_size = self.ctx.seed, self.source, self.config.batch_size
-        mine = entry.parts[self.ctx.rank]
-        users = source.batch_users(seed, entry.global_index, batch_size)[mine]
-        negatives = source.negatives(seed, entry.global_index, batch_size, self.shape.num_negatives)[mine]
-        return build_batch(source.train_histories(users), negatives, entry.num_targets, entry.split, position,
-                           self.shape.max_len)
-
-    def _stream(self) -> Iterator[tuple[ScheduledBatch, SeqBatch]]:
-        """The rank's batches, epoch after epoch (runs on the prefetch thread); ``position`` counts them."""
-        position = 0
-        for index in itertools.count():
-            for entry in self._plan(index):
-                yield entry, self._movielens_batch(entry, position)
-                position += 1
-
-    def _rank_batch(self, entry: ScheduledBatch, index: int) -> SeqBatch:
-        histories, negatives = self.train_set[entry.global_index]
-        mine = entry.parts[self.ctx.rank]
-        return build_batch(histories.select(mine), negatives[mine], entry.num_targets, entry.split, index,
-                           self.shape.max_len).to(self.ctx.device)
 
     def _make_eval_set(self) -> None:
         """Held-out histories (stream 1): all but the last interaction in, the last item to rank."""
@@ -355,22 +244,10 @@ class SeqRecWorkload(WorkloadBase):
         loss = self.dense.loss_sum / entry.num_targets
         return StepResult(samples=output.samples, tokens=output.tokens, loss=loss, data_wait_s=feed.waited_s)
 
-    def _full_table(self, name: str) -> torch.Tensor:
-        """A whole embedding table on every rank (gathered from its shards when sharded)."""
-        if not self.ctx.distributed:
-            return self.model.embeddings.embeddings[name].weight.detach()
-        with warnings.catch_warnings():  # TorchRec 1.8's state_dict still hands out ShardedTensors
-            warnings.simplefilter("ignore", FutureWarning)
-            sharded = self.model.module.embeddings.state_dict()[f"embeddings.{name}.weight"]
-            full = torch.empty(sharded.size(), device=self.ctx.device)
-            sharded.gather(dst=0, out=full if self.ctx.rank == 0 else None)
-        dist.broadcast(full, src=0, group=self.ctx.process_group)
-        return full
-
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """HR@10 and NDCG@10 over all ranks' held-out histories, against the whole catalogue."""
-        items_nd, actions_ad = self._full_table("item"), self._full_table("action")
+        items_nd, actions_ad = full_table(self.model, "item", self.ctx), full_table(self.model, "action", self.ctx)
         catalogue_nd = torch.nn.functional.normalize(items_nd, dim=-1)
 
         def user_vectors(items: torch.Tensor, actions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -435,7 +312,7 @@ class SeqRecWorkload(WorkloadBase):
         all-to-all and its backward, the tables' fused Adagrad — on this rank's batches, in the schedule's
         order (the balancer's split of each global batch)."""
         model = self.model.module if self.ctx.distributed else self.model  # DMP: the model with sharded tables
-        batches = itertools.cycle(self.rank_batches or [self._movielens_batch(entry, i).to(self.ctx.device)
+        batches = itertools.cycle(self.rank_batches or [self.movielens.rank_batch(entry, i).to(self.ctx.device)
                                                         for i, entry in enumerate(self.schedule)])
 
         def run() -> None:
