@@ -40,13 +40,13 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile, record_function
 
-from harness.traces.capture_values import ValueProfile
 from harness.config import CobenchConfig, results_root
 from harness.distributed import broadcast_from_main, env_dist_info
+from harness.platform import Platform, device_name, host_allocator_in_effect, synchronize
 from harness.recording.fingerprint import git_state, library_versions
 from harness.running.loop import MemoryMeter, seed_everything
-from harness.platform import Platform, device_name, host_allocator_in_effect, synchronize
 from harness.running.runner import join_process_group, open_workload
+from harness.traces.capture_values import ValueProfile
 from workloads import discover
 from workloads.base import RunContext, Workload
 from workloads.trace_bundle import (

@@ -35,13 +35,12 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from harness.traces.allocator_peaks import captured_step_peak_bytes, step_memory_peak_bytes
-from harness.traces.capture import capture, prepare_source
 from harness.config import CobenchConfig, results_root
 from harness.distributed import broadcast_from_main, env_dist_info
 from harness.files import write_atomic
-from harness.running.interrupts import deferred_interrupts, signal_name
 from harness.platform import device_name
+from harness.recording.tracking import Tracker
+from harness.running.interrupts import deferred_interrupts, signal_name
 from harness.running.runner import (
     STATUS_FAILED,
     STATUS_FINISHED,
@@ -53,8 +52,9 @@ from harness.running.runner import (
     open_run,
     write_and_publish,
 )
+from harness.traces.allocator_peaks import captured_step_peak_bytes, step_memory_peak_bytes
+from harness.traces.capture import capture, prepare_source
 from harness.traces.side_by_side import SideBySide, capture_shift_draws, cv_pct, interleave
-from harness.recording.tracking import Tracker
 from workloads import discover
 from workloads.base import RunContext, WorkloadSpec
 from workloads.trace_bundle import rank_dirs, read_meta
