@@ -33,7 +33,9 @@ ET_DTYPES = {
     "c10::Float8_e4m3fn": torch.float8_e4m3fn, "c10::Float8_e5m2": torch.float8_e5m2,
     "unsigned short": torch.uint16, "unsigned int": torch.uint32, "unsigned long": torch.uint64,
 }
-_LIBRARIES = {"fbgemm": ("fbgemm_gpu",), "torchrec": ("torchrec",), "torchvision": ("torchvision",)}
+# namespaces whose operators are registered when a Python module is imported (FSDP2 registers its own fsdp:: ops)
+_LIBRARIES = {"fbgemm": ("fbgemm_gpu",), "torchrec": ("torchrec",), "torchvision": ("torchvision",),
+              "fsdp": ("torch.distributed.fsdp",)}
 
 
 class OpUnavailable(RuntimeError):
