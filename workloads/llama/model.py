@@ -261,13 +261,22 @@ class Transformer(nn.Module):
         super().__init__()
         args.validate()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # Built on the meta device (build_model, the layout planner), the table is not initialised here:
+        # init_weights fills it once materialised, and a normal_ on meta runs torch's Python reference, whose
+        # first call imports torch._dynamo (~3 s of start-up that serving and the planner otherwise never pay).
+        on_meta = torch.get_default_device().type == "meta"
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim,
+                                           _weight=torch.empty(args.vocab_size, args.dim) if on_meta else None)
         self.layers = nn.ModuleList(TransformerBlock(args, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         # Non-persistent: derived from args, so checkpoints stay free of them. Under a meta
-        # device context these are meta too; init_weights fills them after to_empty.
-        rope_cos_se, rope_sin_se = rope_cos_sin(args)
+        # device context these are only allocated (computing them there would import torch._dynamo
+        # too); init_weights fills them after to_empty.
+        if on_meta:
+            rope_cos_se, rope_sin_se = (torch.empty(args.max_seq_len, args.head_dim) for _ in range(2))
+        else:
+            rope_cos_se, rope_sin_se = rope_cos_sin(args)
         self.register_buffer("rope_cos", rope_cos_se, persistent=False)
         self.register_buffer("rope_sin", rope_sin_se, persistent=False)
 
