@@ -63,9 +63,9 @@ class ParamShape:
         """The shape one tensor-parallel (and expert-parallel) rank holds, before FSDP."""
         shape = list(self.shape)
         leaf = self.name.split(".")[-2] if self.name.endswith(".weight") else self.name.split(".")[-1]
-        if ".experts." in self.name:  # stacked routed experts: [x, d, 2f] and [x, f, d]
+        if ".experts." in self.name:  # stacked routed experts: w1, w3 [x, d, f] and w2 [x, f, d]
             shape[0] //= ep
-            shape[2 if leaf == "gate_up_proj" else 1] //= tp
+            shape[1 if leaf == "w2" else 2] //= tp
         elif leaf in COLWISE or self.name in ("tok_embeddings.weight", "output.weight"):
             shape[0] //= tp
         elif leaf in ROWWISE:

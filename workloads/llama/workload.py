@@ -231,8 +231,8 @@ class LlamaWorkload(WorkloadBase):
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.is_moe:
-            group = self.ctx.process_group if self.ctx.distributed else None
-            loads = update_expert_bias(self.raw_model, self.config.moe_bias_update_coeff, group)
+            groups = [self.ctx.process_group] if self.ctx.distributed else []
+            loads = update_expert_bias(self.raw_model, self.config.moe_bias_update_coeff, groups)
             self.expert_load.record(torch.stack(loads), self.a2a_meter.seconds - a2a_seconds,
                                     self.a2a_meter.bytes_sent - a2a_bytes)
         return StepResult(samples=self.local_batch, tokens=self.local_batch * self.config.seq_len, loss=total,
