@@ -106,10 +106,18 @@ class LlamaWorkload(WorkloadBase):
         if cfg.parallelism == "ddp":
             raise _invalid("parallelism", f"ddp with the layout {layout.describe()}: its data-parallel ranks use "
                                           "FSDP2 (HSDP with dp_replicate); set workload.parallelism=auto or fsdp2")
-        if self.is_moe:
-            raise _invalid("parallel", f"the layout {layout.describe()} with the MoE preset {cfg.preset!r}: MoE "
-                                       "presets split their experts over data-parallel ranks (workload.expert_parallel)"
-                                       "; use tp = pp = dp_replicate = 1 for them")
+        if self.is_moe and layout.pp > 1:
+            raise _invalid("parallel.pp", f"the layout {layout.describe()} with the MoE preset {cfg.preset!r}: a "
+                                          "mixture of experts is not split into pipeline stages; use pp = 1 (ep, tp, "
+                                          "dp_shard and dp_replicate combine with it)")
+        if self.is_moe and cfg.moe_aux_loss_weight:
+            raise _invalid("moe_aux_loss_weight", f"the layout {layout.describe()}: the Switch-style auxiliary "
+                                                  "loss is added on one rank or under the flat expert parallelism "
+                                                  "only; set it to 0 (the bias update balances the experts)")
+        if self.is_moe and cfg.compile:
+            raise _invalid("compile", f"the layout {layout.describe()} with the MoE preset {cfg.preset!r}: "
+                                      "torch.compile is not applied to a mixture of experts on a device mesh; "
+                                      "set workload.compile=false")
         if self.ctx.fault_tolerance is not None:
             raise _invalid("parallel", f"the layout {layout.describe()} under torchft (ft=torchft): fault-tolerant "
                                        "replica groups train with FSDP2 or DDP over all their ranks")
@@ -141,6 +149,7 @@ class LlamaWorkload(WorkloadBase):
             self.mesh = MeshTraining(self.args, self.layout, ctx, cfg, self.compute_dtype, self._lr_factor)
             self.raw_model = self.model = self.mesh.model
             self.optimizer, self.scheduler = self.mesh.optimizer, self.mesh.scheduler
+            self.expert_load = self.mesh.expert_load
             return
         self._setup_flat()
 
