@@ -72,9 +72,18 @@ def train(workload: LlamaWorkload, opts: argparse.Namespace, world: int) -> dict
     counted = torch.tensor([float(step.samples), workload.flops_per_step()], dtype=torch.float64)
     if world > 1:
         dist.all_reduce(counted)
+    # the most parameter bytes one rank holds (FSDP2's shards, tensor- and expert-parallel slices), as the planner
+    # counts them
+    from torch.distributed.tensor import DTensor
+
+    held = torch.tensor(float(sum(4 * (p.to_local() if isinstance(p, DTensor) else p).numel()
+                                  for p in workload.model.parameters())))
+    if world > 1:
+        dist.all_reduce(held, op=dist.ReduceOp.MAX)
     metrics = workload.extra_metrics()
     result = {"losses": losses, "eval_loss": workload.evaluate()["eval_loss"], "layout": workload.layout.describe(),
               "samples_per_step": counted[0].item(), "flops_per_step": counted[1].item(),
+              "param_bytes_max_rank": held.item(),
               "comm": {k: v for k, v in metrics.items() if "comm" in k or "bubble" in k},
               "expert_load": {k: v for k, v in metrics.items() if k in ("expert_load_max_over_mean", "tokens_dropped")}}
     if opts.write_reference:

@@ -17,7 +17,8 @@ from conftest import clean_env
 
 from workloads.llama.args import PRESETS, training_flops_per_token
 from workloads.llama.config import LlamaConfig
-from workloads.llama.layout import ParallelConfig, stage_layers
+from workloads.llama.footprint import MetaModel, footprint
+from workloads.llama.layout import Layout, ParallelConfig, check_model_fits, resolve_layout, stage_layers
 
 WORKER = Path(__file__).resolve().parent / "layout_worker.py"
 # float32 on CPU: the layouts sum the same numbers in other orders (sharded matmuls, reduce-scatters,
@@ -110,6 +111,13 @@ def test_moe_layouts_train_like_one_rank_and_load_the_others_checkpoint(moe_refe
     results = _launch(4, "--preset", "tiny_moe", "--reference", str(grads), "--checkpoint", str(tmp_path / "ckpt"),
                       *MOE_FOUR_RANKS)
     _assert_like_one_rank(one, results, MOE_FOUR_RANKS, "tiny_moe")
+    # the planner's parameter bytes per device are what the busiest rank holds (experts left out of FSDP2)
+    args = replace(PRESETS["tiny_moe"], n_layers=3)
+    meta = MetaModel.build(args)
+    for layout, result in zip(MOE_FOUR_RANKS, results, strict=True):
+        values = {key: int(value) for key, value in (item.split("=") for item in layout.split(","))}
+        resolved = resolve_layout(ParallelConfig(**values), 4, args, batch_size=8, seq_len=64)
+        assert footprint(meta, resolved, 8, 64, compute_bytes=4).params == result["param_bytes_max_rank"], layout
 
 
 @pytest.mark.parametrize(("world", "preset", "parallel", "expected"), [
@@ -119,6 +127,8 @@ def test_moe_layouts_train_like_one_rank_and_load_the_others_checkpoint(moe_refe
     (3, "tiny", {"pp": 3}, "2 layers cannot be split into 3 stages: each stage needs at least one layer"),
     (2, "tiny", {"pp": 2, "pp_microbatches": 1}, "1 microbatches for 2 stages"),
     (3, "tiny_moe", {"ep": 3}, "8 experts cannot be split evenly over ep 3 ranks"),
+    (4, "tiny_moe", {"tp": 2, "ep": 4}, "ep 4 must divide the data-parallel ranks (2)"),
+    (4, "tiny_moe", {"pp": 2}, "pp 2 with a mixture of experts: its layers are not split into pipeline stages"),
     (4, "tiny", {"tp": 2, "dp_replicate": 3}, "dp_replicate 3 × tp 2 × pp 1 = 6 does not divide the world size 4"),
 ])
 def test_a_layout_that_cannot_work_names_its_numbers(monkeypatch, world, preset, parallel, expected):
@@ -126,6 +136,13 @@ def test_a_layout_that_cannot_work_names_its_numbers(monkeypatch, world, preset,
     with pytest.raises(ValueError, match="invalid config 'workload.parallel") as err:
         LlamaConfig(preset=preset, batch_size=12, parallel=ParallelConfig(**parallel))
     assert expected in str(err.value)
+
+
+def test_experts_whose_width_tp_does_not_divide_are_refused_with_the_numbers():
+    # every dense width divisible by tp 3, the experts' 64 not
+    args = replace(PRESETS["tiny_moe"], dim=96, n_heads=6, n_kv_heads=3, vocab_size=516, ffn_hidden_dim=192)
+    with pytest.raises(ValueError, match="the experts' width 64 is not divisible by tp 3"):
+        check_model_fits(Layout(dp_shard=1, tp=3), args, batch_size=8, seq_len=66)
 
 
 @pytest.mark.parametrize(("n_layers", "pp", "sizes"), [

@@ -106,10 +106,6 @@ class LlamaWorkload(WorkloadBase):
         if cfg.parallelism == "ddp":
             raise _invalid("parallelism", f"ddp with the layout {layout.describe()}: its data-parallel ranks use "
                                           "FSDP2 (HSDP with dp_replicate); set workload.parallelism=auto or fsdp2")
-        if self.is_moe and layout.pp > 1:
-            raise _invalid("parallel.pp", f"the layout {layout.describe()} with the MoE preset {cfg.preset!r}: a "
-                                          "mixture of experts is not split into pipeline stages; use pp = 1 (ep, tp, "
-                                          "dp_shard and dp_replicate combine with it)")
         if self.is_moe and cfg.moe_aux_loss_weight:
             raise _invalid("moe_aux_loss_weight", f"the layout {layout.describe()}: the Switch-style auxiliary "
                                                   "loss is added on one rank or under the flat expert parallelism "
