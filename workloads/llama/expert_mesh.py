@@ -59,7 +59,7 @@ def build_expert_mesh(layout: Layout, device: torch.device) -> object:
     return init_device_mesh(device.type, sizes, mesh_dim_names=EXPERT_MESH_DIMS)
 
 
-def shard_experts(model: nn.Module, expert_mesh: object, meter: AllToAllMeter) -> list[nn.Parameter]:
+def distribute_experts(model: nn.Module, expert_mesh: object, meter: AllToAllMeter) -> list[nn.Parameter]:
     """Turn every MoE layer's routed expert weights into DTensors on ``edp × ep × tp`` (this rank keeps its
     experts' slice of the hidden width) and route the layer's tokens over the ``ep`` group when it has more
     than one rank. Run on the meta model; returns the expert parameters."""
@@ -81,7 +81,7 @@ def shard_experts(model: nn.Module, expert_mesh: object, meter: AllToAllMeter) -
 
 
 def parallelize_moe(layer: MoE, tp_mesh: object, sequence_parallel: bool) -> None:
-    """Tensor parallelism for one MoE layer (the routed experts are sharded by :func:`shard_experts`): the
+    """Tensor parallelism for one MoE layer (the routed experts are sharded by :func:`distribute_experts`): the
     router replicated and the shared expert column- then row-wise as DTensors on ``tp_mesh``, the layer's input
     made whole on every tp rank and its ``Partial`` output reduced to the residual stream's layout."""
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
@@ -132,5 +132,5 @@ def data_parallel_groups(mesh: object, layout: Layout) -> list:
     return [mesh.get_group(dim) for dim in ("dp_shard", "dp_replicate") if getattr(layout, dim) > 1]
 
 
-__all__ = ["EXPERT_DIM_FAMILY", "EXPERT_MESH_DIMS", "build_expert_mesh", "data_parallel_groups", "finish_grads",
-           "parallelize_moe", "shard_experts"]
+__all__ = ["EXPERT_DIM_FAMILY", "EXPERT_MESH_DIMS", "build_expert_mesh", "data_parallel_groups",
+           "distribute_experts", "finish_grads", "parallelize_moe"]

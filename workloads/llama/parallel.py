@@ -38,8 +38,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from workloads.device import synchronize
 from workloads.llama.args import ModelArgs, count_total_params
-from workloads.llama.expert_mesh import EXPERT_DIM_FAMILY, EXPERT_MESH_DIMS, build_expert_mesh, parallelize_moe
-from workloads.llama.expert_mesh import shard_experts as shard_experts_on_mesh
+from workloads.llama.expert_mesh import (
+    EXPERT_DIM_FAMILY,
+    EXPERT_MESH_DIMS,
+    build_expert_mesh,
+    distribute_experts,
+    parallelize_moe,
+)
 from workloads.llama.expert_parallel import AllToAllMeter
 from workloads.llama.layout import MESH_DIMS, Layout, stage_layers
 from workloads.llama.model import SkippedLayer, Transformer, build_model
@@ -217,7 +222,7 @@ def build(args: ModelArgs, layout: Layout, device: torch.device, seed: int,
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], layout.sequence_parallel)
     a2a_meter = AllToAllMeter(device) if expert_mesh is not None else None
-    expert_params = shard_experts_on_mesh(model, expert_mesh, a2a_meter) if expert_mesh is not None else []
+    expert_params = distribute_experts(model, expert_mesh, a2a_meter) if expert_mesh is not None else []
     model.to_empty(device=device)
     if count_total_params(args) <= WHOLE_INIT_MAX_PARAMS:
         whole = build_model(args, device, seed)

@@ -3,8 +3,9 @@
 Before any set-up the workload checks the config against the world size and the layout; set-up then composes
 the batches (:mod:`workloads.llama.feed`) with the model, either on one rank or data-parallel over all ranks
 (:mod:`workloads.llama.data_parallel`; MoE experts split by :mod:`workloads.llama.expert_parallel`) or on a
-device mesh (:mod:`workloads.llama.mesh_training`), and its optimiser and learning-rate schedule. A MoE run
-reports its experts' load (:mod:`workloads.llama.expert_load`).
+device mesh (:mod:`workloads.llama.mesh_training`; MoE experts over ep and tp by
+:mod:`workloads.llama.expert_mesh`), and its optimiser and learning-rate schedule. A MoE run reports its experts'
+load (:mod:`workloads.llama.expert_load`).
 
 By default (``workload.data=synthetic``) training data is a planted Markov chain
 (``data.MarkovTokenSource``), so the loss really falls and "eval loss ≤ target" is a meaningful,
