@@ -1,10 +1,10 @@
-"""Run by tests/test_parallel_layouts.py under torchrun (gloo, CPU): the llama workload's tiny preset in each
-layout given (``tp=2,pp=2``, one argument per layout, run one after the other in the same processes), 20
-training steps through the workload's own ``step()``; prints one JSON line per layout: the global loss per step,
-the largest step-1 gradient difference from a reference (``--reference FILE``, written by the 1-rank run with
-``--write-reference FILE``), the eval loss, the samples and FLOPs of a step summed over the ranks (as the
-harness sums them), the per-dimension communication figures, and with ``--checkpoint DIR`` the eval loss of a
-fresh model that loaded (DCP) what the first layout saved."""
+"""Run by tests/test_parallel_layouts.py under torchrun (gloo, CPU): the llama workload's tiny preset (or
+``--preset``) in each layout given (``tp=2,pp=2``, one argument per layout, run one after the other in the same
+processes), 20 training steps through the workload's own ``step()``; prints one JSON line per layout: the global
+loss per step, the largest step-1 gradient difference from a reference (``--reference FILE``, written by the
+1-rank run with ``--write-reference FILE``), the eval loss, the samples and FLOPs of a step summed over the
+ranks (as the harness sums them), the per-dimension communication figures, a MoE's expert-load figures, and
+with ``--checkpoint DIR`` the eval loss of a fresh model that loaded (DCP) what the first layout saved."""
 
 from __future__ import annotations
 
@@ -72,10 +72,20 @@ def train(workload: LlamaWorkload, opts: argparse.Namespace, world: int) -> dict
     counted = torch.tensor([float(step.samples), workload.flops_per_step()], dtype=torch.float64)
     if world > 1:
         dist.all_reduce(counted)
+    # the most parameter bytes one rank holds (FSDP2's shards, tensor- and expert-parallel slices), as the planner
+    # counts them
+    from torch.distributed.tensor import DTensor
+
+    held = torch.tensor(float(sum(4 * (p.to_local() if isinstance(p, DTensor) else p).numel()
+                                  for p in workload.model.parameters())))
+    if world > 1:
+        dist.all_reduce(held, op=dist.ReduceOp.MAX)
     metrics = workload.extra_metrics()
     result = {"losses": losses, "eval_loss": workload.evaluate()["eval_loss"], "layout": workload.layout.describe(),
               "samples_per_step": counted[0].item(), "flops_per_step": counted[1].item(),
-              "comm": {k: v for k, v in metrics.items() if "comm" in k or "bubble" in k}}
+              "param_bytes_max_rank": held.item(),
+              "comm": {k: v for k, v in metrics.items() if "comm" in k or "bubble" in k},
+              "expert_load": {k: v for k, v in metrics.items() if k in ("expert_load_max_over_mean", "tokens_dropped")}}
     if opts.write_reference:
         torch.save(grads, opts.write_reference)
     if opts.reference:

@@ -106,19 +106,17 @@ def test_grouped_experts_equal_a_loop_over_experts_forward_and_backward():
     x_nd = torch.randn(10, 16, generator=generator, requires_grad=True)
     # sum() sends back a stride-0 gradient, which grouped_mm's backward rejects unless made contiguous
     experts(x_nd, tokens_per_expert).sum().backward()
-    grads = (x_nd.grad, experts.gate_up_proj.grad, experts.down_proj.grad)
+    grads = (x_nd.grad, experts.w1.grad, experts.w3.grad, experts.w2.grad)
 
     x_ref = x_nd.detach().clone().requires_grad_()
-    gate_up = experts.gate_up_proj.detach().clone().requires_grad_()
-    down = experts.down_proj.detach().clone().requires_grad_()
+    w1, w3, w2 = (w.detach().clone().requires_grad_() for w in (experts.w1, experts.w3, experts.w2))
     outs = []
     for e, x_md in enumerate(x_ref.split(tokens_per_expert.tolist())):
-        gate, up = (x_md @ gate_up[e]).chunk(2, dim=-1)
-        outs.append((F.silu(gate) * up) @ down[e])
+        outs.append((F.silu(x_md @ w1[e]) * (x_md @ w3[e])) @ w2[e])
     torch.cat(outs).sum().backward()
-    for actual, expected in zip(grads, (x_ref.grad, gate_up.grad, down.grad), strict=True):
+    for actual, expected in zip(grads, (x_ref.grad, w1.grad, w3.grad, w2.grad), strict=True):
         torch.testing.assert_close(actual, expected)
-    assert torch.count_nonzero(experts.gate_up_proj.grad[1]) == 0
+    assert torch.count_nonzero(experts.w1.grad[1]) == 0
 
 
 def test_the_grouped_gemm_loop_equals_torchs_grouped_mm_forward_and_backward():
@@ -187,7 +185,7 @@ def test_moe_training_counts_every_routed_token_and_drops_none():
     loads = update_expert_bias(model, coeff=0.0)
     assert len(loads) == args.n_moe_layers == 2
     assert all(int(load.sum()) == 3 * 64 * args.moe_top_k for load in loads)  # dropless
-    assert all(layer.feed_forward.experts.gate_up_proj.grad is not None
+    assert all(layer.feed_forward.experts.w1.grad is not None
                for layer in model.layers if isinstance(layer.feed_forward, MoE))
 
 

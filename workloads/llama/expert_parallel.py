@@ -112,7 +112,7 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None, meter: AllT
             )
         local = layer.n_experts // world
         experts = layer.experts
-        for name in ("gate_up_proj", "down_proj"):
+        for name in ("w1", "w3", "w2"):
             full = getattr(experts, name)
             setattr(experts, name, nn.Parameter(full.detach()[rank * local:(rank + 1) * local].clone()))
         layer.dispatcher = AllToAllDispatcher(group, meter)

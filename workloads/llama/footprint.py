@@ -9,8 +9,10 @@ way the layout cuts it:
   (their output dim / tp), ``wo w2 down_proj`` row-wise (input dim / tp), the token embedding row-wise and the
   output head column-wise (vocabulary / tp), the routed experts' hidden dim / tp; norms and routers whole;
 - expert parallelism (``ep``): the routed experts / ep;
-- FSDP2 (``dp_shard``): every parameter's dim 0 / dp_shard, rounded up as FSDP2 pads it (routed experts over
-  ``dp_shard / ep`` ranks when ep divides dp_shard, else whole).
+- FSDP2 (``dp_shard``): every parameter's dim 0 / dp_shard, rounded up as FSDP2 pads it; routed experts on a
+  device mesh are left out (each rank keeps its ``ep × tp`` slice whole, replicated over the ``dp / ep`` ranks
+  that hold the same experts: :mod:`workloads.llama.expert_mesh`), without one over ``dp_shard / ep`` ranks
+  when ep divides dp_shard, else whole.
 
 Per device, in bytes (parameters and optimizer state float32, as the workload keeps them):
 
@@ -63,9 +65,9 @@ class ParamShape:
         """The shape one tensor-parallel (and expert-parallel) rank holds, before FSDP."""
         shape = list(self.shape)
         leaf = self.name.split(".")[-2] if self.name.endswith(".weight") else self.name.split(".")[-1]
-        if ".experts." in self.name:  # stacked routed experts: [x, d, 2f] and [x, f, d]
+        if ".experts." in self.name:  # stacked routed experts: w1, w3 [x, d, f] and w2 [x, f, d]
             shape[0] //= ep
-            shape[2 if leaf == "gate_up_proj" else 1] //= tp
+            shape[1 if leaf == "w2" else 2] //= tp
         elif leaf in COLWISE or self.name in ("tok_embeddings.weight", "output.weight"):
             shape[0] //= tp
         elif leaf in ROWWISE:
@@ -233,7 +235,10 @@ def footprint(model: MetaModel, layout: Layout, batch_size: int, seq_len: int, c
     args, tp, pp, sp = model.args, layout.tp, layout.pp, layout.sequence_parallel
     count = microbatches(layout, grad_accum_steps)
     tokens = batch_size // layout.dp * seq_len / count  # one microbatch on one data-parallel rank
-    fsdp_experts = layout.dp_shard // layout.ep if layout.dp_shard % layout.ep == 0 else 1
+    if layout.on_mesh:  # FSDP2 leaves the experts alone (workloads/llama/expert_mesh.py)
+        fsdp_experts = 1
+    else:
+        fsdp_experts = layout.dp_shard // layout.ep if layout.dp_shard % layout.ep == 0 else 1
     matrices = [0.0] * args.n_layers
     for p in model.params:
         if p.layer is not None and len(p.shape) > 1:
@@ -246,7 +251,8 @@ def footprint(model: MetaModel, layout: Layout, batch_size: int, seq_len: int, c
         params = 4.0 * sum(p.numel(tp, layout.ep, shard[p.name]) for p in mine)
         whole = {p.name: 4.0 * p.numel(tp, layout.ep) for p in mine}
         layers = sorted({p.layer for p in mine if p.layer is not None})
-        block = {i: sum(v for p in mine if p.layer == i for v in (whole[p.name],)) for i in layers}
+        gathered_by_fsdp = [p for p in mine if not (layout.on_mesh and ".experts." in p.name)]
+        block = {i: sum(whole[p.name] for p in gathered_by_fsdp if p.layer == i) for i in layers}
         gathered, gathered_blocks = 0.0, 0.0  # what FSDP2 (HSDP with replicas) holds unsharded
         if layout.dp > 1 and pp > 1:  # the stage's parameters and gradients, whole, for the step
             gathered = 2 * sum(whole.values())
@@ -300,6 +306,8 @@ def _traffic(model: MetaModel, layout: Layout, mine: list[ParamShape], whole: di
     - dp: FSDP2 all-gathers the stage's parameters in the forward and again in the backward and
       reduce-scatters the gradients (float32) — per microbatch without a pipeline, once per step with one
       (it keeps them unsharded between microbatches); HSDP all-reduces the sharded gradients over replicas.
+      On a device mesh a MoE's routed experts are not FSDP2's: their gradients are all-reduced once a step
+      over the ``dp / ep`` ranks that hold the same experts (the token all-to-alls over ``ep`` are not counted).
     """
     args, tp, pp = model.args, layout.tp, layout.pp
     d, step_tokens = args.dim, tokens * count
@@ -310,8 +318,10 @@ def _traffic(model: MetaModel, layout: Layout, mine: list[ParamShape], whole: di
             2 * 4 for p in mine if p.name in ("tok_embeddings.weight", "output.weight"))
         comm_tp = (tp - 1) / tp * step_tokens * d * per_token
     comm_pp = 2 * step_tokens * 4 * d / (tp if layout.sequence_parallel else 1) if pp > 1 else 0.0
-    stage_bytes = sum(whole.values())
-    comm_dp = 0.0
+    expert_bytes = sum(whole[p.name] for p in mine if layout.on_mesh and ".experts." in p.name)
+    stage_bytes = sum(whole.values()) - expert_bytes
+    edp = layout.dp // layout.ep
+    comm_dp = 2 * (edp - 1) / edp * expert_bytes
     if layout.dp_shard > 1:
         gathers = 1 if pp > 1 else count
         comm_dp += (layout.dp_shard - 1) / layout.dp_shard * stage_bytes * 3 * gathers

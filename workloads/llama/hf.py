@@ -6,7 +6,8 @@ RoPE our model uses, so every tensor copies over unchanged; only the names diffe
 Llama 4 text (``Llama4ForCausalLM``): HF rotates *interleaved* channel pairs ``(2i, 2i+1)``, our
 model rotate-half pairs ``(i, i + head_dim/2)``; the q/k rows of RoPE layers are permuted on load
 so both compute the same scores (QK norm and attention are invariant to a permutation shared by q
-and k). Expert weights keep HF's layout (``gate_up_proj [E, D, 2F]``, ``down_proj [E, F, D]``).
+and k). HF's fused expert weights ``gate_up_proj [E, D, 2F]`` (gate columns first) are split into our
+``w1`` and ``w3 [E, D, F]``; ``down_proj [E, F, D]`` is our ``w2``.
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ _LLAMA4_LAYER_NAMES = {
     "feed_forward.up_proj.weight": "feed_forward.w3.weight",
     "feed_forward.down_proj.weight": "feed_forward.w2.weight",
     **{name: name for name in (
-        "feed_forward.router.weight", "feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj",
+        "feed_forward.router.weight",
         "feed_forward.shared_expert.gate_proj.weight", "feed_forward.shared_expert.up_proj.weight",
         "feed_forward.shared_expert.down_proj.weight",
     )},
+    "feed_forward.experts.gate_up_proj": "feed_forward.experts.w1",  # and w3: split on load
+    "feed_forward.experts.down_proj": "feed_forward.experts.w2",
 }
 _GLOBAL_NAMES = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
@@ -207,6 +210,8 @@ def load_hf_state_dict(model: Transformer, state_dict: Mapping[str, torch.Tensor
         if (llama4 and layer and name.endswith(("attention.wq.weight", "attention.wk.weight"))
                 and args.uses_rope(int(layer.group(1))) and tensor.shape == expected[name].shape):
             tensor = interleaved_to_rotate_half(tensor, args.head_dim)
+        if name.endswith(".experts.w1"):  # HF's gate_up_proj: gate columns, then up
+            tensor, mapped[name[:-1] + "3"] = tensor.chunk(2, dim=-1)
         mapped[name] = tensor
 
     missing = sorted(set(expected) - set(mapped))

@@ -12,7 +12,8 @@ most, on neighbouring ranks -- the GPUs of one node):
   schedule;
 - ``dp_shard``: FSDP2 shards parameters, gradients and optimizer state over these ranks;
 - ``dp_replicate``: replicas of a sharded group (HSDP when ``dp_shard > 1``, plain replication when 1);
-- ``ep`` (MoE only): the routed experts split over ``ep`` of the data-parallel ranks.
+- ``ep`` (MoE only): the routed experts split over ``ep`` of the data-parallel ranks (each expert's width also
+  over ``tp``: :mod:`workloads.llama.expert_mesh`); a MoE is not split into pipeline stages.
 
 :func:`resolve_layout` checks a layout against the model, the batch and the world size before any
 process group exists, so a layout that cannot work exits 2 naming its numbers. Both the workload
@@ -175,6 +176,10 @@ def check_model_fits(layout: Layout, args: ModelArgs, batch_size: int, seq_len: 
                                               f"splits the sequence); change seq_len or set "
                                               f"workload.parallel.sequence_parallel=false")
     if pp > 1:
+        if args.n_routed_experts:
+            raise invalid_config(f"{key}.pp", f"pp {pp} with a mixture of experts: its layers are not split into "
+                                              "pipeline stages; use pp = 1 (ep, tp, dp_shard and dp_replicate "
+                                              "combine with it)")
         if args.n_layers < pp:
             raise invalid_config(f"{key}.pp", f"{args.n_layers} layers cannot be split into {pp} stages: each stage "
                                               f"needs at least one layer (use pp <= {args.n_layers})")

@@ -4,7 +4,9 @@
 out, with its optimiser, and runs what that layout changes about a step: the loss on vocabulary-sharded
 logits under tensor parallelism, the pipeline schedule's pass over the microbatches, the gradient clip
 across pipeline stages, the evaluation loss that only the last stage computes, and the one warm-up step
-whose collectives are timed per mesh dimension (:class:`~workloads.llama.parallel.CommMeter`).
+whose collectives are timed per mesh dimension (:class:`~workloads.llama.parallel.CommMeter`). A mixture of
+experts (:mod:`workloads.llama.expert_mesh`) also has its expert gradients finished after the backward, and
+its balancing bias moved and its experts' load logged after each step.
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ import torch.distributed as dist
 from workloads.base import RunContext
 from workloads.device import synchronize
 from workloads.llama.config import LlamaConfig
+from workloads.llama.expert_load import ExpertLoadLog
+from workloads.llama.expert_mesh import data_parallel_groups, finish_grads
 from workloads.llama.layout import Layout
 from workloads.llama.model import ModelArgs, SkippedLayer
+from workloads.llama.moe import update_expert_bias
 from workloads.llama.parallel import CommMeter, build, clip_grad_norm
 
 # the share of the measured step that each mesh dimension's collectives took, by the metric's name
-COMM_SHARE_NAMES = {"tp": "tp_comm_share", "pp": "pp_bubble_share", "dp": "dp_comm_share"}
+COMM_SHARE_NAMES = {"tp": "tp_comm_share", "pp": "pp_bubble_share", "dp": "dp_comm_share", "ep": "ep_comm_share"}
 
 
 class MeshTraining:
@@ -37,8 +42,10 @@ class MeshTraining:
         # FSDP2 warns when a wrapped module returns a view (the tensor-parallel logits are one: a DTensor's local
         # shard), in case an in-place op follows; only the loss reads them
         warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPTransformer\) returned a view tensor")
-        self.mesh_model = build(args, layout, ctx.device, ctx.seed)
+        self.mesh_model = build(args, layout, ctx.device, ctx.seed, config.router_init_skew)
         self.model = self.mesh_model.model
+        self.is_moe = args.n_routed_experts > 0
+        self.expert_load = ExpertLoadLog(args, config.batch_size, config.seq_len, layout.ep > 1)
         if config.compile:  # block by block, in place: the parameter names (and checkpoints) stay the model's
             for block in self.model.layers:
                 if not isinstance(block, SkippedLayer):
@@ -47,6 +54,7 @@ class MeshTraining:
                                            eps=config.eps, weight_decay=config.weight_decay, foreach=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor)
         self.comm_measured: tuple[CommMeter, float] | None = None  # the measured step's meter and seconds
+        self._a2a_seen = (0.0, 0)  # the all-to-all meter's seconds and bytes at the last step's end
 
     @property
     def counts_samples(self) -> bool:
@@ -103,16 +111,30 @@ class MeshTraining:
                     loss = self._loss(inputs, targets) / micro
                     loss.backward()
                 total += loss.detach()
+        if self.is_moe:
+            finish_grads(self.model, self.mesh_model.expert_params, self.layout.dp)
         clip_grad_norm(self.model.parameters(), self.config.grad_clip, self.mesh_model.group("pp"))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.is_moe:
+            self._balance_experts()
         return total
+
+    def _balance_experts(self) -> None:
+        """The aux-loss-free bias update on the loads summed over the data-parallel ranks (every rank moves the
+        same bias), and the step's loads and all-to-all figures logged."""
+        meter = self.mesh_model.a2a_meter
+        groups = data_parallel_groups(self.mesh_model.mesh, self.layout)
+        loads = update_expert_bias(self.model, self.config.moe_bias_update_coeff, groups)
+        self.expert_load.record(torch.stack(loads), meter.seconds - self._a2a_seen[0],
+                                meter.bytes_sent - self._a2a_seen[1])
+        self._a2a_seen = (meter.seconds, meter.bytes_sent)
 
     def measured_step(self, inputs_bs: torch.Tensor, targets_bs: torch.Tensor) -> torch.Tensor:
         """The last warm-up step, its collectives timed per mesh dimension (:class:`CommMeter`): never a timed
         step (the first warm-up step, with its one-time costs, is never measured either)."""
-        meter = CommMeter(self.mesh_model.mesh, self.layout, self.ctx.device)
+        meter = CommMeter(self.mesh_model.mesh, self.layout, self.ctx.device, self.mesh_model.expert_mesh)
         synchronize(self.ctx.device)
         start = time.perf_counter()
         with meter:

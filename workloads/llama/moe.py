@@ -19,6 +19,9 @@ come from the raw scores. An optional switch-style auxiliary loss is available t
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,6 +35,19 @@ from workloads.llama.args import ROUTER_SCORE_FUNCTIONS
 # the host (one device-to-host wait per call). Every row stride must be a multiple of 16 bytes (ModelArgs
 # checks dim and moe_hidden_dim are multiples of 8).
 _GROUPED_MM = getattr(F, "grouped_mm", None)
+
+
+def local_tensor(weight: torch.Tensor) -> torch.Tensor:
+    """What this process multiplies by: ``weight`` itself, or, where it is a DTensor (a mixture of experts on
+    a device mesh, :mod:`workloads.llama.expert_mesh`), its local shard. The shard's gradient is declared
+    ``Partial`` on every mesh dim the weight is replicated on: the ranks holding copies each add their own
+    part (other tokens, or a tensor-parallel rank's share of the experts' width), and the sum is the
+    gradient; the mesh code reduces it to the parameter's placement after the backward."""
+    dtensor = sys.modules.get("torch.distributed.tensor")  # no DTensor exists before its module is imported
+    if dtensor is None or not isinstance(weight, dtensor.DTensor):
+        return weight
+    grad_placements = [dtensor.Partial() if p.is_replicate() else p for p in weight.placements]
+    return weight.to_local(grad_placements=grad_placements)
 
 
 def grouped_mm_loop(x_nd: torch.Tensor, w_xdf: torch.Tensor, offsets_x: torch.Tensor) -> torch.Tensor:
@@ -50,15 +66,15 @@ def grouped_mm(x_nd: torch.Tensor, w_xdf: torch.Tensor, offsets_x: torch.Tensor)
     return grouped_mm_loop(x_nd, w_xdf, offsets_x)
 
 
-def _run_experts(x_nd: torch.Tensor, tokens_per_expert_x: torch.Tensor, gate_up: torch.Tensor,
-                 down: torch.Tensor) -> torch.Tensor:
-    """Every expert's SwiGLU on its slice of ``x_nd``: two grouped GEMMs."""
+def _run_experts(x_nd: torch.Tensor, tokens_per_expert_x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+                 w2: torch.Tensor) -> torch.Tensor:
+    """Every expert's SwiGLU on its slice of ``x_nd``: three grouped GEMMs."""
     if torch.is_autocast_enabled(x_nd.device.type):  # grouped_mm has no autocast rule
         dtype = torch.get_autocast_dtype(x_nd.device.type)
-        x_nd, gate_up, down = x_nd.to(dtype), gate_up.to(dtype), down.to(dtype)
+        x_nd, w1, w3, w2 = x_nd.to(dtype), w1.to(dtype), w3.to(dtype), w2.to(dtype)
     offsets_x = tokens_per_expert_x.cumsum(0).to(torch.int32)
-    gate_nf, up_nf = grouped_mm(x_nd, gate_up, offsets_x).chunk(2, dim=-1)
-    out_nd = grouped_mm(F.silu(gate_nf) * up_nf, down, offsets_x)
+    gate_nf, up_nf = grouped_mm(x_nd, w1, offsets_x), grouped_mm(x_nd, w3, offsets_x)
+    out_nd = grouped_mm(F.silu(gate_nf) * up_nf, w2, offsets_x)
     if out_nd.requires_grad:
         # grouped_mm's backward rejects a stride-0 gradient (what `out.sum()` sends back)
         out_nd.register_hook(torch.Tensor.contiguous)
@@ -66,13 +82,16 @@ def _run_experts(x_nd: torch.Tensor, tokens_per_expert_x: torch.Tensor, gate_up:
 
 
 class GroupedExperts(nn.Module):
-    """``n_experts`` SwiGLU experts stored as stacked weights in transformers' layout:
-    ``gate_up_proj [x, d, 2f]`` (gate columns first, then up) and ``down_proj [x, f, d]``."""
+    """``n_experts`` SwiGLU experts stored as stacked weights: ``w1 [x, d, f]`` (gate), ``w3 [x, d, f]`` (up)
+    and ``w2 [x, f, d]`` (down). Transformers fuses gate and up into one ``gate_up_proj [x, d, 2f]``
+    (:mod:`workloads.llama.hf` splits it on load); kept apart here, each splits over tensor-parallel ranks
+    along ``f`` like the dense feed-forward's ``w1``/``w3``."""
 
     def __init__(self, n_experts: int, dim: int, hidden_dim: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, dim, 2 * hidden_dim))
-        self.down_proj = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
+        self.w1 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, dim, hidden_dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden_dim, dim))
         # torch.compile leaves the grouped GEMMs out (a graph break): grouped_mm's fake-tensor rule in torch 2.13
         # accepts only bfloat16, so a float32 model would not trace; eager grouped_mm runs both. Wrapped here,
         # not with a decorator: torch.compiler.disable imports torch._dynamo (seconds of CPU), which a process
@@ -80,12 +99,24 @@ class GroupedExperts(nn.Module):
         self._eager_experts = torch.compiler.disable(_run_experts)
 
     def forward(self, x_nd: torch.Tensor, tokens_per_expert_x: torch.Tensor) -> torch.Tensor:
-        """``x_nd`` holds each expert's tokens as consecutive slices of the given sizes."""
-        return self._eager_experts(x_nd, tokens_per_expert_x, self.gate_up_proj, self.down_proj)
+        """``x_nd`` holds each expert's tokens as consecutive slices of the given sizes (this process's
+        experts: all of them, or its shard under expert parallelism)."""
+        return self._eager_experts(x_nd, tokens_per_expert_x, local_tensor(self.w1), local_tensor(self.w3),
+                                   local_tensor(self.w2))
 
+    @torch.no_grad()
     def init_weights(self, init_std: float, out_std: float, generator: torch.Generator | None) -> None:
-        _trunc_normal(self.gate_up_proj, init_std, generator)
-        _trunc_normal(self.down_proj, out_std, generator)
+        if generator is None:  # initialised where each shard lives (DTensors): drawn one by one
+            _trunc_normal(self.w1, init_std, generator)
+            _trunc_normal(self.w3, init_std, generator)
+        else:  # drawn as one [x, d, 2f] tensor, gate columns first (transformers' layout): a seed's weights stay put
+            gate_up = torch.empty(*self.w1.shape[:-1], 2 * self.w1.shape[-1], device=self.w1.device,
+                                  dtype=self.w1.dtype)
+            _trunc_normal(gate_up, init_std, generator)
+            gate, up = gate_up.chunk(2, dim=-1)
+            self.w1.copy_(gate)
+            self.w3.copy_(up)
+        _trunc_normal(self.w2, out_std, generator)
 
 
 class SharedExpert(nn.Module):
@@ -98,7 +129,8 @@ class SharedExpert(nn.Module):
         self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
 
     def forward(self, x_td: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x_td)) * self.up_proj(x_td))
+        gate, up, down = (local_tensor(linear.weight) for linear in (self.gate_proj, self.up_proj, self.down_proj))
+        return F.linear(F.silu(F.linear(x_td, gate)) * F.linear(x_td, up), down)
 
     def init_weights(self, init_std: float, out_std: float, generator: torch.Generator | None) -> None:
         _trunc_normal(self.gate_proj.weight, init_std, generator)
@@ -132,7 +164,7 @@ class MoE(nn.Module):
 
     def route(self, x_td: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Top-k experts per token, their gate values, and the float32 scores of every expert."""
-        scores_tx = self.router(x_td).float()
+        scores_tx = F.linear(x_td, local_tensor(self.router.weight)).float()
         scores_tx = scores_tx.sigmoid() if self.score_function == "sigmoid" else scores_tx.softmax(dim=-1)
         _, experts_tk = torch.topk(scores_tx + self.expert_bias, self.top_k, dim=-1)
         return experts_tk, scores_tx.gather(-1, experts_tk), scores_tx
@@ -197,13 +229,14 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 @torch.no_grad()
 def update_expert_bias(
-    model: nn.Module, coeff: float, process_group: torch.distributed.ProcessGroup | None = None
+    model: nn.Module, coeff: float, process_groups: Sequence[torch.distributed.ProcessGroup] = ()
 ) -> list[torch.Tensor]:
     """The aux-loss-free balancing step, run between optimiser steps.
 
     For each MoE layer: the load (routed copies per expert since the last call, summed over the
-    ranks of ``process_group`` so every rank moves its bias alike) is compared with the mean
-    load; ``bias += coeff * sign(mean - load)``, then the bias is re-centred to mean zero (only
+    ranks of each of ``process_groups`` in turn -- the data-parallel ranks, which see different
+    tokens -- so every rank moves its bias alike) is compared with the mean load;
+    ``bias += coeff * sign(mean - load)``, then the bias is re-centred to mean zero (only
     differences between experts matter to the top-k). Counters reset. Returns each layer's load.
     With ``coeff == 0`` it only collects and resets the loads.
     """
@@ -211,8 +244,8 @@ def update_expert_bias(
     if not layers:
         return []
     loads_lx = torch.stack([layer.tokens_per_expert for layer in layers])
-    if process_group is not None:
-        torch.distributed.all_reduce(loads_lx, group=process_group)
+    for group in process_groups:
+        torch.distributed.all_reduce(loads_lx, group=group)
     for layer, load_x in zip(layers, loads_lx, strict=True):
         if coeff:
             layer.expert_bias += coeff * torch.sign(load_x.mean() - load_x)
@@ -247,5 +280,5 @@ def _trunc_normal(weight: torch.Tensor, std: float, generator: torch.Generator |
     nn.init.trunc_normal_(weight, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=generator)
 
 
-__all__ = ["grouped_mm", "grouped_mm_loop", "MoE", "GroupedExperts", "SharedExpert", "ExpertDispatcher",
+__all__ = ["grouped_mm", "grouped_mm_loop", "local_tensor", "MoE", "GroupedExperts", "SharedExpert", "ExpertDispatcher",
            "LocalDispatcher", "moe_layers", "update_expert_bias", "skew_routers", "moe_aux_loss"]

@@ -12,6 +12,9 @@ The mesh is ``init_device_mesh(device, (pp, dp_replicate, dp_shard, tp))``; on i
    sequence, and the loss is computed on the vocabulary-sharded logits (``loss_parallel``).
 3. **FSDP2** (``fully_shard``) per block and on the root, over ``dp_shard`` -- HSDP over
    ``dp_replicate × dp_shard`` when there are replicas.
+4. **Mixture of experts** (:mod:`workloads.llama.expert_mesh`): the routed experts split over ``ep`` of the
+   data-parallel ranks and their width over ``tp`` as DTensors on a second mesh that FSDP2 leaves alone, the
+   token copies exchanged over the ``ep`` group.
 
 Weights: a model of at most :data:`WHOLE_INIT_MAX_PARAMS` parameters is built whole on every rank from the
 run's seed and each rank keeps its slice, so every layout starts from exactly the 1-rank model's weights
@@ -21,6 +24,7 @@ lives (the same distributions, other draws).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -34,8 +38,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from workloads.device import synchronize
 from workloads.llama.args import ModelArgs, count_total_params
+from workloads.llama.expert_mesh import (
+    EXPERT_DIM_FAMILY,
+    EXPERT_MESH_DIMS,
+    build_expert_mesh,
+    distribute_experts,
+    parallelize_moe,
+)
+from workloads.llama.expert_parallel import AllToAllMeter
 from workloads.llama.layout import MESH_DIMS, Layout, stage_layers
 from workloads.llama.model import SkippedLayer, Transformer, build_model
+from workloads.llama.moe import MoE, skew_routers
 
 WHOLE_INIT_MAX_PARAMS = 1_000_000_000
 
@@ -52,6 +65,9 @@ class MeshModel:
     tp_rank: int
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, targets): cross-entropy
     schedule: object | None = None  # a torch.distributed.pipelining schedule (pp > 1)
+    expert_mesh: object | None = None  # MoE: pp × edp × ep × tp (workloads/llama/expert_mesh.py)
+    expert_params: list[nn.Parameter] = dataclasses.field(default_factory=list)  # MoE: the routed experts'
+    a2a_meter: AllToAllMeter | None = None  # MoE: the ep all-to-alls' bytes and seconds
 
     @property
     def first_stage(self) -> bool:
@@ -115,12 +131,14 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: object, sequence_parallel
     for block in model.layers:
         if isinstance(block, SkippedLayer):
             continue
+        moe = isinstance(block.feed_forward, MoE)
         plan: dict[str, object] = {
             "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=stream),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
         }
+        if not moe:
+            plan.update({"feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+                         "feed_forward.w2": RowwiseParallel(output_layouts=stream)})
         if not sequence_parallel:  # the norms' weights replicated as DTensors too: every parameter is a DTensor
             for norm in (block.attention_norm, block.ffn_norm):
                 _replicate(norm, tp_mesh)
@@ -129,9 +147,12 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: object, sequence_parallel
                 "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
                 "attention": PrepareModuleInput(input_layouts=(stream, None, None),
                                                 desired_input_layouts=(Replicate(), None, None)),
-                "feed_forward": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
             })
+            if not moe:
+                plan["feed_forward"] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
         parallelize_module(block, tp_mesh, plan)
+        if moe:
+            parallelize_moe(block.feed_forward, tp_mesh, sequence_parallel)
 
 
 def _replicate(module: nn.Module, mesh: object) -> None:
@@ -145,13 +166,18 @@ def _replicate(module: nn.Module, mesh: object) -> None:
                       output_fn=lambda _module, output, _mesh: output.to_local())
 
 
-def apply_fsdp(model: Transformer, dp_mesh: object, reshard_after_forward: bool) -> None:
+def apply_fsdp(model: Transformer, dp_mesh: object, reshard_after_forward: bool,
+               ignored: Iterable[nn.Parameter] = ()) -> None:
+    """FSDP2 per block and on the root over ``dp_mesh``; ``ignored`` parameters (the routed experts, which differ
+    between the dp ranks) stay as they are."""
     from torch.distributed.fsdp import fully_shard
 
+    ignored = set(ignored)
     for block in model.layers:
         if not isinstance(block, SkippedLayer):
-            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward,
+                        ignored_params=ignored & set(block.parameters()) or None)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored or None)
 
 
 def apply_activation_checkpointing(model: Transformer) -> None:
@@ -180,9 +206,12 @@ def copy_whole_weights(model: nn.Module, whole: Transformer) -> None:
         buffer.copy_(buffers[name.replace("_checkpoint_wrapped_module.", "")])
 
 
-def build(args: ModelArgs, layout: Layout, device: torch.device, seed: int) -> MeshModel:
-    """This rank's part of the model for ``layout``, weights and schedule included."""
+def build(args: ModelArgs, layout: Layout, device: torch.device, seed: int,
+          router_init_skew: float = 0.0) -> MeshModel:
+    """This rank's part of the model for ``layout``, weights and schedule included (a MoE's routers tilted by
+    ``router_init_skew``, :func:`workloads.llama.moe.skew_routers`)."""
     mesh = build_mesh(layout, device)
+    expert_mesh = build_expert_mesh(layout, device) if args.n_routed_experts else None
     coords = dict(zip(MESH_DIMS, mesh.get_coordinate(), strict=True))
     dp_rank = coords["dp_replicate"] * layout.dp_shard + coords["dp_shard"]
     loss_fn = vocab_parallel_cross_entropy(mesh["tp"]) if layout.tp > 1 else cross_entropy
@@ -192,9 +221,18 @@ def build(args: ModelArgs, layout: Layout, device: torch.device, seed: int) -> M
         split_stage(model, layout.pp, coords["pp"])
     if layout.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], layout.sequence_parallel)
+    a2a_meter = AllToAllMeter(device) if expert_mesh is not None else None
+    expert_params = distribute_experts(model, expert_mesh, a2a_meter) if expert_mesh is not None else []
     model.to_empty(device=device)
     if count_total_params(args) <= WHOLE_INIT_MAX_PARAMS:
-        copy_whole_weights(model, build_model(args, device, seed))
+        whole = build_model(args, device, seed)
+        if router_init_skew:
+            skew_routers(whole, router_init_skew, seed=seed)
+        copy_whole_weights(model, whole)
+    elif router_init_skew:
+        raise ValueError(f"invalid config 'workload.router_init_skew': a model of more than {WHOLE_INIT_MAX_PARAMS} "
+                         "parameters on a device mesh is initialised where it lives and its routers cannot be "
+                         "tilted; set it to 0")
     else:  # initialised where it lives: DTensor draws follow the global seed
         torch.manual_seed(seed)
         model.init_weights(generator=None)
@@ -203,8 +241,9 @@ def build(args: ModelArgs, layout: Layout, device: torch.device, seed: int) -> M
     if layout.dp > 1:
         dp_mesh = mesh["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else mesh["dp_shard"]
         # with a pipeline, each microbatch would gather the parameters again: keep them gathered for the step
-        apply_fsdp(model, dp_mesh, reshard_after_forward=layout.pp == 1)
-    built = MeshModel(model, mesh, layout, dp_rank, coords["pp"], coords["tp"], loss_fn)
+        apply_fsdp(model, dp_mesh, reshard_after_forward=layout.pp == 1, ignored=expert_params)
+    built = MeshModel(model, mesh, layout, dp_rank, coords["pp"], coords["tp"], loss_fn,
+                      expert_mesh=expert_mesh, expert_params=expert_params, a2a_meter=a2a_meter)
     if layout.pp > 1:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -265,16 +304,24 @@ class CommMeter(TorchDispatchMode):
 
     Every collective (``c10d`` ops as FSDP2 and the pipeline issue them, ``_c10d_functional`` ops as DTensor
     does) is waited for where it is issued, and its wall time (device synchronised) is charged to the mesh
-    dimension whose process group ran it. The step then has no overlap of communication with computation, so
+    dimension whose process group ran it (a mixture of experts' all-to-alls, its token exchanges, to ``ep``).
+    The step then has no overlap of communication with computation, so
     a dimension's time is what its communication costs when nothing hides it. The pipeline's sends and
     receives stay asynchronous; ``pp``'s time is how long the stage waits for them (the schedule's own waits,
     ``torch.distributed.pipelining``'s ``_wait_batch_p2p``): the bubble plus the transfers."""
 
-    def __init__(self, mesh: object, layout: Layout, device: torch.device) -> None:
+    def __init__(self, mesh: object, layout: Layout, device: torch.device, expert_mesh: object | None = None) -> None:
         super().__init__()
         self.device = device
         self.dims = {mesh.get_group(dim).group_name: _dim_family(dim) for dim in MESH_DIMS
                      if getattr(layout, dim) > 1}
+        # a MoE's all-to-alls are the token exchanges (ep), whatever group runs them: the expert mesh's ep group
+        # may be the very group of a layout dim over the same ranks
+        self.all_to_all_dim = "ep" if expert_mesh is not None and expert_mesh["ep"].size() > 1 else None
+        if expert_mesh is not None:  # the expert mesh's other collectives: expert-gradient sums (dp), norms
+            for dim in EXPERT_MESH_DIMS:
+                if expert_mesh[dim].size() > 1:
+                    self.dims.setdefault(expert_mesh.get_group(dim).group_name, EXPERT_DIM_FAMILY[dim])
         self.seconds: dict[str, float] = {}
         self.bytes: dict[str, int] = {}
 
@@ -319,6 +366,8 @@ class CommMeter(TorchDispatchMode):
                 or "wrap_tensor" in func.__name__:
             return func(*args, **(kwargs or {}))
         dim = self._group_of(args)
+        if dim is not None and self.all_to_all_dim is not None and func.__name__.startswith("alltoall"):
+            dim = self.all_to_all_dim
         if func.__name__.split(".")[0] in ("send", "recv_", "recv_any_source_"):
             out = func(*args, **(kwargs or {}))
             if dim is not None:

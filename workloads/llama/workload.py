@@ -3,8 +3,9 @@
 Before any set-up the workload checks the config against the world size and the layout; set-up then composes
 the batches (:mod:`workloads.llama.feed`) with the model, either on one rank or data-parallel over all ranks
 (:mod:`workloads.llama.data_parallel`; MoE experts split by :mod:`workloads.llama.expert_parallel`) or on a
-device mesh (:mod:`workloads.llama.mesh_training`), and its optimiser and learning-rate schedule. A MoE run
-reports its experts' load (:mod:`workloads.llama.expert_load`).
+device mesh (:mod:`workloads.llama.mesh_training`; MoE experts over ep and tp by
+:mod:`workloads.llama.expert_mesh`), and its optimiser and learning-rate schedule. A MoE run reports its experts'
+load (:mod:`workloads.llama.expert_load`).
 
 By default (``workload.data=synthetic``) training data is a planted Markov chain
 (``data.MarkovTokenSource``), so the loss really falls and "eval loss ≤ target" is a meaningful,
@@ -106,10 +107,14 @@ class LlamaWorkload(WorkloadBase):
         if cfg.parallelism == "ddp":
             raise _invalid("parallelism", f"ddp with the layout {layout.describe()}: its data-parallel ranks use "
                                           "FSDP2 (HSDP with dp_replicate); set workload.parallelism=auto or fsdp2")
-        if self.is_moe:
-            raise _invalid("parallel", f"the layout {layout.describe()} with the MoE preset {cfg.preset!r}: MoE "
-                                       "presets split their experts over data-parallel ranks (workload.expert_parallel)"
-                                       "; use tp = pp = dp_replicate = 1 for them")
+        if self.is_moe and cfg.moe_aux_loss_weight:
+            raise _invalid("moe_aux_loss_weight", f"the layout {layout.describe()}: the Switch-style auxiliary "
+                                                  "loss is added on one rank or under the flat expert parallelism "
+                                                  "only; set it to 0 (the bias update balances the experts)")
+        if self.is_moe and cfg.compile:
+            raise _invalid("compile", f"the layout {layout.describe()} with the MoE preset {cfg.preset!r}: "
+                                      "torch.compile is not applied to a mixture of experts on a device mesh; "
+                                      "set workload.compile=false")
         if self.ctx.fault_tolerance is not None:
             raise _invalid("parallel", f"the layout {layout.describe()} under torchft (ft=torchft): fault-tolerant "
                                        "replica groups train with FSDP2 or DDP over all their ranks")
@@ -141,6 +146,7 @@ class LlamaWorkload(WorkloadBase):
             self.mesh = MeshTraining(self.args, self.layout, ctx, cfg, self.compute_dtype, self._lr_factor)
             self.raw_model = self.model = self.mesh.model
             self.optimizer, self.scheduler = self.mesh.optimizer, self.mesh.scheduler
+            self.expert_load = self.mesh.expert_load
             return
         self._setup_flat()
 
@@ -231,8 +237,8 @@ class LlamaWorkload(WorkloadBase):
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.is_moe:
-            group = self.ctx.process_group if self.ctx.distributed else None
-            loads = update_expert_bias(self.raw_model, self.config.moe_bias_update_coeff, group)
+            groups = [self.ctx.process_group] if self.ctx.distributed else []
+            loads = update_expert_bias(self.raw_model, self.config.moe_bias_update_coeff, groups)
             self.expert_load.record(torch.stack(loads), self.a2a_meter.seconds - a2a_seconds,
                                     self.a2a_meter.bytes_sent - a2a_bytes)
         return StepResult(samples=self.local_batch, tokens=self.local_batch * self.config.seq_len, loss=total,
