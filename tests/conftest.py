@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+# `nox -s tests` runs two xdist workers: the groups, and the lock that runs a timing-sensitive test with no neighbour
+pytest_plugins = ["worker_groups"]
+
 # What-if keeps what it measured for a bundle in the user's cache folder: the tests' go to a scratch one
 # (in this process and in every command they start), not into the home of whoever runs them.
 if "COBENCH_CACHE_DIR" not in os.environ:

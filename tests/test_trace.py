@@ -387,6 +387,7 @@ def test_host_time_inside_a_wrapper_the_replay_does_not_run_counts_as_host_time(
     assert kineto_host_gaps(kineto_trace(trace, Path("t.json")), {None: 80.0}) == {0: pytest.approx(20.0)}
 
 
+@pytest.mark.alone  # the 4 ms host gap is held to 3-6 ms: a busy neighbour's preemption would spill over
 def test_the_programs_own_host_time_is_measured_and_spent_by_the_replay(tmp_path: Path):
     """A program that spends 4 ms in Python between two ops each step: the spec records about that much
     host time per step (the profiler's own cost taken out), and a replay of it takes at least as long."""
