@@ -4,7 +4,7 @@
     nox -s bench -- results_dir=/tmp/res runner.repetitions=5    (overrides go after --)
     nox -s qualify -- platform=cpu      hardware qualification: PASS/FAIL against conf/gates/cpu.yaml
     nox -s report -- --suite smoke      MLPerf-style submission folder + HTML report of the latest smoke run
-    nox -s tests              the test suite (what CI runs)
+    nox -s tests              the test suite on 2 workers (what CI runs); `nox -s tests -- -n 0` runs it serially
     nox -s perf               the performance benchmarks (pytest-benchmark), not part of tests
     nox -s zoo                the model zoo, whole (its own environment: torchvision, timm, TorchRec, ...)
     nox -s docs               the documentation site, built strictly into site/ (what CI builds)
@@ -93,11 +93,18 @@ def report(session: nox.Session) -> None:
     session.run(_bin("cobench"), "report", *session.posargs, env=install(session), external=True)
 
 
+# Two pytest-xdist workers: a test spends about half its time starting processes, importing and waiting on
+# servers, so two keep CI's two cores busy. tests/worker_groups.py says which tests share a worker and which run
+# with no neighbour. Set here, not in pytest's addopts, so that a plain `pytest tests/test_x.py` stays serial and
+# `-p no:xdist` still parses; pytest arguments after `--` come later and win (`nox -s tests -- -n 0`).
+TEST_WORKERS = ["-n", "2", "--dist", "loadgroup"]
+
+
 @nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
     """The test suite; pytest arguments after `--`."""
     env = install(session, "test,chakra,data")
-    session.run(_bin("pytest"), *(session.posargs or ["-q"]), env=env, external=True)
+    session.run(_bin("pytest"), *TEST_WORKERS, *(session.posargs or ["-q"]), env=env, external=True)
 
 
 @nox.session(venv_backend="none")
