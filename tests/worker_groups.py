@@ -1,18 +1,19 @@
 """How the tests share the machine when pytest-xdist runs them on two workers (`nox -s tests`: `pytest -n 2
---dist loadgroup`). Each worker is a test session of its own, with its own session fixtures; two groups keep
-apart what must not run twice or beside another test. Both are set here from what a test uses or is marked
+--dist loadgroup`). Each worker is a test session of its own, with its own session fixtures; groups keep
+apart what must not run twice or beside another test. They are set here from what a test uses or is marked
 with, not by hand in each file:
 
-- ``clusters``: every test on the scratch PostgreSQL cluster (``postgres_uri`` and the servers made on it) or
-  on the SLURM cluster (``slurm_cluster``) runs on one worker, so each cluster starts once. Two SLURM clusters
-  must never run at once: their daemons run as root under this host's one node name, each offering every CPU
-  to its jobs. Two PostgreSQL clusters could (free ports, folders of their own), but the SLURM suite writes
-  into the PostgreSQL one, and one start of it and of the team's server is enough.
+- ``clusters``: every file with a test on the scratch PostgreSQL cluster (``postgres_uri`` and the servers made
+  on it) or on the SLURM cluster (``slurm_cluster``) runs on one worker, so each cluster starts once. Two SLURM
+  clusters must never run at once: their daemons run as root under this host's one node name, each offering
+  every CPU to its jobs. Two PostgreSQL clusters could (free ports, folders of their own), but the SLURM suite
+  writes into the PostgreSQL one, and one start of it and of the team's server is enough.
+- every other file is a group of its own, so a file's tests run on one worker and its module-scoped fixtures
+  (a suite run all its tests read, a recorded golden) are made once, as serially.
 - ``alone`` (``@pytest.mark.alone``): tests whose verdict rests on wall-clock time on a quiet CPU (LoadGen's
-  Server latency bounds, a measured host gap, a timed sleep). A group alone would still run beside the other
-  worker's tests, so the two workers also share a lock: every other test holds it shared, these hold it
-  exclusively, and the other worker waits. They run one after the other on one worker, which keeps the lock
-  from one to the next.
+  Server latency bounds, a measured host gap, a timed sleep). A group would still run beside the other
+  worker's tests, so the two workers share a lock: every other test holds it shared, these hold it
+  exclusively, and the other worker waits for its current test to end. Two in a row keep the lock.
 
 Run serially (`pytest -n 0`, `-p no:xdist`, or no `-n`), none of this applies.
 """
@@ -37,11 +38,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test runs on the worker of its file (a module-scoped fixture, such as a suite run the file's tests
+    all read, is made once), and a file with any test on the clusters runs wholly in the ``clusters`` group."""
+    on_clusters = {item.path for item in items if any(name in item.fixturenames for name in CLUSTER_FIXTURES)}
     for item in items:
-        if any(name in item.fixturenames for name in CLUSTER_FIXTURES):
-            item.add_marker(pytest.mark.xdist_group("clusters"))
-        elif item.get_closest_marker("alone"):
-            item.add_marker(pytest.mark.xdist_group("alone"))
+        if item.get_closest_marker("xdist_group") is None:
+            group = "clusters" if item.path in on_clusters else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 _UNGROUPED = pytest.StashKey[bool]()
