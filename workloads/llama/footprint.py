@@ -215,6 +215,7 @@ class Footprint:
     comm_tp: float
     comm_pp: float
     comm_dp: float
+    comm_ep: float
 
 
 def microbatches(layout: Layout, grad_accum_steps: int) -> int:
@@ -294,8 +295,8 @@ def footprint(model: MetaModel, layout: Layout, batch_size: int, seq_len: int, c
 
 
 def _traffic(model: MetaModel, layout: Layout, mine: list[ParamShape], whole: dict[str, float], tokens: float,
-             count: int, compute_bytes: int) -> tuple[float, float, float]:
-    """Bytes one device sends per step for tp, pp and dp, ring collectives (an all-gather or reduce-scatter of
+             count: int, compute_bytes: int) -> tuple[float, float, float, float]:
+    """Bytes one device sends per step for tp, pp, dp and ep, ring collectives (an all-gather or reduce-scatter of
     ``n`` bytes over ``k`` ranks sends ``(k-1)/k × n`` from each; an all-reduce twice that).
 
     - tp, per block and microbatch: the two norm outputs all-gathered (float32) and the two row-parallel
@@ -307,7 +308,12 @@ def _traffic(model: MetaModel, layout: Layout, mine: list[ParamShape], whole: di
       reduce-scatters the gradients (float32) — per microbatch without a pipeline, once per step with one
       (it keeps them unsharded between microbatches); HSDP all-reduces the sharded gradients over replicas.
       On a device mesh a MoE's routed experts are not FSDP2's: their gradients are all-reduced once a step
-      over the ``dp / ep`` ranks that hold the same experts (the token all-to-alls over ``ep`` are not counted).
+      over the ``dp / ep`` ranks that hold the same experts;
+    - ep, per MoE layer and microbatch: each of the rank's tokens goes to ``top_k`` experts, a share
+      ``(ep-1)/ep`` of them on other ranks under balanced routing — out as float32 (the normed residual),
+      back as the experts' compute-dtype products, and their gradients the other way in the backward. Every
+      tp rank of a data-parallel rank exchanges the whole of its tokens (the MoE layer's input is made whole
+      on each); the per-expert counts sent beside them are left out.
     """
     args, tp, pp = model.args, layout.tp, layout.pp
     d, step_tokens = args.dim, tokens * count
@@ -327,7 +333,9 @@ def _traffic(model: MetaModel, layout: Layout, mine: list[ParamShape], whole: di
         comm_dp += (layout.dp_shard - 1) / layout.dp_shard * stage_bytes * 3 * gathers
     if layout.dp_replicate > 1:
         comm_dp += 2 * (layout.dp_replicate - 1) / layout.dp_replicate * stage_bytes / layout.dp_shard
-    return comm_tp, comm_pp, comm_dp
+    moe_layers = sum(args.is_moe_layer(i) for i in {p.layer for p in mine if p.layer is not None})
+    comm_ep = (layout.ep - 1) / layout.ep * step_tokens * args.moe_top_k * d * (4 + compute_bytes) * 2 * moe_layers
+    return comm_tp, comm_pp, comm_dp, comm_ep
 
 
 __all__ = ["Footprint", "MetaModel", "ParamShape", "checkpointed_layer_bytes", "footprint", "layer_saved_bytes"]

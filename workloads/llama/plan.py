@@ -121,13 +121,16 @@ COLUMNS = ("layout", "params", "grads", "optim", "unshard", "act", "act AC", "pe
 
 
 def _table(rows: list[Candidate], scale: float) -> list[str]:
-    cells = [COLUMNS]
+    """The rows' figures; a ``comm ep`` column where any layout splits experts over ``ep``."""
+    with_ep = any(c.layout.ep > 1 for c in rows)
+    cells = [COLUMNS + (("comm ep",) if with_ep else ())]
     for c in rows:
         f = c.footprint
+        comm = (f.comm_tp, f.comm_pp, f.comm_dp) + ((f.comm_ep,) if with_ep else ())
         cells.append((c.layout.describe(), *(f"{v / scale:.1f}" for v in (
             f.params, f.grads, f.optimizer, f.unsharded, f.activations, f.activations_ac, f.peak, f.peak_ac)),
-            c.verdict, f"{f.bubble:.0%}", *(f"{v / scale:.2f}" for v in (f.comm_tp, f.comm_pp, f.comm_dp))))
-    widths = [max(len(row[i]) for row in cells) for i in range(len(COLUMNS))]
+            c.verdict, f"{f.bubble:.0%}", *(f"{v / scale:.2f}" for v in comm)))
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     return ["  " + "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
                              enumerate(zip(row, widths, strict=True))) for row in cells]
 
@@ -186,7 +189,8 @@ def plan_layouts(config: LlamaConfig, devices: int, device_memory_bytes: float, 
         plan.candidates.append(Candidate(layout, foot, foot.peak <= plan.usable_bytes,
                                          foot.peak_ac <= plan.usable_bytes))
     plan.candidates.sort(key=lambda c: (not c.fits, not c.fits_with_ac, c.footprint.bubble,
-                                        c.footprint.comm_tp + c.footprint.comm_pp + c.footprint.comm_dp))
+                                        c.footprint.comm_tp + c.footprint.comm_pp + c.footprint.comm_dp
+                                        + c.footprint.comm_ep))
     return plan
 
 
