@@ -59,6 +59,8 @@ from workloads import discover
 from workloads.base import RunContext, WorkloadSpec
 from workloads.trace_bundle import rank_dirs, read_meta
 
+MEMORY_STEPS = 8  # each side's peak memory: the most of this many of its own steps (or every captured one)
+
 FIDELITY_FILE = "fidelity.json"
 DEFAULT_BUDGET_S = 60.0  # the side-by-side rounds' time budget, by default
 
@@ -93,7 +95,10 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
                           replay_shift_ms=capture_shift_draws(getattr(replay, "replayer", None), seed=ctx.seed),
                           prepare={"replay": replay.restore_values} if hasattr(replay, "restore_values") else None)
         rank_dir = rank_dirs(bundle)[min(ctx.rank, len(rank_dirs(bundle)) - 1)]
-        memory_steps = len(read_meta(rank_dir).traced_step_times_s)  # each captured step once
+        # Each captured step at least once, and never fewer than MEMORY_STEPS: a program whose steps differ
+        # by chance (LayerDrop skipping a layer, a data-dependent branch) peaks on its largest step, which
+        # a few of its own steps can all miss (Wav2Vec2: 7.1 MB in ~1 step of 5, 12.3 MB otherwise).
+        memory_steps = max(len(read_meta(rank_dir).traced_step_times_s), MEMORY_STEPS)
         # Each side's peak over as many of its own steps as were captured, measured alike. Not the captured
         # steps' own allocator events: under the execution-trace observer, the copies it makes of integer
         # inputs (recorded data, value ranges) are allocations too — a GCN's edge indices added 83 % there.
