@@ -45,7 +45,8 @@ def test_eight_concurrent_runs_into_a_server_on_postgresql(tmp_path, calibration
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       env=clean_env(), cwd=tmp_path))
     outputs = [p.communicate(timeout=600) for p in procs]
-    assert [p.returncode for p in procs] == [0] * 8, [err[-1500:] for _, err in outputs]
+    failed = [f"node{i} exit {p.returncode}: {outputs[i][1][-1500:]}" for i, p in enumerate(procs) if p.returncode]
+    assert not failed, failed
     client = MlflowClient(tracking_uri=postgres_mlflow_server)
     runs = client.search_runs([client.get_experiment_by_name("fleet").experiment_id], max_results=100)
     assert sorted(r.info.run_name for r in runs) == [f"node{i}" for i in range(8)]

@@ -169,6 +169,24 @@ def _write_ahead_log(uri: str) -> None:
             db.execute("PRAGMA journal_mode=WAL")
 
 
+def _tag_last_writer(client: Any, experiment_id: str, writer: str, attempts: int = 5) -> None:
+    """Tag the experiment with who writes to it. MLflow's SQL store sets a tag by looking it up, then
+    inserting it: several runs starting at once against one server (a fleet) can all find it missing,
+    and every insert but the first then fails its unique key. Those try again and update it instead."""
+    from mlflow.exceptions import MlflowException
+
+    for attempt in range(attempts):
+        try:
+            client.set_experiment_tag(experiment_id, "cobench.last_writer", writer)
+            return
+        except MlflowException as err:
+            lost_race = err.error_code == "BAD_REQUEST" and any(word in str(err).lower()
+                                                                for word in ("unique", "duplicate"))
+            if not lost_race or attempt == attempts - 1:
+                raise
+            time.sleep(0.05 * (attempt + 1))
+
+
 class Tracker:
     """One experiment in one tracking store; every call names its run explicitly."""
 
@@ -218,8 +236,7 @@ class Tracker:
                 if is_local:
                     _write_ahead_log(uri)
                 else:  # a run writes: a user who may only read is refused now, before any run exists
-                    client.set_experiment_tag(experiment_id, "cobench.last_writer",
-                                              f"{getpass.getuser()}@{socket.gethostname()}")
+                    _tag_last_writer(client, experiment_id, f"{getpass.getuser()}@{socket.gethostname()}")
         except MlflowException as err:
             raise TrackingError(store_refusal(uri, cfg.experiment, err)) from err
         tracker = cls(uri, experiment_id, results_dir, cfg.experiment)
