@@ -133,3 +133,40 @@ def test_a_corrupt_value_profile_is_refused_naming_the_entry(captured, change, p
     change(spec["ranks"][0]["external_values"][1])
     with pytest.raises(TraceError, match=rf"external_values\[1\].*{problem}|{problem}.*external_values\[1\]"):
         check_spec(spec, tmp_path / "spec.json")
+
+
+def test_floats_made_from_a_python_list_are_defined_in_the_replay(tmp_path: Path):
+    """``torch.tensor(list)`` is an ``aten::empty`` the program then fills by a copy no trace shows (an
+    image normalisation's mean and std, as torchvision's detection models make each step). The replay
+    fills it: a quotient by it stays finite step after step, and so does everything trained from it."""
+    torch.manual_seed(0)
+    model = nn.Conv2d(3, 4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+    def step() -> None:
+        image = torch.rand(2, 3, 16, 16)
+        mean = torch.tensor([0.485, 0.456, 0.406])
+        std = torch.tensor([0.229, 0.224, 0.225])
+        model((image - mean[:, None, None]) / std[:, None, None]).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    with capture(tmp_path, steps=2, warmup=1, baseline_steps=1, announce=False) as cap:
+        while not cap.done:
+            with cap.step():
+                step()
+    replayer = Replayer(RankRecord.from_json(generate_spec(tmp_path)["ranks"][0]), torch.device("cpu"), seed=3)
+    replayer.materialize()
+    filled = {slot for op in replayer.ops for slot, rng in op.fills if rng is None}
+    assert len(filled) >= 4  # the mean and the std, in each of the two steps
+    divisors = []
+
+    def before(index: int) -> None:
+        if replayer.ops[index].name == "aten::div":
+            divisors.extend(replayer.vals[use.slot] for use in replayer.plan.inputs[index][1:])
+
+    assert replayer.dry_run(before).errors == {}
+    assert len(divisors) == 2 and all(torch.isfinite(d).all() and (d > 0).all() for d in divisors)
+    for _ in range(4 * len(replayer.sequence)):
+        replayer.run_step()
+    assert replayer.nonfinite_tensors() == 0

@@ -4,13 +4,14 @@ An op's outputs feed later ops (views share storage, in-place ops mutate what la
 Tensors the steps read but never produced (parameters, optimiser state, inputs) are *externals*:
 synthesised once, before timing, with the value ranges and data their readers recorded. A storage
 the program made itself between ops (a compiled graph's buffers, the spec's ``born``) and the step
-reads is made at that point of each step instead. Integer outputs of uninitialised-memory ops get
-values in their reader's range, and 0-dim inputs that were Python numbers in the program are
-passed as Python numbers again.
+reads is made at that point of each step instead. Outputs of uninitialised-memory ops that the
+program filled unseen (``torch.tensor(list)``) get values: integers in their reader's range, floats
+positive; and 0-dim inputs that were Python numbers in the program are passed as Python numbers again.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import NamedTuple
 
@@ -147,20 +148,45 @@ def find_births(sequence: list[list[int]], specs: list[OpRecord], inputs: list[l
             for k, groups in births.items()}, born
 
 
+FLOAT_FILL_MAX_ELEMENTS = 2**16  # a larger uninitialised float buffer is a workspace some op fills, not data
+
+
+def _written_arguments(schema: str) -> set[str]:
+    """The schema's arguments the op writes (``Tensor(a!)``: in-place, ``out=``)."""
+    try:
+        return {a.name for a in torch._C.parse_schema(schema).arguments
+                if a.alias_info is not None and a.alias_info.is_write}
+    except RuntimeError:
+        return set()
+
+
 def find_uninitialised_fills(ops: list[CompiledOp], specs: list[OpRecord], inputs: list[list[InputUse]]) -> None:
-    """Integer ``aten::empty*`` outputs whose first reader recorded a value range get values in it
-    (:attr:`.ops.CompiledOp.fills`)."""
+    """Outputs of uninitialised-memory ops (``aten::empty*``) that the program filled by a copy the trace does
+    not show (``torch.tensor(list)``, ``torch.as_tensor(list)``) get values (:attr:`.ops.CompiledOp.fills`):
+    integer ones, in the range their first reader recorded; floating ones of up to
+    :data:`FLOAT_FILL_MAX_ELEMENTS` elements whose first reader reads rather than writes them, positive
+    values (as every synthesised float: :func:`.tensors.fill_view`) — left as they were, they held whatever
+    the memory held (Faster R-CNN's image std: 1e-20, and the normalised images infinite)."""
     pending: dict[int, CompiledOp] = {}
     for op in ops:
-        for slot, _info, tensor_index, _ in inputs[op.index]:
+        written: set[str] | None = None
+        for slot, info, tensor_index, arg_name in inputs[op.index]:
             maker = pending.pop(slot, None)
+            if maker is None:
+                continue
+            if info.dtype.is_floating_point:
+                written = _written_arguments(specs[op.index].schema) if written is None else written
+                if arg_name not in written:
+                    maker.fills.append((slot, None))
+                continue
             rng = specs[op.index].tensor_range.get(str(tensor_index))
-            if maker is not None and isinstance(rng, list) and len(rng) == 2:
+            if isinstance(rng, list) and len(rng) == 2:
                 maker.fills.append((slot, (int(rng[0]), int(rng[1]))))
         if re.fullmatch(r"aten::(empty|empty_strided|empty_like|new_empty|new_empty_strided)", op.name):
             for slot, info in zip(op.out_slots, op.out_infos, strict=False):
-                if slot is not None and info is not None and not info.dtype.is_floating_point \
-                        and info.dtype != torch.bool:
+                if slot is None or info is None or info.dtype == torch.bool:
+                    continue
+                if not info.dtype.is_floating_point or math.prod(info.shape) <= FLOAT_FILL_MAX_ELEMENTS:
                     pending[slot] = op
 
 

@@ -134,9 +134,10 @@ class CompiledOp:
     dur_us: float | None
     error: str | None = None
     single_output: bool = False  # returns exactly one Tensor (not a tuple or list)
-    # Integer outputs an uninitialised-memory op (aten::empty…) makes, filled later by a copy the
-    # trace does not show (e.g. torch.tensor(list)): slot → the value range its consumer recorded.
-    fills: list[tuple[int, tuple[int, int]]] = field(default_factory=list)
+    # Outputs an uninitialised-memory op (aten::empty…) makes, filled later by a copy the trace does not
+    # show (e.g. torch.tensor(list)): slot → the value range its consumer recorded (integers), or None
+    # (floats: positive values, as synthesised ones; see dataflow.find_uninitialised_fills).
+    fills: list[tuple[int, tuple[int, int] | None]] = field(default_factory=list)
     # Boolean masks this op makes (or last writes) whose count of True decides a later op's shape
     # (``x[mask]``, ``nonzero``, ``masked_select``): slot → a mask with the captured count.
     pins: list[tuple[int, torch.Tensor]] = field(default_factory=list)
@@ -171,9 +172,12 @@ class CompiledOp:
         self.store_fills(vals, generator)
 
     def store_fills(self, vals: list[Any], generator: torch.Generator) -> None:
-        for slot, (low, high) in self.fills:
+        for slot, rng in self.fills:
             target = vals[slot]
-            target.copy_(torch.randint(low, min(high + 1, 2**63 - 1), target.shape, generator=generator))
+            if rng is None:
+                target.copy_(torch.empty(target.shape, dtype=target.dtype).uniform_(0.1, 1.0, generator=generator))
+            else:
+                target.copy_(torch.randint(rng[0], min(rng[1] + 1, 2**63 - 1), target.shape, generator=generator))
         for slot, mask in self.pins:
             vals[slot].copy_(mask)
         for slot, length in self.lengths:
