@@ -48,6 +48,24 @@ def _with_autograd(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+# Ops that take boxes as addresses (an image index, then corners) and do not check them: a NaN there becomes
+# an index out of bounds in the kernel (SIGSEGV). Their boxes come from the replay's own values (made-up
+# weights and inputs), which can go non-finite where the program's stayed finite.
+ROI_OPS = frozenset(f"torchvision::{name}" for name in ("roi_align", "_roi_align_backward", "roi_pool",
+                                                         "_roi_pool_backward", "ps_roi_align", "_ps_roi_align_backward",
+                                                         "ps_roi_pool", "_ps_roi_pool_backward"))
+
+
+def _with_finite_boxes(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with its ``rois`` (the second argument of every op in :data:`ROI_OPS`) made finite: non-finite
+    values become 0 (image 0; a corner at the origin), which the kernel reads safely."""
+
+    def call(first: Any, rois: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        return fn(first, torch.nan_to_num(rois, nan=0.0, posinf=0.0, neginf=0.0), *args, **kwargs)
+
+    return call
+
+
 class OpCompiler:
     """Compiles a rank's ops one by one; :attr:`slots` numbers every tensor value they read or write."""
 
@@ -83,6 +101,8 @@ class OpCompiler:
                 self._compile_args(op, compiled, torch._C.parse_schema(op.schema).arguments)
             else:
                 compiled.fn = resolve_op(op.schema)
+                if op.name in ROI_OPS:
+                    compiled.fn = _with_finite_boxes(compiled.fn)
                 if self.training and op.name in GRAD_MODE_OPS:
                     compiled.fn = _with_autograd(compiled.fn)
                 self._compile_args(op, compiled, torch._C.parse_schema(op.schema).arguments)
