@@ -99,7 +99,7 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
         # by chance (LayerDrop skipping a layer, a data-dependent branch) peaks on its largest step, which
         # a few of its own steps can all miss (Wav2Vec2: 7.1 MB in ~1 step of 5, 12.3 MB otherwise).
         memory_steps = max(len(read_meta(rank_dir).traced_step_times_s), MEMORY_STEPS)
-        # Each side's peak over as many of its own steps as were captured, measured alike. Not the captured
+        # Each side's peak over that many of its own steps, measured alike. Not the captured
         # steps' own allocator events: under the execution-trace observer, the copies it makes of integer
         # inputs (recorded data, value ranges) are allocations too — a GCN's edge indices added 83 % there.
         # Except for a workload that held its traced batch through the capture (its op shapes follow its
