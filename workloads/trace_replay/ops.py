@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from workloads.trace_replay.tensors import fill_view
+
 # c10::ScalarType codes, as the execution trace writes dtype arguments.
 SCALAR_TYPES = {
     0: torch.uint8, 1: torch.int8, 2: torch.int16, 3: torch.int32, 4: torch.int64, 5: torch.float16,
@@ -173,11 +175,7 @@ class CompiledOp:
 
     def store_fills(self, vals: list[Any], generator: torch.Generator) -> None:
         for slot, rng in self.fills:
-            target = vals[slot]
-            if rng is None:
-                target.copy_(torch.empty(target.shape, dtype=target.dtype).uniform_(0.1, 1.0, generator=generator))
-            else:
-                target.copy_(torch.randint(rng[0], min(rng[1] + 1, 2**63 - 1), target.shape, generator=generator))
+            fill_view(vals[slot], rng, False, generator)
         for slot, mask in self.pins:
             vals[slot].copy_(mask)
         for slot, length in self.lengths:
