@@ -19,6 +19,7 @@ from conftest import clean_env, mlflow_runs
 from fidelity_corpus import PROGRAMS
 
 import harness.traces.side_by_side as side_by_side_module
+from harness.traces.allocator_peaks import step_memory_peak_bytes
 from harness.traces.judge import judge
 from harness.traces.side_by_side import SideBySide, interleave
 
@@ -149,6 +150,22 @@ def test_replay_holds_buffers_as_long_as_the_program_did(tmp_path: Path):
     ops = json.loads((tmp_path / "bundle" / "spec.json").read_text())["ranks"][0]["ops"]
     assert sum(len(op["allocated"]) for op in ops) >= sum(len(op["released"]) for op in ops) > 0
 
+
+
+def test_a_step_peak_leaves_out_what_was_allocated_before_it():
+    """What an earlier profiled phase allocated and still holds (a capture's tensors; on a GPU, the whole
+    process: its caching allocator's total counts everything) is not the step's: 1 MiB made twice is
+    2 MiB, whatever lives beside it."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True):
+        kept = torch.ones(1 << 20)  # 4 MiB, made where the allocator's running total counts it, kept alive
+
+    def step() -> None:
+        x = torch.ones(1 << 18)  # 1 MiB
+        (x * 2).sum()
+
+    peak = step_memory_peak_bytes(step, torch.device("cpu"), steps=2)
+    assert peak == pytest.approx(2 * 2**20, abs=4096), peak / 2**20
+    assert kept.numel() == 1 << 20
 
 def test_cobench_trace_fidelity_is_one_mlflow_run(tmp_path: Path):
     results = tmp_path / "results"

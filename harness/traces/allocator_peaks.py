@@ -49,9 +49,10 @@ def captured_step_peak_bytes(rank_dir: Path, device: torch.device) -> int | None
 def step_memory_peak_bytes(step: Callable[[], Any], device: torch.device, steps: int = 1) -> int:
     """The most memory ``steps`` calls of ``step`` hold at once beyond what was allocated before them.
 
-    Read from the profiler's memory events (the allocator's running total of what was allocated
-    since profiling began, for ``device``): no RSS, so another side's tensors in the same process
-    do not count.
+    Read from the profiler's memory events for ``device``: the allocator's running total, less what it
+    was when the first event came. The CPU's total counts from when profiling began; a caching device
+    allocator's (CUDA's) counts everything the process holds, the other side's model and state
+    included. No RSS, so another side's tensors in the same process do not count.
     """
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda" and ProfilerActivity.CUDA in supported_activities():
@@ -65,4 +66,8 @@ def step_memory_peak_bytes(step: Callable[[], Any], device: torch.device, steps:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
-    return int(max([0.0, *(total for _, _, total in _memory_totals(events, device))]))
+    totals = sorted(_memory_totals(events, device))
+    if not totals:
+        return 0
+    before = totals[0][2] - totals[0][1]  # the running total when the first step began
+    return int(max(0.0, max(total for _, _, total in totals) - before))
