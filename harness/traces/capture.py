@@ -14,7 +14,7 @@ floating tensors hold, :mod:`harness.traces.capture_values`), the next ``baselin
 timed — the reference the replay is judged against, since the profiler itself distorts time —,
 the next ``steps`` run under the PyTorch execution-trace observer and the Kineto profiler (the
 structure), and the last ones measure how much of a step is the program's own host time between
-ops: 6 rounds of Kineto alone (2 steps to settle, 2 measured) then plain (4 to settle, 3 measured),
+ops: 8 rounds of Kineto alone (2 steps to settle, 4 measured) then plain (4 to settle, 3 measured),
 so the profiler's cost is taken against the plain steps of the same round, not of the baseline. A
 registered workload whose op shapes follow its data (seqrec's length buckets) holds its batch from the
 traced step on (``hold_batch``), so those steps run the traced step's shapes. The
@@ -85,9 +85,11 @@ INDEX_OPS = (
 
 # The host-time phase: rounds of Kineto alone then plain. Each block's first steps run slow and are
 # not measured: after the profiler starts (its buffers fill) and after it stops (caches, allocator).
-TIMING_ROUNDS = 6  # each round's Kineto-alone steps are set against that round's plain steps (drift apart)
+TIMING_ROUNDS = 8  # each round's Kineto-alone steps are set against that round's plain steps (drift apart)
 TIMING_WARMUP = 2  # Kineto-alone steps of a round not measured
-TIMING_MEASURED = 2  # Kineto-alone steps of a round measured: the host-gap estimate is their median
+TIMING_MEASURED = 4  # Kineto-alone steps of a round measured: the host-gap estimate is their median
+# (32 steps in all: a program's host time moves ±10 % from step to step on a shared machine, and the
+# median of 12 moved a 9 ms step by ±2.3 … 4.2 % between captures)
 PLAIN_SETTLE = 4  # plain steps after the profiler stopped, not measured
 PLAIN_MEASURED = 3  # plain steps of a round measured: the profiler's cost is taken against them
 _ROUND = TIMING_WARMUP + TIMING_MEASURED + PLAIN_SETTLE + PLAIN_MEASURED

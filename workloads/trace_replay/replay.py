@@ -43,6 +43,7 @@ class Replayer:
         self.generator = torch.Generator().manual_seed(seed)
         # the capture's per-step host-time measurements the gaps' median came from
         self.gap_samples_us = next((list(s.host_gap_samples_us) for s in rank_spec.steps if s.host_gap_samples_us), [])
+        self.process_group = process_group
         self.plan = plan_replay(rank_spec.ops, device, self.generator, repeat=repeat, process_group=process_group,
                                 trust=trust)
         self.tensors = Synthesis(self.plan, device, self.generator, rank_spec.external_values)
@@ -118,12 +119,13 @@ class Replayer:
         """One pass over every step with each op timed alone (synchronised): op index → seconds."""
         return self.runner.time_ops(synchronize)
 
-    def calibrate_host_cost(self, synchronize: Callable[[], None], rounds: int = 12) -> float:
+    def calibrate_host_cost(self, synchronize: Callable[[], None], rounds: int = 24) -> float:
         """Measure the replay's own host time per op call (seconds; the median of :func:`.host_cost.
         measure_call_cost`'s figures), which the host gaps it spends then leave out; 0 without host gaps."""
         if not self.host_gaps:
             return 0.0
-        self.call_samples_s = measure_call_cost(self.runner, synchronize, rounds)  # a judgement resamples them
+        self.call_samples_s = measure_call_cost(self.runner, synchronize, rounds,  # a judgement resamples them
+                                                process_group=self.process_group)
         self.runner.call_s = statistics.median(self.call_samples_s) if self.call_samples_s else 0.0
         self.runner.regenerate()  # with the measured cost
         return self.runner.call_s
