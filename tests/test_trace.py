@@ -19,8 +19,9 @@ import torch
 from conftest import clean_env, mlflow_runs
 
 from workloads.trace_bundle import ET_FILE, KINETO_FILE, META_FILE, TraceError, read_meta
+from workloads.trace_replay.extract import ancestors
 from workloads.trace_replay.host_time import kineto_host_gaps
-from workloads.trace_replay.parse import kineto_trace
+from workloads.trace_replay.parse import KinetoEvent, KinetoTrace, Node, kineto_trace, repair_nesting
 from workloads.trace_replay.records import RankRecord
 from workloads.trace_replay.replay import Replayer
 from workloads.trace_replay.spec import GenerateOptions, generate_spec, load_spec, write_spec
@@ -428,3 +429,33 @@ def test_the_capture_api_says_where_the_bundle_went(tmp_path: Path, capsys):
     said = capsys.readouterr().err
     assert f"captured user_program: {tmp_path / 'bundle'}" in said and "capture overhead" in said
     assert f"to make its benchmark: cobench trace generate {tmp_path / 'bundle'}" in said
+
+
+def test_an_op_nested_under_an_op_that_had_returned_is_replayed_on_its_own():
+    """An asynchronous collective's record opens on the calling thread and closes on the library's worker;
+    the execution-trace observer then sometimes nests every later node under the op the caller ran next
+    (TorchRec's all-to-alls, on one rank of two: that rank's replay lost an all-to-all and the ranks'
+    collectives no longer paired). Kineto's times say which parent really contained each node."""
+    def node(id_: int, name: str, parent: int, schema: str = "", rf_id: int | None = None) -> Node:
+        return Node(id_, name, parent, schema, rf_id, 1, {}, {}, {})
+
+    nodes = {n.id: n for n in [
+        node(1, "[pytorch|profiler|execution_trace|process]", 1),
+        node(2, "[pytorch|profiler|execution_trace|thread]", 1),
+        node(4, "cobench_step#0", 2, rf_id=4),
+        node(10, "gloo:all_to_all", 4, rf_id=10),
+        node(11, "aten::empty", 10, "aten::empty.memory_format(SymInt[] size) -> Tensor", rf_id=11),
+        node(12, "## all2all_data:kjt values ##", 11, rf_id=12),
+        node(13, "c10d::alltoall_base_", 12, "c10d::alltoall_base_(Tensor output) -> Tensor", rf_id=13),
+        node(14, "aten::add", 13, "aten::add.Tensor(Tensor self, Tensor other) -> Tensor", rf_id=14),
+    ]}
+    events = [KinetoEvent("cobench_step#0", "user_annotation", 0.0, 1000.0, 7, 4),
+              KinetoEvent("gloo:all_to_all", "user_annotation", 5.0, 40.0, 99, 10),  # the worker's thread
+              KinetoEvent("aten::empty", "cpu_op", 100.0, 10.0, 7, 11),  # returned before the scope began
+              KinetoEvent("## all2all_data:kjt values ##", "user_annotation", 120.0, 80.0, 7, 12),
+              KinetoEvent("c10d::alltoall_base_", "cpu_op", 130.0, 50.0, 7, 13),
+              KinetoEvent("aten::add", "cpu_op", 140.0, 5.0, 7, 14)]  # really inside the collective's call
+    assert repair_nesting(nodes, KinetoTrace(events, [])) == 3  # the worker's record is no step's either
+    assert [nodes[i].parent for i in (10, 11, 12, 13, 14)] == [2, 4, 4, 12, 13]
+    assert not any(a.schema for a in ancestors(nodes[13], nodes))  # a top-level op: replayed
+    assert [a.id for a in ancestors(nodes[13], nodes)][-2:] == [2, 1]

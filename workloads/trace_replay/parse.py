@@ -185,8 +185,41 @@ def read_kineto(path: Path, what: str = "Kineto trace") -> KinetoTrace:
 def read_bundle(bundle: Path) -> BundleTrace:
     """Read one rank's bundle folder: each of its trace files once."""
     timing = bundle / KINETO_TIMING_FILE
-    return BundleTrace(bundle, read_meta(bundle), read_et(bundle / ET_FILE), read_kineto(bundle / KINETO_FILE),
+    nodes, kineto = read_et(bundle / ET_FILE), read_kineto(bundle / KINETO_FILE)
+    repair_nesting(nodes, kineto)
+    return BundleTrace(bundle, read_meta(bundle), nodes, kineto,
                        read_kineto(timing, "Kineto timing trace") if timing.is_file() else None)
+
+
+def repair_nesting(nodes: dict[int, Node], kineto: KinetoTrace) -> int:
+    """Re-attach each node whose recorded parent did not contain it to the nearest ancestor that did;
+    returns how many moved.
+
+    The observer nests a node under whatever record function its thread has open. An asynchronous
+    collective's record (``gloo:all_to_all``) opens on the calling thread and closes on the library's
+    worker, and the calling thread's stack can then keep the op it ran next open: every later node
+    nests under an op that had returned (TorchRec's all-to-alls, now and then, on one rank of two),
+    and an op under another op is not replayed on its own. Where both have Kineto events, a parent
+    that ended before its child began, or ran on another thread, is not its parent.
+    """
+    events = kineto.by_rf_id()
+    recorded = {node.id: node.parent for node in nodes.values()}  # walked as recorded, not as repaired
+    moved = 0
+    for node in nodes.values():
+        event = events.get(node.rf_id) if node.rf_id is not None else None
+        if event is None:
+            continue
+        parent, seen = nodes.get(recorded[node.id]), {node.id}
+        while parent is not None and parent.id not in seen and recorded[parent.id] != parent.id:
+            seen.add(parent.id)
+            outer = events.get(parent.rf_id) if parent.rf_id is not None else None
+            if outer is None or (outer.tid == event.tid and outer.ts + outer.dur >= event.ts):
+                break
+            parent = nodes.get(recorded[parent.id])
+        if parent is not None and parent.id != node.parent:
+            node.parent = parent.id
+            moved += 1
+    return moved
 
 
 def is_tensor_ref(value: Any) -> bool:
