@@ -37,19 +37,13 @@ def captured_step_peak_bytes(rank_dir: Path, device: torch.device) -> int | None
     steps = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
              if isinstance(e, dict) and e.get("ph") == "X" and str(e.get("name", "")).startswith(STEP_ANNOTATION)
              and isinstance(e.get("ts"), int | float) and isinstance(e.get("dur"), int | float)]
-    peaks = [_held_beyond_start([e for e in totals if start <= e[0] <= end]) for start, end in steps]
-    peaks = [peak for peak in peaks if peak is not None]
+    peaks = []
+    for start, end in steps:
+        inside = [(b, t) for ts, b, t in totals if start <= ts <= end]
+        if inside:
+            before = inside[0][1] - inside[0][0]  # the running total when the step began
+            peaks.append(max(0.0, max(t for _, t in inside) - before))
     return int(max(peaks)) if peaks else None
-
-
-def _held_beyond_start(totals: list[tuple[float, float, float]]) -> float | None:
-    """The most the allocator's running total rose above what it was when the first of ``totals`` came
-    (bytes; None without events)."""
-    if not totals:
-        return None
-    totals = sorted(totals)
-    before = totals[0][2] - totals[0][1]  # the running total just before the first event
-    return max(0.0, max(total for _, _, total in totals) - before)
 
 
 def step_memory_peak_bytes(step: Callable[[], Any], device: torch.device, steps: int = 1) -> int:
@@ -72,4 +66,8 @@ def step_memory_peak_bytes(step: Callable[[], Any], device: torch.device, steps:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
-    return int(_held_beyond_start(_memory_totals(events, device)) or 0)
+    totals = sorted(_memory_totals(events, device))
+    if not totals:
+        return 0
+    before = totals[0][2] - totals[0][1]  # the running total when the first step began
+    return int(max(0.0, max(total for _, _, total in totals) - before))
