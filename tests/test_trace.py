@@ -424,6 +424,26 @@ def test_the_programs_own_host_time_is_measured_and_spent_by_the_replay(tmp_path
     assert (time.perf_counter() - started) / 4 >= 0.0035
 
 
+def test_the_replay_spins_for_the_programs_host_time_less_its_own_calls_never_more():
+    """A forward whose Python gaps exceed the replay's cost of calling an op, then a backward whose ops the
+    autograd engine called back to back from C++ (gaps shorter than that cost): the spins add up to the
+    program's host time less the replay's calls. The backward's shortfall comes back from the forward's
+    spins, latest first, instead of leaving the replay that much slower than its source."""
+    from workloads.trace_replay.codegen import spins
+
+    us = 1e-6
+    forward, backward = [20 * us, 12 * us, 9 * us], [1 * us] * 4
+    before, tail = spins(forward + backward, 2 * us, 4 * us)
+    program_host, replay_calls = sum(forward + backward) + 2 * us, 7 * 4 * us
+    assert sum(before) + tail == pytest.approx(program_host - replay_calls)
+    assert before[:3] == pytest.approx([16 * us, 3 * us, 0.0]) and before[3:] == [0.0] * 4 and tail == 0
+    # a shortfall the whole step cannot pay back: no spin at all, not a negative one
+    assert spins([1 * us, 2 * us], 1 * us, 4 * us) == ([0.0, 0.0], 0.0)
+    # no shortfall: each gap spins for itself, one too short to spin on adds up to the next
+    assert spins([10 * us, 4.1 * us, 5 * us], 3 * us, 4 * us) == (
+        pytest.approx([6 * us, 0.0, 1.1 * us]), pytest.approx(3 * us))
+
+
 def test_the_capture_api_says_where_the_bundle_went(tmp_path: Path, capsys):
     _user_program(tmp_path / "bundle")
     said = capsys.readouterr().err

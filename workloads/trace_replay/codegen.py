@@ -26,6 +26,34 @@ def seconds(gap_us: Any) -> float:
     return value if math.isfinite(value) and value > 0 else 0.0
 
 
+def spins(gaps_s: Sequence[float], tail_s: float, call_s: float) -> tuple[list[float], float]:
+    """How long to spin before each op (and after the last) to spend the program's host time.
+
+    The program's gap before an op includes its own cost of calling it; the replay pays its own
+    instead, ``call_s`` per op, so that much of each gap counts as spent. Where the replay's calls
+    cost more than the program's gaps (ops the framework calls from C++, such as backward ops from
+    the autograd engine), the balance carries to later gaps; a balance still owed at the step's end
+    is taken back from the latest spins before it. The spins then add up to the program's host time
+    less the replay's calls, never more: a step spends its host time, not its peaks. Gaps shorter
+    than :data:`SPIN_MIN_S` are not spun on: they add up to the next.
+    """
+    out = [0.0] * len(gaps_s)
+    owed = 0.0
+    for j, gap in enumerate(gaps_s):
+        owed += gap - call_s
+        if owed > SPIN_MIN_S:
+            out[j], owed = owed, 0.0
+    owed += tail_s
+    tail = owed if owed > SPIN_MIN_S else 0.0
+    for j in reversed(range(len(out))):
+        if owed >= 0:
+            break
+        taken = min(out[j], -owed)
+        out[j] -= taken
+        owed += taken
+    return [spin if spin > SPIN_MIN_S else 0.0 for spin in out], tail
+
+
 def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: Sequence[list[int]],
                   gaps_s: Sequence[float] | None, tail_s: float, *, call_s: float = 0.0,
                   births: Sequence[int | None] | None = None, stand_in: Callable[[int], None],
@@ -37,10 +65,8 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
     program's own host time before the j-th op, spent busy as the program did (None: ops back to
     back). ``births[j]``: a key for ``born``, which makes the storages the program made right after
     the j-th op (None: none), within the gap that follows it: the program's host time there includes
-    its making them (a compiled graph's own kernels). The program's gap before an op includes its
-    own cost of calling the op (Python binding, argument parsing); the replay pays its own instead,
-    ``call_s`` per op (measured by the replayer on its own steps), so that much of each gap counts as
-    spent, and a negative balance (the replay's calls cost more) carries to later gaps.
+    its making them (a compiled graph's own kernels). ``call_s``: the replay's own cost of calling an
+    op (measured by the replayer on its own steps), which :func:`spins` takes out of the gaps.
     """
     consts: list[Any] = []
     fns: list[Callable[..., Any]] = []
@@ -59,14 +85,11 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
 
     lines = ["def step(v):", "    t = pc()"]
     ran = 0
-    owed_s = 0.0  # the program's host time not yet spent
+    spin_s, tail = spins(gaps_s, tail_s, call_s) if gaps_s is not None else ([0.0] * len(positions), tail_s)
     for j, position in enumerate(positions):
         op = ops[position]
-        if gaps_s is not None:
-            owed_s += gaps_s[j] - call_s
-        if owed_s > SPIN_MIN_S:
-            lines.append(f"    while pc() < t + {float(owed_s)!r}: pass")
-            owed_s = 0.0
+        if spin_s[j] > 0:
+            lines.append(f"    while pc() < t + {float(spin_s[j])!r}: pass")
         if op.error is not None:
             lines.append(f"    standin({int(position)})")
         else:
@@ -96,7 +119,6 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
             lines.append("    t = pc()")
         if births is not None and births[j] is not None:  # inside the next gap: the program made them there
             lines.append(f"    born({int(births[j])})")
-    tail = owed_s + tail_s
     if tail > SPIN_MIN_S:
         lines.append(f"    while pc() < t + {float(tail)!r}: pass")
     namespace: dict[str, Any] = {"f": fns, "c": consts, "flat": flatten_tensors, "pc": time.perf_counter,
