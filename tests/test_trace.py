@@ -444,6 +444,43 @@ def test_the_replay_spins_for_the_programs_host_time_less_its_own_calls_never_mo
         pytest.approx([6 * us, 0.0, 1.1 * us]), pytest.approx(3 * us))
 
 
+def test_the_autograd_bookkeeping_of_forward_ops_is_measured_and_spent_by_the_replay(tmp_path: Path):
+    """The program's forward ops recorded autograd history (inside their own time); the replay runs every op
+    without grad. The spec marks the forward ops that did (not the backward's, not the optimiser's), and the
+    replayer measures that bookkeeping on its own steps, grad mode on and off around those ops, to spend as
+    host time: also through a batch norm, whose running statistics cannot require grad."""
+    from harness.traces.capture import capture
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(8 * 14 * 14, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step() -> None:
+        torch.nn.functional.cross_entropy(model(torch.randn(4, 3, 16, 16)), torch.randint(0, 10, (4,))).backward()
+        opt.step()
+        opt.zero_grad()
+
+    with capture(tmp_path / "bundle", steps=2, warmup=2, baseline_steps=4, source="bn_net") as cap:
+        while not cap.done:
+            with cap.step():
+                step()
+    rank = RankRecord.from_json(generate_spec(tmp_path / "bundle")["ranks"][0])
+    marked = {op.name for op in rank.ops if op.grad}
+    assert {"aten::conv2d", "aten::_batch_norm_impl_index", "aten::addmm"} <= marked, marked
+    assert not any("backward" in name for name in marked), marked
+    optimizer = [op for op in rank.ops if "optimizer" in " ".join(op.scopes).lower()]
+    assert optimizer and not any(op.grad for op in optimizer)
+    replayer = Replayer(rank, torch.device("cpu"), host_gaps=True)
+    replayer.materialize()
+    replayer.dry_run()
+    replayer.calibrate_host_cost(lambda: None)
+    assert replayer.autograd_unmeasured is None
+    assert len(replayer.autograd_samples_s) >= 16 and all(math.isfinite(s) for s in replayer.autograd_samples_s)
+    assert all(not t.requires_grad for t in replayer.vals if isinstance(t, torch.Tensor))  # left as it was
+    replayer.run_step()
+
+
 def test_the_capture_api_says_where_the_bundle_went(tmp_path: Path, capsys):
     _user_program(tmp_path / "bundle")
     said = capsys.readouterr().err

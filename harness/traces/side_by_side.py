@@ -224,24 +224,30 @@ def capture_shift_draws(replayer: Any, *, seed: int = 0, samples: int = BOOTSTRA
     """Bootstrap draws (ms) of how far a replay step would move were its two measured inputs measured again.
 
     A replay spends the program's host time per step, measured once at capture (the median of the
-    Kineto-alone steps), less its own cost per op call, measured once at setup (the median of its
-    calibration steps). Two judgements of one program differ mostly by these two medians. Each draw
-    resamples both sets of measurements: the median gap moves the step by as much; the median call cost
-    moves it the other way, once per op. None when the replay spends no host gaps.
+    Kineto-alone steps), less its own cost per op call and plus the autograd bookkeeping per op it does
+    not do, both measured once at setup (medians of its calibration steps). Two judgements of one
+    program differ mostly by these medians. Each draw resamples every set of measurements: the median
+    gap moves the step by as much; the median call cost the other way, once per op; the bookkeeping
+    once per op the program recorded autograd history through. None when the replay spends no host gaps.
     """
     if replayer is None or not getattr(replayer, "host_gaps", False):
         return None
     gaps, calls = list(replayer.gap_samples_us), list(replayer.call_samples_s)
+    books = list(getattr(replayer, "autograd_samples_s", []))
     if len(gaps) < 2 and len(calls) < 2:
         return None
     ops = statistics.fmean(len(step) for step in replayer.sequence)
+    grad_ops = statistics.fmean(sum(replayer.plan.specs[p].grad for p in step) for step in replayer.sequence) \
+        if books else 0.0
     gap, call = (statistics.median(gaps) if gaps else 0.0), replayer.call_s
+    book = statistics.median(books) if books else 0.0
     rng = random.Random(seed + 1)
     draws = []
     for _ in range(samples):
         g = statistics.median(rng.choices(gaps, k=len(gaps))) if len(gaps) > 1 else gap
         c = statistics.median(rng.choices(calls, k=len(calls))) if len(calls) > 1 else call
-        draws.append(((g - gap) - ops * 1e6 * (c - call)) / 1e3)
+        a = statistics.median(rng.choices(books, k=len(books))) if len(books) > 1 else book
+        draws.append(((g - gap) - ops * 1e6 * (c - call) + grad_ops * 1e6 * (a - book)) / 1e3)
     return draws
 
 

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from workloads.trace_replay.ops import CompiledOp, flatten_tensors
 
 SPIN_MIN_S = 2e-7  # shorter host gaps are not spun on: they add up to the next
@@ -56,7 +58,8 @@ def spins(gaps_s: Sequence[float], tail_s: float, call_s: float) -> tuple[list[f
 
 def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: Sequence[list[int]],
                   gaps_s: Sequence[float] | None, tail_s: float, *, call_s: float = 0.0,
-                  births: Sequence[int | None] | None = None, stand_in: Callable[[int], None],
+                  births: Sequence[int | None] | None = None, grad: Sequence[bool] | None = None,
+                  grad_on: bool = False, stand_in: Callable[[int], None],
                   fill: Callable[[int], None], born: Callable[[int], None] | None = None,
                   name: str) -> tuple[Callable[[list[Any]], None], int]:
     """The step running ``ops[p]`` for each p in ``positions``; returns it and how many ops it runs.
@@ -67,6 +70,9 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
     the j-th op (None: none), within the gap that follows it: the program's host time there includes
     its making them (a compiled graph's own kernels). ``call_s``: the replay's own cost of calling an
     op (measured by the replayer on its own steps), which :func:`spins` takes out of the gaps.
+    ``grad[j]``: run the j-th op with grad mode set to ``grad_on`` and back off after it (what the
+    replayer's autograd calibration compares: the same code, grad mode on and off); None: every op
+    without grad, as the replay runs.
     """
     consts: list[Any] = []
     fns: list[Callable[..., Any]] = []
@@ -90,6 +96,9 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
         op = ops[position]
         if spin_s[j] > 0:
             lines.append(f"    while pc() < t + {float(spin_s[j])!r}: pass")
+        toggled = grad is not None and grad[j] and op.error is None
+        if toggled:
+            lines.append(f"    grad({bool(grad_on)!r})")
         if op.error is not None:
             lines.append(f"    standin({int(position)})")
         else:
@@ -112,6 +121,8 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
                 lines.extend(f"    v[{slot}] = r[{n}]" for n, slot in targets)
             else:
                 lines.append(f"    {call}")
+            if toggled:
+                lines.append("    grad(False)")
             if op.fills or op.pins or op.lengths:
                 lines.append(f"    fill({int(position)})")
         lines.extend(f"    v[{int(slot)}] = None" for slot in clears[j])
@@ -122,6 +133,7 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
     if tail > SPIN_MIN_S:
         lines.append(f"    while pc() < t + {float(tail)!r}: pass")
     namespace: dict[str, Any] = {"f": fns, "c": consts, "flat": flatten_tensors, "pc": time.perf_counter,
-                                 "standin": stand_in, "fill": fill, "born": born}
+                                 "standin": stand_in, "fill": fill, "born": born,
+                                 "grad": torch._C._set_grad_enabled}
     exec(compile("\n".join([*lines, "    return None"]), f"<cobench replay {name}>", "exec"), namespace)
     return namespace["step"], ran

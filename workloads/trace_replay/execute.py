@@ -42,6 +42,9 @@ class StepRunner:
         self.errors: dict[int, str] = {}  # op index → why it did not run (compile, dry run or later)
         self.divergent: dict[int, str] = {}  # op index → how what it made differs from what the program made
         self.call_s = 0.0  # the replay's own host time per op call (:mod:`.host_cost`)
+        # the autograd bookkeeping per op the program recorded history through (:mod:`.host_cost`): the
+        # replay runs without grad, so it spends that much as host time before each such op
+        self.autograd_s = 0.0
 
     def regenerate(self) -> None:
         """Generate each step's code again on its next run (ops failed, or the host cost changed)."""
@@ -147,18 +150,25 @@ class StepRunner:
             self.dry_run(steps=[k])  # find it op by op: recorded, stood in for, the code regenerated
         return ran
 
-    def generated_step(self, k: int, *, no_gap_time: bool = False) -> tuple[Callable[[list[Any]], None], int]:
+    def generated_step(self, k: int, *, no_gap_time: bool = False,
+                       grad_on: bool | None = None) -> tuple[Callable[[list[Any]], None], int]:
         """Step ``k`` as one generated function (:func:`codegen.generate_step`); ``no_gap_time``: the
-        same code with every host gap zero (what :func:`.host_cost.measure_call_cost` measures)."""
+        same code with every host gap zero (what :func:`.host_cost.measure_call_cost` measures);
+        ``grad_on``: that code with grad mode set to it around each op the program recorded autograd
+        history through (what :func:`.host_cost.measure_autograd_cost` compares)."""
         positions = self.plan.sequence[k]
         offset = self.plan.offset(k)
+        no_gap_time = no_gap_time or grad_on is not None
         gaps = None
         if self.host_gaps:
-            gaps = [0.0 if no_gap_time else seconds(self.plan.specs[p].gap_us) for p in positions]
+            specs = [self.plan.specs[p] for p in positions]
+            gaps = [0.0 if no_gap_time else seconds(spec.gap_us) + spec.grad * self.autograd_s for spec in specs]
         tail = seconds(self._tail_gaps_us[k]) if self.host_gaps and not no_gap_time else 0.0
         births = [offset + j if offset + j in self.plan.births else None for j in range(len(positions))]
         return generate_step(self.plan.ops, positions, self.plan.clears[offset:offset + len(positions)], gaps, tail,
                              call_s=0.0 if no_gap_time else self.call_s, births=births,
+                             grad=None if grad_on is None else [self.plan.specs[p].grad for p in positions],
+                             grad_on=bool(grad_on),
                              stand_in=lambda i: self.tensors.stand_in(self.plan.ops[i]),
                              fill=lambda i: self.plan.ops[i].store_fills(self.tensors.vals, self.tensors.generator),
                              born=self.tensors.give_birth, name=f"step {k}")

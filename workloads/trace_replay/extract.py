@@ -204,6 +204,9 @@ def _captured_ops(trace: BundleTrace) -> list[dict[str, Any]]:
             "tensor_data": recorded_tensor_data(trace.path, node),
             "ts_us": event.ts if event else None,
             "dur_us": event.dur if event else None,
+            # the program recorded autograd history through it (an autograd sequence number): a forward op
+            # under grad mode, whose bookkeeping the replay, running without grad, measures and spends
+            "grad": node.seq_id is not None and "backward" not in node.name,
         })
     ops.sort(key=lambda o: (o["step"], o["ts_us"] if o["ts_us"] is not None else math.inf, o["id"]))
     return ops

@@ -149,6 +149,7 @@ class SpecFields:
         for key in ("dur_us", "gap_us"):
             if op.get(key) is not None:
                 self.number(op[key], f"{where}.{key}", 0.0, MAX_GAP_US if key == "gap_us" else 1e12)
+        self.need(type(op.get("grad", False)) is bool, f"{where}.grad", f"{_show(op.get('grad'))} is not true or false")
         for s, scope in enumerate(self.list_(op.get("scopes", []), f"{where}.scopes")):
             self.str_(scope, f"{where}.scopes[{s}]")
         for d, dep in enumerate(self.list_(op.get("deps", []), f"{where}.deps")):

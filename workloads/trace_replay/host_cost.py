@@ -1,8 +1,15 @@
-"""The replay's own host time per op call, measured as the capture measures the program's.
+"""The replay's own host time per op call, measured as the capture measures the program's, and the
+autograd bookkeeping the program did inside its forward ops, which the replay does not.
 
 A replay that spends the program's host time between ops (:mod:`.host_time`) must not count its own
 cost of calling each op twice: that cost is measured here on the replay's own generated steps, with
 every gap zero, under the profiler against plain runs, and taken out of the gaps it spends.
+
+A program's forward ops ran under grad mode: each recorded autograd history (a node, its saved
+tensors, version counters) inside the op's own time, which the capture therefore counts as op time.
+The replay runs every op without grad (its backward ops are calls of their own, not a graph's), so
+it measures that bookkeeping on its own steps — the same code with grad mode on and off around each
+such op — and spends it as host time before each.
 """
 
 from __future__ import annotations
@@ -92,3 +99,109 @@ def measure_call_cost(runner: StepRunner, synchronize: Callable[[], None], round
             host_us = kineto_host_gaps(read_kineto(path), plain_us)
             per_op += [host_us[k] / (repeats[k] * max(1, len(runner.plan.sequence[k]))) for k in host_us]
     return [1e-6 * v for v in per_op]
+
+
+def _runs_with_grad(op: Any, vals: list[Any], leaves: list[torch.Tensor]) -> bool:
+    for leaf in leaves:
+        leaf.requires_grad_(True)
+    try:
+        with torch.enable_grad():
+            op.call(vals)
+        return True
+    except Exception:  # noqa: BLE001 - the answer: these leaves cannot require grad here
+        return False
+    finally:
+        for leaf in leaves:
+            leaf.requires_grad_(False)
+
+
+def _grad_leaves(runner: StepRunner) -> list[torch.Tensor]:
+    """The tensors the steps read before making them (parameters, inputs) that the program's grad-mode ops
+    read, and that may require grad there: floating leaves, which the calibration lets require grad so
+    that those ops record history. One pass over the steps, op by op, tries each such op with its own
+    leaves requiring grad; where that fails, each leaf alone (a batch norm's running statistics are
+    written in place: they cannot)."""
+    plan, vals = runner.plan, runner.tensors.vals
+    leaves: dict[int, torch.Tensor] = {}
+    refused: set[int] = set()
+    with torch.no_grad():
+        for k, step in enumerate(plan.sequence):
+            offset = plan.offset(k)
+            for j, position in enumerate(step):
+                op = plan.ops[position]
+                if op.error is None and plan.specs[position].grad:
+                    mine = {id(v): v for _, _, slot in [*op.arg_slots, *op.kwarg_slots]
+                            if slot in plan.externals and isinstance(v := vals[slot], torch.Tensor)
+                            and v.is_floating_point() and v.is_leaf and not v.requires_grad
+                            and id(v) not in refused}
+                    if mine and not _runs_with_grad(op, vals, list(mine.values())):
+                        for key, leaf in mine.items():
+                            if not _runs_with_grad(op, vals, [leaf]):
+                                refused.add(key)
+                    leaves.update(mine)
+                try:
+                    if op.error is not None:
+                        raise RuntimeError(op.error)
+                    op.store(op.call(vals), vals, runner.tensors.generator)
+                except Exception:  # noqa: BLE001 - as the steps do: a stand-in of the captured shapes
+                    runner.tensors.stand_in(op)
+                runner.tensors.give_birth(offset + j)
+                for slot in plan.clears[offset + j]:
+                    vals[slot] = None
+    return [leaf for key, leaf in leaves.items() if key not in refused]
+
+
+def measure_autograd_cost(runner: StepRunner, synchronize: Callable[[], None],
+                          rounds: int = 16) -> tuple[list[float], str | None]:
+    """The autograd bookkeeping per op the program recorded history through, one figure per sample
+    (seconds), and why there is none where the steps could not run with grad mode on.
+
+    Each round runs every step's generated code with grad mode off around those ops and with it on
+    (the steps' external floating inputs of those ops requiring grad), in alternating order, each
+    from the carried state as it was made and as many times as last :data:`MIN_SAMPLE_MS`; a sample
+    is the difference over the step's such ops. A step whose grad-mode run fails (an in-place op on
+    a tensor the program did not let require grad) leaves the figure unmeasured: 0, with the error.
+    """
+    steps = len(runner.plan.sequence)
+    counts = [sum(runner.plan.specs[p].grad for p in runner.plan.sequence[k]) for k in range(steps)]
+    if not any(counts):
+        return [], None
+    off = [runner.generated_step(k, grad_on=False)[0] for k in range(steps)]
+    on = [runner.generated_step(k, grad_on=True)[0] for k in range(steps)]
+    leaves, vals = _grad_leaves(runner), runner.tensors.vals
+
+    def timed(fn: Callable[[list[Any]], None], repeats: int, grad: bool) -> float:
+        for leaf in leaves:
+            leaf.requires_grad_(grad)
+        try:
+            synchronize()
+            started = time.perf_counter()
+            with torch.no_grad():
+                for _ in range(repeats):
+                    fn(vals)
+            synchronize()
+            return time.perf_counter() - started
+        finally:
+            for leaf in leaves:
+                leaf.requires_grad_(False)
+
+    samples: list[float] = []
+    try:
+        repeats = []
+        for k in range(steps):
+            timed(on[k], 1, True)  # settles it, and finds a step that cannot run with grad
+            repeats.append(max(1, min(MAX_REPEATS, math.ceil(MIN_SAMPLE_MS / max(1e3 * timed(off[k], 1, False),
+                                                                                   1e-3)))))
+        for r in range(rounds):
+            runner.tensors.restore_values()  # a step run over and over drifts (denormal values run slower)
+            for k in range(steps):
+                if counts[k]:
+                    first, second = (True, False) if r % 2 else (False, True)
+                    times = {first: timed(on[k] if first else off[k], repeats[k], first),
+                             second: timed(on[k] if second else off[k], repeats[k], second)}
+                    samples.append((times[True] - times[False]) / (repeats[k] * counts[k]))
+    except Exception as err:  # noqa: BLE001 - reported with the figure, which stays unmeasured
+        return [], f"{type(err).__name__}: {str(err)[:300]}"
+    finally:
+        runner.tensors.restore_values()
+    return samples, None

@@ -26,7 +26,7 @@ import torch
 
 from workloads.trace_replay.dataflow import External
 from workloads.trace_replay.execute import ReplayStats, StepRunner
-from workloads.trace_replay.host_cost import measure_call_cost
+from workloads.trace_replay.host_cost import measure_autograd_cost, measure_call_cost
 from workloads.trace_replay.ops import CompiledOp
 from workloads.trace_replay.plan import plan_replay
 from workloads.trace_replay.records import RankRecord
@@ -51,6 +51,8 @@ class Replayer:
         tail_gaps_us = [tails.get(step, 0.0) for step in sorted({op.step for op in rank_spec.ops})]
         self.runner = StepRunner(self.plan, self.tensors, host_gaps=host_gaps, tail_gaps_us=tail_gaps_us)
         self.call_samples_s: list[float] = []
+        self.autograd_samples_s: list[float] = []
+        self.autograd_unmeasured: str | None = None  # why the autograd bookkeeping was not measured
 
     @property
     def ops(self) -> list[CompiledOp]:
@@ -121,11 +123,26 @@ class Replayer:
 
     def calibrate_host_cost(self, synchronize: Callable[[], None], rounds: int = 24) -> float:
         """Measure the replay's own host time per op call (seconds; the median of :func:`.host_cost.
-        measure_call_cost`'s figures), which the host gaps it spends then leave out; 0 without host gaps."""
+        measure_call_cost`'s figures), which the host gaps it spends then leave out, and the autograd
+        bookkeeping per op it does not do (:func:`.host_cost.measure_autograd_cost`), which they then
+        add; returns the first, 0 without host gaps."""
         if not self.host_gaps:
             return 0.0
         self.call_samples_s = measure_call_cost(self.runner, synchronize, rounds,  # a judgement resamples them
                                                 process_group=self.process_group)
         self.runner.call_s = statistics.median(self.call_samples_s) if self.call_samples_s else 0.0
-        self.runner.regenerate()  # with the measured cost
+        if any(op.name.startswith("c10d::") for op in self.plan.ops):
+            # its variants would have to run in lockstep on every rank; the program's bookkeeping is not spent
+            self.autograd_unmeasured = "not measured on steps that hold collectives"
+        else:
+            self.autograd_samples_s, self.autograd_unmeasured = measure_autograd_cost(self.runner, synchronize)
+        self.runner.autograd_s = max(0.0, statistics.median(self.autograd_samples_s)) if self.autograd_samples_s \
+            else 0.0
+        self.runner.regenerate()  # with the measured costs
         return self.runner.call_s
+
+    @property
+    def autograd_s(self) -> float:
+        """The autograd bookkeeping per op the program recorded history through (seconds), spent as host
+        time before each: set by :meth:`calibrate_host_cost`."""
+        return self.runner.autograd_s

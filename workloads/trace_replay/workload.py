@@ -169,6 +169,9 @@ class GeneratedWorkload(WorkloadBase):
         record["metrics"]["replay_static_mb"] = self.replayer.static_bytes / 2**20
         if self.replayer.host_gaps:
             record["metrics"]["replay_host_us_per_op"] = 1e6 * self.replayer.call_s
+            record["metrics"]["replay_autograd_us_per_op"] = 1e6 * self.replayer.autograd_s
+            if self.replayer.autograd_unmeasured:
+                record["autograd_unmeasured"] = self.replayer.autograd_unmeasured
         record["metrics"]["replay_nonfinite_tensors"] = float(self.replayer.nonfinite_tensors())
         record["replay_platform"] = self.platform
         self.record = record
