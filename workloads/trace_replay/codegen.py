@@ -59,7 +59,7 @@ def spins(gaps_s: Sequence[float], tail_s: float, call_s: float) -> tuple[list[f
 def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: Sequence[list[int]],
                   gaps_s: Sequence[float] | None, tail_s: float, *, call_s: float = 0.0,
                   births: Sequence[int | None] | None = None, grad: Sequence[bool] | None = None,
-                  grad_on: bool = False, stand_in: Callable[[int], None],
+                  grad_on: bool = False, keep: list[Any] | None = None, stand_in: Callable[[int], None],
                   fill: Callable[[int], None], born: Callable[[int], None] | None = None,
                   name: str) -> tuple[Callable[[list[Any]], None], int]:
     """The step running ``ops[p]`` for each p in ``positions``; returns it and how many ops it runs.
@@ -72,7 +72,9 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
     op (measured by the replayer on its own steps), which :func:`spins` takes out of the gaps.
     ``grad[j]``: run the j-th op with grad mode set to ``grad_on`` and back off after it (what the
     replayer's autograd calibration compares: the same code, grad mode on and off); None: every op
-    without grad, as the replay runs.
+    without grad, as the replay runs. Those ops' outputs are appended to ``keep`` then, so that the
+    history they record is torn down when the caller clears it, not inside the step: the program tears
+    its down in the backward, whose host time the capture measures apart.
     """
     consts: list[Any] = []
     fns: list[Callable[..., Any]] = []
@@ -123,6 +125,7 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
                 lines.append(f"    {call}")
             if toggled:
                 lines.append("    grad(False)")
+                lines.extend(f"    keep.append(v[{slot}])" for _, slot in targets)
             if op.fills or op.pins or op.lengths:
                 lines.append(f"    fill({int(position)})")
         lines.extend(f"    v[{int(slot)}] = None" for slot in clears[j])
@@ -134,6 +137,6 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
         lines.append(f"    while pc() < t + {float(tail)!r}: pass")
     namespace: dict[str, Any] = {"f": fns, "c": consts, "flat": flatten_tensors, "pc": time.perf_counter,
                                  "standin": stand_in, "fill": fill, "born": born,
-                                 "grad": torch._C._set_grad_enabled}
+                                 "grad": torch._C._set_grad_enabled, "keep": keep}
     exec(compile("\n".join([*lines, "    return None"]), f"<cobench replay {name}>", "exec"), namespace)
     return namespace["step"], ran

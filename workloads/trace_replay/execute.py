@@ -150,12 +150,13 @@ class StepRunner:
             self.dry_run(steps=[k])  # find it op by op: recorded, stood in for, the code regenerated
         return ran
 
-    def generated_step(self, k: int, *, no_gap_time: bool = False,
-                       grad_on: bool | None = None) -> tuple[Callable[[list[Any]], None], int]:
+    def generated_step(self, k: int, *, no_gap_time: bool = False, grad_on: bool | None = None,
+                       keep: list[Any] | None = None) -> tuple[Callable[[list[Any]], None], int]:
         """Step ``k`` as one generated function (:func:`codegen.generate_step`); ``no_gap_time``: the
         same code with every host gap zero (what :func:`.host_cost.measure_call_cost` measures);
         ``grad_on``: that code with grad mode set to it around each op the program recorded autograd
-        history through (what :func:`.host_cost.measure_autograd_cost` compares)."""
+        history through (what :func:`.host_cost.measure_autograd_cost` compares), their outputs
+        appended to ``keep``."""
         positions = self.plan.sequence[k]
         offset = self.plan.offset(k)
         no_gap_time = no_gap_time or grad_on is not None
@@ -168,7 +169,7 @@ class StepRunner:
         return generate_step(self.plan.ops, positions, self.plan.clears[offset:offset + len(positions)], gaps, tail,
                              call_s=0.0 if no_gap_time else self.call_s, births=births,
                              grad=None if grad_on is None else [self.plan.specs[p].grad for p in positions],
-                             grad_on=bool(grad_on),
+                             grad_on=bool(grad_on), keep=keep,
                              stand_in=lambda i: self.tensors.stand_in(self.plan.ops[i]),
                              fill=lambda i: self.plan.ops[i].store_fills(self.tensors.vals, self.tensors.generator),
                              born=self.tensors.give_birth, name=f"step {k}")

@@ -159,29 +159,37 @@ def measure_autograd_cost(runner: StepRunner, synchronize: Callable[[], None],
     Each round runs every step's generated code with grad mode off around those ops and with it on
     (the steps' external floating inputs of those ops requiring grad), in alternating order, each
     from the carried state as it was made and as many times as last :data:`MIN_SAMPLE_MS`; a sample
-    is the difference over the step's such ops. A step whose grad-mode run fails (an in-place op on
+    is the difference over the step's such ops. Their outputs are held until each run's time is
+    taken: the history they recorded is torn down outside it, as the program's is in its backward,
+    whose host time the capture already counts (torn down inside, the figure came out twice GPT-2's
+    forward with grad against without). A step whose grad-mode run fails (an in-place op on
     a tensor the program did not let require grad) leaves the figure unmeasured: 0, with the error.
     """
     steps = len(runner.plan.sequence)
     counts = [sum(runner.plan.specs[p].grad for p in runner.plan.sequence[k]) for k in range(steps)]
     if not any(counts):
         return [], None
-    off = [runner.generated_step(k, grad_on=False)[0] for k in range(steps)]
-    on = [runner.generated_step(k, grad_on=True)[0] for k in range(steps)]
+    keep: list[Any] = []  # the ops' outputs, and with them their history, until a run's time is taken
+    off = [runner.generated_step(k, grad_on=False, keep=keep)[0] for k in range(steps)]
+    on = [runner.generated_step(k, grad_on=True, keep=keep)[0] for k in range(steps)]
     leaves, vals = _grad_leaves(runner), runner.tensors.vals
 
     def timed(fn: Callable[[list[Any]], None], repeats: int, grad: bool) -> float:
         for leaf in leaves:
             leaf.requires_grad_(grad)
+        took = 0.0
         try:
-            synchronize()
-            started = time.perf_counter()
             with torch.no_grad():
                 for _ in range(repeats):
+                    synchronize()
+                    started = time.perf_counter()
                     fn(vals)
-            synchronize()
-            return time.perf_counter() - started
+                    synchronize()
+                    took += time.perf_counter() - started
+                    keep.clear()  # the history torn down untimed: the program's backward does it
+            return took
         finally:
+            keep.clear()
             for leaf in leaves:
                 leaf.requires_grad_(False)
 
