@@ -151,13 +151,14 @@ class StepRunner:
         return ran
 
     def generated_step(self, k: int, *, no_gap_time: bool = False, grad_on: bool | None = None,
-                       keep: list[Any] | None = None) -> tuple[Callable[[list[Any]], None], int]:
+                       keep: list[Any] | None = None,
+                       upto: int | None = None) -> tuple[Callable[[list[Any]], None], int]:
         """Step ``k`` as one generated function (:func:`codegen.generate_step`); ``no_gap_time``: the
         same code with every host gap zero (what :func:`.host_cost.measure_call_cost` measures);
         ``grad_on``: that code with grad mode set to it around each op the program recorded autograd
         history through (what :func:`.host_cost.measure_autograd_cost` compares), their outputs
-        appended to ``keep``."""
-        positions = self.plan.sequence[k]
+        appended to ``keep``. ``upto``: the step's first that many ops only."""
+        positions = self.plan.sequence[k][:upto]
         offset = self.plan.offset(k)
         no_gap_time = no_gap_time or grad_on is not None
         gaps = None

@@ -152,44 +152,48 @@ def _grad_leaves(runner: StepRunner) -> list[torch.Tensor]:
 
 
 def measure_autograd_cost(runner: StepRunner, synchronize: Callable[[], None],
-                          rounds: int = 16) -> tuple[list[float], str | None]:
+                          rounds: int = 24) -> tuple[list[float], str | None]:
     """The autograd bookkeeping per op the program recorded history through, one figure per sample
     (seconds), and why there is none where the steps could not run with grad mode on.
 
-    Each round runs every step's generated code with grad mode off around those ops and with it on
-    (the steps' external floating inputs of those ops requiring grad), in alternating order, each
-    from the carried state as it was made and as many times as last :data:`MIN_SAMPLE_MS`; a sample
-    is the difference over the step's such ops. Their outputs are held until each run's time is
-    taken: the history they recorded is torn down outside it, as the program's is in its backward,
-    whose host time the capture already counts (torn down inside, the figure came out twice GPT-2's
-    forward with grad against without). A step whose grad-mode run fails (an in-place op on
-    a tensor the program did not let require grad) leaves the figure unmeasured: 0, with the error.
+    Each step's generated code up to its last such op (the forward: the rest of the step does not
+    change with grad mode, and would only add its own spread to the difference) runs with grad mode
+    off around those ops and with it on (the steps' external floating inputs of those ops requiring
+    grad), one run of each in turn, the order alternating, as many pairs as last
+    :data:`MIN_SAMPLE_MS`, each round from the carried state as it was made; a sample is a round's
+    difference over the step's such ops. Their outputs are held until each run's time is taken: the
+    history they recorded is torn down outside it, as the program's is in its backward, whose host
+    time the capture already counts (torn down inside, the figure came out twice GPT-2's forward with
+    grad against without). A step whose grad-mode run fails (an in-place op on a tensor the program
+    did not let require grad) leaves the figure unmeasured: 0, with the error.
     """
     steps = len(runner.plan.sequence)
-    counts = [sum(runner.plan.specs[p].grad for p in runner.plan.sequence[k]) for k in range(steps)]
+    grads = [[runner.plan.specs[p].grad for p in runner.plan.sequence[k]] for k in range(steps)]
+    counts = [sum(g) for g in grads]
     if not any(counts):
         return [], None
+    ends = [max((j + 1 for j, g in enumerate(gs) if g), default=0) for gs in grads]
     keep: list[Any] = []  # the ops' outputs, and with them their history, until a run's time is taken
-    off = [runner.generated_step(k, grad_on=False, keep=keep)[0] for k in range(steps)]
-    on = [runner.generated_step(k, grad_on=True, keep=keep)[0] for k in range(steps)]
+    variants = {grad: [runner.generated_step(k, grad_on=grad, keep=keep, upto=ends[k])[0] for k in range(steps)]
+                for grad in (False, True)}
     leaves, vals = _grad_leaves(runner), runner.tensors.vals
+    made = [{slot for p in runner.plan.sequence[k][:ends[k]] for slot in runner.plan.ops[p].out_slots
+             if slot is not None and slot not in runner.plan.externals} for k in range(steps)]
 
-    def timed(fn: Callable[[list[Any]], None], repeats: int, grad: bool) -> float:
+    def timed(k: int, grad: bool) -> float:
         for leaf in leaves:
             leaf.requires_grad_(grad)
-        took = 0.0
         try:
             with torch.no_grad():
-                for _ in range(repeats):
-                    synchronize()
-                    started = time.perf_counter()
-                    fn(vals)
-                    synchronize()
-                    took += time.perf_counter() - started
-                    keep.clear()  # the history torn down untimed: the program's backward does it
-            return took
+                synchronize()
+                started = time.perf_counter()
+                variants[grad][k](vals)
+                synchronize()
+                return time.perf_counter() - started
         finally:
-            keep.clear()
+            keep.clear()  # the history torn down untimed: the program's backward does it
+            for slot in made[k]:  # what the rest of the step would have read: no history left behind
+                vals[slot] = None
             for leaf in leaves:
                 leaf.requires_grad_(False)
 
@@ -197,17 +201,18 @@ def measure_autograd_cost(runner: StepRunner, synchronize: Callable[[], None],
     try:
         repeats = []
         for k in range(steps):
-            timed(on[k], 1, True)  # settles it, and finds a step that cannot run with grad
-            repeats.append(max(1, min(MAX_REPEATS, math.ceil(MIN_SAMPLE_MS / max(1e3 * timed(off[k], 1, False),
-                                                                                   1e-3)))))
+            if counts[k]:
+                timed(k, True)  # settles it, and finds a step that cannot run with grad
+            repeats.append(max(1, min(MAX_REPEATS, math.ceil(MIN_SAMPLE_MS / max(1e3 * timed(k, False), 1e-3)))))
         for r in range(rounds):
             runner.tensors.restore_values()  # a step run over and over drifts (denormal values run slower)
             for k in range(steps):
                 if counts[k]:
-                    first, second = (True, False) if r % 2 else (False, True)
-                    times = {first: timed(on[k] if first else off[k], repeats[k], first),
-                             second: timed(on[k] if second else off[k], repeats[k], second)}
-                    samples.append((times[True] - times[False]) / (repeats[k] * counts[k]))
+                    took = {True: 0.0, False: 0.0}
+                    for i in range(repeats[k]):
+                        for grad in ((True, False) if (r + i) % 2 else (False, True)):
+                            took[grad] += timed(k, grad)
+                    samples.append((took[True] - took[False]) / (repeats[k] * counts[k]))
     except Exception as err:  # noqa: BLE001 - reported with the figure, which stays unmeasured
         return [], f"{type(err).__name__}: {str(err)[:300]}"
     finally:
