@@ -97,6 +97,11 @@ def test_the_judge_adds_rounds_until_the_interval_is_narrow_or_the_budget_is_spe
     assert short.budget_exhausted and not short.fidelity_valid and short.elapsed_s <= 1.5
     assert "the budget spent (--budget-s 2)" in short.invalid_reason
 
+    capped = interleave(lambda: work(0.05, 0.9), lambda: work(0.05, 0.9), torch.device("cpu"), rounds=10,
+                        steps_per_round=1, warmup=2, batch=1, budget_s=1e6)
+    assert len(capped.order) == side_by_side_module.MAX_ROUNDS and not capped.fidelity_valid
+    assert "the most a judgement runs" in capped.invalid_reason and "budget" not in capped.invalid_reason
+
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
 def test_corpus_program_replays_completely_judged_side_by_side(name: str, tmp_path: Path):

@@ -87,14 +87,20 @@ class SideBySide:
             reasons.append(f"{len(self.order)} rounds are too few for an interval (at least {MIN_VALID_ROUNDS}: "
                            f"--rounds)")
         if not self.half_width_pct <= self.target_half_width_pct:
-            spent = (f" after {len(self.order)} rounds in {self.elapsed_s:.0f} s, the budget spent "
-                     f"(--budget-s {self.budget_s:.0f})" if self.budget_s is not None else
-                     f" after {len(self.order)} rounds (--rounds)")
+            advice = "a larger budget or a quieter machine narrows it"
+            if self.budget_s is None:
+                spent = f" after {len(self.order)} rounds (--rounds)"
+            elif len(self.order) >= MAX_ROUNDS:
+                spent = f" after {len(self.order)} rounds in {self.elapsed_s:.0f} s, the most a judgement runs"
+                advice = "more samples per round (--round-steps) or a quieter machine narrows it"
+            else:
+                spent = (f" after {len(self.order)} rounds in {self.elapsed_s:.0f} s, the budget spent "
+                         f"(--budget-s {self.budget_s:.0f})")
             reasons.append(f"the 95 % interval is ±{self.half_width_pct:.1f} % (> ±{self.target_half_width_pct:g} %)"
                            f"{spent}: the source's round medians vary {self.source_round_cv_pct:.1f} %"
                            + (f", and re-measuring the capture's host time and the replay's call cost alone moves "
                               f"it ±{self.capture_half_width_pct:.1f} %" if self.replay_shift_ms else "")
-                           + "; a larger budget or a quieter machine narrows it")
+                           + f"; {advice}")
         self.fidelity_valid = not reasons
         self.invalid_reason = "; ".join(reasons)
         return self

@@ -175,9 +175,10 @@ class StepRunner:
                              fill=lambda i: self.plan.ops[i].store_fills(self.tensors.vals, self.tensors.generator),
                              born=self.tensors.give_birth, name=f"step {k}")
 
-    def time_ops(self, synchronize: Callable[[], None]) -> dict[int, list[float]]:
-        """One pass over every step with each op timed alone (synchronised): op index → seconds."""
-        times: dict[int, list[float]] = {}
+    def walk(self, run_op: Callable[[int, CompiledOp], None]) -> None:
+        """One pass over every step op by op, as the steps run: ``run_op(position, op)`` runs each op that
+        has not failed (one that raises is recorded as failed, as in :meth:`run_step`, and stood in for from
+        then on); then what the program made after it is made and what it read last is let go."""
         vals = self.tensors.vals
         with torch.no_grad():
             for k, step in enumerate(self.plan.sequence):
@@ -185,19 +186,29 @@ class StepRunner:
                 for j, position in enumerate(step):
                     op = self.plan.ops[position]
                     if op.error is None:
-                        synchronize()
-                        started = time.perf_counter()
                         try:
-                            op.store(op.call(vals), vals, self.tensors.generator)
-                            synchronize()
-                            times.setdefault(op.index, []).append(time.perf_counter() - started)
+                            run_op(position, op)
                         except Exception as err:  # noqa: BLE001 - recorded like a dry-run failure
                             op.error = self.errors[op.index] = describe(err)
-                            self.tensors.stand_in(op)
-                    else:
+                            self.regenerate()
+                    if op.error is not None:
                         self.tensors.stand_in(op)
                     self.tensors.give_birth(offset + j)
                     for slot in self.plan.clears[offset + j]:
                         vals[slot] = None
         self._next = 0
+
+    def time_ops(self, synchronize: Callable[[], None]) -> dict[int, list[float]]:
+        """One pass over every step with each op timed alone (synchronised): op index → seconds."""
+        times: dict[int, list[float]] = {}
+        vals = self.tensors.vals
+
+        def timed(_: int, op: CompiledOp) -> None:
+            synchronize()
+            started = time.perf_counter()
+            op.store(op.call(vals), vals, self.tensors.generator)
+            synchronize()
+            times.setdefault(op.index, []).append(time.perf_counter() - started)
+
+        self.walk(timed)
         return times

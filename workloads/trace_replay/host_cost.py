@@ -124,30 +124,20 @@ def _grad_leaves(runner: StepRunner) -> list[torch.Tensor]:
     plan, vals = runner.plan, runner.tensors.vals
     leaves: dict[int, torch.Tensor] = {}
     refused: set[int] = set()
-    with torch.no_grad():
-        for k, step in enumerate(plan.sequence):
-            offset = plan.offset(k)
-            for j, position in enumerate(step):
-                op = plan.ops[position]
-                if op.error is None and plan.specs[position].grad:
-                    mine = {id(v): v for _, _, slot in [*op.arg_slots, *op.kwarg_slots]
-                            if slot in plan.externals and isinstance(v := vals[slot], torch.Tensor)
-                            and v.is_floating_point() and v.is_leaf and not v.requires_grad
-                            and id(v) not in refused}
-                    if mine and not _runs_with_grad(op, vals, list(mine.values())):
-                        for key, leaf in mine.items():
-                            if not _runs_with_grad(op, vals, [leaf]):
-                                refused.add(key)
-                    leaves.update(mine)
-                try:
-                    if op.error is not None:
-                        raise RuntimeError(op.error)
-                    op.store(op.call(vals), vals, runner.tensors.generator)
-                except Exception:  # noqa: BLE001 - as the steps do: a stand-in of the captured shapes
-                    runner.tensors.stand_in(op)
-                runner.tensors.give_birth(offset + j)
-                for slot in plan.clears[offset + j]:
-                    vals[slot] = None
+
+    def probe(position: int, op: Any) -> None:
+        if plan.specs[position].grad:
+            mine = {id(v): v for _, _, slot in [*op.arg_slots, *op.kwarg_slots]
+                    if slot in plan.externals and isinstance(v := vals[slot], torch.Tensor)
+                    and v.is_floating_point() and v.is_leaf and not v.requires_grad and id(v) not in refused}
+            if mine and not _runs_with_grad(op, vals, list(mine.values())):
+                for key, leaf in mine.items():
+                    if not _runs_with_grad(op, vals, [leaf]):
+                        refused.add(key)
+            leaves.update(mine)
+        op.store(op.call(vals), vals, runner.tensors.generator)
+
+    runner.walk(probe)
     return [leaf for key, leaf in leaves.items() if key not in refused]
 
 
