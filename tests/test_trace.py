@@ -20,6 +20,7 @@ from conftest import clean_env, mlflow_runs
 
 from workloads.trace_bundle import ET_FILE, KINETO_FILE, META_FILE, TraceError, read_meta
 from workloads.trace_replay.extract import ancestors
+from workloads.trace_replay.fidelity import unrepresentative_reason
 from workloads.trace_replay.host_time import kineto_host_gaps
 from workloads.trace_replay.parse import KinetoEvent, KinetoTrace, Node, kineto_trace, repair_nesting
 from workloads.trace_replay.records import RankRecord
@@ -479,6 +480,39 @@ def test_the_autograd_bookkeeping_of_forward_ops_is_measured_and_spent_by_the_re
     assert len(replayer.autograd_samples_s) >= 16 and all(math.isfinite(s) for s in replayer.autograd_samples_s)
     assert all(not t.requires_grad for t in replayer.vals if isinstance(t, torch.Tensor))  # left as it was
     replayer.run_step()
+
+
+def test_captured_steps_unlike_the_programs_own_are_named(tmp_path: Path):
+    """A program whose steps differ by chance (a layer dropped at random) can be traced on steps unlike its
+    own: the replay of those says nothing about the program's time. The spec counts the ops of the traced
+    steps and of the program's steps timed after them, and the fidelity record names the difference (the
+    judge then gives no verdict); a program traced on steps like its own is not named."""
+    from harness.traces.capture import capture
+
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(6))
+    opt = torch.optim.SGD(layers.parameters(), lr=0.01)
+
+    def step(depth: int) -> None:
+        x = torch.randn(8, 32)
+        for layer in layers[:depth]:
+            x = torch.relu(layer(x))
+        x.sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    reasons = {}
+    for name, shallow_when_traced in (("steady", False), ("dropped", True)):
+        with capture(tmp_path / name, steps=2, warmup=1, baseline_steps=2, source=name) as cap:
+            while not cap.done:
+                first = cap.warmup + cap.baseline_steps
+                with cap.step():
+                    step(2 if shallow_when_traced and first <= cap.step_index < first + cap.steps else 6)
+        rank = RankRecord.from_json(generate_spec(tmp_path / name)["ranks"][0])
+        assert all(s.kineto_ops > 0 and s.program_kineto_ops > 0 for s in rank.steps)
+        reasons[name] = unrepresentative_reason(rank.steps)
+    assert reasons["steady"] == ""
+    assert "captured steps ran" in reasons["dropped"] and "capture more steps (--steps)" in reasons["dropped"]
 
 
 def test_the_capture_api_says_where_the_bundle_went(tmp_path: Path, capsys):

@@ -129,10 +129,11 @@ def _fidelity_record(replay_record: dict[str, Any], side: SideBySide, source_pea
     cross = {k: record["metrics"].pop(k) for k in ("time_error_pct", "time_error_signed_pct", "reference_step_ms",
                                                    "reference_step_cv_pct", "replay_step_ms", "replay_step_cv_pct")
              if k in record["metrics"]}
-    if record.get("unfaithful"):  # a replay that did not run every op as captured is no verdict on time
-        side.fidelity_valid = False
-        side.invalid_reason = "; ".join(r for r in (f"the replay is not the program: {record['unfaithful']}",
-                                                    side.invalid_reason) if r)
+    # a replay that did not run every op as captured, or of steps unlike the program's, is no verdict on time
+    for key, what in (("unfaithful", "the replay is not the program"), ("unrepresentative", "not the program's steps")):
+        if record.get(key):
+            side.fidelity_valid = False
+            side.invalid_reason = "; ".join(r for r in (f"{what}: {record[key]}", side.invalid_reason) if r)
     record["metrics"].update(side.metrics())
     for category, shares in record.get("categories", {}).items():  # replay's share − source's, in points
         record["metrics"][f"category_error_pp_{category}"] = 100.0 * (shares["replay_share"] - shares["source_share"])

@@ -20,13 +20,14 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 from typing import Any
 
 import torch
 
 from workloads.trace_bundle import ET_FILE, STEP_ANNOTATION, TraceError
 from workloads.trace_replay.allocations import mark_source_releases
-from workloads.trace_replay.host_time import measured_host_gaps, place_host_gaps
+from workloads.trace_replay.host_time import measured_host_gaps, place_host_gaps, replayed_op_counts
 from workloads.trace_replay.parse import (
     BundleTrace,
     KinetoEvent,
@@ -224,10 +225,18 @@ def extract_rank(trace: BundleTrace) -> tuple[list[dict[str, Any]], list[dict[st
     if not ops:
         raise TraceError(f"{et_path}: the captured steps contain no operators with a schema")
     mark_source_releases(ops, trace.kineto.memory)
-    gap, samples = measured_host_gaps(trace, {op["name"] for op in ops})
+    replayed = {op["name"] for op in ops}
+    gap, samples = measured_host_gaps(trace, replayed)
     place_host_gaps(ops, steps, gap)
+    # How many ops each traced step ran against the program's steps timed after them (as the profiler saw
+    # both): a program whose steps differ by chance (a layer dropped at random) may have been traced on
+    # steps unlike its own, whose replay then says nothing about the program's time.
+    traced = replayed_op_counts(trace.kineto, replayed.__contains__)
+    timed = list(replayed_op_counts(trace.timing, replayed.__contains__).values()) if trace.timing is not None else []
     for step in steps:  # what the estimate rests on: a judgement resamples it (harness.traces.judge)
         step["host_gap_samples_us"] = samples
+        step["kineto_ops"] = traced.get(step["index"], 0)
+        step["program_kineto_ops"] = statistics.fmean(timed) if timed else 0.0
     return ops, steps
 
 

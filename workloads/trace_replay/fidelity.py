@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 from workloads.trace_replay.records import SpecRecord
@@ -90,6 +91,24 @@ def unfaithful_reason(ops: list[Any], errors: dict[int, str], divergent: dict[in
         named = ", ".join(f"{name} x{len(idx)} ({found[idx[0]]})" for name, idx in sorted(by_name.items()))
         parts.append(f"{len(found)} ops {label}, {share:.1f} % of the op time: {named}")
     return "; ".join(parts)
+
+
+UNREPRESENTATIVE_PCT = 5.0  # traced steps this far from the program's own in ops a step are not its steps
+
+
+def unrepresentative_reason(steps: Sequence[Any]) -> str:
+    """Why the captured steps are not the program's own: they ran more or fewer ops a step (as the profiler
+    saw them) than the program's steps timed at capture, by more than :data:`UNREPRESENTATIVE_PCT`;
+    empty when they ran as many, or where the bundle did not count them."""
+    counted = [s for s in steps if s.kineto_ops > 0 and s.program_kineto_ops > 0]
+    if not counted:
+        return ""
+    traced, program = statistics.fmean(s.kineto_ops for s in counted), counted[0].program_kineto_ops
+    if abs(100.0 * (traced / program - 1.0)) <= UNREPRESENTATIVE_PCT:
+        return ""
+    return (f"the captured steps ran {traced:.0f} ops a step where the program's steps ran {program:.0f} (the "
+            f"mean of those timed at capture): its steps differ by chance (a layer dropped at random, a "
+            f"data-dependent path), and these are not its typical ones; capture more steps (--steps)")
 
 
 def _category_shares(ops: list[Any], op_times_s: dict[int, list[float]]
@@ -182,6 +201,7 @@ def compute_fidelity(
         "divergent_ops": [{"index": i, "name": ops[i].name, "schema": ops[i].schema, "difference": why}
                           for i, why in sorted((divergent or {}).items())],
         "unfaithful": unfaithful_reason(ops, errors, divergent or {}),
+        "unrepresentative": unrepresentative_reason(rank_spec.steps),
         "source": {"workload": spec.source.workload, "run_id": spec.source.run_id,
                    "platform": spec.source.platform, "world_size": spec.source.world_size},
         "options": spec.options,

@@ -182,8 +182,9 @@ def measure_autograd_cost(runner: StepRunner, synchronize: Callable[[], None],
                 return time.perf_counter() - started
         finally:
             keep.clear()  # the history torn down untimed: the program's backward does it
-            for slot in made[k]:  # what the rest of the step would have read: no history left behind
-                vals[slot] = None
+            for slot in made[k]:  # what the rest of the steps read, without the history it recorded
+                if isinstance(value := vals[slot], torch.Tensor) and value.requires_grad:
+                    vals[slot] = value.detach()
             for leaf in leaves:
                 leaf.requires_grad_(False)
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from workloads.trace_bundle import BundleMeta
-from workloads.trace_replay.parse import BundleTrace, KinetoTrace, step_index
+from workloads.trace_replay.parse import BundleTrace, KinetoEvent, KinetoTrace, step_index
 
 
 def kineto_host_gaps(timing: KinetoTrace, plain_us: dict[int | None, float],
@@ -32,28 +32,47 @@ def kineto_host_gaps(timing: KinetoTrace, plain_us: dict[int | None, float],
     replayed ops − those events × c. ``plain_us`` gives the uninstrumented step time per step index
     (the ``None`` key for every step).
     """
-    # parents before their children: by start, the longer first
-    ops = sorted(timing.cpu_ops, key=lambda e: (e.ts, -e.dur))
+    ops = _by_start(timing)
     gaps: dict[int, float] = {}
     for step in timing.steps:
         index = step_index(step)
         plain = plain_us.get(index, plain_us.get(None))
-        start, dur, tid = step.ts, step.dur, step.tid
-        busy, covered_until, outside, every = 0.0, start, 0, 0
-        for e in ops:
-            if e.ts < start or e.ts >= start + dur:
-                continue
-            every += 1
-            if e.tid != tid or e.ts < covered_until:
-                continue  # another thread's, or inside a replayed op already counted
-            outside += 1
-            if replayed is None or replayed(e.name):
-                busy += e.dur
-                covered_until = e.ts + e.dur
-        if dur > 0 and every and plain is not None:
-            per_event = max(0.0, dur - plain) / every
-            gaps[index] = max(0.0, dur - busy - outside * per_event)
+        every, outside, busy, _ = _walk_step(ops, step, replayed)
+        if step.dur > 0 and every and plain is not None:
+            per_event = max(0.0, step.dur - plain) / every
+            gaps[index] = max(0.0, step.dur - busy - outside * per_event)
     return gaps
+
+
+def replayed_op_counts(timing: KinetoTrace, replayed: Callable[[str], bool] | None = None) -> dict[int, int]:
+    """How many ops the replay runs in each annotated step (step index → count), as the profiler saw them:
+    the top-most events on the step's thread whose name ``replayed`` accepts (every op when None)."""
+    ops = _by_start(timing)
+    return {step_index(step): _walk_step(ops, step, replayed)[3] for step in timing.steps}
+
+
+def _by_start(timing: KinetoTrace) -> list[KinetoEvent]:
+    return sorted(timing.cpu_ops, key=lambda e: (e.ts, -e.dur))  # parents before their children: the longer first
+
+
+def _walk_step(ops: list[KinetoEvent], step: KinetoEvent,
+               replayed: Callable[[str], bool] | None) -> tuple[int, int, float, int]:
+    """One step's events: (every event in it, the step thread's events not inside a replayed op, the time
+    inside replayed ops (µs), the replayed ops among the second)."""
+    start, dur, tid = step.ts, step.dur, step.tid
+    busy, covered_until, outside, every, ran = 0.0, start, 0, 0, 0
+    for e in ops:
+        if e.ts < start or e.ts >= start + dur:
+            continue
+        every += 1
+        if e.tid != tid or e.ts < covered_until:
+            continue  # another thread's, or inside a replayed op already counted
+        outside += 1
+        if replayed is None or replayed(e.name):
+            busy += e.dur
+            covered_until = e.ts + e.dur
+            ran += 1
+    return every, outside, busy, ran
 
 
 def _plain_by_round(meta: BundleMeta, plain: list[float]) -> dict[int | None, float]:

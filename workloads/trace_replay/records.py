@@ -69,11 +69,14 @@ class StepRecord:
     host_gap_us: float = 0.0  # host time per step, all gaps together
     ops_dur_us: float = 0.0  # every captured op's time in it (the denominator of a partial spec)
     host_gap_samples_us: tuple[float, ...] = ()  # the per-step measurements host_gap_us is the median of
+    kineto_ops: int = 0  # the replayed ops the profiler saw in it (0: not counted)
+    program_kineto_ops: float = 0.0  # the same count, the mean over the program's steps timed at capture
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> StepRecord:
         return cls(int(raw["index"]), float(raw.get("tail_gap_us", 0.0)), float(raw.get("host_gap_us", 0.0)),
-                   float(raw.get("ops_dur_us", 0.0)), tuple(float(g) for g in raw.get("host_gap_samples_us", ())))
+                   float(raw.get("ops_dur_us", 0.0)), tuple(float(g) for g in raw.get("host_gap_samples_us", ())),
+                   int(raw.get("kineto_ops", 0)), float(raw.get("program_kineto_ops", 0.0)))
 
 
 @dataclass(frozen=True)

@@ -179,6 +179,8 @@ class GeneratedWorkload(WorkloadBase):
             record["reference_platform"] = self.reference_platform
         if self.ctx.rank == 0 and record["unfaithful"]:
             print(f"warning: the replay is not the program: {record['unfaithful']}", file=sys.stderr)
+        if self.ctx.rank == 0 and record["unrepresentative"]:
+            print(f"warning: not the program's steps: {record['unrepresentative']}", file=sys.stderr)
         if self.ctx.rank == 0:
             path = self.ctx.work_dir / FIDELITY_FILE
             tmp = path.with_suffix(".tmp")
