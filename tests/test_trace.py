@@ -425,6 +425,56 @@ def test_the_programs_own_host_time_is_measured_and_spent_by_the_replay(tmp_path
     assert (time.perf_counter() - started) / 4 >= 0.0035
 
 
+def _host_bound_spec(tmp_path: Path) -> dict:
+    """A captured program that spends 2 ms in Python between two ops each step: its generated spec."""
+    import time
+
+    from harness.traces.capture import capture
+
+    x = torch.randn(64, 64)
+
+    def step() -> None:
+        y = x @ x
+        until = time.perf_counter() + 0.002
+        while time.perf_counter() < until:
+            pass
+        (y + 1).sum()
+
+    with capture(tmp_path / "bundle", steps=2, warmup=2, baseline_steps=4, source="host_bound") as cap:
+        while not cap.done:
+            with cap.step():
+                step()
+    return generate_spec(tmp_path / "bundle")
+
+
+def test_the_replay_spends_the_host_time_at_the_machines_speed(tmp_path: Path):
+    """The host time was measured at capture; a shared machine's speed moves within the minute, and a
+    program's host time with it. On the capture's platform the replay scales it by its own time inside the
+    ops against the program's then (``program_op_us``: a capture on a machine twice as slow reads half the
+    scale); a replay elsewhere spends it as measured."""
+    spec = _host_bound_spec(tmp_path)
+    steps = spec["ranks"][0]["steps"]
+    assert all(s["program_op_us"] > 0 for s in steps), steps
+
+    def calibrated(program_op_us: float | None = None, same_platform: bool = True) -> Replayer:
+        rank = json.loads(json.dumps(spec["ranks"][0]))
+        for s in rank["steps"]:
+            s["program_op_us"] = program_op_us or s["program_op_us"]
+        replayer = Replayer(RankRecord.from_json(rank), torch.device("cpu"), host_gaps=True,
+                            same_platform=same_platform)
+        replayer.materialize()
+        replayer.dry_run()
+        replayer.calibrate_host_cost(lambda: None)
+        return replayer
+
+    here = calibrated()
+    assert 0.2 < here.host_scale < 5 and here.op_samples_us, (here.host_scale, here.op_samples_us)
+    slower = calibrated(2 * steps[0]["program_op_us"])
+    assert slower.host_scale == pytest.approx(here.host_scale / 2, rel=0.5)
+    assert calibrated(same_platform=False).host_scale == 1.0
+
+
+
 def test_the_replay_spins_for_the_programs_host_time_less_its_own_calls_never_more():
     """A forward whose Python gaps exceed the replay's cost of calling an op, then a backward whose ops the
     autograd engine called back to back from C++ (gaps shorter than that cost): the spins add up to the

@@ -160,8 +160,9 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
     taken ``budget_s`` (the figure is then reported as reached, and not valid). ``agree``: under
     torchrun, returns rank 0's value of what it is given, so that every rank runs the same batch and
     rounds (the steps hold collectives). ``replay_shift_ms``: see :func:`capture_shift_draws`.
-    ``prepare``: side name → called before that side's samples of each round, untimed (the replay puts
-    its carried state back as it was made: the replay workload's ``restore_values``).
+    ``prepare``: side name → called before each of that side's samples, untimed (the replay puts its
+    carried state back as it was made: the replay workload's ``restore_values``; once a round, ViT's
+    replay ran its later samples of a round up to twice as slow, its values sunk into subnormal floats).
     """
     agree = agree or (lambda value: value)
     if rounds < 2 or steps_per_round < 1 or warmup < 0:
@@ -185,9 +186,13 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
         first, second = ("source", "replay") if len(order) % 2 == 0 else ("replay", "source")
         order.append(first)
         for name in (first, second):
-            if name in (prepare or {}):
-                prepare[name]()
-            times[name].append([_timed(sides[name], device, batch) for _ in range(steps_per_round)])
+            before = (prepare or {}).get(name)
+            samples = []
+            for _ in range(steps_per_round):
+                if before is not None:
+                    before()
+                samples.append(_timed(sides[name], device, batch))
+            times[name].append(samples)
 
     for _ in range(rounds):
         run_round()
@@ -234,7 +239,10 @@ def capture_shift_draws(replayer: Any, *, seed: int = 0, samples: int = BOOTSTRA
     not do, both measured once at setup (medians of its calibration steps). Two judgements of one
     program differ mostly by these medians. Each draw resamples every set of measurements: the median
     gap moves the step by as much; the median call cost the other way, once per op; the bookkeeping
-    once per op the program recorded autograd history through. None when the replay spends no host gaps.
+    once per op the program recorded autograd history through. Where the replay scales the host time
+    by how fast this machine runs the ops now (``host_scale``), the gap moves the step scaled, and the
+    scale moves with the replay's op time and the bookkeeping resampled. None when the replay spends no
+    host gaps.
     """
     if replayer is None or not getattr(replayer, "host_gaps", False):
         return None
@@ -247,13 +255,19 @@ def capture_shift_draws(replayer: Any, *, seed: int = 0, samples: int = BOOTSTRA
         if books else 0.0
     gap, call = (statistics.median(gaps) if gaps else 0.0), replayer.call_s
     book = statistics.median(books) if books else 0.0
+    scale = getattr(replayer, "host_scale", 1.0)
+    op_us = list(getattr(replayer, "op_samples_us", [])) if scale != 1.0 else []
+    program_op_us = getattr(replayer, "program_op_us", 0.0)
     rng = random.Random(seed + 1)
     draws = []
     for _ in range(samples):
         g = statistics.median(rng.choices(gaps, k=len(gaps))) if len(gaps) > 1 else gap
         c = statistics.median(rng.choices(calls, k=len(calls))) if len(calls) > 1 else call
         a = statistics.median(rng.choices(books, k=len(books))) if len(books) > 1 else book
-        draws.append(((g - gap) - ops * 1e6 * (c - call) + grad_ops * 1e6 * (a - book)) / 1e3)
+        s = scale
+        if len(op_us) > 1 and program_op_us > 0:
+            s = (statistics.median(rng.choices(op_us, k=len(op_us))) + grad_ops * 1e6 * a) / program_op_us
+        draws.append((s * g - scale * gap - ops * 1e6 * (c - call) + grad_ops * 1e6 * (a - book)) / 1e3)
     return draws
 
 

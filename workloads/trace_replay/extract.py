@@ -27,7 +27,12 @@ import torch
 
 from workloads.trace_bundle import ET_FILE, STEP_ANNOTATION, TraceError
 from workloads.trace_replay.allocations import mark_source_releases
-from workloads.trace_replay.host_time import measured_host_gaps, place_host_gaps, replayed_op_counts
+from workloads.trace_replay.host_time import (
+    measured_host_gaps,
+    place_host_gaps,
+    replayed_op_counts,
+    replayed_op_time,
+)
 from workloads.trace_replay.parse import (
     BundleTrace,
     KinetoEvent,
@@ -233,10 +238,14 @@ def extract_rank(trace: BundleTrace) -> tuple[list[dict[str, Any]], list[dict[st
     # steps unlike its own, whose replay then says nothing about the program's time.
     traced = replayed_op_counts(trace.kineto, replayed.__contains__)
     timed = list(replayed_op_counts(trace.timing, replayed.__contains__).values()) if trace.timing is not None else []
+    # how fast the machine ran the ops while the host time was measured: a replay on this platform scales
+    # the host time by how fast it runs them itself (the machine's speed drifts; see Replayer.host_scale)
+    op_us = list(replayed_op_time(trace.timing, replayed.__contains__).values()) if trace.timing is not None else []
     for step in steps:  # what the estimate rests on: a judgement resamples it (harness.traces.judge)
         step["host_gap_samples_us"] = samples
         step["kineto_ops"] = traced.get(step["index"], 0)
         step["program_kineto_ops"] = statistics.fmean(timed) if timed else 0.0
+        step["program_op_us"] = statistics.median(op_us) if op_us else 0.0
     return ops, steps
 
 

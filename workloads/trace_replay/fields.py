@@ -112,6 +112,7 @@ class SpecFields:
                 self.number(sample, f"{loc}.host_gap_samples_us[{j}]", 0.0, MAX_STEP_HOST_US)
             self.int_(step.get("kineto_ops", 0), f"{loc}.kineto_ops", 0)
             self.number(step.get("program_kineto_ops", 0.0), f"{loc}.program_kineto_ops", 0.0, 1e9)
+            self.number(step.get("program_op_us", 0.0), f"{loc}.program_op_us", 0.0, 1e12)
             host_us[index] = step.get("tail_gap_us", 0.0)
         values = self.list_(rank.get("external_values", []), f"{where}.external_values")
         self.need(len(values) <= MAX_VALUE_ENTRIES, f"{where}.external_values",

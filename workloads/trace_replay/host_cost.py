@@ -15,6 +15,7 @@ such op — and spends it as host time before each.
 from __future__ import annotations
 
 import math
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ import torch
 
 from workloads.trace_bundle import STEP_ANNOTATION
 from workloads.trace_replay.execute import StepRunner
-from workloads.trace_replay.host_time import kineto_host_gaps
+from workloads.trace_replay.host_time import kineto_host_gaps, replayed_op_time
 from workloads.trace_replay.parse import read_kineto
 
 MIN_SAMPLE_MS = 20.0  # a sample runs a short step this long, as the side-by-side judgement's samples do
@@ -33,8 +34,10 @@ MAX_REPEATS = 50
 
 
 def measure_call_cost(runner: StepRunner, synchronize: Callable[[], None], rounds: int = 24, *,
-                      process_group: Any = None) -> list[float]:
-    """The replay's own host time per op call, one figure per measured sample (seconds).
+                      process_group: Any = None) -> tuple[list[float], list[float]]:
+    """The replay's own host time per op call, one figure per measured sample (seconds), and the time
+    inside its ops (collectives left out) per step, one figure per round (µs: the mean over the steps,
+    as the profiler saw them: :func:`.host_time.replayed_op_time`).
 
     The program's host gaps were measured from its Kineto trace as the time outside its ops, the
     profiler's cost taken out (:func:`.host_time.kineto_host_gaps`); the replay's own time outside its
@@ -73,9 +76,13 @@ def measure_call_cost(runner: StepRunner, synchronize: Callable[[], None], round
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=process_group)
         repeats = [int(r) for r in agreed]
     per_op: list[float] = []
+    op_us: list[float] = []
     with tempfile.TemporaryDirectory(prefix="cobench-calibrate-") as tmp:
         path = Path(tmp) / "trace.json"
         for _ in range(rounds):
+            # each block from the carried state as it was made: a step run over and over drifts (its values
+            # sink into subnormal floats; ViT's ran twice as slow after some 25 runs), within a round too
+            runner.tensors.restore_values()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
                 for k in range(steps):  # settles the profiler
                     run(k)
@@ -85,6 +92,7 @@ def measure_call_cost(runner: StepRunner, synchronize: Callable[[], None], round
                         for _ in range(repeats[k]):
                             run(k)
                     synchronize()
+            runner.tensors.restore_values()
             for k in range(steps):  # settles plain running again
                 run(k)
             plain_us: dict[int | None, float] = {}
@@ -96,9 +104,14 @@ def measure_call_cost(runner: StepRunner, synchronize: Callable[[], None], round
                 synchronize()
                 plain_us[k] = 1e6 * (time.perf_counter() - started)
             prof.export_chrome_trace(str(path))
-            host_us = kineto_host_gaps(read_kineto(path), plain_us)
+            trace = read_kineto(path)
+            host_us = kineto_host_gaps(trace, plain_us)
             per_op += [host_us[k] / (repeats[k] * max(1, len(runner.plan.sequence[k]))) for k in host_us]
-    return [1e-6 * v for v in per_op]
+            inside = replayed_op_time(trace)
+            if len(inside) == steps:
+                op_us.append(statistics.fmean(inside[k] / repeats[k] for k in inside))
+    runner.tensors.restore_values()
+    return [1e-6 * v for v in per_op], op_us
 
 
 def _runs_with_grad(op: Any, vals: list[Any], leaves: list[torch.Tensor]) -> bool:

@@ -51,6 +51,18 @@ def replayed_op_counts(timing: KinetoTrace, replayed: Callable[[str], bool] | No
     return {step_index(step): _walk_step(ops, step, replayed)[3] for step in timing.steps}
 
 
+def replayed_op_time(timing: KinetoTrace, replayed: Callable[[str], bool] | None = None) -> dict[int, float]:
+    """The time inside the replayed ops in each annotated step (step index → µs), collectives left out:
+    how fast this machine ran the ops then, which the replay sets against its own (a collective's time is
+    mostly waiting for the other ranks)."""
+    ops = _by_start(timing)
+
+    def computed(name: str) -> bool:
+        return not name.startswith("c10d::") and (replayed is None or replayed(name))
+
+    return {step_index(step): _walk_step(ops, step, computed)[2] for step in timing.steps}
+
+
 def _by_start(timing: KinetoTrace) -> list[KinetoEvent]:
     return sorted(timing.cpu_ops, key=lambda e: (e.ts, -e.dur))  # parents before their children: the longer first
 

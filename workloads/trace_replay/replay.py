@@ -37,12 +37,17 @@ class Replayer:
     """Replays one rank's ops; :meth:`run_step` replays the next captured step."""
 
     def __init__(self, rank_spec: RankRecord, device: torch.device, *, repeat: int = 1,
-                 process_group: Any = None, seed: int = 0, host_gaps: bool = False, trust: bool = False):
+                 process_group: Any = None, seed: int = 0, host_gaps: bool = False, trust: bool = False,
+                 same_platform: bool = False):
         self.device, self.repeat = device, repeat
         self.host_gaps = host_gaps
+        self.same_platform = same_platform  # the capture's: its host time is scaled by this machine's speed now
         self.generator = torch.Generator().manual_seed(seed)
         # the capture's per-step host-time measurements the gaps' median came from
         self.gap_samples_us = next((list(s.host_gap_samples_us) for s in rank_spec.steps if s.host_gap_samples_us), [])
+        # the time inside the replayed ops per step while the program's host time was measured
+        self.program_op_us = next((s.program_op_us for s in rank_spec.steps if s.program_op_us > 0), 0.0)
+        self.op_samples_us: list[float] = []  # the replay's own, per calibration round (set by calibrate_host_cost)
         self.process_group = process_group
         self.plan = plan_replay(rank_spec.ops, device, self.generator, repeat=repeat, process_group=process_group,
                                 trust=trust)
@@ -128,8 +133,8 @@ class Replayer:
         add; returns the first, 0 without host gaps."""
         if not self.host_gaps:
             return 0.0
-        self.call_samples_s = measure_call_cost(self.runner, synchronize, rounds,  # a judgement resamples them
-                                                process_group=self.process_group)
+        self.call_samples_s, self.op_samples_us = measure_call_cost(  # a judgement resamples the first
+            self.runner, synchronize, rounds, process_group=self.process_group)
         self.runner.call_s = statistics.median(self.call_samples_s) if self.call_samples_s else 0.0
         if any(op.name.startswith("c10d::") for op in self.plan.ops):
             # its variants would have to run in lockstep on every rank; the program's bookkeeping is not spent
@@ -138,8 +143,32 @@ class Replayer:
             self.autograd_samples_s, self.autograd_unmeasured = measure_autograd_cost(self.runner, synchronize)
         self.runner.autograd_s = max(0.0, statistics.median(self.autograd_samples_s)) if self.autograd_samples_s \
             else 0.0
+        self.runner.host_scale = self._host_scale()
         self.runner.regenerate()  # with the measured costs
         return self.runner.call_s
+
+    def _host_scale(self) -> float:
+        """How much longer this machine takes now for the program's host time than when it was measured: the
+        replay's time inside its ops (plus the autograd bookkeeping the program did inside them, which the
+        replay measured and does not do) ÷ the program's, as the profiler saw both. Only on the capture's
+        platform, where both ran the same ops on the same kind of device (1 elsewhere, and where either is
+        unmeasured).
+
+        A shared machine's speed moves ±9 % within a minute (GPT-2 on this 2-core VM: plain steps 9.8 …
+        11.7 ms over eight captures 20 s apart), and the program's host time with it (its median 2.7 … 3.4
+        ms); the host time ÷ the op time of the same steps moved half as much (coefficient of variation
+        4.4 % against 8.5 %). A replay spending the host time measured then, as µs, carried the machine's
+        state at capture into every step."""
+        if not (self.same_platform and self.program_op_us > 0 and self.op_samples_us):
+            return 1.0
+        grad_ops = statistics.fmean(sum(self.plan.specs[p].grad for p in step) for step in self.plan.sequence)
+        replay_op_us = statistics.median(self.op_samples_us) + grad_ops * 1e6 * self.runner.autograd_s
+        return replay_op_us / self.program_op_us
+
+    @property
+    def host_scale(self) -> float:
+        """The factor the program's host time is spent at (:meth:`_host_scale`): set by :meth:`calibrate_host_cost`."""
+        return self.runner.host_scale
 
     @property
     def autograd_s(self) -> float:
