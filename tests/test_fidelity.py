@@ -11,6 +11,7 @@ import json
 import random
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,47 @@ def test_interleaving_cancels_machine_drift(monkeypatch):
     side = interleave(step, slower, torch.device("cpu"), rounds=10, steps_per_round=10, warmup=0)
     assert 15.0 < side.time_error_signed_pct < 25.0
     assert side.time_error_ci_low_pct < 20.0 < side.time_error_ci_high_pct
+
+
+def test_a_replay_that_drifts_as_it_runs_is_put_back_before_each_sample_untimed(monkeypatch):
+    """A replay's carried state drifts the more steps it runs from it (on a CPU: into subnormal floats, its ops
+    slower); ``prepare`` puts it back before each of its samples, outside the samples' time, so that every
+    sample times the steps the program's would be. Restored once a round only, the later samples of a round
+    read slower than the source."""
+    clock = FakeClock()
+    monkeypatch.setattr(side_by_side_module.time, "perf_counter", clock)
+    since_restore = [0]
+
+    def source() -> None:
+        clock.now += 1e-3
+
+    def replay() -> None:  # as fast as the source when fresh, 10 % slower with each step after that
+        clock.now += 1e-3 * (1 + 0.1 * since_restore[0])
+        since_restore[0] += 1
+
+    def restore() -> None:
+        since_restore[0] = 0
+        clock.now += 5e-3  # a copy of the state: not the replay's time
+
+    side = interleave(source, replay, torch.device("cpu"), rounds=6, steps_per_round=4, warmup=0, batch=1,
+                      prepare={"replay": restore})
+    assert side.time_error_signed_pct == pytest.approx(0.0, abs=1e-6)
+    assert all(t == pytest.approx(1.0) for r in side.replay_ms for t in r)
+
+    def once_a_round() -> Callable[[], None]:  # what prepare once a round would have timed
+        called = [0]
+
+        def step() -> None:
+            if called[0] % 4 == 0:
+                since_restore[0] = 0
+            called[0] += 1
+            replay()
+
+        return step
+
+    drifting = interleave(source, once_a_round(), torch.device("cpu"), rounds=6, steps_per_round=4, warmup=0,
+                          batch=1)
+    assert drifting.time_error_signed_pct > 10.0
 
 
 def test_a_wide_interval_makes_the_figure_invalid_with_the_reason():

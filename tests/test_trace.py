@@ -431,7 +431,7 @@ def _host_bound_spec(tmp_path: Path) -> dict:
 
     from harness.traces.capture import capture
 
-    x = torch.randn(64, 64)
+    x = torch.randn(256, 256)
 
     def step() -> None:
         y = x @ x
@@ -456,11 +456,8 @@ def test_the_replay_spends_the_host_time_at_the_machines_speed(tmp_path: Path):
     steps = spec["ranks"][0]["steps"]
     assert all(s["program_op_us"] > 0 for s in steps), steps
 
-    def calibrated(program_op_us: float | None = None, same_platform: bool = True) -> Replayer:
-        rank = json.loads(json.dumps(spec["ranks"][0]))
-        for s in rank["steps"]:
-            s["program_op_us"] = program_op_us or s["program_op_us"]
-        replayer = Replayer(RankRecord.from_json(rank), torch.device("cpu"), host_gaps=True,
+    def calibrated(same_platform: bool = True) -> Replayer:
+        replayer = Replayer(RankRecord.from_json(spec["ranks"][0]), torch.device("cpu"), host_gaps=True,
                             same_platform=same_platform)
         replayer.materialize()
         replayer.dry_run()
@@ -468,11 +465,17 @@ def test_the_replay_spends_the_host_time_at_the_machines_speed(tmp_path: Path):
         return replayer
 
     here = calibrated()
-    assert 0.2 < here.host_scale < 5 and here.op_samples_us, (here.host_scale, here.op_samples_us)
-    slower = calibrated(2 * steps[0]["program_op_us"])
-    assert slower.host_scale == pytest.approx(here.host_scale / 2, rel=0.5)
-    assert calibrated(same_platform=False).host_scale == 1.0
-
+    assert here.op_samples_us and here.host_scale_unmeasured is None, here.host_scale_unmeasured
+    assert 0.5 <= here.host_scale <= 2.0
+    here.program_op_us *= here.host_scale  # as if the capture had run at this moment's speed
+    assert here._host_scale() == (pytest.approx(1.0), None)
+    here.program_op_us *= 1.5  # as if the capture had run its ops (and its host time) 1.5 x as slowly
+    assert here._host_scale() == (pytest.approx(1 / 1.5), None)
+    here.program_op_us *= 10  # ops ten times as slow are other ops, not the machine: spent as measured
+    scale, why = here._host_scale()
+    assert scale == 1.0 and "not of the machine's speed" in why
+    elsewhere = calibrated(same_platform=False)
+    assert elsewhere.host_scale == 1.0 and "portability" in elsewhere.host_scale_unmeasured
 
 
 def test_the_replay_spins_for_the_programs_host_time_less_its_own_calls_never_more():

@@ -2,9 +2,9 @@
 
 Kernels are not blind to values (a CPU's square root of subnormal or negative floats is many times
 slower), so the capture profiles what each floating tensor a step reads but does not make held, and
-the replay draws its parameters and optimiser state like them; between a judgement's rounds it puts
-that state back, so that replaying the same batches over and over does not train it somewhere the
-program never was.
+the replay draws its parameters and optimiser state like them; between a judgement's samples (and a
+replay run's passes over its steps) it puts that state back, so that replaying the same batches over
+and over does not train it somewhere the program never was.
 """
 
 from __future__ import annotations
@@ -170,3 +170,30 @@ def test_floats_made_from_a_python_list_are_defined_in_the_replay(tmp_path: Path
     for _ in range(4 * len(replayer.sequence)):
         replayer.run_step()
     assert replayer.nonfinite_tensors() == 0
+
+
+def test_a_replay_run_puts_the_carried_state_back_after_each_pass_over_the_captured_steps(captured, tmp_path):
+    """A replay run by the harness's loop calls ``between_steps`` after each step, outside its timing: once
+    every captured step has run, the carried state is back as it was made, so a long run does not drift
+    where the program never was; within a pass, each step goes on from where the one before left it."""
+    import shutil
+
+    from workloads.base import RunContext
+    from workloads.trace_replay.workload import GeneratedWorkload
+
+    bundle, model, _ = captured
+    bundle = Path(shutil.copytree(bundle, tmp_path / "bundle"))  # the workload writes its spec beside it
+    (tmp_path / "run").mkdir()
+    ctx = RunContext(device=torch.device("cpu"), seed=0, work_dir=tmp_path / "run", device_name="cpu", rank=0,
+                     world_size=1, process_group=None)
+    workload = GeneratedWorkload.from_bundle(bundle, ctx, probe=False, host_gaps=False, op_timing=False)
+    workload.setup()
+    weight = _external(workload.replayer, model[2].weight)
+    made = weight.clone()
+    steps = len(workload.replayer.sequence)
+    assert steps >= 2
+    for _ in range(2):
+        for i in range(steps):
+            workload.step()
+            workload.between_steps()
+            assert torch.equal(weight, made) == (i == steps - 1), i

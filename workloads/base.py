@@ -9,6 +9,7 @@ Life cycle, driven by the harness runner::
     workload = REGISTRY[name].factory(config, ctx)   # cheap; validates config against ctx
     workload.setup()                                  # build model, optimiser, data
     for each step: workload.step() -> StepResult      # one training/inference iteration
+                   workload.between_steps()           # optional, untimed housekeeping (the training loop)
     workload.evaluate() -> {"eval_loss": ...}         # optional, quality metrics
     workload.observe_step_times(times)                # optional, the timed steps' durations
     workload.extra_metrics() -> {...}                 # the workload's own metrics
@@ -156,6 +157,8 @@ class Workload(Protocol):
 
     def step(self) -> StepResult: ...
 
+    def between_steps(self) -> None: ...
+
     def evaluate(self) -> dict[str, float]: ...
 
     def flops_per_step(self) -> float | None: ...
@@ -193,6 +196,10 @@ class WorkloadBase:
 
     def evaluate(self) -> dict[str, float]:
         return {}
+
+    def between_steps(self) -> None:
+        """Called after each step, outside its timing: housekeeping that is not the step's work (a replay puts
+        its carried state back as it was made once it has run every captured step)."""
 
     def flops_per_step(self) -> float | None:
         return None

@@ -169,6 +169,7 @@ def _train(
     """Warm-up steps, then timed steps in blocks, each block followed by an evaluation."""
     for _ in range(runner.warmup_steps):
         result = workload.step()
+        workload.between_steps()
         pending_losses.append(result.loss)
         state.trained_samples += result.samples
         state.steps_done += 1
@@ -182,6 +183,7 @@ def _train(
             timer.start()
             result = workload.step()
             timer.stop()
+            workload.between_steps()
             memory.sample()
             pending_losses.append(result.loss)
             state.timed_samples += result.samples

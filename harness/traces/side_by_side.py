@@ -266,7 +266,7 @@ def capture_shift_draws(replayer: Any, *, seed: int = 0, samples: int = BOOTSTRA
         a = statistics.median(rng.choices(books, k=len(books))) if len(books) > 1 else book
         s = scale
         if len(op_us) > 1 and program_op_us > 0:
-            s = (statistics.median(rng.choices(op_us, k=len(op_us))) + grad_ops * 1e6 * a) / program_op_us
+            s = (statistics.median(rng.choices(op_us, k=len(op_us))) + grad_ops * 1e6 * max(0.0, a)) / program_op_us
         draws.append((s * g - scale * gap - ops * 1e6 * (c - call) + grad_ops * 1e6 * (a - book)) / 1e3)
     return draws
 

@@ -78,7 +78,9 @@ def measure_pair(base: list[str], changed: list[str], work_dir: Path, steps: int
             opened.append(side)
         rounds = max(2, -(-steps // PAIR_STEPS_PER_ROUND))
         result = interleave(opened[0].workload.step, opened[1].workload.step, joined[0].device, rounds=rounds,
-                            steps_per_round=PAIR_STEPS_PER_ROUND, warmup=warmup, batch=1)  # `steps` steps each
+                            steps_per_round=PAIR_STEPS_PER_ROUND, warmup=warmup, batch=1,  # `steps` steps each
+                            prepare={"source": opened[0].workload.between_steps,  # untimed, as the loop's
+                                     "replay": opened[1].workload.between_steps})
     finally:
         for side in opened:
             side.workload.teardown()

@@ -47,6 +47,11 @@ class StepRunner:
         self.autograd_s = 0.0
         self.host_scale = 1.0  # the factor the program's host time is spent at (:meth:`.Replayer._host_scale`)
 
+    @property
+    def next_step(self) -> int:
+        """The step :meth:`run_step` runs next."""
+        return self._next
+
     def regenerate(self) -> None:
         """Generate each step's code again on its next run (ops failed, or the host cost changed)."""
         self._generated = [None] * len(self.plan.sequence)

@@ -77,6 +77,7 @@ def measure_call_cost(runner: StepRunner, synchronize: Callable[[], None], round
         repeats = [int(r) for r in agreed]
     per_op: list[float] = []
     op_us: list[float] = []
+    names = {op.name for op in runner.plan.ops}
     with tempfile.TemporaryDirectory(prefix="cobench-calibrate-") as tmp:
         path = Path(tmp) / "trace.json"
         for _ in range(rounds):
@@ -107,8 +108,8 @@ def measure_call_cost(runner: StepRunner, synchronize: Callable[[], None], round
             trace = read_kineto(path)
             host_us = kineto_host_gaps(trace, plain_us)
             per_op += [host_us[k] / (repeats[k] * max(1, len(runner.plan.sequence[k]))) for k in host_us]
-            inside = replayed_op_time(trace)
-            if len(inside) == steps:
+            inside = replayed_op_time(trace, names.__contains__)  # not the storages it makes, as the program's
+            if steps and len(inside) == steps:
                 op_us.append(statistics.fmean(inside[k] / repeats[k] for k in inside))
     runner.tensors.restore_values()
     return [1e-6 * v for v in per_op], op_us

@@ -9,6 +9,7 @@ replay measures its own host time per op call with the same :func:`kineto_host_g
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -51,16 +52,21 @@ def replayed_op_counts(timing: KinetoTrace, replayed: Callable[[str], bool] | No
     return {step_index(step): _walk_step(ops, step, replayed)[3] for step in timing.steps}
 
 
+COLLECTIVE = re.compile(r"^(c10d|_c10d_functional|c10d_functional)::")
+
+
 def replayed_op_time(timing: KinetoTrace, replayed: Callable[[str], bool] | None = None) -> dict[int, float]:
     """The time inside the replayed ops in each annotated step (step index → µs), collectives left out:
     how fast this machine ran the ops then, which the replay sets against its own (a collective's time is
-    mostly waiting for the other ranks)."""
+    mostly waiting for the other ranks; what it calls inside is left out with it)."""
     ops = _by_start(timing)
-
-    def computed(name: str) -> bool:
-        return not name.startswith("c10d::") and (replayed is None or replayed(name))
-
-    return {step_index(step): _walk_step(ops, step, computed)[2] for step in timing.steps}
+    times: dict[int, float] = {}
+    for step in timing.steps:
+        _, _, busy, _ = _walk_step(ops, step, replayed)
+        _, _, waiting, _ = _walk_step(ops, step, lambda name: COLLECTIVE.match(name) is not None and
+                                      (replayed is None or replayed(name)))
+        times[step_index(step)] = busy - waiting
+    return times
 
 
 def _by_start(timing: KinetoTrace) -> list[KinetoEvent]:

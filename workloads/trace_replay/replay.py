@@ -32,6 +32,8 @@ from workloads.trace_replay.plan import plan_replay
 from workloads.trace_replay.records import RankRecord
 from workloads.trace_replay.synthesis import Synthesis
 
+MAX_HOST_SCALE = 2.0  # a replay whose ops run more than this much faster or slower than the program's: not speed
+
 
 class Replayer:
     """Replays one rank's ops; :meth:`run_step` replays the next captured step."""
@@ -48,6 +50,7 @@ class Replayer:
         # the time inside the replayed ops per step while the program's host time was measured
         self.program_op_us = next((s.program_op_us for s in rank_spec.steps if s.program_op_us > 0), 0.0)
         self.op_samples_us: list[float] = []  # the replay's own, per calibration round (set by calibrate_host_cost)
+        self.host_scale_unmeasured: str | None = None  # why the host time is spent as measured (set by the same)
         self.process_group = process_group
         self.plan = plan_replay(rank_spec.ops, device, self.generator, repeat=repeat, process_group=process_group,
                                 trust=trust)
@@ -122,6 +125,11 @@ class Replayer:
         """Replay the next captured step (cycling); returns how many ops ran."""
         return self.runner.run_step()
 
+    @property
+    def next_step(self) -> int:
+        """The captured step :meth:`run_step` replays next (0: every one has run as often)."""
+        return self.runner.next_step
+
     def time_ops(self, synchronize: Callable[[], None]) -> dict[int, list[float]]:
         """One pass over every step with each op timed alone (synchronised): op index → seconds."""
         return self.runner.time_ops(synchronize)
@@ -143,27 +151,37 @@ class Replayer:
             self.autograd_samples_s, self.autograd_unmeasured = measure_autograd_cost(self.runner, synchronize)
         self.runner.autograd_s = max(0.0, statistics.median(self.autograd_samples_s)) if self.autograd_samples_s \
             else 0.0
-        self.runner.host_scale = self._host_scale()
+        self.runner.host_scale, self.host_scale_unmeasured = self._host_scale()
         self.runner.regenerate()  # with the measured costs
         return self.runner.call_s
 
-    def _host_scale(self) -> float:
-        """How much longer this machine takes now for the program's host time than when it was measured: the
-        replay's time inside its ops (plus the autograd bookkeeping the program did inside them, which the
-        replay measured and does not do) ÷ the program's, as the profiler saw both. Only on the capture's
-        platform, where both ran the same ops on the same kind of device (1 elsewhere, and where either is
-        unmeasured).
+    def _host_scale(self) -> tuple[float, str | None]:
+        """How much longer this machine takes now for the program's host time than when it was measured, and
+        why it is taken as 1 where it is: the replay's time inside its ops (plus the autograd bookkeeping the
+        program did inside them, which the replay measured and does not do) ÷ the program's, as the profiler
+        saw both.
 
         A shared machine's speed moves ±9 % within a minute (GPT-2 on this 2-core VM: plain steps 9.8 …
         11.7 ms over eight captures 20 s apart), and the program's host time with it (its median 2.7 … 3.4
         ms); the host time ÷ the op time of the same steps moved half as much (coefficient of variation
         4.4 % against 8.5 %). A replay spending the host time measured then, as µs, carried the machine's
-        state at capture into every step."""
-        if not (self.same_platform and self.program_op_us > 0 and self.op_samples_us):
-            return 1.0
+        state at capture into every step. Only on the capture's platform and on the CPU, where the ops
+        both sides time are the same work on the same thread (on an accelerator the program's backward
+        ops run on the autograd engine's device thread, which the step's own thread does not show)."""
+        if not self.same_platform:
+            return 1.0, "a portability replay: the ops ran on another platform at capture"
+        if self.device.type != "cpu":
+            return 1.0, f"on {self.device.type} the program's op time is not all on the step's thread"
+        if not (self.program_op_us > 0 and self.op_samples_us):
+            return 1.0, "the spec or the calibration holds no op time (a spec from an older capture)"
         grad_ops = statistics.fmean(sum(self.plan.specs[p].grad for p in step) for step in self.plan.sequence)
-        replay_op_us = statistics.median(self.op_samples_us) + grad_ops * 1e6 * self.runner.autograd_s
-        return replay_op_us / self.program_op_us
+        if grad_ops and self.autograd_unmeasured:
+            return 1.0, "the autograd bookkeeping inside the program's op time is not measured"
+        scale = (statistics.median(self.op_samples_us) + grad_ops * 1e6 * self.runner.autograd_s) / self.program_op_us
+        if not 1 / MAX_HOST_SCALE <= scale <= MAX_HOST_SCALE:
+            return 1.0, (f"the replay's op time is {scale:.2f} x the program's: a difference of ops, not of the "
+                         f"machine's speed")
+        return scale, None
 
     @property
     def host_scale(self) -> float:
