@@ -391,28 +391,36 @@ def test_host_time_inside_a_wrapper_the_replay_does_not_run_counts_as_host_time(
     assert kineto_host_gaps(kineto_trace(trace, Path("t.json")), {None: 80.0}) == {0: pytest.approx(20.0)}
 
 
+def _host_bound_spec(tmp_path: Path, *, size: int = 64, host_s: float = 0.004, baseline_steps: int = 10) -> dict:
+    """The generated spec of a captured program that spends ``host_s`` in Python between a ``size``-square
+    matmul and an add each step."""
+    import time
+
+    from harness.traces.capture import capture
+
+    x = torch.randn(size, size)
+
+    def step() -> None:
+        y = x @ x
+        until = time.perf_counter() + host_s  # the program's own host work
+        while time.perf_counter() < until:
+            pass
+        (y + 1).sum()
+
+    with capture(tmp_path / "bundle", steps=2, warmup=2, baseline_steps=baseline_steps, source="host_bound") as cap:
+        while not cap.done:
+            with cap.step():
+                step()
+    return generate_spec(tmp_path / "bundle")
+
+
 @pytest.mark.alone  # the 4 ms host gap is held to 3-6 ms: a busy neighbour's preemption would spill over
 def test_the_programs_own_host_time_is_measured_and_spent_by_the_replay(tmp_path: Path):
     """A program that spends 4 ms in Python between two ops each step: the spec records about that much
     host time per step (the profiler's own cost taken out), and a replay of it takes at least as long."""
     import time
 
-    from harness.traces.capture import capture
-
-    x = torch.randn(64, 64)
-
-    def step() -> None:
-        y = x @ x
-        until = time.perf_counter() + 0.004  # the program's own host work
-        while time.perf_counter() < until:
-            pass
-        (y + 1).sum()
-
-    with capture(tmp_path / "bundle", steps=2, warmup=2, baseline_steps=10, source="host_bound") as cap:
-        while not cap.done:
-            with cap.step():
-                step()
-    spec = generate_spec(tmp_path / "bundle")
+    spec = _host_bound_spec(tmp_path)
     host_us = [s["host_gap_us"] for s in spec["ranks"][0]["steps"]]
     assert all(3000 <= h <= 6000 for h in host_us), host_us
     replayer = Replayer(RankRecord.from_json(spec["ranks"][0]), torch.device("cpu"), host_gaps=True)
@@ -425,34 +433,12 @@ def test_the_programs_own_host_time_is_measured_and_spent_by_the_replay(tmp_path
     assert (time.perf_counter() - started) / 4 >= 0.0035
 
 
-def _host_bound_spec(tmp_path: Path) -> dict:
-    """A captured program that spends 2 ms in Python between two ops each step: its generated spec."""
-    import time
-
-    from harness.traces.capture import capture
-
-    x = torch.randn(256, 256)
-
-    def step() -> None:
-        y = x @ x
-        until = time.perf_counter() + 0.002
-        while time.perf_counter() < until:
-            pass
-        (y + 1).sum()
-
-    with capture(tmp_path / "bundle", steps=2, warmup=2, baseline_steps=4, source="host_bound") as cap:
-        while not cap.done:
-            with cap.step():
-                step()
-    return generate_spec(tmp_path / "bundle")
-
-
 def test_the_replay_spends_the_host_time_at_the_machines_speed(tmp_path: Path):
     """The host time was measured at capture; a shared machine's speed moves within the minute, and a
     program's host time with it. On the capture's platform the replay scales it by its own time inside the
     ops against the program's then (``program_op_us``: a capture on a machine twice as slow reads half the
     scale); a replay elsewhere spends it as measured."""
-    spec = _host_bound_spec(tmp_path)
+    spec = _host_bound_spec(tmp_path, size=256, host_s=0.002, baseline_steps=4)
     steps = spec["ranks"][0]["steps"]
     assert all(s["program_op_us"] > 0 for s in steps), steps
 
