@@ -28,6 +28,7 @@ import torch
 from workloads.trace_bundle import ET_FILE, STEP_ANNOTATION, TraceError
 from workloads.trace_replay.allocations import mark_source_releases
 from workloads.trace_replay.host_time import (
+    COLLECTIVE,
     measured_host_gaps,
     place_host_gaps,
     replayed_op_counts,
@@ -48,7 +49,7 @@ _PROCESS_ROOT = "[pytorch|profiler|execution_trace|process]"
 
 # Op categories for the time breakdown; the first pattern that matches the op's name wins.
 CATEGORIES: list[tuple[str, str]] = [
-    ("comm", r"^(c10d|_c10d_functional|c10d_functional)::"),
+    ("comm", COLLECTIVE.pattern),
     ("attention", r"attention|_flash_|_efficient_attention|_cudnn_attention"),
     ("embedding", r"embedding|^fbgemm::.*(split_embedding|tbe|lookup)"),
     ("gemm", r"::(mm|addmm|bmm|baddbmm|matmul|linear|_scaled_mm|convolution|conv\w*|_addmm_activation)$"),
