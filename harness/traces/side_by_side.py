@@ -239,10 +239,8 @@ def capture_shift_draws(replayer: Any, *, seed: int = 0, samples: int = BOOTSTRA
     not do, both measured once at setup (medians of its calibration steps). Two judgements of one
     program differ mostly by these medians. Each draw resamples every set of measurements: the median
     gap moves the step by as much; the median call cost the other way, once per op; the bookkeeping
-    once per op the program recorded autograd history through. Where the replay scales the host time
-    by how fast this machine runs the ops now (``host_scale``), the gap moves the step scaled, and the
-    scale moves with the replay's op time and the bookkeeping resampled. None when the replay spends no
-    host gaps.
+    once per op the program recorded autograd history through. None when the replay spends no host
+    gaps.
     """
     if replayer is None or not getattr(replayer, "host_gaps", False):
         return None
@@ -255,19 +253,13 @@ def capture_shift_draws(replayer: Any, *, seed: int = 0, samples: int = BOOTSTRA
         if books else 0.0
     gap, call = (statistics.median(gaps) if gaps else 0.0), replayer.call_s
     book = statistics.median(books) if books else 0.0
-    scale = getattr(replayer, "host_scale", 1.0)
-    op_us = list(getattr(replayer, "op_samples_us", [])) if scale != 1.0 else []
-    program_op_us = getattr(replayer, "program_op_us", 0.0)
     rng = random.Random(seed + 1)
     draws = []
     for _ in range(samples):
         g = statistics.median(rng.choices(gaps, k=len(gaps))) if len(gaps) > 1 else gap
         c = statistics.median(rng.choices(calls, k=len(calls))) if len(calls) > 1 else call
         a = statistics.median(rng.choices(books, k=len(books))) if len(books) > 1 else book
-        s = scale
-        if len(op_us) > 1 and program_op_us > 0:
-            s = (statistics.median(rng.choices(op_us, k=len(op_us))) + grad_ops * 1e6 * max(0.0, a)) / program_op_us
-        draws.append((s * g - scale * gap - ops * 1e6 * (c - call) + grad_ops * 1e6 * (a - book)) / 1e3)
+        draws.append((g - gap - ops * 1e6 * (c - call) + grad_ops * 1e6 * (a - book)) / 1e3)
     return draws
 
 

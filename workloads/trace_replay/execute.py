@@ -45,7 +45,6 @@ class StepRunner:
         # the autograd bookkeeping per op the program recorded history through (:mod:`.host_cost`): the
         # replay runs without grad, so it spends that much as host time before each such op
         self.autograd_s = 0.0
-        self.host_scale = 1.0  # the factor the program's host time is spent at (:meth:`.Replayer._host_scale`)
 
     @property
     def next_step(self) -> int:
@@ -170,9 +169,9 @@ class StepRunner:
         gaps = None
         if self.host_gaps:
             specs = [self.plan.specs[p] for p in positions]
-            gaps = [0.0 if no_gap_time else self.host_scale * seconds(spec.gap_us) + spec.grad * self.autograd_s
+            gaps = [0.0 if no_gap_time else seconds(spec.gap_us) + spec.grad * self.autograd_s
                     for spec in specs]
-        tail = self.host_scale * seconds(self._tail_gaps_us[k]) if self.host_gaps and not no_gap_time else 0.0
+        tail = seconds(self._tail_gaps_us[k]) if self.host_gaps and not no_gap_time else 0.0
         births = [offset + j if offset + j in self.plan.births else None for j in range(len(positions))]
         return generate_step(self.plan.ops, positions, self.plan.clears[offset:offset + len(positions)], gaps, tail,
                              call_s=0.0 if no_gap_time else self.call_s, births=births,

@@ -32,7 +32,6 @@ from workloads.trace_replay.host_time import (
     measured_host_gaps,
     place_host_gaps,
     replayed_op_counts,
-    replayed_op_time,
 )
 from workloads.trace_replay.parse import (
     BundleTrace,
@@ -232,16 +231,14 @@ def extract_rank(trace: BundleTrace) -> tuple[list[dict[str, Any]], list[dict[st
         raise TraceError(f"{et_path}: the captured steps contain no operators with a schema")
     mark_source_releases(ops, trace.kineto.memory)
     replayed = {op["name"] for op in ops}
-    gap, samples = measured_host_gaps(trace, replayed)
+    # and how long the ops took meanwhile, which a replay sets its own against (Replayer.op_time_ratio)
+    gap, samples, op_us = measured_host_gaps(trace, replayed)
     place_host_gaps(ops, steps, gap)
     # How many ops each traced step ran against the program's steps timed after them (as the profiler saw
     # both): a program whose steps differ by chance (a layer dropped at random) may have been traced on
     # steps unlike its own, whose replay then says nothing about the program's time.
     traced = replayed_op_counts(trace.kineto, replayed.__contains__)
     timed = list(replayed_op_counts(trace.timing, replayed.__contains__).values()) if trace.timing is not None else []
-    # how fast the machine ran the ops while the host time was measured: a replay on this platform scales
-    # the host time by how fast it runs them itself (the machine's speed drifts; see Replayer.host_scale)
-    op_us = list(replayed_op_time(trace.timing, replayed.__contains__).values()) if trace.timing is not None else []
     for step in steps:  # what the estimate rests on: a judgement resamples it (harness.traces.judge)
         step["host_gap_samples_us"] = samples
         step["kineto_ops"] = traced.get(step["index"], 0)

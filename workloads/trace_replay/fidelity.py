@@ -184,7 +184,7 @@ def compute_fidelity(
         "source_peak_memory_mb": source_peak / 2**20,
         "portability": float(portability),
         # the program's own host time per step as measured at capture, which the replay spends between ops
-        # scaled by replay_host_scale (0: ops back to back)
+        # (0: ops back to back)
         "host_gap_ms": statistics.fmean(s.host_gap_us for s in rank_spec.steps) / 1e3
         if host_gaps and rank_spec.steps else 0.0,
     }

@@ -36,8 +36,8 @@ MAX_REPEATS = 50
 def measure_call_cost(runner: StepRunner, synchronize: Callable[[], None], rounds: int = 24, *,
                       process_group: Any = None) -> tuple[list[float], list[float]]:
     """The replay's own host time per op call, one figure per measured sample (seconds), and the time
-    inside its ops (collectives left out) per step, one figure per round (µs: the mean over the steps,
-    as the profiler saw them: :func:`.host_time.replayed_op_time`).
+    inside its ops (collectives left out) per step, one figure per round (µs: the mean over the steps, the
+    profiler's cost taken out as the capture takes it out of the program's: :func:`.host_time.replayed_op_time`).
 
     The program's host gaps were measured from its Kineto trace as the time outside its ops, the
     profiler's cost taken out (:func:`.host_time.kineto_host_gaps`); the replay's own time outside its
@@ -108,7 +108,7 @@ def measure_call_cost(runner: StepRunner, synchronize: Callable[[], None], round
             trace = read_kineto(path)
             host_us = kineto_host_gaps(trace, plain_us)
             per_op += [host_us[k] / (repeats[k] * max(1, len(runner.plan.sequence[k]))) for k in host_us]
-            inside = replayed_op_time(trace, names.__contains__)  # not the storages it makes, as the program's
+            inside = replayed_op_time(trace, plain_us, names.__contains__)  # the captured ops': as the program's
             if steps and len(inside) == steps:
                 op_us.append(statistics.fmean(inside[k] / repeats[k] for k in inside))
     runner.tensors.restore_values()

@@ -113,7 +113,7 @@ class GeneratedWorkload(WorkloadBase):
         self.replayer = Replayer(rank_spec, self.ctx.device, repeat=self.spec.repeat,
                                  process_group=self.ctx.process_group, seed=self.ctx.seed + self.ctx.rank,
                                  host_gaps=self.config.host_gaps and self.spec.full_step,
-                                 trust=self.config.trust_spec, same_platform=not self.portability)
+                                 trust=self.config.trust_spec)
         if self.config.probe and not self.ctx.distributed and self.ctx.device.type == "cpu":
             # a crash probe needs the ops to run alone: not with collectives, not on a shared device
             self.replayer.exclude(find_crashing_ops(self.config.spec, self.rank_index, trust=self.config.trust_spec))
@@ -180,9 +180,11 @@ class GeneratedWorkload(WorkloadBase):
         if self.replayer.host_gaps:
             record["metrics"]["replay_host_us_per_op"] = 1e6 * self.replayer.call_s
             record["metrics"]["replay_autograd_us_per_op"] = 1e6 * self.replayer.autograd_s
-            record["metrics"]["replay_host_scale"] = self.replayer.host_scale
-            if self.replayer.host_scale_unmeasured:
-                record["host_scale_unmeasured"] = self.replayer.host_scale_unmeasured
+            ratio, why = self.replayer.op_time_ratio()
+            if ratio is not None:
+                record["metrics"]["replay_op_time_ratio"] = ratio
+            else:
+                record["op_time_ratio_unmeasured"] = why
             if self.replayer.autograd_unmeasured:
                 record["autograd_unmeasured"] = self.replayer.autograd_unmeasured
         record["metrics"]["replay_nonfinite_tensors"] = float(self.replayer.nonfinite_tensors())
