@@ -249,8 +249,7 @@ def capture_shift_draws(replayer: Any, *, seed: int = 0, samples: int = BOOTSTRA
     if len(gaps) < 2 and len(calls) < 2:
         return None
     ops = statistics.fmean(len(step) for step in replayer.sequence)
-    grad_ops = statistics.fmean(sum(replayer.plan.specs[p].grad for p in step) for step in replayer.sequence) \
-        if books else 0.0
+    grad_ops = replayer.grad_ops_per_step if books else 0.0
     gap, call = (statistics.median(gaps) if gaps else 0.0), replayer.call_s
     book = statistics.median(books) if books else 0.0
     rng = random.Random(seed + 1)

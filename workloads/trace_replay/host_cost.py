@@ -26,7 +26,7 @@ import torch
 
 from workloads.trace_bundle import STEP_ANNOTATION
 from workloads.trace_replay.execute import StepRunner
-from workloads.trace_replay.host_time import kineto_host_gaps, replayed_op_time
+from workloads.trace_replay.host_time import COLLECTIVE, kineto_host_gaps, replayed_op_time
 from workloads.trace_replay.parse import read_kineto
 
 MIN_SAMPLE_MS = 20.0  # a sample runs a short step this long, as the side-by-side judgement's samples do
@@ -71,7 +71,7 @@ def measure_call_cost(runner: StepRunner, synchronize: Callable[[], None], round
         synchronize()
         repeats.append(max(1, min(MAX_REPEATS, math.ceil(MIN_SAMPLE_MS / max(1e3 * (time.perf_counter() - started),
                                                                                1e-3)))))
-    if torch.distributed.is_initialized() and any(op.name.startswith("c10d::") for op in runner.plan.ops):
+    if torch.distributed.is_initialized() and any(COLLECTIVE.match(op.name) for op in runner.plan.ops):
         agreed = torch.tensor(repeats, dtype=torch.int64, device=runner.tensors.device)  # nccl: on the device
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=process_group)
         repeats = [int(r) for r in agreed]

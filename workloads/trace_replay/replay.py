@@ -27,6 +27,7 @@ import torch
 from workloads.trace_replay.dataflow import External
 from workloads.trace_replay.execute import ReplayStats, StepRunner
 from workloads.trace_replay.host_cost import measure_autograd_cost, measure_call_cost
+from workloads.trace_replay.host_time import COLLECTIVE
 from workloads.trace_replay.ops import CompiledOp
 from workloads.trace_replay.plan import plan_replay
 from workloads.trace_replay.records import RankRecord
@@ -60,6 +61,13 @@ class Replayer:
     @property
     def ops(self) -> list[CompiledOp]:
         return self.plan.ops
+
+    @property
+    def grad_ops_per_step(self) -> float:
+        """The ops a step recorded autograd history through, on average over the captured steps: those the
+        replay spends the autograd bookkeeping for."""
+        return statistics.fmean(sum(self.plan.specs[p].grad for p in step) for step in self.plan.sequence) \
+            if self.plan.sequence else 0.0
 
     @property
     def sequence(self) -> list[list[int]]:
@@ -139,7 +147,7 @@ class Replayer:
         self.call_samples_s, self.op_samples_us = measure_call_cost(  # a judgement resamples the first
             self.runner, synchronize, rounds, process_group=self.process_group)
         self.runner.call_s = statistics.median(self.call_samples_s) if self.call_samples_s else 0.0
-        if any(op.name.startswith("c10d::") for op in self.plan.ops):
+        if any(COLLECTIVE.match(op.name) for op in self.plan.ops):
             # its variants would have to run in lockstep on every rank; the program's bookkeeping is not spent
             self.autograd_unmeasured = "not measured on steps that hold collectives"
         else:
@@ -168,7 +176,7 @@ class Replayer:
             return None, f"on {self.device.type} the program's op time is not all on the step's thread"
         if not (self.program_op_us > 0 and self.op_samples_us):
             return None, "the spec or the calibration holds no op time (a spec from an older capture)"
-        grad_ops = statistics.fmean(sum(self.plan.specs[p].grad for p in step) for step in self.plan.sequence)
+        grad_ops = self.grad_ops_per_step
         if grad_ops and self.autograd_unmeasured:
             return None, "the autograd bookkeeping inside the program's op time is not measured"
         return (statistics.median(self.op_samples_us) + grad_ops * 1e6 * self.runner.autograd_s) / self.program_op_us, \
