@@ -431,6 +431,7 @@ def test_the_programs_own_host_time_is_measured_and_spent_by_the_replay(tmp_path
     replayer.materialize()
     replayer.dry_run()
     replayer.calibrate_host_cost(lambda: None)
+    assert 0 < replayer.runner.spin_cost_s < 5e-6  # a spin's own cost past its length: ~0.1-0.2 µs here
     started = time.perf_counter()
     for _ in range(4):
         replayer.run_step()
@@ -478,6 +479,10 @@ def test_the_replay_spins_for_the_programs_host_time_less_its_own_calls_never_mo
     # no shortfall: each gap spins for itself, one too short to spin on adds up to the next
     assert spins([10 * us, 4.1 * us, 5 * us], 3 * us, 4 * us) == (
         pytest.approx([6 * us, 0.0, 1.1 * us]), pytest.approx(3 * us))
+    # each spin runs its own cost past its length: that much shorter, and one too short for it adds up too
+    assert spins([10 * us, 4.1 * us, 5 * us], 3 * us, 4 * us, 0.2 * us) == (
+        pytest.approx([5.8 * us, 0.0, 0.9 * us]), pytest.approx(2.8 * us))
+    assert spins([4.3 * us, 4.3 * us], 0.0, 4 * us, 0.2 * us) == (pytest.approx([0.0, 0.4 * us]), 0.0)
 
 
 def test_the_autograd_bookkeeping_of_forward_ops_is_measured_and_spent_by_the_replay(tmp_path: Path):

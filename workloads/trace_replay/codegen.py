@@ -28,7 +28,13 @@ def seconds(gap_us: Any) -> float:
     return value if math.isfinite(value) and value > 0 else 0.0
 
 
-def spins(gaps_s: Sequence[float], tail_s: float, call_s: float) -> tuple[list[float], float]:
+def spin_line(length_s: float) -> str:
+    """The generated line that spends ``length_s`` busy after ``t`` (taken as the op before it returned)."""
+    return f"    while pc() < t + {float(length_s)!r}: pass"
+
+
+def spins(gaps_s: Sequence[float], tail_s: float, call_s: float,
+          spin_cost_s: float = 0.0) -> tuple[list[float], float]:
     """How long to spin before each op (and after the last) to spend the program's host time.
 
     The program's gap before an op includes its own cost of calling it; the replay pays its own
@@ -37,16 +43,18 @@ def spins(gaps_s: Sequence[float], tail_s: float, call_s: float) -> tuple[list[f
     the autograd engine), the balance carries to later gaps; a balance still owed at the step's end
     is taken back from the latest spins before it. The spins then add up to the program's host time
     less the replay's calls, never more: a step spends its host time, not its peaks. Gaps shorter
-    than :data:`SPIN_MIN_S` are not spun on: they add up to the next.
+    than :data:`SPIN_MIN_S` are not spun on: they add up to the next. A spin itself runs
+    ``spin_cost_s`` past its length (its last check of the clock, and leaving the loop: measured by
+    :func:`.host_cost.measure_spin_cost`), so each is that much shorter.
     """
     out = [0.0] * len(gaps_s)
     owed = 0.0
     for j, gap in enumerate(gaps_s):
         owed += gap - call_s
-        if owed > SPIN_MIN_S:
-            out[j], owed = owed, 0.0
+        if owed > SPIN_MIN_S + spin_cost_s:
+            out[j], owed = owed - spin_cost_s, 0.0
     owed += tail_s
-    tail = owed if owed > SPIN_MIN_S else 0.0
+    tail = owed - spin_cost_s if owed > SPIN_MIN_S + spin_cost_s else 0.0
     for j in reversed(range(len(out))):
         if owed >= 0:
             break
@@ -57,7 +65,7 @@ def spins(gaps_s: Sequence[float], tail_s: float, call_s: float) -> tuple[list[f
 
 
 def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: Sequence[list[int]],
-                  gaps_s: Sequence[float] | None, tail_s: float, *, call_s: float = 0.0,
+                  gaps_s: Sequence[float] | None, tail_s: float, *, call_s: float = 0.0, spin_cost_s: float = 0.0,
                   births: Sequence[int | None] | None = None, grad: Sequence[bool] | None = None,
                   grad_on: bool = False, keep: list[Any] | None = None, stand_in: Callable[[int], None],
                   fill: Callable[[int], None], born: Callable[[int], None] | None = None,
@@ -69,7 +77,8 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
     back). ``births[j]``: a key for ``born``, which makes the storages the program made right after
     the j-th op (None: none), within the gap that follows it: the program's host time there includes
     its making them (a compiled graph's own kernels). ``call_s``: the replay's own cost of calling an
-    op (measured by the replayer on its own steps), which :func:`spins` takes out of the gaps.
+    op (measured by the replayer on its own steps), which :func:`spins` takes out of the gaps, as it takes
+    ``spin_cost_s`` out of each spin.
     ``grad[j]``: run the j-th op with grad mode set to ``grad_on`` and back off after it (what the
     replayer's autograd calibration compares: the same code, grad mode on and off); None: every op
     without grad, as the replay runs. Those ops' outputs are appended to ``keep`` then, so that the
@@ -93,11 +102,12 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
 
     lines = ["def step(v):", "    t = pc()"]
     ran = 0
-    spin_s, tail = spins(gaps_s, tail_s, call_s) if gaps_s is not None else ([0.0] * len(positions), tail_s)
+    spin_s, tail = spins(gaps_s, tail_s, call_s, spin_cost_s) if gaps_s is not None else \
+        ([0.0] * len(positions), tail_s)
     for j, position in enumerate(positions):
         op = ops[position]
         if spin_s[j] > 0:
-            lines.append(f"    while pc() < t + {float(spin_s[j])!r}: pass")
+            lines.append(spin_line(spin_s[j]))
         toggled = grad is not None and grad[j] and op.error is None
         if toggled:
             lines.append(f"    grad({bool(grad_on)!r})")
@@ -134,7 +144,7 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
         if births is not None and births[j] is not None:  # inside the next gap: the program made them there
             lines.append(f"    born({int(births[j])})")
     if tail > SPIN_MIN_S:
-        lines.append(f"    while pc() < t + {float(tail)!r}: pass")
+        lines.append(spin_line(tail))
     namespace: dict[str, Any] = {"f": fns, "c": consts, "flat": flatten_tensors, "pc": time.perf_counter,
                                  "standin": stand_in, "fill": fill, "born": born,
                                  "grad": torch._C._set_grad_enabled, "keep": keep}

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from workloads.trace_replay.codegen import generate_step, seconds
+from workloads.trace_replay.codegen import generate_step, seconds, spins
 from workloads.trace_replay.ops import CompiledOp, describe, fit_length
 from workloads.trace_replay.plan import ReplayPlan
 from workloads.trace_replay.synthesis import Synthesis
@@ -45,6 +45,7 @@ class StepRunner:
         # the autograd bookkeeping per op the program recorded history through (:mod:`.host_cost`): the
         # replay runs without grad, so it spends that much as host time before each such op
         self.autograd_s = 0.0
+        self.spin_cost_s = 0.0  # what a spin costs past its length (:func:`.host_cost.measure_spin_cost`)
 
     @property
     def next_step(self) -> int:
@@ -168,18 +169,31 @@ class StepRunner:
         no_gap_time = no_gap_time or grad_on is not None
         gaps = None
         if self.host_gaps:
-            specs = [self.plan.specs[p] for p in positions]
-            gaps = [0.0 if no_gap_time else seconds(spec.gap_us) + spec.grad * self.autograd_s
-                    for spec in specs]
+            gaps = [0.0] * len(positions) if no_gap_time else self._gaps_s(positions)
         tail = seconds(self._tail_gaps_us[k]) if self.host_gaps and not no_gap_time else 0.0
         births = [offset + j if offset + j in self.plan.births else None for j in range(len(positions))]
         return generate_step(self.plan.ops, positions, self.plan.clears[offset:offset + len(positions)], gaps, tail,
-                             call_s=0.0 if no_gap_time else self.call_s, births=births,
+                             call_s=0.0 if no_gap_time else self.call_s,
+                             spin_cost_s=0.0 if no_gap_time else self.spin_cost_s, births=births,
                              grad=None if grad_on is None else [self.plan.specs[p].grad for p in positions],
                              grad_on=bool(grad_on), keep=keep,
                              stand_in=lambda i: self.tensors.stand_in(self.plan.ops[i]),
                              fill=lambda i: self.plan.ops[i].store_fills(self.tensors.vals, self.tensors.generator),
                              born=self.tensors.give_birth, name=f"step {k}")
+
+    def _gaps_s(self, positions: list[int]) -> list[float]:
+        """The host time to spend before each of these ops (seconds): the program's gap, plus the autograd
+        bookkeeping before each op the program recorded history through."""
+        return [seconds(self.plan.specs[p].gap_us) + self.plan.specs[p].grad * self.autograd_s for p in positions]
+
+    def spin_lengths(self) -> list[float]:
+        """Every spin the steps make with the costs measured so far, their own cost not yet taken out
+        (seconds; :func:`codegen.spins`)."""
+        lengths: list[float] = []
+        for k, positions in enumerate(self.plan.sequence):
+            before, tail = spins(self._gaps_s(positions), seconds(self._tail_gaps_us[k]), self.call_s)
+            lengths += [s for s in [*before, tail] if s > 0]
+        return lengths
 
     def walk(self, run_op: Callable[[int, CompiledOp], None]) -> None:
         """One pass over every step op by op, as the steps run: ``run_op(position, op)`` runs each op that

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from workloads.trace_bundle import STEP_ANNOTATION
+from workloads.trace_replay.codegen import spin_line
 from workloads.trace_replay.execute import StepRunner
 from workloads.trace_replay.host_time import COLLECTIVE, kineto_host_gaps, replayed_op_time
 from workloads.trace_replay.parse import read_kineto
@@ -223,3 +224,29 @@ def measure_autograd_cost(runner: StepRunner, synchronize: Callable[[], None],
     finally:
         runner.tensors.restore_values()
     return samples, None
+
+
+def measure_spin_cost(length_s: float, rounds: int = 24, spins: int = 200) -> list[float]:
+    """What one spin of ``length_s`` costs past its length, one figure per round (seconds).
+
+    A generated step spends a gap by spinning until the clock passes its end (:func:`.codegen.spin_line`);
+    the last check of the clock and leaving the loop come after it, ~0.1–0.2 µs on this VM's clock
+    (TSC) for spins of 1–5 µs, on every op a step spins before: T5's 1,854 ops a step spun 0.25–0.3 ms
+    past their lengths. Measured here as the replay spends them: ``spins`` of them, each followed by the
+    line that takes the clock after an op (which the call cost already counts), against those lines
+    alone, the two alternating."""
+    line = "    t = pc()\n"
+    with_spins, lines_only = ({"pc": time.perf_counter}, {"pc": time.perf_counter})
+    exec(compile("def run():\n" + line + (spin_line(length_s) + "\n" + line) * spins, "<spins>", "exec"), with_spins)
+    exec(compile("def run():\n" + line * (spins + 1), "<clock lines>", "exec"), lines_only)
+    samples = []
+    for r in range(rounds + 1):
+        took = {}
+        for name, code in ((("spins", with_spins), ("lines", lines_only)) if r % 2 else
+                           (("lines", lines_only), ("spins", with_spins))):
+            started = time.perf_counter()
+            code["run"]()
+            took[name] = time.perf_counter() - started
+        if r:  # the first round settles
+            samples.append((took["spins"] - took["lines"]) / spins - length_s)
+    return samples

@@ -26,7 +26,7 @@ import torch
 
 from workloads.trace_replay.dataflow import External
 from workloads.trace_replay.execute import ReplayStats, StepRunner
-from workloads.trace_replay.host_cost import measure_autograd_cost, measure_call_cost
+from workloads.trace_replay.host_cost import measure_autograd_cost, measure_call_cost, measure_spin_cost
 from workloads.trace_replay.host_time import COLLECTIVE
 from workloads.trace_replay.ops import CompiledOp
 from workloads.trace_replay.plan import plan_replay
@@ -56,6 +56,7 @@ class Replayer:
         self.runner = StepRunner(self.plan, self.tensors, host_gaps=host_gaps, tail_gaps_us=tail_gaps_us)
         self.call_samples_s: list[float] = []
         self.autograd_samples_s: list[float] = []
+        self.spin_cost_samples_s: list[float] = []
         self.autograd_unmeasured: str | None = None  # why the autograd bookkeeping was not measured
 
     @property
@@ -141,7 +142,8 @@ class Replayer:
         """Measure the replay's own host time per op call (seconds; the median of :func:`.host_cost.
         measure_call_cost`'s figures), which the host gaps it spends then leave out, and the autograd
         bookkeeping per op it does not do (:func:`.host_cost.measure_autograd_cost`), which they then
-        add; returns the first, 0 without host gaps."""
+        add, and what a spin costs past its length (:func:`.host_cost.measure_spin_cost`), which each spin
+        then leaves out; returns the first, 0 without host gaps."""
         if not self.host_gaps:
             return 0.0
         self.call_samples_s, self.op_samples_us = measure_call_cost(  # a judgement resamples the first
@@ -154,6 +156,9 @@ class Replayer:
             self.autograd_samples_s, self.autograd_unmeasured = measure_autograd_cost(self.runner, synchronize)
         self.runner.autograd_s = max(0.0, statistics.median(self.autograd_samples_s)) if self.autograd_samples_s \
             else 0.0
+        if lengths := self.runner.spin_lengths():  # what a spin of the steps' typical length costs past it
+            self.spin_cost_samples_s = measure_spin_cost(statistics.median(lengths))
+            self.runner.spin_cost_s = max(0.0, statistics.median(self.spin_cost_samples_s))
         self.runner.regenerate()  # with the measured costs
         return self.runner.call_s
 

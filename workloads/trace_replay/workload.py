@@ -180,6 +180,7 @@ class GeneratedWorkload(WorkloadBase):
         if self.replayer.host_gaps:
             record["metrics"]["replay_host_us_per_op"] = 1e6 * self.replayer.call_s
             record["metrics"]["replay_autograd_us_per_op"] = 1e6 * self.replayer.autograd_s
+            record["metrics"]["replay_spin_cost_us"] = 1e6 * self.replayer.runner.spin_cost_s
             ratio, why = self.replayer.op_time_ratio()
             if ratio is not None:
                 record["metrics"]["replay_op_time_ratio"] = ratio
