@@ -442,8 +442,8 @@ def test_the_replay_sets_its_op_time_against_the_programs_without_the_profilers_
     """The capture records the program's time inside its ops, the profiler's cost taken out
     (``program_op_us``); the replay's calibration measures its own the same way, and the ratio of the two
     is reported (``replay_op_time_ratio``: a capture on a machine 1.5 x as slow reads 1 / 1.5). Both
-    sides are the same ops on the same machine a minute apart, and each op time with the program's host
-    time makes up its plain step."""
+    sides are the same ops on the same machine a minute apart; the program's op time is less than its
+    traced step, which also holds its host time."""
     spec = _host_bound_spec(tmp_path, size=256, host_s=0.002, baseline_steps=4)
     steps = spec["ranks"][0]["steps"]
     assert all(0 < s["program_op_us"] < 1e3 * s["traced_ms"] for s in steps), steps
