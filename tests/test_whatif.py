@@ -650,6 +650,65 @@ def test_a_sharded_stage_timed_at_two_ranks_replaces_the_captured_embeddings(cob
     assert "timed with changes []" in err
 
 
+_CRASHING_PROBE = """
+import argparse, json, os, sys
+from pathlib import Path
+parser = argparse.ArgumentParser()
+parser.add_argument("plan", type=Path)
+parser.add_argument("--out", type=Path, required=True)
+args = parser.parse_args()
+plan = json.loads(args.plan.read_text())
+launch = len(list(args.plan.parent.glob(f"ran_{os.environ['RANK']}_*")))
+(args.plan.parent / f"ran_{os.environ['RANK']}_{launch}").touch()
+what = plan[min(launch, len(plan) - 1)]
+if os.environ["RANK"] == "0":
+    if what == "bad":
+        print("probe: error: no such skeleton", file=sys.stderr)
+        raise SystemExit(2)
+    if what == "abort":
+        print(f"rank 0 aborting in launch {launch}", file=sys.stderr, flush=True)
+        os.abort()
+    args.out.write_text(json.dumps({"launch": launch}))
+    if what == "abort_after":
+        os.abort()
+"""
+
+
+@pytest.mark.parametrize("plan, launched, crashes, error", [
+    (["abort", "ok"], 2, [("SIGABRT", False)], None),  # crashed once: run again, the crash kept in the record
+    (["abort_after"], 1, [("SIGABRT", True)], None),  # crashed after writing its timing: the timing stands
+    (["abort", "abort"], 2, [], "a rank ended by SIGABRT"),  # crashed twice: fails, with the rank's own words
+    (["bad"], 1, [], "exit 1): [rank 0] probe: error: no such skeleton"),  # a rank's own error: not run again
+])
+def test_a_probe_launch_a_signal_ends_runs_once_more_and_says_what_the_ranks_said(tmp_path: Path, monkeypatch, plan,
+                                                                                  launched, crashes, error):
+    """Real torchrun launches of a probe whose rank 0 aborts, or refuses its input, in a planned launch."""
+    from harness.whatif.costs import launch_pooled
+
+    (tmp_path / "crashing_probe.py").write_text(_CRASHING_PROBE)
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    cached = tmp_path / "timing.json"
+
+    def pool(records: list[dict]) -> dict:
+        return {"launches": [r["launch"] for r in records]}
+
+    if error is None:
+        launch_pooled(2, "crashing_probe", [str(tmp_path / "plan.json")], cached, 1, pool, "a crashing probe")
+        record = json.loads(cached.read_text())
+        assert record["launches"] == [launched - 1]
+        assert [(c["signal"], c["after_timing"]) for c in record["crashed_launches"]] == crashes
+        if not crashes[0][1]:
+            assert "rank 0 aborting in launch 0" in record["crashed_launches"][0]["ranks"]
+    else:
+        with pytest.raises(RuntimeError, match="timing a crashing probe at 2 ranks failed") as failed:
+            launch_pooled(2, "crashing_probe", [str(tmp_path / "plan.json")], cached, 1, pool, "a crashing probe")
+        assert error in str(failed.value)
+        assert "Root Cause" not in str(failed.value)  # the ranks' words, not torchrun's report
+        assert not cached.exists()
+    assert len(list(tmp_path.glob("ran_0_*"))) == launched
+
+
 def test_the_skeleton_cuts_the_step_at_its_gradients_with_the_collectives_inside():
     from harness.whatif.sync_probe import _stretches
 

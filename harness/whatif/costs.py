@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from harness.whatif import stage_probe, sync_probe
 from harness.whatif.cache import cache_dir, read_json_file
@@ -116,18 +119,72 @@ def launch_pooled(world: int, probe: str, arguments: list[str], cached: Path, la
                   pool: Callable[[list[dict[str, Any]]], dict[str, Any]], what: str) -> None:
     """``launches`` torchrun launches at ``world`` ranks of ``python -m <probe> <arguments> --out PART``, their
     records pooled (``pool``) into ``cached``: a launch's placement of ranks on a shared host's cores moves its
-    figure."""
-    records = []
+    figure. A launch a signal ended (a rank aborted or was killed: on a shared host, gloo's transport can abort a
+    rank) is run once more, and the pooled record keeps what it said (``crashed_launches``); a second such end,
+    or a rank's own error (bad input), fails with every rank's last words. A launch that wrote its timing and
+    crashed after (while tearing down) keeps its timing, the crash noted the same way."""
+    records, crashed = [], []
     for i in range(launches):
         part = cached.with_suffix(f".launch{i}.json")
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "-m",
-                               probe, *arguments, "--out", str(part)], capture_output=True, text=True)
-        if done.returncode != 0 or not part.exists():
-            raise RuntimeError(f"timing {what} at {world} ranks failed (exit {done.returncode}): "
-                               f"{(done.stderr or done.stdout).strip()[-2000:]}")
+        for attempt in range(1 + CRASH_RETRIES):
+            part.unlink(missing_ok=True)  # only this launch's timing counts
+            with tempfile.TemporaryDirectory(prefix="cobench-launch-") as logs:
+                done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+                                       "--log-dir", logs, "--tee", "3", "-m", probe, *arguments, "--out", str(part)],
+                                      capture_output=True, text=True)
+                failure = launch_failure(done.stderr or done.stdout, Path(logs)) if done.returncode else None
+            if part.exists():  # written whole (atomically) once every rank's timing was gathered: a crash after it
+                if failure is not None:  # (a rank's transport tearing down) leaves the timing as it was
+                    crashed.append({"launch": i, "signal": failure.signal, "after_timing": True,
+                                    "ranks": failure.message[-2000:]})
+                break
+            if failure is None or failure.signal is None or attempt == CRASH_RETRIES:
+                why = f", a rank ended by {failure.signal}" if failure and failure.signal else ""
+                raise RuntimeError(f"timing {what} at {world} ranks failed (exit {done.returncode}{why}): "
+                                   f"{failure.message if failure else 'it wrote no timing'}")
+            print(f"  warning: launch {i + 1} of {what} at {world} ranks ended by {failure.signal}; running it again "
+                  f"({failure.message[-300:]})", file=sys.stderr, flush=True)
+            crashed.append({"launch": i, "signal": failure.signal, "after_timing": False,
+                            "ranks": failure.message[-2000:]})
         records.append(read_json_file(part))
         part.unlink()
-    cached.write_text(json.dumps(pool(records), indent=1))
+    pooled = pool(records)
+    if crashed:
+        pooled["crashed_launches"] = crashed
+    cached.write_text(json.dumps(pooled, indent=1))
+
+
+CRASH_RETRIES = 1  # a launch a signal ended is run once more (see launch_pooled)
+
+
+class LaunchFailure(NamedTuple):
+    """Why a torchrun launch failed: the signal that ended its first failed rank (None: that rank exited with an
+    error of its own), and every rank's last lines of stderr."""
+
+    signal: str | None
+    message: str
+
+
+def launch_failure(torchrun_stderr: str, log_dir: Path, tail: int = 1500) -> LaunchFailure:
+    """Read a failed ``torchrun --log-dir LOG_DIR --tee 3`` launch: torchrun's report names the first rank that
+    failed and its exit code (negative: a signal); each rank's own stderr is in LOG_DIR, which torchrun's report,
+    printed last, would otherwise push out of sight."""
+    root = torchrun_stderr.rpartition("Root Cause")[2]
+    code = re.search(r"exitcode\s*:\s*(-?\d+)", root)
+    signal_name = None
+    if code and int(code.group(1)) < 0:
+        try:
+            signal_name = signal.Signals(-int(code.group(1))).name
+        except ValueError:
+            signal_name = f"signal {-int(code.group(1))}"
+    ranks = []
+    for path in sorted(log_dir.glob("*/attempt_*/*/stderr.log"), key=lambda p: int(p.parent.name)):
+        text = path.read_text(errors="replace").strip()
+        if text:
+            ranks.append(f"[rank {path.parent.name}] ...{text[-tail:]}" if len(text) > tail
+                         else f"[rank {path.parent.name}] {text}")
+    message = "\n".join(ranks) if ranks else torchrun_stderr.strip()[-2000:]
+    return LaunchFailure(signal_name, message)
 
 
 def changes_key(changes: list[str]) -> str:

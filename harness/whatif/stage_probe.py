@@ -32,6 +32,7 @@ from omegaconf import OmegaConf
 from harness.cli import EXIT_BAD_INPUT, EXIT_OK
 from harness.config import CobenchConfig, compose_config, to_run_config
 from harness.distributed import gather_to_all, shutdown_distributed
+from harness.files import write_atomic
 from harness.running.runner import set_up_workload
 from harness.running.timing import StepTimer
 from harness.whatif.cache import cache_dir
@@ -132,7 +133,7 @@ def time_stage(bundle: Path, out: Path, passes: int, warmup: int, changes: list[
     timing["changes"] = changes
     if os.environ.get("RANK", "0") == "0":
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(timing, indent=1))
+        write_atomic(out, json.dumps(timing, indent=1))  # whole or absent, should the rank die after
     return timing
 
 

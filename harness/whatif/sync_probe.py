@@ -44,6 +44,7 @@ from torch import nn
 from harness.cli import EXIT_BAD_INPUT, EXIT_OK
 from harness.config import compose_config, to_run_config
 from harness.distributed import env_dist_info, gather_to_all, shutdown_distributed
+from harness.files import write_atomic
 from harness.running.runner import join_process_group
 from harness.running.timing import StepTimer
 from harness.whatif.cache import read_json_file
@@ -264,7 +265,7 @@ def time_sync(spec: dict, out: Path, passes: int, warmup: int) -> dict[str, Any]
     timing = time_gradient_sync(spec, platform.device, passes, warmup).to_json()
     if os.environ.get("RANK", "0") == "0":
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(timing, indent=1))
+        write_atomic(out, json.dumps(timing, indent=1))  # whole or absent, should the rank die after
     return timing
 
 
