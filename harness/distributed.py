@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 import socket
+import sys
+import threading
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -16,6 +21,8 @@ import torch
 import torch.distributed as dist
 
 from harness.files import write_atomic
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -186,3 +193,86 @@ def lost_ranks(work_dir: Path) -> list[str]:
         if started is None or (rank.get("started") and started > float(rank["started"]) + 1.0):
             lost.append(f"rank {rank['rank']} (pid {rank['pid']} on {host})")
     return lost
+
+
+class PeerWatch:
+    """The main rank's watch over a run under way: when another rank of this host is gone without saying so
+    (:func:`lost_ranks`) and this rank has not begun to close the run ``grace_s`` later, the run is closed from
+    the watch's thread (``close(reason)``: FAILED, naming the rank), every thread's stack written to stderr and to
+    the run folder's ``error.txt`` first, and the process ended (``exit``).
+
+    A rank whose peer died sees its collective fail and closes the run itself; but its main thread may be stuck
+    where no Python runs — a collective that never hears of the death, a long computation — and then torchrun's
+    SIGTERM waits for it, torchrun's SIGKILL follows 30 s later, and the run would stay RUNNING for ever. The main
+    thread calls :meth:`claim` before it closes the run: the run is closed once, by one of the two.
+    """
+
+    def __init__(self, work_dir: Path, close: Callable[[str], None], grace_s: float = 10.0, interval_s: float = 1.0,
+                 exit: Callable[[int], None] = os._exit):  # noqa: A002 - the process's exit, replaceable in tests
+        self.work_dir, self.grace_s, self.interval_s = work_dir, grace_s, interval_s
+        self._close, self._exit = close, exit
+        self._lock, self._stop, self._done = threading.Lock(), threading.Event(), threading.Event()
+        self._claimed_at: float | None = None  # when the main thread began to close the run
+        self._closing = False  # the watch is closing it
+        self._thread = threading.Thread(target=self._watch, name="cobench-peer-watch", daemon=True)
+
+    def start(self) -> PeerWatch:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def claim(self) -> bool:
+        """The main thread is about to close the run: True, and the watch only looks on (should the closing
+        itself stall for ``2 × grace_s``, it writes every thread's stack to stderr, once); False once the watch
+        has closed the run (it then ends the process: this returns only where ``exit`` does)."""
+        with self._lock:
+            if not self._closing:
+                self._claimed_at = time.monotonic()
+                return True
+        self._done.wait()
+        return False
+
+    def _watch(self) -> None:
+        lost_since: float | None = None
+        while not self._stop.wait(self.interval_s):
+            if self._claimed_at is not None:
+                if time.monotonic() - self._claimed_at > 2 * self.grace_s:
+                    logger.warning("closing the run has taken %g s; where each thread is:\n%s", 2 * self.grace_s,
+                                   thread_stacks())
+                    return
+                continue
+            lost = lost_ranks(self.work_dir)
+            if not lost:
+                lost_since = None
+                continue
+            lost_since = lost_since if lost_since is not None else time.monotonic()
+            if time.monotonic() - lost_since < self.grace_s:
+                continue
+            with self._lock:
+                if self._claimed_at is not None or self._stop.is_set():
+                    return
+                self._closing = True
+            reason = (f"{', '.join(lost)} died (no longer running) during the run; this rank was still inside a step "
+                      f"{self.grace_s:.0f} s later (its threads' stacks are on stderr), so its run was closed from "
+                      "its watch")
+            logger.error("%s", reason)
+            stacks = thread_stacks()
+            print(stacks, file=sys.stderr, flush=True)
+            write_atomic(self.work_dir / "error.txt", f"{reason}\n\n{stacks}")
+            try:
+                self._close(reason)
+            except Exception:  # noqa: BLE001 - the process ends either way; say why the records may be incomplete
+                logger.exception("closing the run after a peer died failed")
+            finally:
+                self._done.set()
+                self._exit(1)
+            return
+
+
+def thread_stacks() -> str:
+    """Every thread's Python stack, where each is now (a thread inside a C++ call: the call it is in)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    return "\n".join(f"thread {names.get(ident, ident)}:\n{''.join(traceback.format_stack(frame))}"
+                     for ident, frame in sys._current_frames().items())

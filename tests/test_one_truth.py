@@ -18,6 +18,7 @@ import pytest
 from conftest import clean_env, mlflow_runs
 
 from harness.config import TrackingConfig
+from harness.distributed import PeerWatch, process_started, record_rank
 from harness.recording.tracking import HOST_TAG, PID_STARTED_TAG, PID_TAG, Tracker
 from harness.running.interrupts import deferred_interrupts, sigterm_as_interrupt
 
@@ -59,13 +60,67 @@ def test_a_rank_killed_mid_run_leaves_a_failed_run_that_names_it(tmp_path, calib
             proc.kill()
     (run,) = mlflow_runs(results)
     if how == "sigterm_both":
-        assert run.info.status == "KILLED" and run.data.tags["error"] == "interrupted by SIGTERM", stderr[-3000:]
+        assert run.info.status == "KILLED" and run.data.tags["error"] == "interrupted by SIGTERM", stderr[-8000:]
         return
-    assert run.info.status == "FAILED", stderr[-3000:]
+    assert run.info.status == "FAILED", stderr[-8000:]  # the ranks' words before torchrun's report
     assert f"rank 1 (pid {victim}" in run.data.tags["error"] and "died" in run.data.tags["error"]
     assert run.info.end_time is not None
     folder = json.loads(next((results / "runs").glob("*/metrics.json")).read_text())
     assert folder["status"] == "FAILED" and folder["error"] == run.data.tags["error"]
+
+
+def _a_peer_that_dies(work_dir):
+    """A real process recorded as rank 1 of a run in ``work_dir``, this process as rank 0; kill() ends it."""
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    record_rank(work_dir, 0)
+    time.sleep(0.2)  # the peer's start time is readable
+    record = json.loads((work_dir / "ranks" / "rank0.json").read_text())
+    record.update(rank=1, pid=peer.pid, started=process_started(peer.pid))
+    (work_dir / "ranks" / "rank1.json").write_text(json.dumps(record))
+    return peer
+
+
+def test_a_main_rank_stuck_when_its_peer_dies_closes_the_run_from_its_watch(tmp_path):
+    """The main thread stays inside its step (as in a collective that never hears of the death): the watch
+    closes the run FAILED naming the dead rank, writes every thread's stack, ends the process; the main thread
+    coming back later does not close it again."""
+    peer = _a_peer_that_dies(tmp_path)
+    closed, exits = [], []
+    watch = PeerWatch(tmp_path, closed.append, grace_s=1.0, interval_s=0.1, exit=exits.append).start()
+    try:
+        time.sleep(0.5)
+        assert not closed  # a live peer: nothing to do
+        peer.kill()
+        peer.wait()
+        deadline = time.monotonic() + 30
+        while not exits and time.monotonic() < deadline:
+            time.sleep(0.05)  # the main thread, stuck
+    finally:
+        watch.stop()
+        peer.kill()
+    assert exits == [1] and len(closed) == 1
+    assert f"rank 1 (pid {peer.pid}" in closed[0] and "died" in closed[0] and "still inside a step" in closed[0]
+    error = (tmp_path / "error.txt").read_text()
+    assert error.startswith(closed[0]) and "thread MainThread" in error and "time.sleep(0.05)" in error
+    assert not watch.claim()
+
+
+def test_a_main_rank_that_closes_its_run_first_is_left_to_close_it_and_told_where_it_stalls(tmp_path, caplog):
+    """The main thread began closing before the watch acted: the watch does not close the run, only writes
+    where each thread is should the closing stall."""
+    peer = _a_peer_that_dies(tmp_path)
+    closed, exits = [], []
+    watch = PeerWatch(tmp_path, closed.append, grace_s=0.2, interval_s=0.05, exit=exits.append).start()
+    try:
+        assert watch.claim()
+        peer.kill()
+        peer.wait()
+        time.sleep(1.0)  # the closing, stalled
+    finally:
+        watch.stop()
+        peer.kill()
+    assert closed == [] and exits == []
+    assert "closing the run has taken 0.4 s; where each thread is" in caplog.text and "thread MainThread" in caplog.text
 
 
 def test_a_signal_while_closing_waits_until_the_records_are_closed():

@@ -28,6 +28,7 @@ from harness.config import CobenchConfig, RunnerConfig, results_root
 from harness.cost import with_serving_cost
 from harness.distributed import (
     DistInfo,
+    PeerWatch,
     broadcast_from_main,
     env_dist_info,
     gather_to_all,
@@ -216,12 +217,20 @@ def run_benchmark(
 
     repetitions: list[list[RepetitionState]] = []
     unfinished: list[RepetitionState] = []  # the repetition under way, if any
+
+    def close_failed(reason: str) -> None:
+        _finish(result, tracker, repetitions, unfinished, peak, STATUS_FAILED, reason, runner=cfg.runner)
+
+    # the main rank closes the run itself should a peer die while it is stuck where no signal reaches it
+    watch = PeerWatch(run_dir, close_failed).start() if dist_info.enabled and main else None
     try:
         _run_repetitions(cfg, opened, name, repetitions, unfinished)
     except KeyboardInterrupt as err:
         # A second signal (torchrun's SIGTERM after the user's, or after a peer died) waits until the run
         # is closed: it must not cut the look at the peers, nor leave the run to be closed as KILLED.
         with deferred_interrupts():
+            if watch is not None and not watch.claim():
+                raise
             status, reason = STATUS_KILLED, f"interrupted by {signal_name(err)}"
             if dist_info.enabled:
                 record_rank_exit(run_dir, dist_info.rank, reason)
@@ -235,15 +244,21 @@ def run_benchmark(
         # torchrun SIGTERMs this rank right after a peer died, often while this rank is here, having
         # seen its collective fail: the signal waits until the run is closed FAILED, then propagates.
         with deferred_interrupts():
+            if watch is not None and not watch.claim():
+                return result
             reason = f"{type(err).__name__}: {err}"
             lost = lost_ranks(run_dir) if dist_info.enabled else []
             if lost:  # a collective failed because a peer died: say which, first
                 reason = f"{', '.join(lost)} died (no longer running) during the run; this rank saw: {reason}"
             if main:
                 write_atomic(run_dir / "error.txt", traceback.format_exc())
-            _finish(result, tracker, repetitions, unfinished, peak, STATUS_FAILED, reason, runner=cfg.runner)
+            close_failed(reason)
         return result
-    _finish(result, tracker, repetitions, [], peak, STATUS_FINISHED, None, derived, runner=cfg.runner)
+    finally:
+        if watch is not None:
+            watch.stop()
+    if watch is None or watch.claim():
+        _finish(result, tracker, repetitions, [], peak, STATUS_FINISHED, None, derived, runner=cfg.runner)
     return result
 
 
