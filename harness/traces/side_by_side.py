@@ -54,6 +54,7 @@ class SideBySide:
     time_error_pct: float = math.nan
     time_error_ci_low_pct: float = math.nan
     time_error_ci_high_pct: float = math.nan
+    ratio_ci: tuple[float, float] = (math.nan, math.nan)  # the same interval as replay/source ratios, unrounded
     source_step_ms: float = math.nan
     replay_step_ms: float = math.nan
     source_round_cv_pct: float = math.nan
@@ -79,6 +80,7 @@ class SideBySide:
             shifts = sorted(100.0 * d / self.replay_step_ms for d in self.replay_shift_ms)
             last = len(shifts) - 1
             self.capture_half_width_pct = (shifts[int(0.975 * last)] - shifts[int(0.025 * last)]) / 2
+        self.ratio_ci = (low, high)
         self.time_error_ci_low_pct, self.time_error_ci_high_pct = 100.0 * (low - 1.0), 100.0 * (high - 1.0)
         self.source_round_cv_pct = cv_pct([statistics.median(r) for r in self.source_ms])
         self.replay_round_cv_pct = cv_pct([statistics.median(r) for r in self.replay_ms])

@@ -86,7 +86,7 @@ def measure_pair(base: list[str], changed: list[str], work_dir: Path, steps: int
             side.workload.teardown()
     return {"base_ms": result.source_step_ms, "changed_ms": result.replay_step_ms,
             "ratio": result.replay_step_ms / result.source_step_ms,
-            "ratio_ci": [1.0 + result.time_error_ci_low_pct / 100, 1.0 + result.time_error_ci_high_pct / 100],
+            "ratio_ci": list(result.ratio_ci),
             "base_round_cv_pct": result.source_round_cv_pct, "changed_round_cv_pct": result.replay_round_cv_pct,
             "rounds": rounds, "steps_per_round": PAIR_STEPS_PER_ROUND, "warmup": warmup,
             "base_round_ms": [statistics.median(r) for r in result.source_ms],
