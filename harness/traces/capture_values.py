@@ -4,7 +4,7 @@ A replay makes up the contents of every tensor a step reads but does not make (p
 state, inputs). Kernels are not blind to values: on a CPU a square root of subnormal floats ran 35x
 slower here and of negative ones 19x, and a network whose made-up weights saturate its softmax trains
 its gradients into subnormals within a few hundred replayed steps. So the capture records, for one
-step it does not time, each such tensor's mean, spread and range, in the order the step first reads
+step it does not time, each such tensor's mean, spread, range and zeros, in the order the step first reads
 them; the replay matches them to its own by shape, dtype and that order
 (:mod:`workloads.trace_replay.replay`). Nothing else is recorded: a few numbers per tensor, no data.
 """
@@ -31,17 +31,33 @@ def _sample(tensor: torch.Tensor) -> torch.Tensor:
     return tensor[tuple(slice(None, None, every) for _ in range(tensor.dim()))]
 
 
+def _summary(values: torch.Tensor) -> dict[str, float]:
+    low, high = float(values.min()), float(values.max())
+    return {"mean": min(max(float(values.mean()), low), high),  # rounding kept inside the range
+            "std": float(values.std()) if values.numel() > 1 else 0.0, "min": low, "max": high}
+
+
 def _stats(tensor: torch.Tensor) -> dict[str, Any] | None:
-    """Mean, standard deviation and range of the finite elements (None: none is finite)."""
-    values = _sample(tensor.detach()).reshape(-1).double()
+    """Mean, standard deviation and range of the finite elements (None: none is finite); where some are exact
+    zeros, how many (``zeros``), how many of its rows (along the first dimension) are wholly zero (``zero_rows``),
+    and the same four figures of the others (``nonzero``): an optimiser's state is zero on the rows of an
+    embedding table no batch has touched yet, and a CPU's square root runs ~3x slower on zeros strewn among
+    values than on the same share of whole zero rows."""
+    sample = _sample(tensor.detach())
+    values = sample.reshape(-1).double()
     finite = values[torch.isfinite(values)]
     if finite.numel() == 0:
         return None
-    low, high = float(finite.min()), float(finite.max())
-    entry = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
-             "mean": min(max(float(finite.mean()), low), high),  # rounding kept inside the range
-             "std": float(finite.std()) if finite.numel() > 1 else 0.0, "min": low, "max": high}
-    return entry if all(math.isfinite(entry[k]) for k in ("mean", "std", "min", "max")) else None
+    entry = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."), **_summary(finite)}
+    zero = finite == 0
+    if bool(zero.any()):
+        entry["zeros"] = float(zero.double().mean())
+        rows = sample.reshape(sample.shape[0], -1) if sample.dim() >= 2 else None
+        entry["zero_rows"] = float((rows == 0).all(dim=1).double().mean()) if rows is not None else 0.0
+        if not bool(zero.all()):
+            entry["nonzero"] = _summary(finite[~zero])
+    figures = [entry[k] for k in ("mean", "std", "min", "max")] + list(entry.get("nonzero", {}).values())
+    return entry if all(math.isfinite(v) for v in figures) else None
 
 
 class ValueProfile(TorchDispatchMode):

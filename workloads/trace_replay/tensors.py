@@ -108,8 +108,7 @@ def fill_view(view: torch.Tensor, rng: tuple[int, int] | None, is_offsets: bool,
     if target.dtype == torch.bool:
         values = torch.rand(target.shape, generator=generator) < 0.5
     elif stats is not None and target.dtype.is_floating_point:
-        values = torch.empty(target.shape, dtype=torch.float32).normal_(stats.mean, stats.std, generator=generator)
-        values = values.clamp_(stats.low, stats.high)
+        values = _like(stats, target.shape, generator)
     elif target.dtype.is_floating_point or target.dtype.is_complex:
         values = torch.empty(target.shape, dtype=torch.float32).uniform_(0.1, 1.0, generator=generator)
     else:
@@ -120,6 +119,25 @@ def fill_view(view: torch.Tensor, rng: tuple[int, int] | None, is_offsets: bool,
             values[0] = int(low)
     with torch.no_grad():
         target.copy_(values.to(target.dtype))
+
+
+def _like(stats: ValueStats, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    """Floats like the program's: normal with its mean and spread, inside its range; where it held exact zeros,
+    its share of them, as many whole rows (along the first dimension) as it had, the rest strewn, and the other
+    elements drawn like its non-zero ones (a clamp at a minimum of 0 would strew zeros instead)."""
+    mean, std, low, high = stats.nonzero if stats.nonzero is not None and stats.zeros > 0 else \
+        (stats.mean, stats.std, stats.low, stats.high)
+    values = torch.empty(shape, dtype=torch.float32).normal_(mean, std, generator=generator).clamp_(low, high)
+    if stats.zeros <= 0 or stats.nonzero is None or values.numel() == 0:
+        return values
+    strewn = stats.zeros
+    if stats.zero_rows > 0 and values.dim() >= 2:
+        rows = torch.rand(values.shape[0], generator=generator) < stats.zero_rows
+        values[rows] = 0.0
+        strewn = max(0.0, (stats.zeros - stats.zero_rows) / max(1.0 - stats.zero_rows, 1e-12))
+    if strewn > 0:
+        values[torch.rand(values.shape, generator=generator) < strewn] = 0.0
+    return values
 
 
 def stand_in(shape: tuple[int, ...], stride: tuple[int, ...], offset: int, extent: int, dtype: torch.dtype,
