@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +24,7 @@ pytest_plugins = ["worker_groups"]
 # (in this process and in every command they start), not into the home of whoever runs them.
 if "COBENCH_CACHE_DIR" not in os.environ:
     os.environ["COBENCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="cobench-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["COBENCH_CACHE_DIR"], ignore_errors=True)  # made here: gone after
 
 # Few steps, tiny data: an end-to-end run in seconds on a 2-core CPU.
 TINY = [
