@@ -134,22 +134,23 @@ class SpecFields:
             self.int_(d, f"{where}.shape", 0, MAX_ELEMENTS)
         self.need(entry.get("dtype") in FLOAT_DTYPES, f"{where}.dtype",
                   f"{_show(entry.get('dtype'))} is not a floating dtype")
-        self.summary(entry, where)
+        for key in ("mean", "min", "max"):
+            self.number(entry.get(key), f"{where}.{key}", -math.inf, math.inf)
+        self.number(entry.get("std"), f"{where}.std")
+        self.need(entry["min"] <= entry["mean"] <= entry["max"], where,
+                  f"mean {entry['mean']} is outside [min {entry['min']}, max {entry['max']}]")
         for key in ("zeros", "zero_rows"):
             if key in entry:
                 self.number(entry[key], f"{where}.{key}", 0.0, 1.0)
         self.need(entry.get("zero_rows", 0.0) <= entry.get("zeros", 0.0), where,
                   f"zero_rows {entry.get('zero_rows')} exceeds zeros {entry.get('zeros')}")
         if "nonzero" in entry:
-            self.summary(self.dict_(entry["nonzero"], f"{where}.nonzero"), f"{where}.nonzero")
-
-    def summary(self, figures: dict[str, Any], where: str) -> None:
-        """A value profile's mean, std, min and max: numbers, the mean inside the range."""
-        for key in ("mean", "min", "max"):
-            self.number(figures.get(key), f"{where}.{key}", -math.inf, math.inf)
-        self.number(figures.get("std"), f"{where}.std")
-        self.need(figures["min"] <= figures["mean"] <= figures["max"], where,
-                  f"mean {figures['mean']} is outside [min {figures['min']}, max {figures['max']}]")
+            nonzero = self.dict_(entry["nonzero"], f"{where}.nonzero")
+            for key in ("mean", "min", "max"):
+                self.number(nonzero.get(key), f"{where}.nonzero.{key}", -math.inf, math.inf)
+            self.number(nonzero.get("std"), f"{where}.nonzero.std")
+            self.need(nonzero["min"] <= nonzero["mean"] <= nonzero["max"], f"{where}.nonzero",
+                      f"mean {nonzero['mean']} is outside [min {nonzero['min']}, max {nonzero['max']}]")
 
     def op(self, op: dict[str, Any], where: str) -> None:
         name = self.str_(op.get("name"), f"{where}.name")
