@@ -9,6 +9,7 @@ and over does not train it somewhere the program never was.
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from harness.traces.capture import capture
-from workloads.trace_bundle import VALUES_FILE, TraceError
+from workloads.trace_bundle import EXACT_VALUE_ELEMENTS, VALUES_FILE, TraceError
 from workloads.trace_replay.records import RankRecord
 from workloads.trace_replay.replay import Replayer
 from workloads.trace_replay.safety import check_spec
@@ -129,6 +130,10 @@ def test_a_part_of_a_step_keeps_the_default_fill(captured):
     (lambda e: e.update(zeros=1.5), "zeros"),
     (lambda e: e.update(zeros=0.1, zero_rows=0.2), "exceeds"),
     (lambda e: e.update(zeros=0.1, nonzero={"mean": 2.0, "std": 0.1, "min": 0.0, "max": 1.0}), "nonzero"),
+    (lambda e: e.update(data="not base64!"), "not base64"),
+    (lambda e: e.update(shape=[3], data=base64.b64encode(bytes(8)).decode()), "8 bytes where 3 float32"),
+    (lambda e: e.update(shape=[EXACT_VALUE_ELEMENTS + 1], data=base64.b64encode(bytes(4 * EXACT_VALUE_ELEMENTS + 4))
+                        .decode()), "recorded whole"),
 ])
 def test_a_corrupt_value_profile_is_refused_naming_the_entry(captured, change, problem, tmp_path: Path):
     bundle, _, _ = captured
@@ -235,3 +240,33 @@ def test_untouched_embedding_rows_stay_whole_zero_rows_of_the_optimiser_state_in
     assert abs(float(rows.float().mean()) - entry["zero_rows"]) < 0.08
     strewn = made[0][~rows]
     assert int((strewn == 0).sum()) == 0 and float(strewn.min()) >= entry["nonzero"]["min"]
+
+
+def test_a_small_constant_replays_with_the_programs_own_values(tmp_path: Path):
+    """Figures cannot say which corner of a box is which: anchor boxes drawn from their mean and spread get
+    negative widths, and the logarithm of a width (a detector's regression targets) goes NaN. A small tensor
+    the step reads is recorded whole and replays as it was; a large one keeps its figures only."""
+    torch.manual_seed(0)
+    sizes = torch.tensor([16.0, 32.0, 64.0, 128.0, 256.0])
+    half = torch.cat([torch.stack([sizes * r, sizes / r], 1) for r in (0.7, 1.0, 1.4)]) / 2
+    anchors = torch.cat([-half, half], dim=1)  # (x1, y1, x2, y2) about the origin: 15 boxes, as torchvision's
+    head = nn.Linear(512, 4)
+
+    def step() -> None:
+        deltas = head(torch.randn(15, 512)).tanh()
+        boxes = anchors + deltas
+        widths = torch.stack([boxes[:, 2] - boxes[:, 0], boxes[:, 3] - boxes[:, 1]], dim=1)
+        widths.log().mean().backward()
+
+    with capture(tmp_path, steps=1, warmup=2, baseline_steps=1, model=head, announce=False) as cap:
+        while not cap.done:
+            with cap.step():
+                step()
+    entries = json.loads((tmp_path / VALUES_FILE).read_text())
+    (recorded,) = [e for e in entries if e["shape"] == [15, 4]]
+    assert "data" in recorded and [e for e in entries if e["shape"] == [4, 512] and "data" not in e]
+    replayer = _replayer(tmp_path)
+    assert torch.equal(_external(replayer, anchors), anchors)
+    replayer.dry_run()
+    replayer.run_step()
+    assert not replayer.errors and replayer.nonfinite_tensors() == 0

@@ -11,7 +11,8 @@ A bundle is a folder per rank::
                            how much of a step is the program's own host time between ops
     <bundle>/et_resources/ raw bytes of the integer inputs of index-reading ops (optional)
     <bundle>/values.json   mean, spread and range of each floating tensor a step reads but does not
-                           make, in first-read order (``harness.traces.capture_values``; optional)
+                           make, in first-read order, and a small one's own values
+                           (``harness.traces.capture_values``; optional)
     <bundle>/meta.json     cobench's own record: platform, config, step times with and without
                            instrumentation, capture overhead, rank/world size
 
@@ -32,6 +33,12 @@ from typing import Any
 ET_FILE, KINETO_FILE, META_FILE = "et.json", "kineto.json", "meta.json"
 KINETO_TIMING_FILE = "kineto_timing.json"  # the same steps again under Kineto alone: host gaps
 VALUES_FILE = "values.json"  # what the step's own floating inputs held (harness.traces.capture_values)
+MAX_VALUE_ENTRIES = 100_000  # value profiles per rank; a step reading more keeps its first ones
+# A floating input of at most this many elements is recorded whole (its raw bytes, base64) beside its figures,
+# at most EXACT_VALUE_BUDGET elements per rank in first-read order: constants such as a detector's anchor
+# boxes, whose corners' order and sizes decide which memory its RoI ops read and how much.
+EXACT_VALUE_ELEMENTS = 1024
+EXACT_VALUE_BUDGET = 2**17
 ET_RESOURCES = "et_resources"  # integer input data the ET observer saved: nid_<node>_tid_<input>.dat
 META_SCHEMA = "cobench-trace-bundle/1"
 # Execution-trace schemas this code understands: the Chakra-flavoured 1.x family of torch 2.x.

@@ -6,11 +6,17 @@ slower here and of negative ones 19x, and a network whose made-up weights satura
 its gradients into subnormals within a few hundred replayed steps. So the capture records, for one
 step it does not time, each such tensor's mean, spread, range and zeros, in the order the step first reads
 them; the replay matches them to its own by shape, dtype and that order
-(:mod:`workloads.trace_replay.replay`). Nothing else is recorded: a few numbers per tensor, no data.
+(:mod:`workloads.trace_replay.replay`). A few numbers per tensor; a small tensor (at most
+:data:`~workloads.trace_bundle.EXACT_VALUE_ELEMENTS` elements, within a budget per rank) also keeps its
+own values: figures cannot say which corner of a box is which, and a detector's anchor boxes drawn
+from their mean and spread came out with negative widths, so its replayed RoI ops read other memory
+for other lengths (``torchvision::_roi_align_backward`` ran 30 % short) and its regression targets,
+logarithms of widths, went NaN.
 """
 
 from __future__ import annotations
 
+import base64
 import math
 from typing import Any
 
@@ -18,7 +24,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-MAX_VALUE_ENTRIES = 100_000  # tensors recorded per rank; a step reading more keeps its first ones
+from workloads.trace_bundle import EXACT_VALUE_BUDGET, EXACT_VALUE_ELEMENTS, MAX_VALUE_ENTRIES
+
 SAMPLE_ELEMENTS = 2**20  # a larger tensor is summarised from an evenly strided view of about as many
 
 
@@ -35,6 +42,14 @@ def _summary(values: torch.Tensor) -> dict[str, float]:
     low, high = float(values.min()), float(values.max())
     return {"mean": min(max(float(values.mean()), low), high),  # rounding kept inside the range
             "std": float(values.std()) if values.numel() > 1 else 0.0, "min": low, "max": high}
+
+
+def raw_values(tensor: torch.Tensor) -> str:
+    """A tensor's values in logical order as raw bytes, base64 (as the execution trace keeps integer inputs:
+    :func:`workloads.trace_replay.tensors.recorded_view` reads them back). From a copy: a storage numpy has seen
+    can no longer be resized, and FSDP frees a parameter's unsharded storage by resizing it to 0."""
+    flat = tensor.detach().reshape(-1).to("cpu", copy=True)
+    return base64.b64encode(flat.view(torch.uint8).numpy().tobytes()).decode("ascii")
 
 
 def _stats(tensor: torch.Tensor) -> dict[str, Any] | None:
@@ -67,6 +82,7 @@ class ValueProfile(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.entries: list[dict[str, Any]] = []
+        self.exact_left = EXACT_VALUE_BUDGET  # elements still to be recorded whole
         self._made: set[int] = set()
         self._seen: set[int] = set()
 
@@ -89,6 +105,9 @@ class ValueProfile(TorchDispatchMode):
                     self._seen.add(ptr)
                     entry = _stats(value)
                     if entry is not None:
+                        if value.numel() <= min(EXACT_VALUE_ELEMENTS, self.exact_left):
+                            entry["data"] = raw_values(value)
+                            self.exact_left -= value.numel()
                         self.entries.append(entry)
         out = func(*args, **kwargs)
         for value in tree_flatten(out)[0]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from workloads.trace_bundle import TraceError
+from workloads.trace_bundle import EXACT_VALUE_BUDGET, EXACT_VALUE_ELEMENTS, MAX_VALUE_ENTRIES, TraceError
 from workloads.trace_replay.ops import ET_DTYPES, LAYOUTS, MEMORY_FORMATS, SCALAR_TYPES, at, list_types
 
 _OP_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?")
@@ -31,7 +31,6 @@ MAX_GAP_SAMPLES = 1000  # host-gap measurements a step's estimate rests on
 MAX_STEP_HOST_US = 60e6  # one step's host time in all: 60 s
 MAX_REPEAT = 10_000
 MAX_STRING = 4096
-MAX_VALUE_ENTRIES = 100_000  # value profiles per rank (harness.traces.capture_values keeps at most as many)
 FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                 "float8_e5m2fnuz", "complex64", "complex128", "complex32"}
 MAX_TENSOR_DATA_CHARS = 4 * (64 * 2**20) // 3  # base64 of 64 MiB
@@ -117,8 +116,12 @@ class SpecFields:
         values = self.list_(rank.get("external_values", []), f"{where}.external_values")
         self.need(len(values) <= MAX_VALUE_ENTRIES, f"{where}.external_values",
                   f"{len(values)} entries (at most {MAX_VALUE_ENTRIES})")
+        exact = 0  # elements recorded whole
         for i, entry in enumerate(values):
-            self.value_stats(self.dict_(entry, f"{where}.external_values[{i}]"), f"{where}.external_values[{i}]")
+            exact += self.value_stats(self.dict_(entry, f"{where}.external_values[{i}]"),
+                                      f"{where}.external_values[{i}]")
+        self.need(exact <= EXACT_VALUE_BUDGET, f"{where}.external_values",
+                  f"{exact} elements recorded whole (at most {EXACT_VALUE_BUDGET})")
         for i, op in enumerate(self.list_(rank["ops"], f"{where}.ops")):
             loc = f"{where}.ops[{i}]"
             self.op(self.dict_(op, loc), loc)
@@ -127,7 +130,8 @@ class SpecFields:
             self.need(host_us[step] <= MAX_STEP_HOST_US, loc,
                       f"step {step}'s host gaps add up to over {MAX_STEP_HOST_US / 1e6:.0f} s")
 
-    def value_stats(self, entry: dict[str, Any], where: str) -> None:
+    def value_stats(self, entry: dict[str, Any], where: str) -> int:
+        """Checks one value profile; returns how many elements it records whole (``data``)."""
         shape = self.list_(entry.get("shape"), f"{where}.shape")
         self.need(len(shape) <= 64, f"{where}.shape", f"{len(shape)} dimensions")
         for d in shape:
@@ -151,6 +155,20 @@ class SpecFields:
             self.number(nonzero.get("std"), f"{where}.nonzero.std")
             self.need(nonzero["min"] <= nonzero["mean"] <= nonzero["max"], f"{where}.nonzero",
                       f"mean {nonzero['mean']} is outside [min {nonzero['min']}, max {nonzero['max']}]")
+        if "data" not in entry:
+            return 0
+        numel, loc = math.prod(shape), f"{where}.data"
+        self.need(numel <= EXACT_VALUE_ELEMENTS, loc, f"{numel} elements recorded whole (at most "
+                  f"{EXACT_VALUE_ELEMENTS} a tensor)")
+        self.need(type(entry["data"]) is str, loc, "expected base64 text")
+        try:
+            raw = base64.b64decode(entry["data"], validate=True)
+        except (binascii.Error, ValueError):
+            raise self.fail(loc, "not base64") from None
+        itemsize = torch.empty(0, dtype=getattr(torch, entry["dtype"])).element_size()
+        self.need(len(raw) == numel * itemsize, loc, f"{len(raw)} bytes where {numel} {entry['dtype']} elements "
+                  f"take {numel * itemsize}")
+        return numel
 
     def op(self, op: dict[str, Any], where: str) -> None:
         name = self.str_(op.get("name"), f"{where}.name")

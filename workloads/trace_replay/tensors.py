@@ -88,7 +88,8 @@ def match_values(externals: list[tuple[Any, tuple[int, ...], torch.dtype]],
 def fill_view(view: torch.Tensor, rng: tuple[int, int] | None, is_offsets: bool, generator: torch.Generator,
               stats: ValueStats | None = None) -> None:
     """Defined values for a synthesised view: in the reader's range for integers; floats like the
-    program's own (``stats``: normal with its mean and spread, inside its range), else in [0.1, 1).
+    program's own (``stats``: its own values where the capture recorded them whole and the view shows them as
+    it read them, else normal with its mean and spread, inside its range), else in [0.1, 1).
 
     Values change kernels' speed: a CPU's square root of subnormal floats runs ~35x slower, of negative
     ones ~19x. Positive floats keep square roots, logarithms and divisions defined where nothing is
@@ -101,11 +102,15 @@ def fill_view(view: torch.Tensor, rng: tuple[int, int] | None, is_offsets: bool,
     if view.numel() == 0:
         return
     target = distinct(view)
+    own = _recorded(stats, view) if stats is not None and stats.data is not None else None
     if torch._debug_has_internal_overlap(target) != 0:
+        own = None
         extent = 1 + sum((s - 1) * st for s, st in zip(target.shape, target.stride(), strict=True))
         target = torch.empty(0, dtype=view.dtype, device=view.device).set_(
             view.untyped_storage(), view.storage_offset(), (extent,), (1,))
-    if target.dtype == torch.bool:
+    if own is not None:
+        values = own
+    elif target.dtype == torch.bool:
         values = torch.rand(target.shape, generator=generator) < 0.5
     elif stats is not None and target.dtype.is_floating_point:
         values = _like(stats, target.shape, generator)
@@ -119,6 +124,16 @@ def fill_view(view: torch.Tensor, rng: tuple[int, int] | None, is_offsets: bool,
             values[0] = int(low)
     with torch.no_grad():
         target.copy_(values.to(target.dtype))
+
+
+def _recorded(stats: ValueStats, view: torch.Tensor) -> torch.Tensor | None:
+    """The program's own values of a small tensor, as ``distinct(view)`` shows them; None where the view is not
+    the one they were recorded through (another shape or dtype)."""
+    if tuple(view.shape) != tuple(stats.shape) or str(view.dtype).removeprefix("torch.") != stats.dtype:
+        return None
+    strides = tuple(math.prod(view.shape[d + 1:]) for d in range(view.dim()))  # recorded in logical order
+    values = recorded_view(stats.data or "", view.dtype, tuple(view.shape), strides)
+    return None if values is None else values[broadcast_index(view)]
 
 
 def _like(stats: ValueStats, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
