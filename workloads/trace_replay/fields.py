@@ -138,37 +138,40 @@ class SpecFields:
             self.int_(d, f"{where}.shape", 0, MAX_ELEMENTS)
         self.need(entry.get("dtype") in FLOAT_DTYPES, f"{where}.dtype",
                   f"{_show(entry.get('dtype'))} is not a floating dtype")
-        for key in ("mean", "min", "max"):
-            self.number(entry.get(key), f"{where}.{key}", -math.inf, math.inf)
-        self.number(entry.get("std"), f"{where}.std")
-        self.need(entry["min"] <= entry["mean"] <= entry["max"], where,
-                  f"mean {entry['mean']} is outside [min {entry['min']}, max {entry['max']}]")
+        self.summary(entry, where)
         for key in ("zeros", "zero_rows"):
             if key in entry:
                 self.number(entry[key], f"{where}.{key}", 0.0, 1.0)
         self.need(entry.get("zero_rows", 0.0) <= entry.get("zeros", 0.0), where,
                   f"zero_rows {entry.get('zero_rows')} exceeds zeros {entry.get('zeros')}")
         if "nonzero" in entry:
-            nonzero = self.dict_(entry["nonzero"], f"{where}.nonzero")
-            for key in ("mean", "min", "max"):
-                self.number(nonzero.get(key), f"{where}.nonzero.{key}", -math.inf, math.inf)
-            self.number(nonzero.get("std"), f"{where}.nonzero.std")
-            self.need(nonzero["min"] <= nonzero["mean"] <= nonzero["max"], f"{where}.nonzero",
-                      f"mean {nonzero['mean']} is outside [min {nonzero['min']}, max {nonzero['max']}]")
+            self.summary(self.dict_(entry["nonzero"], f"{where}.nonzero"), f"{where}.nonzero")
         if "data" not in entry:
             return 0
         numel, loc = math.prod(shape), f"{where}.data"
         self.need(numel <= EXACT_VALUE_ELEMENTS, loc, f"{numel} elements recorded whole (at most "
                   f"{EXACT_VALUE_ELEMENTS} a tensor)")
-        self.need(type(entry["data"]) is str, loc, "expected base64 text")
-        try:
-            raw = base64.b64decode(entry["data"], validate=True)
-        except (binascii.Error, ValueError):
-            raise self.fail(loc, "not base64") from None
+        raw = self.base64_(entry["data"], loc)
         itemsize = torch.empty(0, dtype=getattr(torch, entry["dtype"])).element_size()
         self.need(len(raw) == numel * itemsize, loc, f"{len(raw)} bytes where {numel} {entry['dtype']} elements "
                   f"take {numel * itemsize}")
         return numel
+
+    def summary(self, figures: dict[str, Any], where: str) -> None:
+        """A value profile's mean, std, min and max: numbers, the mean inside the range."""
+        for key in ("mean", "min", "max"):
+            self.number(figures.get(key), f"{where}.{key}", -math.inf, math.inf)
+        self.number(figures.get("std"), f"{where}.std")
+        self.need(figures["min"] <= figures["mean"] <= figures["max"], where,
+                  f"mean {figures['mean']} is outside [min {figures['min']}, max {figures['max']}]")
+
+    def base64_(self, data: Any, where: str) -> bytes:
+        """Recorded raw bytes: base64 text, decoded."""
+        self.need(type(data) is str, where, "expected base64 text")
+        try:
+            return base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError):
+            raise self.fail(where, "not base64") from None
 
     def op(self, op: dict[str, Any], where: str) -> None:
         name = self.str_(op.get("name"), f"{where}.name")
@@ -199,10 +202,7 @@ class SpecFields:
             self.need(key.isdigit() and type(data) is str, loc, "expected base64 text")
             self.need(len(data) <= MAX_TENSOR_DATA_CHARS, loc, f"{len(data)} characters of data (at most "
                       f"{MAX_TENSOR_DATA_CHARS})")
-            try:
-                base64.b64decode(data, validate=True)
-            except (binascii.Error, ValueError):
-                raise self.fail(loc, "not base64") from None
+            self.base64_(data, loc)
         arg_types: list[str] | None = None
         if not name.startswith("c10d::"):
             try:
