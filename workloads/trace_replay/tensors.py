@@ -2,8 +2,9 @@
 
 A replay never reads uninitialised memory: every storage it synthesises gets values — the
 program's own recorded integers where the trace has them, values inside the range the reading op
-recorded otherwise, finite floats like the program's own where its capture profiled them — and an
-op that could not run is stood in for by outputs of its captured layout.
+recorded otherwise, the program's own floats where its capture recorded a small tensor whole, finite
+floats like the program's own where it profiled them — and an op that could not run is stood in for
+by outputs of its captured layout.
 """
 
 from __future__ import annotations
