@@ -102,13 +102,13 @@ def fill_view(view: torch.Tensor, rng: tuple[int, int] | None, is_offsets: bool,
     """
     if view.numel() == 0:
         return
-    target = distinct(view)
-    own = _recorded(stats, view) if stats is not None and stats.data is not None else None
+    target, own = distinct(view), None
     if torch._debug_has_internal_overlap(target) != 0:
-        own = None
         extent = 1 + sum((s - 1) * st for s, st in zip(target.shape, target.stride(), strict=True))
         target = torch.empty(0, dtype=view.dtype, device=view.device).set_(
             view.untyped_storage(), view.storage_offset(), (extent,), (1,))
+    elif stats is not None and stats.data is not None:
+        own = _recorded(stats, view)
     if own is not None:
         values = own
     elif target.dtype == torch.bool:
