@@ -25,8 +25,10 @@ from typing import Any
 
 ROW_FILE = "row.json"
 COLUMNS = ["program", "library", "status", "ops_per_step", "step_ms", "op_coverage_pct", "time_error_pct",
-           "time_interval_pct", "valid", "judgements_overlap", "memory_error_pct", "capture_overhead_pct",
-           "rounds", "reason"]
+           "time_interval_pct", "valid", "judgements_overlap", "host_shift_pct", "host_error_pct", "op_error_pct",
+           "memory_error_pct", "capture_overhead_pct", "rounds", "reason"]
+# where each judgement's time error lies, both sides measured again while judged (harness.traces.side_by_side)
+ERROR_PARTS = ("host_shift_pct", "host_error_pct", "op_error_pct")
 
 
 def missing_modules(requires: tuple[str, ...]) -> str:
@@ -89,6 +91,7 @@ def summarise(name: str, records: list[dict[str, Any]], out: Path) -> dict[str, 
         "reasons": reasons,  # per judgement ('' for a valid one)
         "reason": "; ".join(dict.fromkeys(r for r in reasons if r)),
         "capture_half_width_pct": [r["metrics"].get("capture_half_width_pct", 0.0) for r in records],
+        **{part: [r["metrics"].get(part, math.nan) for r in records] for part in ERROR_PARTS},
         "captured_step_peak_mb": first.get("captured_step_peak_mb"),
     }
 
@@ -147,6 +150,7 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
             "time_interval_pct": " / ".join(f"[{lo:+.1f}, {hi:+.1f}]" for lo, hi in row["time_error_ci_pct"]),
             "valid": " / ".join("yes" if v else "no" for v in row["fidelity_valid"]),
             "judgements_overlap": "yes" if row["judgements_overlap"] else "no",
+            **{part: _pm(row.get(part, [math.nan])) for part in ERROR_PARTS},
             "memory_error_pct": _pm(row["memory_error_pct"]),
             "capture_overhead_pct": f"{row['capture_overhead_pct']:+.0f}",
             "rounds": " / ".join(str(r) for r in row["rounds"]),
@@ -219,6 +223,8 @@ def log_to_mlflow(rows: list[dict[str, Any]], out: Path, tracker: Any) -> str:
                 metrics.update({f"time_error_signed_pct_{j}": error, f"time_error_ci_low_pct_{j}": low,
                                 f"time_error_ci_high_pct_{j}": high, f"fidelity_valid_{j}": float(valid),
                                 f"memory_error_pct_{j}": memory})
+                metrics.update({f"{part}_{j}": row.get(part, [])[j] for part in ERROR_PARTS
+                                if j < len(row.get(part, []))})
             tracker.log_metrics(child, {k: v for k, v in metrics.items() if math.isfinite(v)})
         if row.get("reason"):
             tracker.set_tags(child, {"zoo_reason": row["reason"][:4000]})

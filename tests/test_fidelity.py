@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from fidelity_corpus import PROGRAMS
 import harness.traces.side_by_side as side_by_side_module
 from harness.traces.allocator_peaks import step_memory_peak_bytes
 from harness.traces.judge import judge
-from harness.traces.side_by_side import SideBySide, interleave
+from harness.traces.side_by_side import HostProbe, SideBySide, host_time_probe, interleave
 
 
 class FakeClock:
@@ -103,6 +105,66 @@ def test_a_replay_that_drifts_as_it_runs_is_put_back_before_each_sample_untimed(
     assert drifting.time_error_signed_pct > 10.0
 
 
+def test_each_side_is_measured_again_while_judged_and_the_error_is_split(monkeypatch):
+    """The program's host time was 3 ms a step at capture and is 2 ms while it is judged; the replay spends
+    the capture's 3 ms (4 ms as measured: its own calls too) over ops 0.5 ms slower than the program's. The
+    judgement measures both sides after the first round and every PROBE_EVERY rounds, and splits its figure:
+    1 ms of a 10 ms step is the capture's moment, the replay's ops add 5 %, and spending the judged host time
+    would have read 1 ms less."""
+    clock = FakeClock()
+    monkeypatch.setattr(side_by_side_module.time, "perf_counter", clock)
+    probes = {"source": 0, "replay": 0}
+
+    def step(ms: float) -> Callable[[], None]:
+        def run() -> None:
+            clock.now += ms / 1e3
+        return run
+
+    def measured(side: str, host_ms: float, op_ms: float) -> Callable[[], tuple[list[float], list[float]]]:
+        def measure() -> tuple[list[float], list[float]]:
+            probes[side] += 1
+            return [host_ms * 1e3] * 4, [op_ms * 1e3] * 4
+        return measure
+
+    host = HostProbe(measured("source", 2.0, 8.0), measured("replay", 4.0, 8.5), capture_ms=3.0, spun_ms=1.5)
+    side = interleave(step(10.0), step(12.0), torch.device("cpu"), rounds=11, steps_per_round=3, warmup=0,
+                      host=host)
+    assert probes == {"source": 3, "replay": 3}  # after rounds 1, 6 and 11
+    metrics = side.metrics()
+    assert metrics["time_error_signed_pct"] == pytest.approx(20.0)
+    assert metrics["judged_source_host_ms"] == pytest.approx(2.0)
+    assert metrics["judged_replay_op_ms"] == pytest.approx(8.5)
+    assert metrics["host_shift_pct"] == pytest.approx(10.0)  # (3 − 2) ms of a 10 ms step
+    assert metrics["time_error_judged_host_pct"] == pytest.approx(10.0)  # 12 − 1 ms against 10
+    assert metrics["host_error_pct"] == pytest.approx(20.0) and metrics["op_error_pct"] == pytest.approx(5.0)
+    assert metrics["judged_host_samples"] == 12.0
+    # a host time far smaller than the capture's takes off at most what the replay spins
+    host.source = measured("source", 0.5, 8.0)
+    side = interleave(step(10.0), step(12.0), torch.device("cpu"), rounds=2, steps_per_round=3, warmup=0,
+                      host=host)
+    assert side.metrics()["time_error_judged_host_pct"] == pytest.approx(5.0)  # 12 − 1.5 ms, not 12 − 2.5
+    # without a probe, no such figures
+    assert "host_shift_pct" not in interleave(step(10.0), step(12.0), torch.device("cpu"), rounds=2,
+                                              steps_per_round=3, warmup=0).metrics()
+
+
+def test_the_host_time_probe_measures_the_time_outside_the_replayed_ops():
+    """A step spending 3 ms in Python around one matrix product: the probe finds the 3 ms outside
+    ``aten::mm`` and the product's time inside it, per measured step, as the capture would."""
+    a = torch.randn(256, 256)
+
+    def step() -> None:
+        until = time.perf_counter() + 3e-3
+        while time.perf_counter() < until:
+            pass
+        torch.mm(a, a)
+
+    host_us, op_us = host_time_probe(step, torch.device("cpu"), {"aten::mm"})()
+    assert len(host_us) == len(op_us) == side_by_side_module.TIMING_MEASURED
+    assert 2.5e3 < statistics.median(host_us) < 8e3, host_us
+    assert 0 < statistics.median(op_us) < statistics.median(host_us), op_us
+
+
 def test_a_wide_interval_makes_the_figure_invalid_with_the_reason():
     steady = [[10.0, 10.1, 9.9]] * 6
     ok = SideBySide(steady, [[10.5, 10.4, 10.6]] * 6, ["source", "replay"] * 3).summarise()
@@ -175,6 +237,10 @@ def test_corpus_program_replays_completely_judged_side_by_side(name: str, tmp_pa
         assert any(op["born"] for op in ops)
     saved = json.loads((tmp_path / "bundle" / "fidelity.json").read_text())
     assert saved["side_by_side"]["source_ms"] and saved["metrics"]["fidelity_valid"] in (0.0, 1.0)
+    # both sides measured again after the first round, as the capture measured the program: the figure split
+    assert saved["metrics"]["judged_host_samples"] == side_by_side_module.TIMING_MEASURED
+    assert saved["metrics"]["judged_source_host_ms"] > 0 and saved["metrics"]["judged_replay_op_ms"] > 0
+    assert saved["metrics"]["capture_host_ms"] == pytest.approx(saved["metrics"]["host_gap_ms"], rel=0.02)
 
 
 def test_replay_holds_buffers_as_long_as_the_program_did(tmp_path: Path):

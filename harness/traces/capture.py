@@ -120,7 +120,7 @@ def platform_record(device: torch.device, world_size: int) -> dict[str, Any]:
     }
 
 
-def _profiler_activities(device: torch.device) -> list[ProfilerActivity]:
+def profiler_activities(device: torch.device) -> list[ProfilerActivity]:
     activities = [ProfilerActivity.CPU]
     if device.type != "cpu":
         accelerator = {"cuda": ProfilerActivity.CUDA, "xpu": ProfilerActivity.XPU}.get(device.type)
@@ -215,7 +215,7 @@ class Capture:
         if traced and self._profiler is None:
             self._start_profiler()
         if kineto and self._timing_profiler is None:
-            self._timing_profiler = profile(activities=_profiler_activities(self.device))
+            self._timing_profiler = profile(activities=profiler_activities(self.device))
             self._timing_profiler.start()
         synchronize(self.device)
         started = time.perf_counter()
@@ -281,7 +281,7 @@ class Capture:
             self._observer = ExecutionTraceObserver().register_callback(str(self.out_dir / ET_FILE))
             self._observer.set_extra_resource_collection(True)
             # memory events: when the program freed each buffer (the replay holds buffers as long)
-            self._profiler = profile(activities=_profiler_activities(self.device), record_shapes=True,
+            self._profiler = profile(activities=profiler_activities(self.device), record_shapes=True,
                                      profile_memory=True, execution_trace_observer=self._observer)
             self._profiler.start()
         finally:

@@ -54,7 +54,14 @@ from harness.running.runner import (
 )
 from harness.traces.allocator_peaks import captured_step_peak_bytes, step_memory_peak_bytes
 from harness.traces.capture import capture, prepare_source
-from harness.traces.side_by_side import SideBySide, capture_shift_draws, cv_pct, interleave
+from harness.traces.side_by_side import (
+    HostProbe,
+    SideBySide,
+    capture_shift_draws,
+    cv_pct,
+    host_time_probe,
+    interleave,
+)
 from workloads import discover
 from workloads.base import RunContext, WorkloadSpec
 from workloads.trace_bundle import rank_dirs, read_meta
@@ -89,11 +96,13 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
     replay = spec.factory.from_bundle(bundle, ctx, **(replay_options or {}))
     replay.setup()
     try:
+        replayer = getattr(replay, "replayer", None)
         side = interleave(source_step, replay.step, ctx.device, rounds=rounds, steps_per_round=steps_per_round,
                           warmup=warmup, seed=ctx.seed, budget_s=budget_s,
                           agree=_rank0_value(ctx.process_group) if ctx.distributed else None,
-                          replay_shift_ms=capture_shift_draws(getattr(replay, "replayer", None), seed=ctx.seed),
-                          prepare={"replay": replay.restore_values} if hasattr(replay, "restore_values") else None)
+                          replay_shift_ms=capture_shift_draws(replayer, seed=ctx.seed),
+                          prepare={"replay": replay.restore_values} if hasattr(replay, "restore_values") else None,
+                          host=_host_probe(source_step, replay.step, replayer, ctx.device))
         rank_dir = rank_dirs(bundle)[min(ctx.rank, len(rank_dirs(bundle)) - 1)]
         # Each captured step at least once, and never fewer than MEMORY_STEPS: a program whose steps differ
         # by chance (LayerDrop skipping a layer, a data-dependent branch) peaks on its largest step, which
@@ -119,6 +128,18 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
     if ctx.rank == 0:
         write_atomic(ctx.work_dir / FIDELITY_FILE, json.dumps(record, indent=2))
     return record
+
+
+def _host_probe(source_step: Callable[[], Any], replay_step: Callable[[], Any], replayer: Any,
+                device: torch.device) -> HostProbe | None:
+    """What measures each side's host time and op time again while they are judged, where the replay spends
+    the capture's host time (None where it spends none, or the capture measured none)."""
+    if replayer is None or not getattr(replayer, "host_gaps", False) or not replayer.gap_samples_us:
+        return None
+    steps, replayed = max(1, len(replayer.sequence)), {op.name for op in replayer.ops}
+    return HostProbe(host_time_probe(source_step, device, replayed), host_time_probe(replay_step, device, replayed),
+                     capture_ms=statistics.median(replayer.gap_samples_us) / 1e3,
+                     spun_ms=1e3 * sum(replayer.runner.spin_lengths()) / steps)
 
 
 def _fidelity_record(replay_record: dict[str, Any], side: SideBySide, source_peak: int, replay_peak: int,
@@ -154,7 +175,7 @@ def _fidelity_record(replay_record: dict[str, Any], side: SideBySide, source_pea
         record["metrics"]["captured_step_peak_mb"] = captured_peak / 2**20
     record["judgement"] = "side_by_side"
     record["side_by_side"] = {k: v for k, v in asdict(side).items()
-                              if k not in ("source_ms", "replay_ms", "replay_shift_ms")}
+                              if k not in ("source_ms", "replay_ms", "replay_shift_ms", "host")}
     record["side_by_side"]["source_ms"], record["side_by_side"]["replay_ms"] = side.source_ms, side.replay_ms
     record["cross_process_against_capture"] = cross  # for reference: what the old judgement said
     return record

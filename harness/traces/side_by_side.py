@@ -5,7 +5,8 @@ alternating every round — so machine drift lands on both sides alike (:func:`i
 is the ratio of the two sides' median step times, with a 95 % interval from a bootstrap over rounds
 (each round's pair resampled together); rounds are added until the interval's half-width is within
 the target or the time budget runs out, and :class:`SideBySide` says whether the figure is a verdict
-and, when it is not, why.
+and, when it is not, why. The program's host time is measured again while it is judged
+(:func:`host_time_probe`), so that the judgement says how much of its figure is the capture's moment.
 """
 
 from __future__ import annotations
@@ -13,14 +14,27 @@ from __future__ import annotations
 import math
 import random
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import profile, record_function
 
 from harness.platform import synchronize
+from harness.traces.capture import (
+    PLAIN_MEASURED,
+    PLAIN_SETTLE,
+    TIMING_MEASURED,
+    TIMING_WARMUP,
+    profiler_activities,
+)
+from workloads.trace_bundle import STEP_ANNOTATION
+from workloads.trace_replay.host_time import kineto_host_gaps, replayed_op_time
+from workloads.trace_replay.parse import read_kineto
 
 # A verdict needs the 95 % interval of the replay ÷ source ratio within ±TARGET_HALF_WIDTH_PCT: the judge
 # adds rounds until it is, or until its time budget runs out (then, and only then, no verdict).
@@ -29,6 +43,24 @@ MIN_VALID_ROUNDS = 5  # a bootstrap over fewer rounds gives an interval too narr
 MAX_ROUNDS = 400
 MIN_SAMPLE_MS = 20.0  # a sample times enough consecutive steps to last this long: timer and sync costs vanish
 BOOTSTRAP_SAMPLES = 2000
+PROBE_EVERY = 5  # the program's host time is measured again after the first round and every this many after
+
+
+@dataclass
+class HostProbe:
+    """Each side's host time and op time measured again while it is judged, beside what the replay spends.
+
+    ``source`` and ``replay`` each run a few of their side's steps as the capture's host-time rounds do
+    and return, per measured step, the time outside the replayed ops and inside them (µs, profiler's
+    cost taken out: :func:`host_time_probe`); ``capture_ms`` is the host time per step the replay
+    spends (the capture's median), ``spun_ms`` what its spins add up to per step (the most a smaller
+    host time could take off it).
+    """
+
+    source: Callable[[], tuple[list[float], list[float]]]
+    replay: Callable[[], tuple[list[float], list[float]]]
+    capture_ms: float
+    spun_ms: float
 
 
 @dataclass
@@ -50,6 +82,14 @@ class SideBySide:
     # own call cost measured again (ms; see capture_shift_draws): the interval covers them too
     replay_shift_ms: list[float] | None = None
     capture_half_width_pct: float = 0.0  # that alone, as a half-width of the figure
+    host: HostProbe | None = None
+    # per side, its host time and op time per step measured while judged (µs; HostProbe), and their medians (ms)
+    probed_us: dict[str, list[float]] = field(default_factory=dict)
+    probed_ms: dict[str, float] = field(default_factory=dict)
+    host_shift_pct: float = math.nan  # (capture's host time − the judged one) ÷ the program's step, in %
+    time_error_judged_host_pct: float = math.nan  # the figure had the replay spent the judged host time
+    host_error_pct: float = math.nan  # (replay's host time − the program's, both as judged) ÷ the program's step
+    op_error_pct: float = math.nan  # the same of the time inside the replayed ops
     time_error_signed_pct: float = math.nan
     time_error_pct: float = math.nan
     time_error_ci_low_pct: float = math.nan
@@ -82,6 +122,18 @@ class SideBySide:
             self.capture_half_width_pct = (shifts[int(0.975 * last)] - shifts[int(0.025 * last)]) / 2
         self.ratio_ci = (low, high)
         self.time_error_ci_low_pct, self.time_error_ci_high_pct = 100.0 * (low - 1.0), 100.0 * (high - 1.0)
+        if self.host is not None and self.probed_us.get("source_host"):
+            self.probed_ms = {key: statistics.median(values) / 1e3 for key, values in self.probed_us.items() if values}
+            judged = self.probed_ms["source_host"]
+            self.host_shift_pct = 100.0 * (self.host.capture_ms - judged) / self.source_step_ms
+            # the replay's spins are wall-clock time: a host time Δ larger moves its step by Δ (a smaller one by
+            # at most what it spins)
+            moved = max(judged - self.host.capture_ms, -self.host.spun_ms)
+            self.time_error_judged_host_pct = 100.0 * ((self.replay_step_ms + moved) / self.source_step_ms - 1.0)
+            if {"replay_host", "source_op", "replay_op"} <= self.probed_ms.keys():
+                self.host_error_pct = 100.0 * (self.probed_ms["replay_host"] - judged) / self.source_step_ms
+                self.op_error_pct = 100.0 * (self.probed_ms["replay_op"] - self.probed_ms["source_op"]) / \
+                    self.source_step_ms
         self.source_round_cv_pct = cv_pct([statistics.median(r) for r in self.source_ms])
         self.replay_round_cv_pct = cv_pct([statistics.median(r) for r in self.replay_ms])
         reasons = []
@@ -125,6 +177,12 @@ class SideBySide:
             "judgement_elapsed_s": self.elapsed_s,
             "capture_half_width_pct": self.capture_half_width_pct,
             **({"judgement_budget_s": self.budget_s} if self.budget_s is not None else {}),
+            **({"capture_host_ms": self.host.capture_ms, "host_shift_pct": self.host_shift_pct,
+                "time_error_judged_host_pct": self.time_error_judged_host_pct,
+                "host_error_pct": self.host_error_pct, "op_error_pct": self.op_error_pct,
+                **{f"judged_{key}_ms": value for key, value in self.probed_ms.items()},
+                "judged_host_samples": float(len(self.probed_us["source_host"]))}
+               if self.host is not None and self.probed_ms else {}),
         }
 
 
@@ -152,7 +210,7 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
                budget_s: float | None = None, target_half_width_pct: float = TARGET_HALF_WIDTH_PCT,
                batch: int | None = None, agree: Callable[[Any], Any] | None = None,
                replay_shift_ms: list[float] | None = None,
-               prepare: dict[str, Callable[[], Any]] | None = None) -> SideBySide:
+               prepare: dict[str, Callable[[], Any]] | None = None, host: HostProbe | None = None) -> SideBySide:
     """Run both sides in alternating rounds of ``steps_per_round`` samples each, timed device-synchronised.
 
     A sample is ``batch`` consecutive steps timed together (default: as many as last
@@ -165,6 +223,9 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
     ``prepare``: side name → called before each of that side's samples, untimed (the replay puts its
     carried state back as it was made: the replay workload's ``restore_values``; once a round, ViT's
     replay ran its later samples of a round up to twice as slow, its values sunk into subnormal floats).
+    ``host``: measures the program's host time again after the first round and every
+    :data:`PROBE_EVERY` rounds after it, inside the budget (on every rank alike: the steps may hold
+    collectives), so that the figure can be set against the host time the program had while judged.
     """
     agree = agree or (lambda value: value)
     if rounds < 2 or steps_per_round < 1 or warmup < 0:
@@ -182,6 +243,7 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
         batch = agree(max(1, min(1000, math.ceil(MIN_SAMPLE_MS / max(typical, 1e-3)))))
     times: dict[str, list[list[float]]] = {"source": [], "replay": []}
     order: list[str] = []
+    probed_us: dict[str, list[float]] = {f"{side}_{part}": [] for side in sides for part in ("host", "op")}
     started = time.perf_counter()
 
     def run_round() -> None:
@@ -195,11 +257,19 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
                     before()
                 samples.append(_timed(sides[name], device, batch))
             times[name].append(samples)
+        if host is not None and (len(order) - 1) % PROBE_EVERY == 0:
+            for name, measure in (("source", host.source), ("replay", host.replay)):
+                if (before := (prepare or {}).get(name)) is not None:
+                    before()
+                host_us, op_us = measure()
+                probed_us[f"{name}_host"].extend(host_us)
+                probed_us[f"{name}_op"].extend(op_us)
 
     for _ in range(rounds):
         run_round()
     side = SideBySide(times["source"], times["replay"], order, batch=batch, budget_s=budget_s,
-                      target_half_width_pct=target_half_width_pct, replay_shift_ms=replay_shift_ms)
+                      target_half_width_pct=target_half_width_pct, replay_shift_ms=replay_shift_ms,
+                      host=host, probed_us=probed_us)
     side.elapsed_s = time.perf_counter() - started
     side.summarise(seed)
     while budget_s is not None:
@@ -262,6 +332,39 @@ def capture_shift_draws(replayer: Any, *, seed: int = 0, samples: int = BOOTSTRA
         a = statistics.median(rng.choices(books, k=len(books))) if len(books) > 1 else book
         draws.append((g - gap - ops * 1e6 * (c - call) + grad_ops * 1e6 * (a - book)) / 1e3)
     return draws
+
+
+def host_time_probe(step: Callable[[], Any], device: torch.device,
+                    replayed: set[str]) -> Callable[[], tuple[list[float], list[float]]]:
+    """A callable measuring a step's time outside the ``replayed`` ops and inside them (µs, one figure each
+    per measured step) as the capture's host-time rounds measure the program's (:mod:`harness.traces.capture`):
+    steps under Kineto alone (the first ones settling it), then plain ones (after some that settle), the
+    profiler's cost taken out against the plain steps (:func:`workloads.trace_replay.host_time.kineto_host_gaps`,
+    :func:`~workloads.trace_replay.host_time.replayed_op_time`)."""
+
+    def measure() -> tuple[list[float], list[float]]:
+        with profile(activities=profiler_activities(device)) as prof:
+            for k in range(TIMING_WARMUP + TIMING_MEASURED):
+                if k < TIMING_WARMUP:
+                    step()
+                else:
+                    with record_function(f"{STEP_ANNOTATION}{k - TIMING_WARMUP}"):
+                        step()
+                synchronize(device)
+        plain = []
+        for k in range(PLAIN_SETTLE + PLAIN_MEASURED):
+            took = _timed(step, device, 1)
+            if k >= PLAIN_SETTLE:
+                plain.append(took)
+        with tempfile.TemporaryDirectory(prefix="cobench-host-") as tmp:
+            path = Path(tmp) / "host.json"
+            prof.export_chrome_trace(str(path))
+            trace = read_kineto(path)
+        reference = {None: 1e3 * statistics.median(plain)}
+        return (list(kineto_host_gaps(trace, reference, replayed.__contains__).values()),
+                list(replayed_op_time(trace, reference, replayed.__contains__).values()))
+
+    return measure
 
 
 def cv_pct(values: list[float]) -> float:
