@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,9 @@ def test_zoo_programs_replay_every_op_with_the_programs_memory(zoo_run):
         low, high = row["time_error_ci_pct"][0]
         assert low <= row["time_error_signed_pct"][0] <= high
         assert row["ops_per_step"] > 100 and row["step_ms"] > 0
+        # where the figure lies, both sides measured again while judged: every part is a figure
+        assert all(math.isfinite(row[part][0]) for part in ("host_shift_pct", "host_error_pct", "op_error_pct",
+                                                             "time_error_judged_host_pct")), row
         print(f"{name}: time {row['time_error_signed_pct'][0]:+.1f} % [{low:+.1f}, {high:+.1f}], valid "
               f"{row['fidelity_valid'][0]}, memory {row['memory_error_pct'][0]:+.1f} %")
 
@@ -60,6 +64,8 @@ def test_zoo_table_names_what_did_not_run_and_lands_in_mlflow(zoo_run):
     table = (out / "zoo.md").read_text()
     assert "| gpt2_lm | transformers | judged |" in table and absent["program"] in table
     assert "programs judged: coverage 100 % on 2" in table
+    assert "Had each replay spent the host time its program had while judged" in table
+    assert "| host_shift_pct | host_error_pct | op_error_pct |" in table
     with (out / "zoo.csv").open() as f:
         assert [r["program"] for r in csv.DictReader(f)] == [*FAST, absent["program"]]
     runs = mlflow_runs(results)
