@@ -69,11 +69,31 @@ def test_metric_definitions_on_a_known_timeline():
     assert m["steps_lost"] == 0 and m["steps_retried"] == 1 and m["steps"] == 40
     assert m["wall_s"] == pytest.approx(5.0)  # t 9 → 14
     assert m["effective_training_time_pct"] == pytest.approx(100 * 4.0 / 5.0)  # 1 s of 5 lost
-    # committed samples: 40 steps by the survivor + 20 by the other group, over 5 s, vs 2 groups × 8 / 0.1 s
-    assert m["goodput"] == pytest.approx((60 * 8 / 5.0) / (2 * 8 / 0.1))
+    # each group's time in committed steps over the 5 s, weighted by its 8 samples a step: the survivor's 4 s,
+    # the restarted group's 2 s (its 3 s away are lost)
+    assert m["goodput"] == pytest.approx((8 * 4.0 + 8 * 2.0) / (16 * 5.0))
+    assert m["goodput"] < m["effective_training_time_pct"] / 100  # the survivors' view misses the absent group
     assert m["weights_identical"] == 1.0
     side.hashes[(1, 0)] = "abd"
     assert scenario_metrics(side)["weights_identical"] == 0.0
+
+
+def test_goodput_stays_below_1_when_the_survivor_steps_faster_alone():
+    """On a shared CPU the survivor, its peer's cores free, trains 5x faster alone (0.02 s steps) while the
+    other group is away: 100 steps from t=11 to 13 where the failure-free job would have made 20. Committed
+    samples per second would read 1.4 of the failure-free rate; the time share stays what was kept."""
+    survivor = [_attempt(s, 9.0 + 0.1 * (s - 1), 0.1) for s in range(1, 11)]
+    survivor += [_attempt(10, 10.0, 1.0, committed=False, participants=1)]
+    survivor += [_attempt(s, 11.0 + 0.02 * (s - 11), 0.02, participants=1) for s in range(11, 111)]
+    survivor += [_attempt(s, 13.0 + 0.1 * (s - 111), 0.1) for s in range(111, 121)]
+    victim = [dict(e) for e in survivor[:10]]
+    victim += [_attempt(s, 13.0 + 0.1 * (s - 111), 0.1, incarnation=1) for s in range(111, 121)]
+    m = scenario_metrics(FailureRun("torchft", kill_time=10.0, logs={(0, 0): survivor, (1, 0): victim},
+                                    hashes={(0, 0): "abc", (1, 0): "abc"}))
+    rate_based = sum(e["samples"] for e in survivor + victim if e["committed"]) / 5.0 / (2 * 8 / 0.1)
+    assert rate_based == pytest.approx(1.4)
+    assert m["goodput"] == pytest.approx((8 * 4.0 + 8 * 2.0) / (16 * 5.0))
+    assert m["step_time_s_failure_free"] == pytest.approx(0.1)  # the steps with both groups
 
 
 @pytest.mark.slow

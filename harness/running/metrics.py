@@ -251,7 +251,8 @@ METRIC_DEFINITIONS: dict[str, tuple[str, str]] = {
     "recovery_s": ("s", "ft: from the kill to the restarted replica group's first committed step"),
     "steps_lost": ("count", "ft: committed steps that had to be trained again after the failure"),
     "effective_training_time_pct": ("%", "ft: time spent in steps that count ÷ wall time × 100"),
-    "goodput": ("fraction", "ft: committed samples per second ÷ the failure-free samples per second"),
+    "goodput": ("fraction", "ft: every replica group's time in steps that count ÷ wall time, weighted by the "
+                            "samples a group trains a step (a group's absence is lost time)"),
     "weights_identical": ("0 or 1", "ft: 1 when every replica's weights are bit-identical after healing"),
 }
 

@@ -31,6 +31,11 @@ def _failure_free_step_s(logs: list[list[dict]], skip: int) -> float:
     return statistics.median(durations)
 
 
+def _busy_s(log: list[dict]) -> float:
+    """The time a process spent in these steps."""
+    return sum(e["end"] - e["start"] for e in log)
+
+
 def scenario_metrics(side: FailureRun, prefix: str = "", skip: int = 0) -> dict[str, float]:
     """The side's figures (names below; the baseline's carry ``prefix`` ``baseline_``):
 
@@ -45,15 +50,17 @@ def scenario_metrics(side: FailureRun, prefix: str = "", skip: int = 0) -> dict[
       in steps that count (committed and never redone) ÷ the wall time from the first step's start to
       the last step's end, × 100: stalls, restarts and redone steps are what is lost (time-based like
       the seed's figure, so the survivors training faster alone on a shared CPU does not inflate it);
-    - ``goodput``: committed samples per second ÷ failure-free samples per second: every group training
-      at the median committed step with all groups taking part (warm-up steps left out). On a shared
-      CPU a group training alone steps faster than beside its peers, which lifts torchft's figure;
-      on separate devices it does not;
+    - ``goodput``: the share of the job's capacity that made progress: each replica group's time in steps
+      that count (as above; the restarted group's absence counts as lost) ÷ the wall time, weighted by
+      the samples the group trains a step. Time, not samples per second: on a shared CPU a group
+      training alone steps faster than beside its peers (its peers' cores are free), which no failure-free
+      job does, so a rate-based figure would pass 1 there; this one cannot;
     - ``weights_identical``: 1 when every replica group ends with the same training state (torchft).
     """
     rank0 = {r: log for (r, k), log in side.logs.items() if k == 0}
     victims = {r for r, log in rank0.items() if any(e["incarnation"] == 1 for e in log)}
-    survivors = [log for r, log in rank0.items() if r not in victims] or list(rank0.values())
+    kept_on = [r for r in rank0 if r not in victims] or list(rank0)  # the surviving groups
+    survivors = [rank0[r] for r in kept_on]
     clean_step_s = _failure_free_step_s(survivors, skip)
     every = [e for log in side.logs.values() for e in log]
     steps = max(e["step"] for e in every)  # torchft trains on until the restarted group is back
@@ -74,10 +81,8 @@ def scenario_metrics(side: FailureRun, prefix: str = "", skip: int = 0) -> dict[
         m["restart_s"] = m["stall_s"] = first_back
         m["recovery_s"] = min(e["end"] for e in reborn if e["step"] >= killed_at) - side.kill_time
         m["steps_lost"] = float(killed_at - resumed_from)
-        committed_samples = sum(e["samples"] for log in side.logs.values() for e in log
-                                if e["incarnation"] == 1 or e["step"] <= resumed_from)
-        kept = [[e for e in log if e["incarnation"] == 1 or e["step"] <= resumed_from] for log in rank0.values()]
-        useful_s = statistics.fmean(sum(e["end"] - e["start"] for e in log) for log in kept)
+        kept = {r: [e for e in log if e["incarnation"] == 1 or e["step"] <= resumed_from] for r, log in rank0.items()}
+        useful_s = statistics.fmean(_busy_s(log) for log in kept.values())
     else:
         durations = [e["end"] - e["start"] for log in survivors for e in log]
         m["stall_s"] = max(durations) - statistics.median(durations)
@@ -85,17 +90,17 @@ def scenario_metrics(side: FailureRun, prefix: str = "", skip: int = 0) -> dict[
         committed = [e["step"] for log in survivors for e in log if e["committed"]]
         m["steps_lost"] = float(len(committed) - len(set(committed)))
         m["steps_retried"] = float(sum(not e["committed"] for log in survivors for e in log))
-        committed_samples = sum(e["samples"] for log in side.logs.values() for e in log if e["committed"])
-        useful_s = statistics.fmean(sum(e["end"] - e["start"] for e in log if e["committed"]) for log in survivors)
+        kept = {r: [e for e in log if e["committed"]] for r, log in rank0.items()}
+        useful_s = statistics.fmean(_busy_s(kept[r]) for r in kept_on)
         by_rank: dict[int, set[str]] = {}  # a group's ranks hold different shards: compare rank k with rank k
         for (_, rank), digest in side.hashes.items():
             by_rank.setdefault(rank, set()).add(digest)
         every_one = len(side.hashes) == len(side.logs)  # every process reached the end and said what it holds
         m["weights_identical"] = float(every_one and all(len(h) == 1 for h in by_rank.values()))
-    clean_rate = sum(log[0]["samples"] for log in side.logs.values()) / clean_step_s
+    batch = {r: sum(log[0]["samples"] for (g, _), log in side.logs.items() if g == r) for r in rank0}
     m["steps"] = float(steps)
     m["step_time_s_failure_free"] = clean_step_s
     m["wall_s"] = wall
     m["effective_training_time_pct"] = 100 * useful_s / wall
-    m["goodput"] = committed_samples / wall / clean_rate
+    m["goodput"] = sum(batch[r] * _busy_s(kept[r]) for r in rank0) / (sum(batch.values()) * wall)
     return {f"{prefix}{k}": v for k, v in m.items()}
