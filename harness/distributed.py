@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -101,6 +101,17 @@ def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
         gc.collect()
+
+
+def exit_probe(code: int) -> NoReturn:
+    """End a probe process launched under torchrun once its work is written and said: flush, leave the process
+    group, and skip the interpreter's teardown. Even with the group destroyed first, a probe's rank that had
+    finished everything aborted in that teardown (SIGABRT, "terminate called without an active exception", no
+    Python frame left) in 2 of 46 launches on a loaded 2-core host, and torchrun then failed the launch."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    shutdown_distributed()
+    os._exit(code)
 
 
 def gather_to_all(obj: Any) -> list[Any]:
