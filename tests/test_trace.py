@@ -431,11 +431,13 @@ def test_the_programs_own_host_time_is_measured_and_spent_by_the_replay(tmp_path
     replayer.materialize()
     replayer.dry_run()
     replayer.calibrate_host_cost(lambda: None)
-    assert 0 < replayer.runner.spin_cost_s < 5e-6  # a spin's own cost past its length: ~0.1-0.2 µs here
+    # the replay's own work per op, inside the window its ledger counts as op time and outside it: each positive
+    assert replayer.runner.call_s > 0 and replayer.runner.outside_s > 0
     started = time.perf_counter()
     for _ in range(4):
         replayer.run_step()
     assert (time.perf_counter() - started) / 4 >= 0.0035
+    assert len(replayer.runner.overrun_s) == 4  # what each step's own work ran past the program's host time
 
 
 def test_the_replay_sets_its_op_time_against_the_programs_without_the_profilers_cost(tmp_path: Path):
@@ -461,28 +463,70 @@ def test_the_replay_sets_its_op_time_against_the_programs_without_the_profilers_
     assert replayer.op_time_ratio()[0] is None and "no op time" in replayer.op_time_ratio()[1]
 
 
-def test_the_replay_spins_for_the_programs_host_time_less_its_own_calls_never_more():
-    """A forward whose Python gaps exceed the replay's cost of calling an op, then a backward whose ops the
-    autograd engine called back to back from C++ (gaps shorter than that cost): the spins add up to the
-    program's host time less the replay's calls. The backward's shortfall comes back from the forward's
-    spins, latest first, instead of leaving the replay that much slower than its source."""
-    from workloads.trace_replay.codegen import spins
+def test_the_replay_spends_the_programs_host_time_against_a_ledger_of_its_own_work():
+    """A generated step spends each gap against a ledger: its own work between ops (here what the program made
+    after an op, 8 µs and then 30 µs of it) comes out of the gaps as it runs, a gap it overran is taken back
+    from the next, and what is still owed at the end is what the step returns. On a clock that moves only as
+    the ops and that work move it (and 0.1 µs a read, so that spins end)."""
+    from workloads.trace_replay.codegen import generate_step
+    from workloads.trace_replay.ops import CompiledOp
+
+    us, now, started = 1e-6, [0.0], []
+
+    def clock() -> float:
+        now[0] += 0.1 * us
+        return now[0]
+
+    def op_fn() -> None:  # an op of 10 µs
+        started.append(now[0])
+        now[0] += 10 * us
+
+    def born(key: int) -> None:  # the program's own making after op `key`: 8 µs, then 30 µs
+        now[0] += (8, 30)[key] * us
+
+    ops = [CompiledOp(index=i, name="aten::x", category="cpu_op", step=0, fn=op_fn, args=[], kwargs={},
+                      arg_slots=[], kwarg_slots=[], out_slots=[], out_infos=[], dur_us=10.0) for i in range(3)]
+
+    def step(gaps_s):
+        started.clear()
+        now[0] = 0.0
+        fn, ran = generate_step(ops, [0, 1, 2], [[], [], []], gaps_s, 3 * us, call_s=1 * us, births=[0, 1, None],
+                                stand_in=lambda i: None, fill=lambda i: None, born=born, name="ledger",
+                                clock=clock)
+        return fn([]), ran
+
+    owed, ran = step([5 * us, 20 * us, 0.0])
+    assert ran == 3
+    assert started[0] == pytest.approx(4 * us, abs=0.5 * us)  # the first gap less the call's own 1 µs
+    # the 8 µs made after op 0 came out of the next gap (20 − 1 µs), not on top of it
+    assert started[1] - started[0] - 10 * us == pytest.approx(19 * us, abs=0.5 * us)
+    # the 30 µs made after op 1 overran its gap (0 − 1 µs): op 2 starts at once, and the step owes
+    # 30 + 1 − 3 (the tail) µs at its end
+    assert started[2] - started[1] - 10 * us == pytest.approx(30 * us, abs=0.5 * us)
+    assert owed == pytest.approx(28 * us, abs=0.5 * us)
+    # with room for that work, the step keeps to the program's host time and owes nothing
+    owed, _ = step([5 * us, 20 * us, 40 * us])
+    assert owed < 0.5 * us
+    assert now[0] == pytest.approx((4 + 10 + 19 + 10 + 39 + 10 + 3) * us, abs=1 * us)
+    # without host gaps: the ops back to back, no ledger
+    owed, _ = step(None)
+    assert owed == 0.0 and started[1] - started[0] == pytest.approx(18 * us, abs=0.5 * us)
+
+
+def test_what_the_step_would_owe_at_its_end_comes_off_its_latest_gaps_with_room_beforehand():
+    """A forward whose Python gaps exceed the replay's own work per op (4 µs), then a backward whose ops the
+    autograd engine called back to back from C++ (1 µs gaps): the 10 µs the backward would leave owed at the
+    step's end come off the forward's latest gaps with room, the ledger's targets lowered beforehand."""
+    from workloads.trace_replay.codegen import taken_back
 
     us = 1e-6
     forward, backward = [20 * us, 12 * us, 9 * us], [1 * us] * 4
-    before, tail = spins(forward + backward, 2 * us, 4 * us)
-    program_host, replay_calls = sum(forward + backward) + 2 * us, 7 * 4 * us
-    assert sum(before) + tail == pytest.approx(program_host - replay_calls)
-    assert before[:3] == pytest.approx([16 * us, 3 * us, 0.0]) and before[3:] == [0.0] * 4 and tail == 0
-    # a shortfall the whole step cannot pay back: no spin at all, not a negative one
-    assert spins([1 * us, 2 * us], 1 * us, 4 * us) == ([0.0, 0.0], 0.0)
-    # no shortfall: each gap spins for itself, one too short to spin on adds up to the next
-    assert spins([10 * us, 4.1 * us, 5 * us], 3 * us, 4 * us) == (
-        pytest.approx([6 * us, 0.0, 1.1 * us]), pytest.approx(3 * us))
-    # each spin runs its own cost past its length: that much shorter, and one too short for it adds up too
-    assert spins([10 * us, 4.1 * us, 5 * us], 3 * us, 4 * us, 0.2 * us) == (
-        pytest.approx([5.8 * us, 0.0, 0.9 * us]), pytest.approx(2.8 * us))
-    assert spins([4.3 * us, 4.3 * us], 0.0, 4 * us, 0.2 * us) == (pytest.approx([0.0, 0.4 * us]), 0.0)
+    taken = taken_back(forward + backward, 2 * us, 4 * us)
+    assert taken == pytest.approx([0.0, 5 * us, 5 * us, 0, 0, 0, 0])  # gap 2 had 5 µs of room, gap 1 8
+    # a step that owes more than every gap has room for: each gives up all its room, none more
+    assert taken_back([6 * us, 1 * us], 0.0, 4 * us) == pytest.approx([2 * us, 0.0])
+    # nothing owed: nothing taken
+    assert taken_back([10 * us, 4.1 * us, 5 * us], 3 * us, 4 * us) == [0.0, 0.0, 0.0]
 
 
 def test_the_autograd_bookkeeping_of_forward_ops_is_measured_and_spent_by_the_replay(tmp_path: Path):

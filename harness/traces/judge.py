@@ -135,11 +135,11 @@ def _host_probe(source_step: Callable[[], Any], replay: Any, device: torch.devic
     replayer, replay_step = getattr(replay, "replayer", None), replay.step
     if replayer is None or not getattr(replayer, "host_gaps", False) or not replayer.gap_samples_us:
         return None
-    steps, replayed = max(1, len(replayer.sequence)), {op.name for op in replayer.ops}
+    replayed = {op.name for op in replayer.ops}
     return HostProbe(host_time_probe(source_step, device, replayed),
                      host_time_probe(replay_step, device, replayed, prepare=getattr(replay, "restore_values", None)),
                      capture_ms=statistics.median(replayer.gap_samples_us) / 1e3,
-                     spun_ms=1e3 * sum(replayer.runner.spin_lengths()) / steps)
+                     spun_ms=1e3 * replayer.runner.spun_s())
 
 
 def _fidelity_record(replay_record: dict[str, Any], side: SideBySide, source_peak: int, replay_peak: int,

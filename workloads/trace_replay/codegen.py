@@ -19,8 +19,6 @@ import torch
 
 from workloads.trace_replay.ops import CompiledOp, flatten_tensors
 
-SPIN_MIN_S = 2e-7  # shorter host gaps are not spun on: they add up to the next
-
 
 def seconds(gap_us: Any) -> float:
     """A host gap in seconds, as a float the generated code can hold: finite, not negative."""
@@ -28,62 +26,59 @@ def seconds(gap_us: Any) -> float:
     return value if math.isfinite(value) and value > 0 else 0.0
 
 
-def spin_line(length_s: float) -> str:
-    """The generated line that spends ``length_s`` busy after ``t`` (taken as the op before it returned)."""
-    return f"    while pc() < t + {float(length_s)!r}: pass"
-
-
-def spins(gaps_s: Sequence[float], tail_s: float, call_s: float,
-          spin_cost_s: float = 0.0) -> tuple[list[float], float]:
-    """How long to spin before each op (and after the last) to spend the program's host time.
-
-    The program's gap before an op includes its own cost of calling it; the replay pays its own
-    instead, ``call_s`` per op, so that much of each gap counts as spent. Where the replay's calls
-    cost more than the program's gaps (ops the framework calls from C++, such as backward ops from
-    the autograd engine), the balance carries to later gaps; a balance still owed at the step's end
-    is taken back from the latest spins before it. The spins then add up to the program's host time
-    less the replay's calls, never more: a step spends its host time, not its peaks. Gaps shorter
-    than :data:`SPIN_MIN_S` are not spun on: they add up to the next. A spin itself runs
-    ``spin_cost_s`` past its length (its last check of the clock, and leaving the loop: measured by
-    :func:`.host_cost.measure_spin_cost`), so each is that much shorter.
-    """
-    out = [0.0] * len(gaps_s)
+def taken_back(gaps_s: Sequence[float], tail_s: float, cost_s: float) -> list[float]:
+    """How much to take off each gap beforehand so that a step whose own work costs ``cost_s`` per op ends on
+    the program's host time: where that work costs more than the gaps left (ops the framework calls from C++
+    back to back, such as the backward's from the autograd engine), the balance still owed at the step's end
+    comes off the latest gaps with room before it. (The ledger can only take an overrun back from the gaps
+    after it; on T5, whose backward ends on ops called back to back, it ended its steps 0.3 ms late.)"""
+    room = [0.0] * len(gaps_s)  # what each gap has left past the work before it and the balance owed then
     owed = 0.0
     for j, gap in enumerate(gaps_s):
-        owed += gap - call_s
-        if owed > SPIN_MIN_S + spin_cost_s:
-            out[j], owed = owed - spin_cost_s, 0.0
+        owed += gap - cost_s
+        if owed > 0:
+            room[j], owed = owed, 0.0
     owed += tail_s
-    tail = owed - spin_cost_s if owed > SPIN_MIN_S + spin_cost_s else 0.0
-    for j in reversed(range(len(out))):
+    taken = [0.0] * len(gaps_s)
+    for j in reversed(range(len(gaps_s))):
         if owed >= 0:
             break
-        taken = min(out[j], -owed)
-        out[j] -= taken
-        owed += taken
-    return [spin if spin > SPIN_MIN_S else 0.0 for spin in out], tail
+        taken[j] = min(room[j], -owed)
+        owed += taken[j]
+    return taken
 
 
 def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: Sequence[list[int]],
-                  gaps_s: Sequence[float] | None, tail_s: float, *, call_s: float = 0.0, spin_cost_s: float = 0.0,
+                  gaps_s: Sequence[float] | None, tail_s: float, *, call_s: float = 0.0, outside_s: float = 0.0,
                   births: Sequence[int | None] | None = None, grad: Sequence[bool] | None = None,
                   grad_on: bool = False, keep: list[Any] | None = None, stand_in: Callable[[int], None],
                   fill: Callable[[int], None], born: Callable[[int], None] | None = None,
-                  name: str) -> tuple[Callable[[list[Any]], None], int]:
+                  name: str,
+                  clock: Callable[[], float] = time.perf_counter) -> tuple[Callable[[list[Any]], float], int]:
     """The step running ``ops[p]`` for each p in ``positions``; returns it and how many ops it runs.
 
     ``clears[j]``: slots to release after the j-th op (their last use). ``gaps_s[j]``: the
-    program's own host time before the j-th op, spent busy as the program did (None: ops back to
-    back). ``births[j]``: a key for ``born``, which makes the storages the program made right after
-    the j-th op (None: none), within the gap that follows it: the program's host time there includes
-    its making them (a compiled graph's own kernels). ``call_s``: the replay's own cost of calling an
-    op (measured by the replayer on its own steps), which :func:`spins` takes out of the gaps, as it takes
-    ``spin_cost_s`` out of each spin.
+    program's own host time before the j-th op, and ``tail_s`` after the last, spent busy as the program
+    spent them (None: ops back to back). ``births[j]``: a key for ``born``, which makes the storages the
+    program made right after the j-th op (None: none), within the gap that follows it: the program's host
+    time there includes its making them (a compiled graph's own kernels).
+
+    The host time is spent against a ledger kept as the step runs: ``d``, the moment the next op may start,
+    is the step's start plus every gap so far plus the time the step's ops took, each op timed from the
+    clock read that ends the spin before it to the one right after its call returns. Everything else the
+    replay does between ops (slot stores and releases, what the program made, the ledger's own lines, a
+    spin running past its end) is then spent out of the program's gaps, at the cost it has as the step
+    runs, not at one measured beforehand: a gap the replay's own work overran is taken back from the gaps
+    after it; what is still owed at the step's end is what the step returns (seconds; 0 when it kept to
+    the program's host time). ``call_s``: the replay's host time inside that window per op (the op
+    binding's own work before and after the op proper: :func:`.host_cost.measure_call_cost`), which
+    each gap leaves out; ``outside_s``: its work outside the window per op, as measured there, with which
+    a balance the step would owe at its end is taken off its latest gaps beforehand (:func:`taken_back`).
     ``grad[j]``: run the j-th op with grad mode set to ``grad_on`` and back off after it (what the
     replayer's autograd calibration compares: the same code, grad mode on and off); None: every op
     without grad, as the replay runs. Those ops' outputs are appended to ``keep`` then, so that the
     history they record is torn down when the caller clears it, not inside the step: the program tears
-    its down in the backward, whose host time the capture measures apart.
+    its down in the backward, whose host time the capture measures apart. ``clock``: the ledger's clock.
     """
     consts: list[Any] = []
     fns: list[Callable[..., Any]] = []
@@ -100,19 +95,23 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
                                    for j, item in enumerate(template)) + "]"
         return f"v[{slots[-1]}]" if -1 in slots else const(template)
 
-    lines = ["def step(v):", "    t = pc()"]
+    ledger = gaps_s is not None
+    lines = ["def step(v):"]
+    if ledger:
+        take = taken_back(gaps_s, tail_s, call_s + outside_s)
+        gaps_s = [gap - cut - call_s for gap, cut in zip(gaps_s, take, strict=True)]  # the ledger's, per op
+        lines.append(f"    d = pc() + {float(gaps_s[0] if positions else tail_s)!r}")
     ran = 0
-    spin_s, tail = spins(gaps_s, tail_s, call_s, spin_cost_s) if gaps_s is not None else \
-        ([0.0] * len(positions), tail_s)
     for j, position in enumerate(positions):
         op = ops[position]
-        if spin_s[j] > 0:
-            lines.append(spin_line(spin_s[j]))
         toggled = grad is not None and grad[j] and op.error is None
         if toggled:
             lines.append(f"    grad({bool(grad_on)!r})")
+        after = float(gaps_s[j + 1] if j + 1 < len(positions) else tail_s) if ledger else 0.0
         if op.error is not None:
             lines.append(f"    standin({int(position)})")
+            if ledger:
+                lines.append(f"    d += {after!r}")
         else:
             ran += 1
             by_arg: dict[Any, dict[int, int]] = {}
@@ -125,28 +124,31 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
             parts += [f"{key}={expr(value, by_arg.get(key, {}))}" for key, value in op.kwargs.items()]
             fns.append(getattr(op.fn, "_op", op.fn))  # the C++ op itself, not its Python wrapper
             call = f"f[{len(fns) - 1}]({', '.join(parts)})"
+            if ledger:
+                lines.append("    while (a := pc()) < d: pass")
             targets = [(n, int(slot)) for n, slot in enumerate(op.out_slots) if slot is not None]
             if op.single_output and targets:
                 lines.append(f"    v[{targets[0][1]}] = {call}")
             elif targets:
                 lines.append(f"    r = flat({call})")
-                lines.extend(f"    v[{slot}] = r[{n}]" for n, slot in targets)
             else:
                 lines.append(f"    {call}")
+            if ledger:
+                lines.append(f"    d += pc() - a + {after!r}")
+            if targets and not op.single_output:
+                lines.extend(f"    v[{slot}] = r[{n}]" for n, slot in targets)
             if toggled:
                 lines.append("    grad(False)")
                 lines.extend(f"    keep.append(v[{slot}])" for _, slot in targets)
             if op.fills or op.pins or op.lengths:
                 lines.append(f"    fill({int(position)})")
         lines.extend(f"    v[{int(slot)}] = None" for slot in clears[j])
-        if gaps_s is not None:
-            lines.append("    t = pc()")
         if births is not None and births[j] is not None:  # inside the next gap: the program made them there
             lines.append(f"    born({int(births[j])})")
-    if tail > SPIN_MIN_S:
-        lines.append(spin_line(tail))
-    namespace: dict[str, Any] = {"f": fns, "c": consts, "flat": flatten_tensors, "pc": time.perf_counter,
+    if ledger:
+        lines += ["    while pc() < d: pass", "    return pc() - d"]
+    namespace: dict[str, Any] = {"f": fns, "c": consts, "flat": flatten_tensors, "pc": clock,
                                  "standin": stand_in, "fill": fill, "born": born,
                                  "grad": torch._C._set_grad_enabled, "keep": keep}
-    exec(compile("\n".join([*lines, "    return None"]), f"<cobench replay {name}>", "exec"), namespace)
+    exec(compile("\n".join([*lines, "    return 0.0"]), f"<cobench replay {name}>", "exec"), namespace)
     return namespace["step"], ran

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from workloads.trace_replay.codegen import generate_step, seconds, spins
+from workloads.trace_replay.codegen import generate_step, seconds
 from workloads.trace_replay.ops import CompiledOp, describe, fit_length
 from workloads.trace_replay.plan import ReplayPlan
 from workloads.trace_replay.synthesis import Synthesis
@@ -38,14 +38,15 @@ class StepRunner:
         self.host_gaps = host_gaps
         self._tail_gaps_us = tail_gaps_us or [0.0] * len(plan.sequence)
         self._next = 0
-        self._generated: list[tuple[Callable[[list[Any]], None], int] | None] = [None] * len(plan.sequence)
+        self._generated: list[tuple[Callable[[list[Any]], float], int] | None] = [None] * len(plan.sequence)
         self.errors: dict[int, str] = {}  # op index → why it did not run (compile, dry run or later)
         self.divergent: dict[int, str] = {}  # op index → how what it made differs from what the program made
-        self.call_s = 0.0  # the replay's own host time per op call (:mod:`.host_cost`)
+        self.call_s = 0.0  # the replay's own host time per op call inside the ledger's op window (:mod:`.host_cost`)
+        self.outside_s = 0.0  # and outside it, per op: what its ledger spends out of the program's gaps
+        self.overrun_s: list[float] = []  # per step run: how far its own work ran past the program's host time
         # the autograd bookkeeping per op the program recorded history through (:mod:`.host_cost`): the
         # replay runs without grad, so it spends that much as host time before each such op
         self.autograd_s = 0.0
-        self.spin_cost_s = 0.0  # what a spin costs past its length (:func:`.host_cost.measure_spin_cost`)
 
     @property
     def next_step(self) -> int:
@@ -151,14 +152,14 @@ class StepRunner:
         step, ran = self._generated[k]
         try:
             with torch.no_grad():
-                step(self.tensors.vals)
+                self.overrun_s.append(step(self.tensors.vals))
         except Exception:  # noqa: BLE001 - an op failed only now (its inputs differ from the dry run's)
             self.dry_run(steps=[k])  # find it op by op: recorded, stood in for, the code regenerated
         return ran
 
     def generated_step(self, k: int, *, no_gap_time: bool = False, grad_on: bool | None = None,
                        keep: list[Any] | None = None,
-                       upto: int | None = None) -> tuple[Callable[[list[Any]], None], int]:
+                       upto: int | None = None) -> tuple[Callable[[list[Any]], float], int]:
         """Step ``k`` as one generated function (:func:`codegen.generate_step`); ``no_gap_time``: the
         same code with every host gap zero (what :func:`.host_cost.measure_call_cost` measures);
         ``grad_on``: that code with grad mode set to it around each op the program recorded autograd
@@ -174,7 +175,7 @@ class StepRunner:
         births = [offset + j if offset + j in self.plan.births else None for j in range(len(positions))]
         return generate_step(self.plan.ops, positions, self.plan.clears[offset:offset + len(positions)], gaps, tail,
                              call_s=0.0 if no_gap_time else self.call_s,
-                             spin_cost_s=0.0 if no_gap_time else self.spin_cost_s, births=births,
+                             outside_s=0.0 if no_gap_time else self.outside_s, births=births,
                              grad=None if grad_on is None else [self.plan.specs[p].grad for p in positions],
                              grad_on=bool(grad_on), keep=keep,
                              stand_in=lambda i: self.tensors.stand_in(self.plan.ops[i]),
@@ -186,14 +187,14 @@ class StepRunner:
         bookkeeping before each op the program recorded history through."""
         return [seconds(self.plan.specs[p].gap_us) + self.plan.specs[p].grad * self.autograd_s for p in positions]
 
-    def spin_lengths(self) -> list[float]:
-        """Every spin the steps make with the costs measured so far, their own cost not yet taken out
-        (seconds; :func:`codegen.spins`)."""
-        lengths: list[float] = []
+    def spun_s(self) -> float:
+        """What the steps spin, on average a step, with the costs measured so far (seconds): the program's host
+        time less the replay's own work (its calls, and the rest per op), which the ledger spends out of it."""
+        total = 0.0
         for k, positions in enumerate(self.plan.sequence):
-            before, tail = spins(self._gaps_s(positions), seconds(self._tail_gaps_us[k]), self.call_s)
-            lengths += [s for s in [*before, tail] if s > 0]
-        return lengths
+            total += max(0.0, sum(self._gaps_s(positions)) + seconds(self._tail_gaps_us[k])
+                         - len(positions) * (self.call_s + self.outside_s))
+        return total / max(1, len(self.plan.sequence))
 
     def walk(self, run_op: Callable[[int, CompiledOp], None]) -> None:
         """One pass over every step op by op, as the steps run: ``run_op(position, op)`` runs each op that

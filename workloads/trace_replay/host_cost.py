@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from workloads.trace_bundle import STEP_ANNOTATION
-from workloads.trace_replay.codegen import spin_line
 from workloads.trace_replay.execute import StepRunner
 from workloads.trace_replay.host_time import COLLECTIVE, kineto_host_gaps, replayed_op_time
 from workloads.trace_replay.parse import read_kineto
@@ -35,17 +34,25 @@ MAX_REPEATS = 50
 
 
 def measure_call_cost(runner: StepRunner, synchronize: Callable[[], None], rounds: int = 24, *,
-                      process_group: Any = None) -> tuple[list[float], list[float]]:
-    """The replay's own host time per op call, one figure per measured sample (seconds), and the time
-    inside its ops (collectives left out) per step, one figure per round (µs: the mean over the steps, the
-    profiler's cost taken out as the capture takes it out of the program's: :func:`.host_time.replayed_op_time`).
+                      process_group: Any = None) -> tuple[list[float], list[float], list[float]]:
+    """The replay's own host time per op inside its ledger's op window, and outside it, one figure each per
+    measured sample (seconds), and the time inside its ops (collectives left out) per step, one figure per
+    round (µs: the mean over the steps, the profiler's cost taken out as the capture takes it out of the
+    program's: :func:`.host_time.replayed_op_time`).
 
     The program's host gaps were measured from its Kineto trace as the time outside its ops, the
     profiler's cost taken out (:func:`.host_time.kineto_host_gaps`); the replay's own time outside its
-    ops (the generated code: argument lists, the op binding, slot stores and releases) is measured
-    here the same way on its own steps with every gap zero, so the gaps it spends are exactly the
-    program's host time it does not already pay. (A fixed per-call figure from a one-argument op
-    came out at a third of a real op line's cost and left the replay ~10 % slow.)
+    ops (the generated code: argument lists, the op binding, slot stores and releases, its ledger) is
+    measured here the same way on its own steps with every gap zero. A generated step keeps a ledger of
+    the host time it spent (:func:`.codegen.generate_step`), each op timed from the clock read before its
+    call to the one after: what it does outside that window is spent out of the program's gaps as it
+    runs, and with every gap zero the step returns it (the window's share is the rest). What lies inside
+    the window (the op binding's argument parsing and return, before and after the op proper) the ledger
+    counts as op time: each gap leaves that out, so the gaps it spends are the program's host time it
+    does not already pay. (A fixed per-call figure from a one-argument op came out at a third of a real
+    op line's cost and left the replay ~10 % slow; the whole per-op cost taken out of the gaps beforehand
+    left the replay's host time 2–15 % above the program's when judged, its stores and releases costing
+    more then than when measured.)
 
     As the capture does: ``rounds`` rounds of profiled steps then plain ones, each block after a
     pass that settles it (the profiler's buffers; the caches after it stops), each profiled sample
@@ -59,9 +66,9 @@ def measure_call_cost(runner: StepRunner, synchronize: Callable[[], None], round
     steps = len(runner.plan.sequence)
     generated = [runner.generated_step(k, no_gap_time=True) for k in range(steps)]
 
-    def run(k: int) -> None:
+    def run(k: int) -> float:
         with torch.no_grad():
-            generated[k][0](runner.tensors.vals)
+            return generated[k][0](runner.tensors.vals)
 
     repeats = []  # runs of each step per sample, from a settling pass's own times
     for k in range(steps):
@@ -77,6 +84,7 @@ def measure_call_cost(runner: StepRunner, synchronize: Callable[[], None], round
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=process_group)
         repeats = [int(r) for r in agreed]
     per_op: list[float] = []
+    outside: list[float] = []
     op_us: list[float] = []
     names = {op.name for op in runner.plan.ops}
     with tempfile.TemporaryDirectory(prefix="cobench-calibrate-") as tmp:
@@ -98,22 +106,24 @@ def measure_call_cost(runner: StepRunner, synchronize: Callable[[], None], round
             for k in range(steps):  # settles plain running again
                 run(k)
             plain_us: dict[int | None, float] = {}
+            ledger_us: dict[int, float] = {}
             for k in range(steps):
                 synchronize()
                 started = time.perf_counter()
-                for _ in range(repeats[k]):
-                    run(k)
+                ledger_us[k] = 1e6 * sum(run(k) for _ in range(repeats[k]))
                 synchronize()
                 plain_us[k] = 1e6 * (time.perf_counter() - started)
             prof.export_chrome_trace(str(path))
             trace = read_kineto(path)
             host_us = kineto_host_gaps(trace, plain_us)
-            per_op += [host_us[k] / (repeats[k] * max(1, len(runner.plan.sequence[k]))) for k in host_us]
+            calls = {k: repeats[k] * max(1, len(runner.plan.sequence[k])) for k in host_us}
+            per_op += [(host_us[k] - ledger_us[k]) / calls[k] for k in host_us]
+            outside += [ledger_us[k] / calls[k] for k in host_us]
             inside = replayed_op_time(trace, plain_us, names.__contains__)  # the captured ops': as the program's
             if steps and len(inside) == steps:
                 op_us.append(statistics.fmean(inside[k] / repeats[k] for k in inside))
     runner.tensors.restore_values()
-    return [1e-6 * v for v in per_op], op_us
+    return [1e-6 * v for v in per_op], [1e-6 * v for v in outside], op_us
 
 
 def _runs_with_grad(op: Any, vals: list[Any], leaves: list[torch.Tensor]) -> bool:
@@ -224,29 +234,3 @@ def measure_autograd_cost(runner: StepRunner, synchronize: Callable[[], None],
     finally:
         runner.tensors.restore_values()
     return samples, None
-
-
-def measure_spin_cost(length_s: float, rounds: int = 24, spins: int = 200) -> list[float]:
-    """What one spin of ``length_s`` costs past its length, one figure per round (seconds).
-
-    A generated step spends a gap by spinning until the clock passes its end (:func:`.codegen.spin_line`);
-    the last check of the clock and leaving the loop come after it, ~0.1–0.2 µs on this VM's clock
-    (TSC) for spins of 1–5 µs, on every op a step spins before: T5's 1,854 ops a step spun 0.25–0.3 ms
-    past their lengths. Measured here as the replay spends them: ``spins`` of them, each followed by the
-    line that takes the clock after an op (which the call cost already counts), against those lines
-    alone, the two alternating."""
-    line = "    t = pc()\n"
-    with_spins, lines_only = ({"pc": time.perf_counter}, {"pc": time.perf_counter})
-    exec(compile("def run():\n" + line + (spin_line(length_s) + "\n" + line) * spins, "<spins>", "exec"), with_spins)
-    exec(compile("def run():\n" + line * (spins + 1), "<clock lines>", "exec"), lines_only)
-    samples = []
-    for r in range(rounds + 1):
-        took = {}
-        for name, code in ((("spins", with_spins), ("lines", lines_only)) if r % 2 else
-                           (("lines", lines_only), ("spins", with_spins))):
-            started = time.perf_counter()
-            code["run"]()
-            took[name] = time.perf_counter() - started
-        if r:  # the first round settles
-            samples.append((took["spins"] - took["lines"]) / spins - length_s)
-    return samples

@@ -26,7 +26,7 @@ import torch
 
 from workloads.trace_replay.dataflow import External
 from workloads.trace_replay.execute import ReplayStats, StepRunner
-from workloads.trace_replay.host_cost import measure_autograd_cost, measure_call_cost, measure_spin_cost
+from workloads.trace_replay.host_cost import measure_autograd_cost, measure_call_cost
 from workloads.trace_replay.host_time import COLLECTIVE
 from workloads.trace_replay.ops import CompiledOp
 from workloads.trace_replay.plan import plan_replay
@@ -56,7 +56,7 @@ class Replayer:
         self.runner = StepRunner(self.plan, self.tensors, host_gaps=host_gaps, tail_gaps_us=tail_gaps_us)
         self.call_samples_s: list[float] = []
         self.autograd_samples_s: list[float] = []
-        self.spin_cost_samples_s: list[float] = []
+        self.outside_samples_s: list[float] = []
         self.autograd_unmeasured: str | None = None  # why the autograd bookkeeping was not measured
 
     @property
@@ -139,16 +139,17 @@ class Replayer:
         return self.runner.time_ops(synchronize)
 
     def calibrate_host_cost(self, synchronize: Callable[[], None], rounds: int = 24) -> float:
-        """Measure the replay's own host time per op call (seconds; the median of :func:`.host_cost.
-        measure_call_cost`'s figures), which the host gaps it spends then leave out, and the autograd
-        bookkeeping per op it does not do (:func:`.host_cost.measure_autograd_cost`), which they then
-        add, and what a spin costs past its length (:func:`.host_cost.measure_spin_cost`), which each spin
-        then leaves out; returns the first, 0 without host gaps."""
+        """Measure the replay's own host time per op call inside its ledger's op window (seconds; the median
+        of :func:`.host_cost.measure_call_cost`'s figures), which the host gaps it spends then leave out, and
+        the autograd bookkeeping per op it does not do (:func:`.host_cost.measure_autograd_cost`), which they
+        then add; returns the first, 0 without host gaps. (Its work outside the window its ledger spends out
+        of the gaps as the steps run; measured here too, for what the steps spin.)"""
         if not self.host_gaps:
             return 0.0
-        self.call_samples_s, self.op_samples_us = measure_call_cost(  # a judgement resamples the first
-            self.runner, synchronize, rounds, process_group=self.process_group)
+        self.call_samples_s, self.outside_samples_s, self.op_samples_us = measure_call_cost(
+            self.runner, synchronize, rounds, process_group=self.process_group)  # a judgement resamples the first
         self.runner.call_s = statistics.median(self.call_samples_s) if self.call_samples_s else 0.0
+        self.runner.outside_s = statistics.median(self.outside_samples_s) if self.outside_samples_s else 0.0
         if any(COLLECTIVE.match(op.name) for op in self.plan.ops):
             # its variants would have to run in lockstep on every rank; the program's bookkeeping is not spent
             self.autograd_unmeasured = "not measured on steps that hold collectives"
@@ -156,9 +157,6 @@ class Replayer:
             self.autograd_samples_s, self.autograd_unmeasured = measure_autograd_cost(self.runner, synchronize)
         self.runner.autograd_s = max(0.0, statistics.median(self.autograd_samples_s)) if self.autograd_samples_s \
             else 0.0
-        if lengths := self.runner.spin_lengths():  # what a spin of the steps' typical length costs past it
-            self.spin_cost_samples_s = measure_spin_cost(statistics.median(lengths))
-            self.runner.spin_cost_s = max(0.0, statistics.median(self.spin_cost_samples_s))
         self.runner.regenerate()  # with the measured costs
         return self.runner.call_s
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import statistics
 import sys
 import warnings
 from pathlib import Path
@@ -180,7 +181,9 @@ class GeneratedWorkload(WorkloadBase):
         if self.replayer.host_gaps:
             record["metrics"]["replay_host_us_per_op"] = 1e6 * self.replayer.call_s
             record["metrics"]["replay_autograd_us_per_op"] = 1e6 * self.replayer.autograd_s
-            record["metrics"]["replay_spin_cost_us"] = 1e6 * self.replayer.runner.spin_cost_s
+            record["metrics"]["replay_outside_us_per_op"] = 1e6 * self.replayer.runner.outside_s
+            if overrun := self.replayer.runner.overrun_s:
+                record["metrics"]["replay_host_overrun_ms_p50"] = 1e3 * statistics.median(overrun)
             ratio, why = self.replayer.op_time_ratio()
             if ratio is not None:
                 record["metrics"]["replay_op_time_ratio"] = ratio
