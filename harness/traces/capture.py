@@ -60,6 +60,13 @@ from workloads.trace_bundle import (
     BundleMeta,
     TraceError,
 )
+from workloads.trace_replay.host_time import (
+    PLAIN_MEASURED,
+    PLAIN_SETTLE,
+    TIMING_MEASURED,
+    TIMING_ROUNDS,
+    TIMING_WARMUP,
+)
 
 # Kineto's own lines (profiler_start/stop, stages) are not the user's business; set it to see them
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
@@ -83,16 +90,7 @@ INDEX_OPS = (
 )
 
 
-# The host-time phase: rounds of Kineto alone then plain. Each block's first steps run slow and are
-# not measured: after the profiler starts (its buffers fill) and after it stops (caches, allocator).
-TIMING_ROUNDS = 8  # each round's Kineto-alone steps are set against that round's plain steps (drift apart)
-TIMING_WARMUP = 2  # Kineto-alone steps of a round not measured
-TIMING_MEASURED = 4  # Kineto-alone steps of a round measured: the host-gap estimate is their median
-# (32 steps in all: a program's host time moves ±10 % from step to step on a shared machine, and the
-# median of 12 moved a 9 ms step by ±2.3 … 4.2 % between captures)
-PLAIN_SETTLE = 4  # plain steps after the profiler stopped, not measured
-PLAIN_MEASURED = 3  # plain steps of a round measured: the profiler's cost is taken against them
-_ROUND = TIMING_WARMUP + TIMING_MEASURED + PLAIN_SETTLE + PLAIN_MEASURED
+_ROUND = TIMING_WARMUP + TIMING_MEASURED + PLAIN_SETTLE + PLAIN_MEASURED  # steps of a host-time round
 
 
 def _data_ops() -> list[str]:

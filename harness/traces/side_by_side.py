@@ -15,27 +15,23 @@ from __future__ import annotations
 import math
 import random
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import profile, record_function
 
 from harness.platform import synchronize
-from harness.traces.capture import (
+from harness.traces.capture import profiler_activities
+from workloads.trace_replay.host_time import (
     PLAIN_MEASURED,
     PLAIN_SETTLE,
     TIMING_MEASURED,
     TIMING_WARMUP,
-    profiler_activities,
+    host_and_op_time,
+    profiled_steps,
 )
-from workloads.trace_bundle import STEP_ANNOTATION
-from workloads.trace_replay.host_time import kineto_host_gaps, replayed_op_time
-from workloads.trace_replay.parse import read_kineto
 
 # A verdict needs the 95 % interval of the replay ÷ source ratio within ±TARGET_HALF_WIDTH_PCT: the judge
 # adds rounds until it is, or until its time budget runs out (then, and only then, no verdict).
@@ -343,20 +339,16 @@ def host_time_probe(step: Callable[[], Any], device: torch.device, replayed: set
     its annotation and its time, as the side-by-side samples call it (a replay's state put back: thirteen
     steps in a row, MobileNet's replay read 17 % above its own samples, Qwen-MoE's 22 %)."""
 
-    def run(k: int) -> None:
-        if prepare is not None:
-            prepare()
-        if k < TIMING_WARMUP:
-            step()
-        else:
-            with record_function(f"{STEP_ANNOTATION}{k - TIMING_WARMUP}"):
-                step()
-        synchronize(device)
-
     def measure() -> tuple[list[float], list[float]]:
-        with profile(activities=profiler_activities(device)) as prof:
-            for k in range(TIMING_WARMUP + TIMING_MEASURED):
-                run(k)
+        def settle() -> None:
+            for _ in range(TIMING_WARMUP):
+                if prepare is not None:
+                    prepare()
+                step()
+                synchronize(device)
+
+        trace = profiled_steps([step] * TIMING_MEASURED, settle=settle, prepare=prepare,
+                               synchronize=lambda: synchronize(device), activities=profiler_activities(device))
         plain = []
         for k in range(PLAIN_SETTLE + PLAIN_MEASURED):
             if prepare is not None:
@@ -364,13 +356,8 @@ def host_time_probe(step: Callable[[], Any], device: torch.device, replayed: set
             took = _timed(step, device, 1)
             if k >= PLAIN_SETTLE:
                 plain.append(took)
-        with tempfile.TemporaryDirectory(prefix="cobench-host-") as tmp:
-            path = Path(tmp) / "host.json"
-            prof.export_chrome_trace(str(path))
-            trace = read_kineto(path)
-        reference = {None: 1e3 * statistics.median(plain)}
-        return (list(kineto_host_gaps(trace, reference, replayed.__contains__).values()),
-                list(replayed_op_time(trace, reference, replayed.__contains__).values()))
+        host, inside = host_and_op_time(trace, {None: 1e3 * statistics.median(plain)}, replayed.__contains__)
+        return list(host.values()), list(inside.values())
 
     return measure
 

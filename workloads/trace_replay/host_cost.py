@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import math
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from workloads.trace_bundle import STEP_ANNOTATION
 from workloads.trace_replay.execute import StepRunner
-from workloads.trace_replay.host_time import COLLECTIVE, kineto_host_gaps, replayed_op_time
-from workloads.trace_replay.parse import read_kineto
+from workloads.trace_replay.host_time import COLLECTIVE, kineto_host_gaps, profiled_steps, replayed_op_time
 
 MIN_SAMPLE_MS = 20.0  # a sample runs a short step this long, as the side-by-side judgement's samples do
 MAX_REPEATS = 50
@@ -87,41 +83,30 @@ def measure_call_cost(runner: StepRunner, synchronize: Callable[[], None], round
     outside: list[float] = []
     op_us: list[float] = []
     names = {op.name for op in runner.plan.ops}
-    with tempfile.TemporaryDirectory(prefix="cobench-calibrate-") as tmp:
-        path = Path(tmp) / "trace.json"
-        for _ in range(rounds):
-            # each block from the carried state as it was made: a step run over and over drifts (its values
-            # sink into subnormal floats; ViT's ran twice as slow after some 25 runs), within a round too
-            runner.tensors.restore_values()
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                for k in range(steps):  # settles the profiler
-                    run(k)
-                synchronize()
-                for k in range(steps):
-                    with torch.profiler.record_function(f"{STEP_ANNOTATION}{k}"):
-                        for _ in range(repeats[k]):
-                            run(k)
-                    synchronize()
-            runner.tensors.restore_values()
-            for k in range(steps):  # settles plain running again
-                run(k)
-            plain_us: dict[int | None, float] = {}
-            ledger_us: dict[int, float] = {}
-            for k in range(steps):
-                synchronize()
-                started = time.perf_counter()
-                ledger_us[k] = 1e6 * sum(run(k) for _ in range(repeats[k]))
-                synchronize()
-                plain_us[k] = 1e6 * (time.perf_counter() - started)
-            prof.export_chrome_trace(str(path))
-            trace = read_kineto(path)
-            host_us = kineto_host_gaps(trace, plain_us)
-            calls = {k: repeats[k] * max(1, len(runner.plan.sequence[k])) for k in host_us}
-            per_op += [(host_us[k] - ledger_us[k]) / calls[k] for k in host_us]
-            outside += [ledger_us[k] / calls[k] for k in host_us]
-            inside = replayed_op_time(trace, plain_us, names.__contains__)  # the captured ops': as the program's
-            if steps and len(inside) == steps:
-                op_us.append(statistics.fmean(inside[k] / repeats[k] for k in inside))
+    for _ in range(rounds):
+        # each block from the carried state as it was made: a step run over and over drifts (its values
+        # sink into subnormal floats; ViT's ran twice as slow after some 25 runs), within a round too
+        runner.tensors.restore_values()
+        trace = profiled_steps([lambda k=k: [run(k) for _ in range(repeats[k])] for k in range(steps)],
+                               settle=lambda: [run(k) for k in range(steps)], synchronize=synchronize)
+        runner.tensors.restore_values()
+        for k in range(steps):  # settles plain running again
+            run(k)
+        plain_us: dict[int | None, float] = {}
+        ledger_us: dict[int, float] = {}
+        for k in range(steps):
+            synchronize()
+            started = time.perf_counter()
+            ledger_us[k] = 1e6 * sum(run(k) for _ in range(repeats[k]))
+            synchronize()
+            plain_us[k] = 1e6 * (time.perf_counter() - started)
+        host_us = kineto_host_gaps(trace, plain_us)
+        calls = {k: repeats[k] * max(1, len(runner.plan.sequence[k])) for k in host_us}
+        per_op += [(host_us[k] - ledger_us[k]) / calls[k] for k in host_us]
+        outside += [ledger_us[k] / calls[k] for k in host_us]
+        inside = replayed_op_time(trace, plain_us, names.__contains__)  # the captured ops': as the program's
+        if steps and len(inside) == steps:
+            op_us.append(statistics.fmean(inside[k] / repeats[k] for k in inside))
     runner.tensors.restore_values()
     return [1e-6 * v for v in per_op], [1e-6 * v for v in outside], op_us
 

@@ -1,21 +1,69 @@
 """The program's own host time between its ops: measured from Kineto-alone steps, spread over a step's gaps.
 
 A capture runs some steps under Kineto alone (far cheaper than the execution-trace observer) and
-plain steps beside them; :func:`kineto_host_gaps` takes the profiler's cost out of a step's time
-outside the replayed ops, and :func:`place_host_gaps` spreads the median over the gaps between a
-step's ops (``gap_us``, ``tail_gap_us``) in proportion to the gaps the traced steps show. The
-replay measures its own host time per op call with the same :func:`kineto_host_gaps`.
+plain steps beside them, in rounds (the constants below); :func:`kineto_host_gaps` takes the
+profiler's cost out of a step's time outside the replayed ops, and :func:`place_host_gaps` spreads
+the median over the gaps between a step's ops (``gap_us``, ``tail_gap_us``) in proportion to the
+gaps the traced steps show. The same method measures the replay's own host time per op call
+(:mod:`.host_cost`) and both sides again while a judgement runs
+(:func:`harness.traces.side_by_side.host_time_probe`): :func:`profiled_steps` runs a block of steps
+under Kineto alone, :func:`host_and_op_time` splits each of them.
 """
 
 from __future__ import annotations
 
 import re
 import statistics
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
-from workloads.trace_bundle import BundleMeta
-from workloads.trace_replay.parse import BundleTrace, KinetoEvent, KinetoTrace, step_index
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from workloads.trace_bundle import STEP_ANNOTATION, BundleMeta
+from workloads.trace_replay.parse import BundleTrace, KinetoEvent, KinetoTrace, read_kineto, step_index
+
+# The host-time rounds: Kineto alone, then plain. Each block's first steps run slow and are not
+# measured: after the profiler starts (its buffers fill) and after it stops (caches, allocator).
+TIMING_ROUNDS = 8  # a capture's rounds: each round's Kineto-alone steps are set against that round's plain steps
+TIMING_WARMUP = 2  # Kineto-alone steps of a round not measured
+TIMING_MEASURED = 4  # Kineto-alone steps of a round measured: the host-gap estimate is their median
+# (32 steps in all: a program's host time moves ±10 % from step to step on a shared machine, and the
+# median of 12 moved a 9 ms step by ±2.3 … 4.2 % between captures)
+PLAIN_SETTLE = 4  # plain steps after the profiler stopped, not measured
+PLAIN_MEASURED = 3  # plain steps of a round measured: the profiler's cost is taken against them
+
+
+def profiled_steps(steps: Sequence[Callable[[], Any]], *, settle: Callable[[], Any] | None = None,
+                   prepare: Callable[[], Any] | None = None, synchronize: Callable[[], Any] | None = None,
+                   activities: list[ProfilerActivity] | None = None) -> KinetoTrace:
+    """One block of a host-time round: ``settle`` (unannotated: the profiler's buffers fill), then each of
+    ``steps`` annotated as step k, all under Kineto alone (``activities``; the CPU's when None), and the
+    trace it recorded. ``prepare`` runs before each step outside its annotation (a replay's state put
+    back); ``synchronize`` after each, outside it too."""
+    sync = synchronize or (lambda: None)
+    with tempfile.TemporaryDirectory(prefix="cobench-host-") as tmp:
+        with profile(activities=activities or [ProfilerActivity.CPU]) as prof:
+            if settle is not None:
+                settle()
+                sync()
+            for k, step in enumerate(steps):
+                if prepare is not None:
+                    prepare()
+                with record_function(f"{STEP_ANNOTATION}{k}"):
+                    step()
+                sync()
+        path = Path(tmp) / "host.json"
+        prof.export_chrome_trace(str(path))
+        return read_kineto(path)
+
+
+def host_and_op_time(timing: KinetoTrace, plain_us: dict[int | None, float],
+                     replayed: Callable[[str], bool] | None = None) -> tuple[dict[int, float], dict[int, float]]:
+    """Each annotated step's time outside the replayed ops and inside them (µs, step index → figure), the
+    profiler's cost taken out against ``plain_us``: :func:`kineto_host_gaps` and :func:`replayed_op_time`."""
+    return kineto_host_gaps(timing, plain_us, replayed), replayed_op_time(timing, plain_us, replayed)
 
 
 def kineto_host_gaps(timing: KinetoTrace, plain_us: dict[int | None, float],
@@ -137,9 +185,9 @@ def measured_host_gaps(trace: BundleTrace, replayed: set[str]) -> tuple[float | 
     # plain steps of the same minutes as the Kineto ones where the bundle has them (older bundles: the
     # baseline's, taken before the traced phase)
     plain = _plain_by_round(trace.meta, trace.meta.timing_plain_step_times_s or trace.meta.step_times_s)
-    samples = list(kineto_host_gaps(trace.timing, plain, replayed.__contains__).values())
-    op_us = list(replayed_op_time(trace.timing, plain, replayed.__contains__).values())
-    return (statistics.median(samples) if samples else None), samples, op_us
+    host, inside = host_and_op_time(trace.timing, plain, replayed.__contains__)
+    samples = list(host.values())
+    return (statistics.median(samples) if samples else None), samples, list(inside.values())
 
 
 def place_host_gaps(ops: list[dict[str, Any]], steps: list[dict[str, Any]], per_step_us: float | None) -> None:
