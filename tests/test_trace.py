@@ -19,9 +19,10 @@ import torch
 from conftest import clean_env, mlflow_runs
 
 from workloads.trace_bundle import ET_FILE, KINETO_FILE, META_FILE, TraceError, read_meta
+from workloads.trace_replay import host_time
 from workloads.trace_replay.extract import ancestors
 from workloads.trace_replay.fidelity import unrepresentative_reason
-from workloads.trace_replay.host_time import kineto_host_gaps, replayed_op_time
+from workloads.trace_replay.host_time import gap_shape, kineto_host_gaps, place_host_gaps, replayed_op_time
 from workloads.trace_replay.parse import KinetoEvent, KinetoTrace, Node, kineto_trace, repair_nesting
 from workloads.trace_replay.records import RankRecord
 from workloads.trace_replay.replay import Replayer
@@ -393,6 +394,38 @@ def test_host_time_inside_a_wrapper_the_replay_does_not_run_counts_as_host_time(
     assert kineto_host_gaps(kineto_trace(trace, Path("t.json")), {None: 80.0}, replayed) == {0: pytest.approx(30.0)}
     # without the replayed set the wrapper counts as one op: busy 70 µs (wrapper, relu), 2 events × 5
     assert kineto_host_gaps(kineto_trace(trace, Path("t.json")), {None: 80.0}) == {0: pytest.approx(20.0)}
+
+
+def test_host_time_is_spread_as_the_kineto_alone_steps_lay_it_out(monkeypatch):
+    """The gaps' shape comes from the Kineto-alone steps (the traced ones' is flattened by the observer's
+    cost on every op): per position the median over those steps, the profiler's cost (1 µs an event
+    here: 100 µs steps, 97 plain, 3 events) taken out of the gap it lands in."""
+    def event(name: str, ts: float, dur: float, cat: str = "cpu_op") -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": 7}
+
+    trace = kineto_trace({"traceEvents": [
+        event("cobench_step#0", 1000, 100, "user_annotation"),
+        event("aten::mm", 1030, 10), event("aten::add", 1042, 10), event("aten::relu", 1060, 20),
+        event("cobench_step#1", 2000, 100, "user_annotation"),
+        event("aten::mm", 2010, 10), event("aten::add", 2022, 10), event("aten::relu", 2040, 20),
+    ]}, Path("t.json"))
+    names = ["aten::mm", "aten::add", "aten::relu"]
+    replayed = set(names).__contains__
+    assert gap_shape(trace, {None: 97.0}, replayed, names) == pytest.approx([19.0, 1.0, 7.0, 30.0])
+    # an op only the traced steps show gets no gap of its own, when few are such ...
+    with_extra = ["aten::mm", "aten::scalar_tensor", "aten::add", "aten::relu"]
+    assert gap_shape(trace, {None: 97.0}, replayed, with_extra) is None  # 1 of 4: too many
+    monkeypatch.setattr(host_time, "MAX_UNALIGNED", 0.5)
+    assert gap_shape(trace, {None: 97.0}, replayed, with_extra) == pytest.approx([19.0, 0.0, 1.0, 7.0, 30.0])
+    # ... and the host time per step is spread in proportion to it
+    ops = [{"step": 0, "tid": 1, "name": name, "ts_us": 10.0 * i, "dur_us": 5.0} for i, name in enumerate(names)]
+    steps = [{"index": 0, "ts_us": 0.0, "traced_ms": 0.03}]
+    place_host_gaps(ops, steps, 94.0, lambda _names: [19.0, 1.0, 7.0, 20.0])
+    assert [op["gap_us"] for op in ops] == pytest.approx([38.0, 2.0, 14.0])
+    assert steps[0]["tail_gap_us"] == pytest.approx(40.0) and steps[0]["gap_shape"] == "kineto"
+    place_host_gaps(ops, steps, 94.0, lambda _names: None)  # without it: the traced steps' gaps (0, 5, 5; 5)
+    assert [op["gap_us"] for op in ops] == pytest.approx([0.0, 31.33, 31.33], abs=0.01)
+    assert steps[0]["gap_shape"] == "traced"
 
 
 def _host_bound_spec(tmp_path: Path, *, size: int = 64, host_s: float = 0.004, baseline_steps: int = 10) -> dict:

@@ -29,6 +29,7 @@ from workloads.trace_bundle import ET_FILE, STEP_ANNOTATION, TraceError
 from workloads.trace_replay.allocations import mark_source_releases
 from workloads.trace_replay.host_time import (
     COLLECTIVE,
+    host_gap_shape,
     measured_host_gaps,
     place_host_gaps,
     replayed_op_counts,
@@ -233,7 +234,7 @@ def extract_rank(trace: BundleTrace) -> tuple[list[dict[str, Any]], list[dict[st
     replayed = {op["name"] for op in ops}
     # and how long the ops took meanwhile, which a replay sets its own against (Replayer.op_time_ratio)
     gap, samples, op_us = measured_host_gaps(trace, replayed)
-    place_host_gaps(ops, steps, gap)
+    place_host_gaps(ops, steps, gap, host_gap_shape(trace, replayed))
     # How many ops each traced step ran against the program's steps timed after them (as the profiler saw
     # both): a program whose steps differ by chance (a layer dropped at random) may have been traced on
     # steps unlike its own, whose replay then says nothing about the program's time.

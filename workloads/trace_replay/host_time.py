@@ -3,8 +3,8 @@
 A capture runs some steps under Kineto alone (far cheaper than the execution-trace observer) and
 plain steps beside them, in rounds (the constants below); :func:`kineto_host_gaps` takes the
 profiler's cost out of a step's time outside the replayed ops, and :func:`place_host_gaps` spreads
-the median over the gaps between a step's ops (``gap_us``, ``tail_gap_us``) in proportion to the
-gaps the traced steps show. The same method measures the replay's own host time per op call
+the median over the gaps between a step's ops (``gap_us``, ``tail_gap_us``) in the shape those
+steps show them (:func:`gap_shape`). The same method measures the replay's own host time per op call
 (:mod:`.host_cost`) and both sides again while a judgement runs
 (:func:`harness.traces.side_by_side.host_time_probe`): :func:`profiled_steps` runs a block of steps
 under Kineto alone, :func:`host_and_op_time` splits each of them.
@@ -12,6 +12,8 @@ under Kineto alone, :func:`host_and_op_time` splits each of them.
 
 from __future__ import annotations
 
+import bisect
+import difflib
 import re
 import statistics
 import tempfile
@@ -176,6 +178,97 @@ def _plain_by_round(meta: BundleMeta, plain: list[float]) -> dict[int | None, fl
                     for i in range(len(timing))}
 
 
+def gap_shape(timing: KinetoTrace, plain_us: dict[int | None, float], replayed: Callable[[str], bool],
+              names: list[str]) -> list[float] | None:
+    """How a step's host time lies between its ops, from the Kineto-alone steps: for each of ``names`` (the
+    ops a step runs on its own thread, in order) the time before it since the op before it ended, and
+    after the last (µs, ``len(names) + 1`` figures), each the median over the measured steps that ran
+    those ops (:func:`_aligned`), the profiler's cost of the events in it taken out as
+    :func:`kineto_host_gaps` takes it. None where no measured step ran them.
+
+    The traced steps show the gaps under the execution-trace observer, which adds about as much to every
+    op: their shape is flatter than the program's (GPT-2: the 1 % longest gaps 51 µs and up there,
+    102 µs under Kineto alone; the gaps over 50 µs 12 % of the host time there, 29 % here). A replay
+    spending that shape gave every op a middling pause where the program ran most of its ops close
+    together and paused at a few, and its ops ran ~5 % slower for it (with two intra-op threads; an op
+    after a 50 µs pause took 4 % longer than back to back, with one thread no longer).
+    """
+    return _shape(names, _step_gaps(timing, plain_us, replayed))
+
+
+def _step_gaps(timing: KinetoTrace, plain_us: dict[int | None, float],
+               replayed: Callable[[str], bool]) -> list[tuple[list[str], list[float]]]:
+    """Each measured Kineto-alone step's replayed ops on its own thread, in order, and the gaps before each
+    and after the last (µs), the profiler's cost of the events in each taken out."""
+    ops = _by_start(timing)
+    starts = [e.ts for e in ops]
+    out = []
+    for step in timing.steps:
+        walk = _walk_step(ops, step, replayed)
+        if (per_event := _per_event_cost(step, walk, plain_us)) is None:
+            continue
+        gaps, ran, end, events = [], [], step.ts, 0
+        for e in ops[bisect.bisect_left(starts, step.ts):bisect.bisect_left(starts, step.ts + step.dur)]:
+            if e.tid != step.tid or e.ts < end:
+                continue  # another thread's, or inside a replayed op
+            events += 1  # an event outside the replayed ops: its cost lands in this gap
+            if replayed(e.name):
+                gaps.append(max(0.0, e.ts - end - events * per_event))
+                ran.append(e.name)
+                end = e.ts + e.dur
+                events = 0
+        gaps.append(max(0.0, step.ts + step.dur - end - events * per_event))
+        out.append((ran, gaps))
+    return out
+
+
+def _shape(names: list[str], measured: list[tuple[list[str], list[float]]]) -> list[float] | None:
+    columns: list[list[float]] = [[] for _ in range(len(names) + 1)]
+    for ran, gaps in measured:
+        if (aligned := _aligned(names, ran, gaps)) is not None:
+            for column, gap in zip(columns, aligned, strict=True):
+                column.append(gap)
+    if not columns[0]:
+        return None
+    return [statistics.median(column) for column in columns]
+
+
+MAX_UNALIGNED = 0.02  # a Kineto-alone step whose ops differ from the traced ones' by more than this share is left out
+
+
+def _aligned(names: list[str], ran: list[str], gaps: list[float]) -> list[float] | None:
+    """``gaps`` (before each of ``ran`` and after the last) set against ``names``: an op only the traced
+    steps show (the execution-trace observer records some a Kineto-alone step does not: T5's
+    ``aten::scalar_tensor`` inside ``torch.where``) gets no gap of its own; what lies around an op only
+    this step shows joins the next gap. None where the two differ by more than :data:`MAX_UNALIGNED`."""
+    if ran == names:
+        return gaps
+    matcher = difflib.SequenceMatcher(None, names, ran, autojunk=False)
+    unaligned = len(names) - sum(block.size for block in matcher.get_matching_blocks())
+    if unaligned > MAX_UNALIGNED * max(1, len(names)):
+        return None
+    out = [0.0] * (len(names) + 1)
+    carried = 0.0
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            for i, j in zip(range(i1, i2), range(j1, j2), strict=True):
+                out[i] = gaps[j] + carried
+                carried = 0.0
+        else:  # ops only this step ran: their gaps join the next aligned op's (their own time is not the replay's)
+            carried += sum(gaps[j1:j2])
+    out[-1] = gaps[-1] + carried
+    return out
+
+
+def host_gap_shape(trace: BundleTrace, replayed: set[str]) -> Callable[[list[str]], list[float] | None] | None:
+    """:func:`gap_shape` over the bundle's Kineto-alone steps, for :func:`place_host_gaps` (None without them)."""
+    if trace.timing is None or not trace.meta.timing_plain_step_times_s:
+        return None
+    plain = _plain_by_round(trace.meta, trace.meta.timing_plain_step_times_s)
+    measured = _step_gaps(trace.timing, plain, replayed.__contains__)  # once: each traced step is set against it
+    return lambda names: _shape(names, measured)
+
+
 def measured_host_gaps(trace: BundleTrace, replayed: set[str]) -> tuple[float | None, list[float], list[float]]:
     """The program's host time per step outside the ``replayed`` ops (µs; the median, None without
     Kineto-alone steps), the per-step measurements it is the median of, and the time inside those ops in
@@ -190,9 +283,12 @@ def measured_host_gaps(trace: BundleTrace, replayed: set[str]) -> tuple[float | 
     return (statistics.median(samples) if samples else None), samples, list(inside.values())
 
 
-def place_host_gaps(ops: list[dict[str, Any]], steps: list[dict[str, Any]], per_step_us: float | None) -> None:
+def place_host_gaps(ops: list[dict[str, Any]], steps: list[dict[str, Any]], per_step_us: float | None,
+                    shape: Callable[[list[str]], list[float] | None] | None = None) -> None:
     """Spread the measured host time per step over the gaps between ops (``gap_us`` before each op,
-    ``tail_gap_us`` after a step's last), in proportion to the gaps the traced steps show."""
+    ``tail_gap_us`` after a step's last), in proportion to the gaps the Kineto-alone steps show where
+    ``shape`` gives them for the step's ops on its own thread (:func:`gap_shape`), else to those the
+    traced steps show."""
     for step in steps:
         members = [op for op in ops if op["step"] == step["index"]]
         main_tid = members[0]["tid"] if members else None
@@ -205,6 +301,13 @@ def place_host_gaps(ops: list[dict[str, Any]], steps: list[dict[str, Any]], per_
             weights.append(max(0.0, op["ts_us"] - previous_end))
             previous_end = max(previous_end, op["ts_us"] + (op["dur_us"] or 0.0))
         tail = max(0.0, end - previous_end)
+        own = [i for i, op in enumerate(members) if op["tid"] == main_tid and op["ts_us"] is not None]
+        measured = shape([members[i]["name"] for i in own]) if shape is not None else None
+        if measured is not None and sum(measured) > 0:
+            for i, gap in zip(own, measured, strict=False):
+                weights[i] = gap
+            tail = measured[-1]
+        step["gap_shape"] = "kineto" if measured is not None and sum(measured) > 0 else "traced"
         total = sum(weights) + tail
         scale = (per_step_us or 0.0) / total if total > 0 else 0.0
         for op, weight in zip(members, weights, strict=True):
