@@ -10,6 +10,7 @@ between ops when asked to; an op that fails only then sends its step back throug
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,8 @@ from workloads.trace_replay.codegen import generate_step, seconds
 from workloads.trace_replay.ops import CompiledOp, describe, fit_length
 from workloads.trace_replay.plan import ReplayPlan
 from workloads.trace_replay.synthesis import Synthesis
+
+OVERRUNS_KEPT = 4096  # steps whose overrun a runner keeps
 
 
 @dataclass
@@ -43,7 +46,9 @@ class StepRunner:
         self.divergent: dict[int, str] = {}  # op index → how what it made differs from what the program made
         self.call_s = 0.0  # the replay's own host time per op call inside the ledger's op window (:mod:`.host_cost`)
         self.outside_s = 0.0  # and outside it, per op: what its ledger spends out of the program's gaps
-        self.overrun_s: list[float] = []  # per step run: how far its own work ran past the program's host time
+        # per step run, the latest OVERRUNS_KEPT: how far its own work ran past the program's host time (a long
+        # benchmark runs millions of steps; their median is what is reported)
+        self.overrun_s: deque[float] = deque(maxlen=OVERRUNS_KEPT)
         # the autograd bookkeeping per op the program recorded history through (:mod:`.host_cost`): the
         # replay runs without grad, so it spends that much as host time before each such op
         self.autograd_s = 0.0
