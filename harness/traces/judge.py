@@ -231,7 +231,8 @@ def verdict_line(name: str, record: dict[str, Any]) -> str:
     verdict = "valid" if side["fidelity_valid"] else f"NOT VALID: {side['invalid_reason']}"
     return (f"{name}: replay {m['time_error_signed_pct']:+.1f} % [{m['time_error_ci_low_pct']:+.1f}, "
             f"{m['time_error_ci_high_pct']:+.1f}] vs the program, op coverage {m['op_coverage_pct']:.1f} %, "
-            f"memory {m.get('memory_error_pct', math.nan):+.1f} %: {verdict}")
+            f"memory {m.get('memory_error_pct', math.nan):+.1f} %: {verdict}"
+            + "".join(f" ({note})" for note in side.get("notes", [])))
 
 
 def judge_benchmark(cfg: CobenchConfig, *, benchmark: str | None = None, rounds: int = 10, steps_per_round: int = 10,
