@@ -23,8 +23,10 @@ from fidelity_corpus import PROGRAMS
 
 import harness.traces.side_by_side as side_by_side_module
 from harness.traces.allocator_peaks import step_memory_peak_bytes
+from harness.traces.capture import capture
 from harness.traces.judge import judge
 from harness.traces.side_by_side import HostProbe, SideBySide, host_time_probe, interleave
+from workloads.trace_replay.spec import generate_spec
 
 
 class FakeClock:
@@ -290,6 +292,41 @@ def test_replay_holds_buffers_as_long_as_the_program_did(tmp_path: Path):
     ops = json.loads((tmp_path / "bundle" / "spec.json").read_text())["ranks"][0]["ops"]
     assert sum(len(op["allocated"]) for op in ops) >= sum(len(op["released"]) for op in ops) > 0
 
+
+
+@pytest.mark.parametrize("name", ["transformer_padding_mask", "moe_topk_routing"])
+def test_a_caching_allocators_block_sizes_place_the_same_allocations_and_frees(name: str, tmp_path: Path):
+    """A GPU's caching allocator reports the block it handed out (rounded up to 512 bytes; a large one
+    taken whole from its cache up to 1 MiB more), not the bytes asked for. The same traced steps, their
+    allocator events rewritten as such blocks on a device, place every allocation and free on the same
+    ops as the CPU's exact sizes did."""
+    torch.manual_seed(0)
+    step, model = PROGRAMS[name]()
+    bundle = tmp_path / "bundle"
+    with capture(bundle, steps=2, warmup=2, baseline_steps=3, model=model, announce=False) as cap:
+        while not cap.done:
+            with cap.step():
+                step()
+
+    def placements() -> list[tuple[list[int], list[int], list[int]]]:
+        ops = generate_spec(bundle)["ranks"][0]["ops"]
+        return [(op["allocated"], op["released"], op["born"]) for op in ops]
+
+    exact = placements()
+    assert sum(len(a) for a, _, _ in exact) > 20 and sum(len(r) for _, r, _ in exact) > 20
+    raw = json.loads((bundle / "kineto.json").read_text())
+    blocks = {}
+    for event in raw["traceEvents"]:
+        if event.get("name") == "[memory]":
+            args = event["args"]
+            size = abs(args["Bytes"])
+            if args["Addr"] not in blocks or args["Bytes"] > 0:  # a free reports its block's size again
+                block = -(-size // 512) * 512
+                blocks[args["Addr"]] = block + (3 * 512 if size > 2**20 else 0)
+            args["Bytes"] = blocks[args["Addr"]] if args["Bytes"] > 0 else -blocks[args["Addr"]]
+            args["Device Type"], args["Device Id"] = 1, 0
+    (bundle / "kineto.json").write_text(json.dumps(raw))
+    assert placements() == exact
 
 
 def test_a_step_peak_leaves_out_what_was_allocated_before_it():

@@ -1,18 +1,21 @@
 """When the program allocated and freed its storages: each op's ``allocated``, ``released`` and ``born``.
 
 From the allocator's events in the traced steps' Kineto trace (``profile_memory``): an allocation
-inside an op whose size is one of its new output storages' is that storage; the free at the same
-address, later, is placed after the last op that began before it. A program holds memory longer
-than its last use says (a backward formula's intermediates live until it returns, Python names
-until they are rebound): the replay frees each buffer when the program did, so the peak is the
-program's. Bundles captured without memory events get no ``released`` (the replay frees at last use).
+inside an op, still held when it returned, whose size is one of its new output storages' is that
+storage; the free at the same address, later, is placed after the last op that began before it. The
+CPU's allocator reports the bytes asked for; a device's caching allocator (CUDA's, XPU's, ...) the
+block it handed out, rounded up (:func:`fits`): there an allocation is the new output storage whose
+block it can be, the closest first. A program holds memory longer than its last use says (a backward
+formula's intermediates live until it returns, Python names until they are rebound): the replay frees
+each buffer when the program did, so the peak is the program's. Bundles captured without memory events
+get no ``released`` (the replay frees at last use).
 
 ``born`` on an op: storages the program allocated after it and before the next op, outside every
 replayed op (a compiled graph's own buffers: inductor allocates them without an op), that a later
 op of the step reads before any op writes them. Without it the replay would hold such a buffer
 (e.g. an activation a compiled forward saves for its backward) from the start as if it lived
 across steps; with it the replay makes the buffer when the program did. An allocation is matched
-to the first storage of its exact size that the step reads without having made or read it, and
+to the first storage of its size (:func:`fits`) that the step reads without having made or read it, and
 kept only if the program freed it within the traced steps and after that read (a temporary of the
 same size freed at once is not it; what lives on is state). Below :data:`BORN_MIN_BYTES` (scalars
 wrapped from Python numbers) the memory is immaterial and making it each step would cost the replay
@@ -27,6 +30,29 @@ from typing import Any
 from workloads.trace_replay.parse import MemoryEvent, tensor_refs
 
 BORN_MIN_BYTES = 1024  # smaller buffers a program makes outside any op are held by the replay throughout
+# A device's caching allocator (c10's CachingDeviceAllocator, CUDA's) hands out blocks in multiples of
+# BLOCK_ROUND bytes, and a block above SMALL_BLOCK whole where what it would leave is at most SMALL_BLOCK;
+# it reports the block. Its roundup_power2_divisions setting rounds a small one up to a fraction of
+# the next power of two instead: at most to that power.
+BLOCK_ROUND = 512
+SMALL_BLOCK = 1 << 20
+
+
+def fits(size: int, event: MemoryEvent) -> bool:
+    """Whether an allocation of ``event.nbytes`` can be a storage of ``size`` bytes: exactly on the CPU,
+    as its block on a device (:data:`BLOCK_ROUND`, :data:`SMALL_BLOCK`)."""
+    if event.device_type == 0:
+        return event.nbytes == size
+    block = -(-size // BLOCK_ROUND) * BLOCK_ROUND
+    most = max(block, 1 << max(0, size - 1).bit_length()) if size <= SMALL_BLOCK else block + SMALL_BLOCK
+    return size <= event.nbytes <= most
+
+
+def _closest(sizes: list[tuple[Any, int]], event: MemoryEvent) -> int | None:
+    """The index in ``sizes`` ((key, bytes), in order) of the storage ``event`` allocated: of those it can be,
+    the one it rounds up least, the first of equals; None where none fits."""
+    found = [(event.nbytes - size, k) for k, (_, size) in enumerate(sizes) if fits(size, event)]
+    return min(found)[1] if found else None
 
 
 def _storage_bytes(values: list[Any], seen: set[int]) -> dict[int, int]:
@@ -59,6 +85,20 @@ def _first_uses(timed: list[dict[str, Any]]) -> tuple[list[dict[int, int]], list
     return fresh, orphans
 
 
+def _free_times(memory: list[MemoryEvent]) -> dict[int, float]:
+    """Each allocation's index in ``memory`` → when the same address was freed next (allocations never
+    freed are left out)."""
+    live: dict[tuple[int, int], int] = {}
+    freed: dict[int, float] = {}
+    for n, event in enumerate(memory):
+        where = (event.device_type, event.addr)
+        if event.nbytes > 0:
+            live[where] = n
+        elif event.nbytes < 0 and where in live:
+            freed[live.pop(where)] = event.ts
+    return freed
+
+
 def mark_source_releases(ops: list[dict[str, Any]], memory: list[MemoryEvent]) -> None:
     """Set ``allocated``, ``released`` and ``born`` on each op from the allocator's events (in time order)."""
     timed = [op for op in ops if op["ts_us"] is not None and op["dur_us"] is not None]
@@ -68,33 +108,38 @@ def mark_source_releases(ops: list[dict[str, Any]], memory: list[MemoryEvent]) -
     fresh, orphans = _first_uses(timed)
     for op in ops:
         op["allocated"], op["released"], op["born"] = [], [], []
-    owner: dict[int, int] = {}  # address → the storage allocated there, while it lives
-    unconfirmed: dict[int, tuple[dict[str, Any], tuple[int, int, int]]] = {}  # address → (op, orphan) made between ops
-    for event in memory:
+    # (device, address) → the storage allocated there, while it lives; or (op, orphan) made between ops
+    owner: dict[tuple[int, int], int] = {}
+    unconfirmed: dict[tuple[int, int], tuple[dict[str, Any], tuple[int, int, int]]] = {}
+    freed = _free_times(memory)
+    for n, event in enumerate(memory):
         at = bisect.bisect_right(starts, event.ts) - 1  # the last op that began before the event
+        where = (event.device_type, event.addr)
         if at < 0:
             continue
         if event.nbytes > 0:
             op = timed[at]
             if event.ts <= op["ts_us"] + op["dur_us"]:
-                storage = next((sid for sid, size in fresh[at].items() if size == event.nbytes), None)
-                if storage is not None:
-                    del fresh[at][storage]
-                    owner[event.addr] = storage
-                    op["allocated"].append(storage)
+                if freed.get(n, float("inf")) <= op["ts_us"] + op["dur_us"]:
+                    continue  # freed before the op returned: its workspace (a wrapped scalar, a buffer), no output
+                made = list(fresh[at].items())
+                if (k := _closest(made, event)) is not None:
+                    del fresh[at][made[k][0]]
+                    owner[where] = made[k][0]
+                    op["allocated"].append(made[k][0])
                 continue
             # between ops: the first storage of this size the step reads later without having made it
-            match = None if event.nbytes < BORN_MIN_BYTES else next(
-                (i for i, (reader, _, size) in enumerate(orphans)
-                 if reader > at and size == event.nbytes and timed[reader]["step"] == op["step"]), None)
-            if match is not None:
-                unconfirmed[event.addr] = (op, orphans.pop(match))
-        elif event.nbytes < 0 and event.addr in unconfirmed:
-            made, orphan = unconfirmed.pop(event.addr)
+            later = [(i, size) for i, (reader, _, size) in enumerate(orphans)
+                     if reader > at and timed[reader]["step"] == op["step"]]
+            k = None if event.nbytes < BORN_MIN_BYTES else _closest(later, event)
+            if k is not None:
+                unconfirmed[where] = (op, orphans.pop(later[k][0]))
+        elif event.nbytes < 0 and where in unconfirmed:
+            made_by, orphan = unconfirmed.pop(where)
             if at >= orphan[0]:  # alive when read and freed within the steps: the step's buffer, not state
-                made["born"].append(orphan[1])
+                made_by["born"].append(orphan[1])
                 timed[at]["released"].append(orphan[1])
             else:  # a temporary of that size, gone before the read: the storage may still match a later one
                 bisect.insort(orphans, orphan)
-        elif event.nbytes < 0 and event.addr in owner:
-            timed[at]["released"].append(owner.pop(event.addr))
+        elif event.nbytes < 0 and where in owner:
+            timed[at]["released"].append(owner.pop(where))

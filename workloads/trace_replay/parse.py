@@ -65,11 +65,14 @@ class KinetoEvent:
 
 @dataclass(frozen=True)
 class MemoryEvent:
-    """An allocator event of a ``profile_memory`` trace: ``nbytes`` > 0 allocates at ``addr``, < 0 frees."""
+    """An allocator event of a ``profile_memory`` trace: ``nbytes`` > 0 allocates at ``addr``, < 0 frees.
+    ``device_type``: the allocator's device (``c10::DeviceType``: 0 the CPU, whose allocator reports the
+    bytes asked for; a device's caching allocator reports the block it handed out, rounded up)."""
 
     ts: float
     addr: int
     nbytes: int
+    device_type: int = 0
 
 
 @dataclass
@@ -155,7 +158,9 @@ def _memory_event(event: Any) -> MemoryEvent | None:
             and isinstance(event["args"].get("Bytes"), int) and isinstance(event["args"].get("Addr"), int)
             and isinstance(event.get("ts"), int | float)):
         return None
-    return MemoryEvent(float(event["ts"]), event["args"]["Addr"], event["args"]["Bytes"])
+    device_type = event["args"].get("Device Type", 0)
+    return MemoryEvent(float(event["ts"]), event["args"]["Addr"], event["args"]["Bytes"],
+                       device_type if isinstance(device_type, int) else 0)
 
 
 def kineto_trace(raw: Any, path: Path) -> KinetoTrace:
