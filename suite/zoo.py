@@ -90,6 +90,7 @@ def summarise(name: str, records: list[dict[str, Any]], out: Path) -> dict[str, 
         "rounds": [int(r["metrics"]["judgement_rounds"]) for r in records],
         "reasons": reasons,  # per judgement ('' for a valid one)
         "reason": "; ".join(dict.fromkeys(r for r in reasons if r)),
+        "notes": list(dict.fromkeys(n for r in records for n in r["side_by_side"].get("notes", []))),
         "capture_half_width_pct": [r["metrics"].get("capture_half_width_pct", 0.0) for r in records],
         **{part: [r["metrics"].get(part, math.nan) for r in records]
            for part in (*ERROR_PARTS, "time_error_judged_host_pct")},
@@ -188,14 +189,20 @@ def markdown(rows: list[dict[str, Any]], header: str) -> str:
                       f"on {sum(all(r['fidelity_valid']) for r in judged)}, time within 5 % on {within5} and within "
                       f"10 % on {within10} (every judgement), intervals overlapping on "
                       f"{sum(r['judgements_overlap'] for r in judged)}."]
-        moved = [r.get("time_error_judged_host_pct", [math.nan]) for r in judged]
-        if all(math.isfinite(e) for errors in moved for e in errors):
-            lines[-1] += (f" Had each replay spent the host time its program had while judged (not the capture's): "
-                          f"within 5 % on {sum(all(abs(e) <= 5 for e in errors) for errors in moved)} and within "
-                          f"10 % on {sum(all(abs(e) <= 10 for e in errors) for errors in moved)}.")
+        moved = [errors for errors in (r.get("time_error_judged_host_pct", [math.nan]) for r in judged)
+                 if all(math.isfinite(e) for e in errors)]
+        if moved:
+            of = "" if len(moved) == len(judged) else \
+                f" ({len(moved)} of {len(judged)}, those measured again on every side)"
+            lines[-1] += (f" Had each replay spent the host time its program had while judged (not the capture's)"
+                          f"{of}: within 5 % on {sum(all(abs(e) <= 5 for e in errors) for errors in moved)} and "
+                          f"within 10 % on {sum(all(abs(e) <= 10 for e in errors) for errors in moved)}.")
     notes = [f"- **{r['program']}**: {r['reason']}" for r in rows if r.get("reason")]
     if notes:
         lines += ["", "Why a judgement is not valid, or a program was not judged:", "", *notes]
+    measured = [f"- **{r['program']}**: {note}" for r in judged for note in r.get("notes", [])]
+    if measured:
+        lines += ["", "What a judgement could not measure:", "", *measured]
     return "\n".join(lines) + "\n"
 
 

@@ -187,6 +187,21 @@ def test_a_probe_whose_profiled_steps_do_not_fit_its_plain_ones_gives_no_figure(
                       probed_us={"source_host": [], "source_op": [], "replay_host": [500.0], "replay_op": [900.0]})
     side.summarise()
     assert "judged_source_host_ms" not in side.metrics() and "not measured again" in side.notes[0]
+    assert side.metrics()["capture_host_ms"] == 0.5  # what the replay spends is known whatever the probes gave
+
+
+def test_a_probe_whose_profiler_cost_swallows_the_ops_time_gives_no_figure():
+    """The other way round: the step slows under the profiler outside its ops (here: it sleeps), so the
+    profiler's cost per event, estimated against the plain steps, outweighs what the replayed op with its
+    nested events took: the op time would read zero. No figure rather than that zero."""
+    x, w = torch.randn(64, 64), torch.randn(64, 64)
+
+    def step() -> None:
+        if torch._C._autograd._profiler_enabled():
+            time.sleep(0.02)
+        torch.nn.functional.linear(x, w)
+
+    assert host_time_probe(step, torch.device("cpu"), {"aten::linear"})() == ([], [])
 
 
 def test_a_wide_interval_makes_the_figure_invalid_with_the_reason():

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import clean_env, mlflow_runs
 
-from suite.zoo import missing_modules
+from suite.zoo import markdown, missing_modules
 from suite.zoo_programs import ZOO
 
 FAST = ["gpt2_lm", "wav2vec2_ctc"]
@@ -49,9 +49,11 @@ def test_zoo_programs_replay_every_op_with_the_programs_memory(zoo_run):
         low, high = row["time_error_ci_pct"][0]
         assert low <= row["time_error_signed_pct"][0] <= high
         assert row["ops_per_step"] > 100 and row["step_ms"] > 0
-        # where the figure lies, both sides measured again while judged: every part is a figure
-        assert all(math.isfinite(row[part][0]) for part in ("host_shift_pct", "host_error_pct", "op_error_pct",
-                                                             "time_error_judged_host_pct")), row
+        # where the figure lies, both sides measured again while judged: every part is a figure, or the
+        # judgement says why not (the machine's load moved under every probe of a side)
+        parts = ("host_shift_pct", "host_error_pct", "op_error_pct", "time_error_judged_host_pct")
+        assert all(math.isfinite(row[part][0]) for part in parts) or \
+            any("not measured again" in note for note in row["notes"]), row
         print(f"{name}: time {row['time_error_signed_pct'][0]:+.1f} % [{low:+.1f}, {high:+.1f}], valid "
               f"{row['fidelity_valid'][0]}, memory {row['memory_error_pct'][0]:+.1f} %")
 
@@ -64,7 +66,8 @@ def test_zoo_table_names_what_did_not_run_and_lands_in_mlflow(zoo_run):
     table = (out / "zoo.md").read_text()
     assert "| gpt2_lm | transformers | judged |" in table and absent["program"] in table
     assert "programs judged: coverage 100 % on 2" in table
-    assert "Had each replay spent the host time its program had while judged" in table
+    if any(math.isfinite(r.get("time_error_judged_host_pct", [math.nan])[0]) for r in rows if r["program"] in FAST):
+        assert "Had each replay spent the host time its program had while judged" in table
     assert "| host_shift_pct | host_error_pct | op_error_pct |" in table
     with (out / "zoo.csv").open() as f:
         assert [r["program"] for r in csv.DictReader(f)] == [*FAST, absent["program"]]
@@ -84,3 +87,21 @@ def test_an_unknown_zoo_program_is_refused_before_anything_runs(tmp_path: Path):
                           cwd=tmp_path)
     assert proc.returncode == 2 and "unknown zoo program(s) nonesuch" in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "zoo").exists()
+
+
+def test_a_judgement_that_could_not_measure_its_host_time_again_is_named_under_the_table():
+    """Where every probe of a side was spoilt by the machine's load, the row's error parts are absent: the
+    table's summary counts only the programs measured, and a note under the table says which and why."""
+    def row(program: str, moved: float, notes: list[str]) -> dict:
+        return {"program": program, "library": "lib", "status": "judged", "ops_per_step": 100.0, "step_ms": 5.0,
+                "op_coverage_pct": 100.0, "time_error_signed_pct": [1.0], "time_error_ci_pct": [[0.0, 2.0]],
+                "fidelity_valid": [True], "judgements_overlap": True, "memory_error_pct": [0.5],
+                "capture_overhead_pct": 3.0, "rounds": [8], "reasons": [""], "reason": "", "notes": notes,
+                **{part: [moved] for part in ("host_shift_pct", "host_error_pct", "op_error_pct",
+                                              "time_error_judged_host_pct")}}
+
+    note = "the host and op time were not measured again on every side: ..."
+    table = markdown([row("a", 1.5, []), row("b", math.nan, [note])], "# zoo")
+    assert "(1 of 2, those measured again on every side): within 5 % on 1" in table
+    assert f"- **b**: {note}" in table.split("What a judgement could not measure:", 1)[1]
+    assert "What a judgement could not measure" not in markdown([row("a", 1.5, [])], "# zoo")

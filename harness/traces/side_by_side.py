@@ -41,9 +41,9 @@ MAX_ROUNDS = 400
 MIN_SAMPLE_MS = 20.0  # a sample times enough consecutive steps to last this long: timer and sync costs vanish
 BOOTSTRAP_SAMPLES = 2000
 PROBE_EVERY = 5  # each side's host and op time are measured again after the first round and every this many after
-# A probe whose profiled steps ran slower inside their ops alone than its plain steps as a whole (their host time
-# came out at zero: the machine's load moved between the two) measured nothing; it is taken again, at most
-# this many times in all, and left out if none holds together.
+# A probe in which a step's host time or its time inside the ops came out at zero (the profiler's cost, estimated
+# against the plain steps, took all of it: the machine's load moved between the profiled and the plain steps)
+# measured nothing; it is taken again, at most this many times in all, and left out if none holds together.
 PROBE_TRIES = 3
 
 
@@ -124,8 +124,9 @@ class SideBySide:
         self.ratio_ci = (low, high)
         self.time_error_ci_low_pct, self.time_error_ci_high_pct = 100.0 * (low - 1.0), 100.0 * (high - 1.0)
         if self.host is not None and not all(self.probed_us.get(key) for key in ("source_host", "replay_host")):
-            note = ("the host and op time were not measured again on every side: each probe's profiled steps ran "
-                    "slower inside their ops than its plain steps as a whole (the machine's load moved between them)")
+            note = ("the host and op time were not measured again on every side: in each probe the profiler's cost, "
+                    "estimated against the plain steps, took all of a step's host or op time (the machine's load "
+                    "moved between the profiled and the plain steps)")
             if note not in self.notes:
                 self.notes.append(note)
         if self.host is not None and self.probed_us.get("source_host"):
@@ -183,7 +184,8 @@ class SideBySide:
             "judgement_elapsed_s": self.elapsed_s,
             "capture_half_width_pct": self.capture_half_width_pct,
             **({"judgement_budget_s": self.budget_s} if self.budget_s is not None else {}),
-            **({"capture_host_ms": self.host.capture_ms, "host_shift_pct": self.host_shift_pct,
+            **({"capture_host_ms": self.host.capture_ms} if self.host is not None else {}),
+            **({"host_shift_pct": self.host_shift_pct,
                 "time_error_judged_host_pct": self.time_error_judged_host_pct,
                 "host_error_pct": self.host_error_pct, "op_error_pct": self.op_error_pct,
                 **{f"judged_{key}_ms": value for key, value in self.probed_ms.items()},
@@ -347,7 +349,7 @@ def host_time_probe(step: Callable[[], Any], device: torch.device, replayed: set
     :func:`~workloads.trace_replay.host_time.replayed_op_time`). ``prepare``: called before each step, outside
     its annotation and its time, as the side-by-side samples call it (a replay's state put back: thirteen
     steps in a row, MobileNet's replay read 17 % above its own samples, Qwen-MoE's 22 %). A measurement
-    with a step whose host time came out at zero is taken again (:data:`PROBE_TRIES`); none left, the
+    with a step whose host time or op time came out at zero is taken again (:data:`PROBE_TRIES`); none left, the
     callable returns no figures."""
 
     def settle() -> None:
@@ -372,7 +374,7 @@ def host_time_probe(step: Callable[[], Any], device: torch.device, replayed: set
     def measure() -> tuple[list[float], list[float]]:
         for _ in range(PROBE_TRIES):
             host, inside = measure_once()
-            if host and all(us > 0 for us in host.values()):
+            if host and all(us > 0 for us in host.values()) and all(us > 0 for us in inside.values()):
                 return list(host.values()), list(inside.values())
         return [], []
 
