@@ -12,6 +12,7 @@ import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -204,6 +205,7 @@ def test_a_probe_whose_profiler_cost_swallows_the_ops_time_gives_no_figure():
     assert host_time_probe(step, torch.device("cpu"), {"aten::linear"})() == ([], [])
 
 
+
 def test_a_wide_interval_makes_the_figure_invalid_with_the_reason():
     steady = [[10.0, 10.1, 9.9]] * 6
     ok = SideBySide(steady, [[10.5, 10.4, 10.6]] * 6, ["source", "replay"] * 3).summarise()
@@ -358,6 +360,24 @@ def test_a_step_peak_leaves_out_what_was_allocated_before_it():
     peak = step_memory_peak_bytes(step, torch.device("cpu"), steps=2)
     assert peak == pytest.approx(2 * 2**20, abs=4096), peak / 2**20
     assert kept.numel() == 1 << 20
+
+
+def test_a_step_peak_does_not_climb_with_blocks_freed_on_a_thread_the_profiler_does_not_follow():
+    """An asynchronous collective's worker thread (gloo's) drops the last reference to a buffer the step made:
+    the CPU allocator's running total never takes it back. A step reads what it held at its peak (2 MiB)
+    plus at most what it handed over (1 MiB), however many are measured, not 1 MiB more for every step
+    before it."""
+    def step() -> None:
+        handed = [torch.ones(1 << 18)]  # 1 MiB, made here ...
+        worker = threading.Thread(target=handed.clear)  # ... and freed over there
+        worker.start()
+        worker.join()
+        x = torch.ones(1 << 18)
+        (x * 2).sum()
+
+    peaks = [step_memory_peak_bytes(step, torch.device("cpu"), steps=n) for n in (1, 6)]
+    assert peaks[1] == pytest.approx(peaks[0], abs=4096) and peaks[1] <= 3 * 2**20 + 4096, [p / 2**20 for p in peaks]
+
 
 def test_cobench_trace_fidelity_is_one_mlflow_run(tmp_path: Path):
     results = tmp_path / "results"

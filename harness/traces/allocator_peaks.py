@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile, supported_activities
+from torch.profiler import ProfilerActivity, profile, record_function, supported_activities
 
 from harness.platform import synchronize
 from workloads.trace_bundle import KINETO_FILE, STEP_ANNOTATION, read_json
 
 # c10::DeviceType codes, as the profiler's memory events name devices (others: any non-CPU event)
 _C10_DEVICE_TYPES = {"cpu": 0, "cuda": 1, "xpu": 12, "mps": 13, "privateuseone": 20}
+MEMORY_STEP = "cobench_memory_step"  # record_function name marking one call measured for its memory peak
 
 
 def _memory_totals(events: list, device: torch.device) -> list[tuple[float, float, float]]:
@@ -29,13 +30,12 @@ def _memory_totals(events: list, device: torch.device) -> list[tuple[float, floa
                  else e["args"].get("Device Type") != 0)]
 
 
-def captured_step_peak_bytes(rank_dir: Path, device: torch.device) -> int | None:
-    """The most memory one captured step held beyond what it started with, from the capture's own allocator
-    events (its Kineto trace); None when the bundle has none."""
-    events = read_json(rank_dir / KINETO_FILE, "Kineto trace").get("traceEvents", [])
-    totals = _memory_totals(events, device)
+def _step_peaks(events: list, device: torch.device, annotation: str) -> list[float]:
+    """Each step's peak (the ``annotation``-named events, in µs), from ``device``'s memory events inside it:
+    the most its running total reached over what it was when the step's first event came."""
+    totals = sorted(_memory_totals(events, device))
     steps = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
-             if isinstance(e, dict) and e.get("ph") == "X" and str(e.get("name", "")).startswith(STEP_ANNOTATION)
+             if isinstance(e, dict) and e.get("ph") == "X" and str(e.get("name", "")).startswith(annotation)
              and isinstance(e.get("ts"), int | float) and isinstance(e.get("dur"), int | float)]
     peaks = []
     for start, end in steps:
@@ -43,16 +43,28 @@ def captured_step_peak_bytes(rank_dir: Path, device: torch.device) -> int | None
         if inside:
             before = inside[0][1] - inside[0][0]  # the running total when the step began
             peaks.append(max(0.0, max(t for _, t in inside) - before))
+    return peaks
+
+
+def captured_step_peak_bytes(rank_dir: Path, device: torch.device) -> int | None:
+    """The most memory one captured step held beyond what it started with, from the capture's own allocator
+    events (its Kineto trace); None when the bundle has none."""
+    peaks = _step_peaks(read_json(rank_dir / KINETO_FILE, "Kineto trace").get("traceEvents", []), device,
+                        STEP_ANNOTATION)
     return int(max(peaks)) if peaks else None
 
 
 def step_memory_peak_bytes(step: Callable[[], Any], device: torch.device, steps: int = 1) -> int:
-    """The most memory ``steps`` calls of ``step`` hold at once beyond what was allocated before them.
+    """The most memory one of ``steps`` calls of ``step`` holds at once beyond what was allocated when it began.
 
-    Read from the profiler's memory events for ``device``: the allocator's running total, less what it
-    was when the first event came. The CPU's total counts from when profiling began; a caching device
-    allocator's (CUDA's) counts everything the process holds, the other side's model and state
-    included. No RSS, so another side's tensors in the same process do not count.
+    Read from the profiler's memory events for ``device``, each call on its own: the allocator's running
+    total, less what it was when the call's first event came (as :func:`captured_step_peak_bytes` reads a
+    captured step). The CPU's total counts from when profiling began; a caching device allocator's
+    (CUDA's) counts everything the process holds, the other side's model and state included. No RSS, so
+    another side's tensors in the same process do not count. Not one window over all the calls: the
+    CPU's total never takes back a block freed on a thread the profiler does not follow (a gloo
+    worker's, finishing an asynchronous collective), so over several steps it climbs (TorchRec's DLRM:
+    142 KiB a step, 142 to 351 KiB over 8 steps from one block of 8 to the next).
     """
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda" and ProfilerActivity.CUDA in supported_activities():
@@ -60,14 +72,11 @@ def step_memory_peak_bytes(step: Callable[[], Any], device: torch.device, steps:
     synchronize(device)
     with profile(activities=activities, profile_memory=True) as prof:
         for _ in range(steps):
-            step()
-        synchronize(device)
+            with record_function(MEMORY_STEP):
+                step()
+                synchronize(device)
     with tempfile.TemporaryDirectory(prefix="cobench-memory-") as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text()).get("traceEvents", [])
-    totals = sorted(_memory_totals(events, device))
-    if not totals:
-        return 0
-    before = totals[0][2] - totals[0][1]  # the running total when the first step began
-    return int(max(0.0, max(total for _, _, total in totals) - before))
+    return int(max(_step_peaks(events, device, MEMORY_STEP), default=0.0))
