@@ -8,10 +8,12 @@ was not designed around, on a user's callable, and through ``cobench trace fidel
 from __future__ import annotations
 
 import json
+import multiprocessing
 import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -204,6 +206,50 @@ def test_a_probe_whose_profiler_cost_swallows_the_ops_time_gives_no_figure():
 
     assert host_time_probe(step, torch.device("cpu"), {"aten::linear"})() == ([], [])
 
+
+
+def _probe_rank(rank: int, store: str, results) -> None:
+    import torch.distributed as dist
+
+    from harness.traces.judge import _rank0_value
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        x, w, calls = torch.randn(64, 64), torch.randn(64, 64), []
+
+        def step() -> None:  # a collective in every step
+            calls.append(1)
+            dist.all_reduce(torch.ones(4))
+            torch.nn.functional.linear(x, w)
+
+        # rank 1's probe never holds: none of its ops is one it is told the replay runs, its op time is zero
+        replayed = {"aten::linear"} if rank == 0 else {"aten::not_in_this_step"}
+        host, _ = host_time_probe(step, torch.device("cpu"), replayed, agree=_rank0_value(None))()
+        results.put({"rank": rank, "calls": len(calls), "figures": len(host)})
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_take_a_probe_again_as_rank_0_does():
+    """Under torchrun the steps hold collectives: a rank that took its probe again alone would wait for the
+    others forever. Rank 1's probe fails, rank 0's holds: both stop after one, rank 0's figures stand."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_probe_rank, args=(r, f"{tmp}/store", results)) for r in range(2)]
+        for p in procs:
+            p.start()
+        try:
+            got = sorted((results.get(timeout=60) for _ in procs), key=lambda r: r["rank"])
+        finally:
+            for p in procs:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+    per_try = side_by_side_module.TIMING_WARMUP + side_by_side_module.TIMING_MEASURED + \
+        side_by_side_module.PLAIN_SETTLE + side_by_side_module.PLAIN_MEASURED
+    assert [r["calls"] for r in got] == [per_try, per_try]
+    assert got[0]["figures"] == side_by_side_module.TIMING_MEASURED
 
 
 def test_a_wide_interval_makes_the_figure_invalid_with_the_reason():

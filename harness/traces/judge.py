@@ -96,12 +96,12 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
     replay = spec.factory.from_bundle(bundle, ctx, **(replay_options or {}))
     replay.setup()
     try:
+        agree = _rank0_value(ctx.process_group) if ctx.distributed else None
         side = interleave(source_step, replay.step, ctx.device, rounds=rounds, steps_per_round=steps_per_round,
-                          warmup=warmup, seed=ctx.seed, budget_s=budget_s,
-                          agree=_rank0_value(ctx.process_group) if ctx.distributed else None,
+                          warmup=warmup, seed=ctx.seed, budget_s=budget_s, agree=agree,
                           replay_shift_ms=capture_shift_draws(getattr(replay, "replayer", None), seed=ctx.seed),
                           prepare={"replay": replay.restore_values} if hasattr(replay, "restore_values") else None,
-                          host=_host_probe(source_step, replay, ctx.device))
+                          host=_host_probe(source_step, replay, ctx.device, agree))
         rank_dir = rank_dirs(bundle)[min(ctx.rank, len(rank_dirs(bundle)) - 1)]
         # Each captured step at least once, and never fewer than MEMORY_STEPS: a program whose steps differ
         # by chance (LayerDrop skipping a layer, a data-dependent branch) peaks on its largest step, which
@@ -129,15 +129,18 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
     return record
 
 
-def _host_probe(source_step: Callable[[], Any], replay: Any, device: torch.device) -> HostProbe | None:
+def _host_probe(source_step: Callable[[], Any], replay: Any, device: torch.device,
+                agree: Callable[[Any], Any] | None) -> HostProbe | None:
     """What measures each side's host time and op time again while they are judged, where the replay spends
-    the capture's host time (None where it spends none, or the capture measured none)."""
+    the capture's host time (None where it spends none, or the capture measured none); ``agree``: see
+    :func:`~harness.traces.side_by_side.host_time_probe`."""
     replayer, replay_step = getattr(replay, "replayer", None), replay.step
     if replayer is None or not getattr(replayer, "host_gaps", False) or not replayer.gap_samples_us:
         return None
     replayed = {op.name for op in replayer.ops}
-    return HostProbe(host_time_probe(source_step, device, replayed),
-                     host_time_probe(replay_step, device, replayed, prepare=getattr(replay, "restore_values", None)),
+    return HostProbe(host_time_probe(source_step, device, replayed, agree=agree),
+                     host_time_probe(replay_step, device, replayed, prepare=getattr(replay, "restore_values", None),
+                                     agree=agree),
                      capture_ms=statistics.median(replayer.gap_samples_us) / 1e3,
                      spun_ms=1e3 * replayer.runner.spun_s())
 

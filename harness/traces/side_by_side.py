@@ -341,7 +341,8 @@ def capture_shift_draws(replayer: Any, *, seed: int = 0, samples: int = BOOTSTRA
 
 
 def host_time_probe(step: Callable[[], Any], device: torch.device, replayed: set[str],
-                    prepare: Callable[[], Any] | None = None) -> Callable[[], tuple[list[float], list[float]]]:
+                    prepare: Callable[[], Any] | None = None,
+                    agree: Callable[[Any], Any] | None = None) -> Callable[[], tuple[list[float], list[float]]]:
     """A callable measuring a step's time outside the ``replayed`` ops and inside them (µs, one figure each
     per measured step) as the capture's host-time rounds measure the program's (:mod:`harness.traces.capture`):
     steps under Kineto alone (the first ones settling it), then plain ones (after some that settle), the
@@ -350,7 +351,9 @@ def host_time_probe(step: Callable[[], Any], device: torch.device, replayed: set
     its annotation and its time, as the side-by-side samples call it (a replay's state put back: thirteen
     steps in a row, MobileNet's replay read 17 % above its own samples, Qwen-MoE's 22 %). A measurement
     with a step whose host time or op time came out at zero is taken again (:data:`PROBE_TRIES`); none left, the
-    callable returns no figures."""
+    callable returns no figures. ``agree``: under torchrun, returns rank 0's value of what it is given, so
+    that every rank takes a probe again, or not, as rank 0 does (the steps hold collectives; rank 0's
+    figures are the ones recorded)."""
 
     def settle() -> None:
         for _ in range(TIMING_WARMUP):
@@ -374,7 +377,8 @@ def host_time_probe(step: Callable[[], Any], device: torch.device, replayed: set
     def measure() -> tuple[list[float], list[float]]:
         for _ in range(PROBE_TRIES):
             host, inside = measure_once()
-            if host and all(us > 0 for us in host.values()) and all(us > 0 for us in inside.values()):
+            held = bool(host) and all(us > 0 for us in host.values()) and all(us > 0 for us in inside.values())
+            if agree(held) if agree is not None else held:
                 return list(host.values()), list(inside.values())
         return [], []
 
