@@ -31,8 +31,8 @@ def _memory_totals(events: list, device: torch.device) -> list[tuple[float, floa
 
 
 def _step_peaks(events: list, device: torch.device, annotation: str) -> list[float]:
-    """Each step's peak (the ``annotation``-named events, in µs), from ``device``'s memory events inside it:
-    the most its running total reached over what it was when the step's first event came."""
+    """Each step's peak in bytes (a step: an event named ``annotation``), from ``device``'s memory events
+    inside it: the most the running total reached over what it was when the step's first event came."""
     totals = sorted(_memory_totals(events, device))
     steps = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
              if isinstance(e, dict) and e.get("ph") == "X" and str(e.get("name", "")).startswith(annotation)
