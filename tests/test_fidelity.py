@@ -207,7 +207,6 @@ def test_a_probe_whose_profiler_cost_swallows_the_ops_time_gives_no_figure():
     assert host_time_probe(step, torch.device("cpu"), {"aten::linear"})() == ([], [])
 
 
-
 def _probe_rank(rank: int, store: str, results) -> None:
     import torch.distributed as dist
 
