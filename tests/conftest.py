@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import multiprocessing
 import os
 import shutil
 import signal
@@ -73,6 +74,26 @@ def mlflow_runs(results_dir: Path, experiment: str = "cobench") -> list:
     if exp is None:
         return []
     return client.search_runs([exp.experiment_id], max_results=1000)
+
+
+def run_ranks(target, store: str, world_size: int = 2, timeout: float = 120) -> tuple[list[dict], list[int | None]]:
+    """``target(rank, store, results)`` in ``world_size`` spawned processes, each putting one dict with its
+    ``rank`` on ``results``: those dicts by rank, and the processes' exit codes (one still running 30 s
+    after the results came is killed)."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, store, results)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted((results.get(timeout=timeout) for _ in procs), key=lambda r: r["rank"])
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return got, [p.exitcode for p in procs]
 
 
 def _free_port() -> int:

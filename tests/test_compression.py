@@ -7,11 +7,11 @@ comparison is ``error <= bound`` with no tolerance.
 from __future__ import annotations
 
 import math
-import multiprocessing
 import sys
 
 import pytest
 import torch
+from conftest import run_ranks
 
 from workloads.dlrm.error_bounded.codec import ErrorBoundedCodec, bytes_per_block, make_error_bounded_codecs
 from workloads.dlrm.error_bounded.config import BoundSchedule, ErrorBoundConfig, column_block_scales
@@ -390,17 +390,8 @@ def _two_rank_worker(rank: int, store: str, results) -> None:
 
 @pytest.mark.slow
 def test_two_ranks_agree_on_the_widest_width_through_torchrec(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_two_rank_worker, args=(r, str(tmp_path / "store"), results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = sorted((results.get(timeout=120) for _ in procs), key=lambda r: r["rank"])
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-    assert [p.exitcode for p in procs] == [0, 0]
+    got, exitcodes = run_ranks(_two_rank_worker, str(tmp_path / "store"))
+    assert exitcodes == [0, 0]
     assert got[0]["local_bits"] < got[1]["local_bits"]  # the ranks' data need different widths
     assert got[0]["agreed_bits"] == got[1]["agreed_bits"] == got[1]["local_bits"]
     for r in got:

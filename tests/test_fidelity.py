@@ -8,7 +8,6 @@ was not designed around, on a user's callable, and through ``cobench trace fidel
 from __future__ import annotations
 
 import json
-import multiprocessing
 import random
 import statistics
 import subprocess
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import clean_env, mlflow_runs
+from conftest import clean_env, mlflow_runs, run_ranks
 from fidelity_corpus import PROGRAMS
 
 import harness.traces.side_by_side as side_by_side_module
@@ -234,19 +233,8 @@ def test_ranks_take_a_probe_again_as_rank_0_does():
     """Under torchrun the steps hold collectives: a rank that took its probe again alone would wait for the
     others forever. Rank 1's probe always fails; both ranks take as many tries as rank 0 takes (one, unless
     the machine's load spoils rank 0's too), and where rank 0's held, its figures stand."""
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_probe_rank, args=(r, f"{tmp}/store", results)) for r in range(2)]
-        for p in procs:
-            p.start()
-        try:
-            got = sorted((results.get(timeout=60) for _ in procs), key=lambda r: r["rank"])
-        finally:
-            for p in procs:
-                p.join(timeout=30)
-                if p.is_alive():
-                    p.kill()
+        got, _ = run_ranks(_probe_rank, f"{tmp}/store", timeout=60)
     per_try = side_by_side_module.TIMING_WARMUP + side_by_side_module.TIMING_MEASURED + \
         side_by_side_module.PLAIN_SETTLE + side_by_side_module.PLAIN_MEASURED
     tries = got[0]["calls"] // per_try
