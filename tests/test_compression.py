@@ -431,6 +431,35 @@ def test_cpu_kernels_and_tensor_program_send_the_same_bytes():
                 assert torch.equal(ours.nan_to_num(), theirs.nan_to_num())
 
 
+def test_compiled_tensor_program_is_one_graph_per_width_for_every_message_size():
+    """On an accelerator the tensor program runs under torch.compile. The width is a constant of the compiled
+    program, never a traced integer (traced, ``~low`` broke the graph here and ``1 << bits`` failed to compile
+    on torch 2.11 + CUDA), and messages of other row counts reuse the program: the same bytes as the eager
+    program, one graph for the encoder whatever the rows, no fallback."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from workloads.dlrm.error_bounded import fast_kernels
+
+    torch._dynamo.reset()
+    counters.clear()
+    g = torch.Generator().manual_seed(31)
+    for rows in (96, 40, 7):
+        x = torch.randn(rows, 40, generator=g) * 0.1
+        factor = torch.full((rows,), 1e-2)
+        compiled = fast_kernels._run_compiled(0, (x, factor), True, 9, 40)
+        eager = fast_kernels._encode_tensor(x, factor, True, 9)
+        assert not fast_kernels._eager_because, fast_kernels._eager_because
+        assert torch.equal(compiled[0], eager[0]) and torch.equal(compiled[1], eager[1])
+        assert torch.equal(fast_kernels._run_compiled(1, (compiled[0],), True, 9, 40),
+                           fast_kernels._decode_tensor(eager[0], 9, 40))
+    encoder_breaks = {reason: n for reason, n in counters["graph_break"].items() if "item()" not in reason}
+    assert not encoder_breaks, encoder_breaks  # the decoder's one break is its data-dependent exact-path test
+    # the encoder and the decoder's part before its break: one graph each for all three sizes (a traced width
+    # split the encoder in three; a static row count compiled it again for every size)
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+
+
 def test_cpu_width_kernels_agree_with_the_tensor_code(monkeypatch):
     """Agreed packing sizes a message from the blocks' min and max; on CPU a C++ loop does it. Same
     min/max as torch.aminmax (NaN blocks included) and the same width as the tensor code, on ordinary,

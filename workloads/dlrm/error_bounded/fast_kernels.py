@@ -221,8 +221,9 @@ def _decode_tensor(message: torch.Tensor, bits: int, block: int) -> torch.Tensor
 @functools.cache
 def _compiled(rel: bool, bits: int, block: int) -> tuple[Any, Any]:
     """The tensor program under ``torch.compile`` (Triton on CUDA) for one width: ``rel``, ``bits`` and
-    ``block`` are the closures' constants, so no integer arithmetic on them is traced symbolically (torch
-    2.11's dynamo fails on ``1 << bits`` with ``bits`` a symbolic int); shapes stay dynamic."""
+    ``block`` are the closures' constants. Compiled static (``dynamic=True`` would trace those integers
+    symbolically too: ``~low`` then breaks the graph, and torch 2.11's dynamo fails on ``1 << bits``); the
+    number of rows, the one size that changes from message to message, is marked dynamic per call."""
 
     def encode(x: torch.Tensor, factor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _encode_tensor(x, factor, rel, bits)
@@ -230,7 +231,7 @@ def _compiled(rel: bool, bits: int, block: int) -> tuple[Any, Any]:
     def decode(message: torch.Tensor) -> torch.Tensor:
         return _decode_tensor(message, bits, block)
 
-    return torch.compile(encode, dynamic=True), torch.compile(decode, dynamic=True)
+    return torch.compile(encode, dynamic=False), torch.compile(decode, dynamic=False)
 
 
 _eager_because: list[str] = []  # why the compiled program is not used in this process, once it failed
@@ -241,6 +242,11 @@ def _run_compiled(which: int, args: tuple, rel: bool, bits: int, block: int) -> 
     said once in a warning."""
     if not _eager_because:
         try:
+            rows = args[0].shape[0]
+            if rows > 1:  # one program for every message size (0 and 1 are always specialised)
+                for arg in args:
+                    if arg.dim() and arg.shape[0] == rows:
+                        torch._dynamo.mark_dynamic(arg, 0)
             return _compiled(rel, bits, block)[which](*args)
         except Exception as err:  # noqa: BLE001 - any compiler failure: the eager program computes the same
             causes, cause = [], err  # the compiler's own error is a chain: its first lines name the op
