@@ -33,6 +33,7 @@ from workloads.trace_replay.ops import (
 )
 from workloads.trace_replay.parse import is_tensor_ref
 from workloads.trace_replay.policy import op_refusal
+from workloads.trace_replay.portable import PORTED, PortableAttention, lacks_kernel
 from workloads.trace_replay.records import OpRecord
 from workloads.trace_replay.tensors import recorded_view
 
@@ -77,6 +78,7 @@ class OpCompiler:
         # on (an RNN layer's workspace) run with it on, as in the program's forward
         self.training = training
         self.slots: dict[tuple, int] = {}
+        self.portable = PortableAttention(device)  # fused kernels of another device, through this one's
 
     def _slot(self, info: TensorInfo) -> int:
         return self.slots.setdefault(info.key, len(self.slots))
@@ -101,6 +103,9 @@ class OpCompiler:
                 self._compile_args(op, compiled, torch._C.parse_schema(op.schema).arguments)
             else:
                 compiled.fn = resolve_op(op.schema)
+                if lacks_kernel(op.name, self.device):
+                    compiled.fn = self.portable.stand_in(op.name, op.schema, compiled.out_infos)
+                    compiled.ported = PORTED
                 if op.name in ROI_OPS:
                     compiled.fn = _with_finite_boxes(compiled.fn)
                 if self.training and op.name in GRAD_MODE_OPS:

@@ -146,6 +146,8 @@ class CompiledOp:
     # A 1-D integer output whose length its input's values decide (an NMS keep list): slot → the
     # captured length, which the replay's own output is cut or cycled to (:func:`fit_length`).
     lengths: list[tuple[int, int]] = field(default_factory=list)
+    # What runs in its place where this device has no kernel for it (:mod:`.portable`), or None
+    ported: str | None = None
 
     def call(self, vals: list[Any]) -> Any:
         args = [list(a) if isinstance(a, list) else a for a in self.args]

@@ -178,6 +178,9 @@ class GeneratedWorkload(WorkloadBase):
             portability=self.portability, host_gaps=self.replayer.host_gaps, divergent=self.replayer.divergent,
         )
         record["metrics"]["replay_static_mb"] = self.replayer.static_bytes / 2**20
+        ported = [op for op in self.replayer.ops if op.ported and op.index not in self.replayer.errors]
+        record["metrics"]["ops_ported"] = float(len(ported))
+        record["ported_ops"] = [{"index": op.index, "name": op.name, "via": op.ported} for op in ported]
         if self.replayer.host_gaps:
             record["metrics"]["replay_host_us_per_op"] = 1e6 * self.replayer.call_s
             record["metrics"]["replay_autograd_us_per_op"] = 1e6 * self.replayer.autograd_s
