@@ -396,6 +396,33 @@ def test_host_time_inside_a_wrapper_the_replay_does_not_run_counts_as_host_time(
     assert kineto_host_gaps(kineto_trace(trace, Path("t.json")), {None: 80.0}) == {0: pytest.approx(20.0)}
 
 
+def test_ops_another_thread_runs_while_the_step_waits_are_op_time_not_host_time():
+    """On an accelerator the autograd engine runs the backward's ops on a device thread while the step's own
+    thread waits; the replay runs them on its one thread. Their time is op time: counted as host time (the
+    step's thread alone), the replay spent it again on top of running them.
+
+    Step of 100 µs on thread 7, 100 plain (no profiler cost). Thread 7 runs mm (10) then waits; thread 9 runs
+    the engine's wrapper (40) around two backward ops (10 + 10), then thread 7 runs relu (20), and an add of
+    thread 9 (10) overlaps it by 5 µs (counted once). Inside replayed ops: 10 + 20 + 20 + 5 = 55 µs; the
+    rest, 45, is host time (the wrapper's 20 among it). Thread 7 alone read 70 µs of host time."""
+    def event(name: str, ts: float, dur: float, tid: int, cat: str = "cpu_op") -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    trace = kineto_trace({"traceEvents": [
+        event("cobench_step#0", 1000, 100, 7, "user_annotation"),
+        event("aten::mm", 1000, 10, 7),
+        event("autograd::engine::evaluate_function: MmBackward0", 1020, 40, 9),
+        event("aten::mm", 1025, 10, 9), event("aten::add", 1040, 10, 9),
+        event("aten::relu", 1070, 20, 7), event("aten::add", 1085, 10, 9),
+    ]}, Path("t.json"))
+    replayed = {"aten::mm", "aten::add", "aten::relu"}.__contains__
+    assert kineto_host_gaps(trace, {None: 100.0}, replayed) == {0: pytest.approx(45.0)}
+    assert replayed_op_time(trace, {None: 100.0}, replayed) == {0: pytest.approx(55.0)}
+    # the gaps before each op in the order they started, whatever their thread, and after the last
+    names = ["aten::mm", "aten::mm", "aten::add", "aten::relu", "aten::add"]
+    assert gap_shape(trace, {None: 100.0}, replayed, names) == pytest.approx([0.0, 15.0, 5.0, 20.0, 0.0, 5.0])
+
+
 def test_host_time_is_spread_as_the_kineto_alone_steps_lay_it_out(monkeypatch):
     """The gaps' shape comes from the Kineto-alone steps (the traced ones' is flattened by the observer's
     cost on every op): per position the median over those steps, the profiler's cost (1 µs an event
@@ -667,3 +694,58 @@ def test_an_op_nested_under_an_op_that_had_returned_is_replayed_on_its_own():
     assert [nodes[i].parent for i in (10, 11, 12, 13, 14)] == [2, 4, 4, 12, 13]
     assert not any(a.schema for a in ancestors(nodes[13], nodes))  # a top-level op: replayed
     assert [a.id for a in ancestors(nodes[13], nodes)][-2:] == [2, 1]
+
+
+@pytest.mark.parametrize("heads_kv, masked", [(4, False), (2, False), (4, True)])
+def test_a_fused_attention_kernel_this_device_lacks_runs_as_this_devices_own(heads_kv: int, masked: bool):
+    """A spec names the fused attention kernels of the device it was captured on (the CPU's flash kernel, a
+    GPU's flash, efficient or cuDNN one). Where the replay's device has none of them, the pair runs as this
+    device's ``scaled_dot_product_attention`` forward and its backward: the same output and gradients as the
+    captured kernels give (grouped-query heads and an additive mask too), the other outputs in their shapes."""
+    from workloads.trace_replay.ops import TensorInfo
+    from workloads.trace_replay.portable import PortableAttention
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 16, 8, generator=g)
+    k, v = torch.randn(2, heads_kv, 16, 8, generator=g), torch.randn(2, heads_kv, 16, 8, generator=g)
+    mask = torch.randn(16, 16, generator=g) if masked else None
+    grad = torch.randn(2, 4, 16, 8, generator=g)
+    forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    kv = (k.repeat_interleave(4 // heads_kv, 1), v.repeat_interleave(4 // heads_kv, 1))  # the kernels' own GQA
+    out, lse = forward(q, *kv, 0.0, not masked, attn_mask=mask)
+    grads = backward(grad, q, *kv, out, lse, 0.0, not masked, attn_mask=mask)
+
+    def infos(*tensors: torch.Tensor) -> list[TensorInfo]:
+        return [TensorInfo(0, 0, 0, tuple(t.shape), tuple(t.stride()), t.dtype, t.element_size()) for t in tensors]
+
+    portable = PortableAttention(torch.device("cpu"))
+    ported_forward = portable.stand_in("aten::_scaled_dot_product_flash_attention_for_cpu", str(forward._schema),
+                                       infos(out, lse))
+    ported_backward = portable.stand_in("aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+                                        str(backward._schema), infos(*grads))
+    out2, lse2 = ported_forward(q, k, v, 0.0, not masked, attn_mask=mask)
+    assert torch.allclose(out2, out, atol=1e-5) and lse2.shape == lse.shape and not out2.requires_grad
+    grads2 = ported_backward(grad, q, k, v, out2, lse2, 0.0, not masked, attn_mask=mask)
+    want = (grads[0], *(g_.unflatten(1, (heads_kv, -1)).sum(2) for g_ in grads[1:]))  # GQA: per shared head
+    for mine, theirs in zip(grads2, want, strict=True):
+        assert torch.allclose(mine, theirs, atol=1e-4), (mine - theirs).abs().max()
+    assert not portable.graphs  # the backward took its forward's graph
+
+
+def test_a_spec_whose_attention_kernel_this_device_lacks_replays_every_op(program_bundle: Path, monkeypatch):
+    """The program's CPU flash attention, replayed as if this device had no kernel for it: every op runs, the
+    attention ops are named as ported, and the step completes."""
+    from workloads.trace_replay import compiler
+    from workloads.trace_replay.portable import SDPA_BACKWARD, SDPA_FORWARD
+
+    monkeypatch.setattr(compiler, "lacks_kernel", lambda name, device: name in SDPA_FORWARD | SDPA_BACKWARD)
+    spec = generate_spec(program_bundle)
+    replayer = Replayer(RankRecord.from_json(spec["ranks"][0]), torch.device("cpu"))
+    replayer.materialize()
+    assert replayer.dry_run().errors == {}
+    ported = [op.name for op in replayer.ops if op.ported]
+    assert sorted(set(ported)) == ["aten::_scaled_dot_product_flash_attention_for_cpu",
+                                   "aten::_scaled_dot_product_flash_attention_for_cpu_backward"]
+    assert len(ported) == 2 * len(replayer.sequence)  # one attention a step, forward and backward
+    assert replayer.run_step() == len(replayer.sequence[0]) and replayer.errors == {}

@@ -72,10 +72,11 @@ def kineto_host_gaps(timing: KinetoTrace, plain_us: dict[int | None, float],
                      replayed: Callable[[str], bool] | None = None) -> dict[int, float]:
     """Host time outside the replayed ops per annotated step (``cobench_step#<k>`` → µs), profiler removed.
 
-    Under Kineto a step's main thread is either inside an op the replay runs (the top-most event whose
-    name ``replayed`` accepts; every op when None) or not: Python, and framework work that is not an
-    op of its own, such as the autograd engine's ``evaluate_function`` wrappers around backward ops
-    (their self time is the program's host time: the replay calls the ops inside them directly).
+    Under Kineto a step is, at each moment, either inside an op the replay runs on some thread (the
+    top-most event whose name ``replayed`` accepts; every op when None) or not: Python, and framework
+    work that is not an op of its own, such as the autograd engine's ``evaluate_function`` wrappers
+    around backward ops (their self time is the program's host time: the replay calls the ops inside
+    them directly).
     The profiler's own cost is about the same for every op event, c = (Kineto step − plain step) ÷
     the step's op events, and it lands outside the event it records (the timestamps are taken inside
     its callbacks): each event that is not inside a replayed op adds c to the host time; nested
@@ -94,7 +95,7 @@ def kineto_host_gaps(timing: KinetoTrace, plain_us: dict[int | None, float],
 
 def replayed_op_counts(timing: KinetoTrace, replayed: Callable[[str], bool] | None = None) -> dict[int, int]:
     """How many ops the replay runs in each annotated step (step index → count), as the profiler saw them:
-    the top-most events on the step's thread whose name ``replayed`` accepts (every op when None)."""
+    the top-most events on each thread whose name ``replayed`` accepts (every op when None)."""
     ops = _by_start(timing)
     return {step_index(step): _walk_step(ops, step, replayed).ran for step in timing.steps}
 
@@ -129,10 +130,10 @@ def _by_start(timing: KinetoTrace) -> list[KinetoEvent]:
 
 class _StepWalk(NamedTuple):
     every: int  # every op event in the step, on any thread
-    outside: int  # the step thread's events not inside a replayed op
-    busy: float  # the time inside replayed ops (µs)
+    outside: int  # the events not inside a replayed op of their own thread
+    busy: float  # the time inside replayed ops, on any thread (µs; the union: time two threads share counts once)
     ran: int  # the replayed ops among ``outside``
-    nested: int  # the step thread's events inside a replayed op
+    nested: int  # the events inside a replayed op of their own thread
 
 
 def _per_event_cost(step: KinetoEvent, walk: _StepWalk, plain_us: dict[int | None, float]) -> float | None:
@@ -145,22 +146,29 @@ def _per_event_cost(step: KinetoEvent, walk: _StepWalk, plain_us: dict[int | Non
 
 
 def _walk_step(ops: list[KinetoEvent], step: KinetoEvent, replayed: Callable[[str], bool] | None) -> _StepWalk:
-    """One step's events, counted and timed as :class:`_StepWalk` says."""
-    start, dur, tid = step.ts, step.dur, step.tid
-    busy, covered_until, outside, every, ran, nested = 0.0, start, 0, 0, 0, 0
+    """One step's events on every thread, counted and timed as :class:`_StepWalk` says.
+
+    The replay runs a step's ops one after another on one thread, wherever the program ran them: on an
+    accelerator the autograd engine runs the backward ops on a thread of its own while the step's thread
+    waits. The step's time inside replayed ops is therefore theirs on any thread; counted on the step's
+    thread alone, a GPU program's whole backward read as host time, which the replay then spent on top
+    of running the backward ops (Llama tiny on an H200: +50 %)."""
+    start, end = step.ts, step.ts + step.dur
+    covered: dict[int, float] = {}  # each thread's end of the replayed op it is inside
+    busy, union_end, outside, every, ran, nested = 0.0, start, 0, 0, 0, 0
     for e in ops:
-        if e.ts < start or e.ts >= start + dur:
+        if e.ts < start or e.ts >= end:
             continue
         every += 1
-        if e.tid != tid:
-            continue  # another thread's
-        if e.ts < covered_until:
+        if e.ts < covered.get(e.tid, start):
             nested += 1  # inside a replayed op already counted
             continue
         outside += 1
         if replayed is None or replayed(e.name):
-            busy += e.dur
-            covered_until = e.ts + e.dur
+            finish = min(e.ts + e.dur, end)
+            busy += max(0.0, finish - max(e.ts, union_end))  # events come in start order: the union's new part
+            union_end = max(union_end, finish)
+            covered[e.tid] = e.ts + e.dur
             ran += 1
     return _StepWalk(every, outside, busy, ran, nested)
 
@@ -181,7 +189,7 @@ def _plain_by_round(meta: BundleMeta, plain: list[float]) -> dict[int | None, fl
 def gap_shape(timing: KinetoTrace, plain_us: dict[int | None, float], replayed: Callable[[str], bool],
               names: list[str]) -> list[float] | None:
     """How a step's host time lies between its ops, from the Kineto-alone steps: for each of ``names`` (the
-    ops a step runs on its own thread, in order) the time before it since the op before it ended, and
+    ops a step runs, on every thread, in order) the time before it since the ops before it ended, and
     after the last (µs, ``len(names) + 1`` figures), each the median over the measured steps that ran
     those ops (:func:`_aligned`), the profiler's cost of the events in it taken out as
     :func:`kineto_host_gaps` takes it. None where no measured step ran them.
@@ -198,8 +206,9 @@ def gap_shape(timing: KinetoTrace, plain_us: dict[int | None, float], replayed: 
 
 def _step_gaps(timing: KinetoTrace, plain_us: dict[int | None, float],
                replayed: Callable[[str], bool]) -> list[tuple[list[str], list[float]]]:
-    """Each measured Kineto-alone step's replayed ops on its own thread, in order, and the gaps before each
-    and after the last (µs), the profiler's cost of the events in each taken out."""
+    """Each measured Kineto-alone step's replayed ops on every thread, in the order they started, and the gaps
+    before each and after the last (µs: the time no thread was inside a replayed op), the profiler's cost
+    of the events in each taken out."""
     ops = _by_start(timing)
     starts = [e.ts for e in ops]
     out = []
@@ -208,14 +217,16 @@ def _step_gaps(timing: KinetoTrace, plain_us: dict[int | None, float],
         if (per_event := _per_event_cost(step, walk, plain_us)) is None:
             continue
         gaps, ran, end, events = [], [], step.ts, 0
+        covered: dict[int, float] = {}  # as in _walk_step
         for e in ops[bisect.bisect_left(starts, step.ts):bisect.bisect_left(starts, step.ts + step.dur)]:
-            if e.tid != step.tid or e.ts < end:
-                continue  # another thread's, or inside a replayed op
+            if e.ts < covered.get(e.tid, step.ts):
+                continue  # inside a replayed op of its thread
             events += 1  # an event outside the replayed ops: its cost lands in this gap
             if replayed(e.name):
                 gaps.append(max(0.0, e.ts - end - events * per_event))
                 ran.append(e.name)
-                end = e.ts + e.dur
+                end = max(end, e.ts + e.dur)
+                covered[e.tid] = e.ts + e.dur
                 events = 0
         gaps.append(max(0.0, step.ts + step.dur - end - events * per_event))
         out.append((ran, gaps))
@@ -287,21 +298,21 @@ def place_host_gaps(ops: list[dict[str, Any]], steps: list[dict[str, Any]], per_
                     shape: Callable[[list[str]], list[float] | None] | None = None) -> None:
     """Spread the measured host time per step over the gaps between ops (``gap_us`` before each op,
     ``tail_gap_us`` after a step's last), in proportion to the gaps the Kineto-alone steps show where
-    ``shape`` gives them for the step's ops on its own thread (:func:`gap_shape`), else to those the
-    traced steps show."""
+    ``shape`` gives them for the step's ops (:func:`gap_shape`), else to those the traced steps show: the
+    time before each op that no thread spent inside an op (on an accelerator the backward's ops run on
+    the autograd engine's thread while the step's own waits)."""
     for step in steps:
         members = [op for op in ops if op["step"] == step["index"]]
-        main_tid = members[0]["tid"] if members else None
         start, end = step["ts_us"], step["ts_us"] + 1e3 * step["traced_ms"]
         weights, previous_end = [], start
         for op in members:
-            if op["tid"] != main_tid or op["ts_us"] is None:
-                weights.append(0.0)  # another thread's gaps (e.g. CUDA's backward) overlap the main one's
+            if op["ts_us"] is None:
+                weights.append(0.0)
                 continue
             weights.append(max(0.0, op["ts_us"] - previous_end))
             previous_end = max(previous_end, op["ts_us"] + (op["dur_us"] or 0.0))
         tail = max(0.0, end - previous_end)
-        own = [i for i, op in enumerate(members) if op["tid"] == main_tid and op["ts_us"] is not None]
+        own = [i for i, op in enumerate(members) if op["ts_us"] is not None]
         measured = shape([members[i]["name"] for i in own]) if shape is not None else None
         if measured is not None and sum(measured) > 0:
             for i, gap in zip(own, measured, strict=False):

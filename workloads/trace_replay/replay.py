@@ -172,11 +172,9 @@ class Replayer:
         the capture and the replay's setup, which is not its speed while the replay is judged, and with
         whatever makes the replay's ops unlike the program's, which scaling the host time only adds to.
         As a figure it says where a time error may lie: above 1, the replay's ops ran slower at its setup
-        than the program's at capture (a busier machine then, or ops unlike the program's). CPU only: on
-        an accelerator the program's backward ops run on the autograd engine's device thread, which the
-        step's own thread does not show."""
-        if self.device.type != "cpu":
-            return None, f"on {self.device.type} the program's op time is not all on the step's thread"
+        than the program's at capture (a busier machine then, or ops unlike the program's). On an
+        accelerator both are the host's time launching the ops (the program's backward ops on the autograd
+        engine's device thread counted too)."""
         if not (self.program_op_us > 0 and self.op_samples_us):
             return None, "the spec or the calibration holds no op time (a spec from an older capture)"
         grad_ops = self.grad_ops_per_step
