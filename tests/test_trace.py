@@ -731,6 +731,10 @@ def test_a_fused_attention_kernel_this_device_lacks_runs_as_this_devices_own(hea
     for mine, theirs in zip(grads2, want, strict=True):
         assert torch.allclose(mine, theirs, atol=1e-4), (mine - theirs).abs().max()
     assert not portable.graphs  # the backward took its forward's graph
+    forward_only = PortableAttention(torch.device("cpu"), training=False)  # a program without a backward
+    out3, _ = forward_only.stand_in("aten::_scaled_dot_product_flash_attention_for_cpu", str(forward._schema),
+                                    infos(out, lse))(q, k, v, 0.0, not masked, attn_mask=mask)
+    assert torch.allclose(out3, out, atol=1e-5) and not forward_only.graphs  # keeps nothing for a backward
 
 
 def test_a_spec_whose_attention_kernel_this_device_lacks_replays_every_op(program_bundle: Path, monkeypatch):

@@ -78,7 +78,7 @@ class OpCompiler:
         # on (an RNN layer's workspace) run with it on, as in the program's forward
         self.training = training
         self.slots: dict[tuple, int] = {}
-        self.portable = PortableAttention(device)  # fused kernels of another device, through this one's
+        self.portable = PortableAttention(device, training)  # fused kernels of another device, through this one's
 
     def _slot(self, info: TensorInfo) -> int:
         return self.slots.setdefault(info.key, len(self.slots))

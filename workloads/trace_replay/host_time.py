@@ -314,11 +314,11 @@ def place_host_gaps(ops: list[dict[str, Any]], steps: list[dict[str, Any]], per_
         tail = max(0.0, end - previous_end)
         own = [i for i, op in enumerate(members) if op["ts_us"] is not None]
         measured = shape([members[i]["name"] for i in own]) if shape is not None else None
-        if measured is not None and sum(measured) > 0:
+        step["gap_shape"] = "kineto" if measured is not None and sum(measured) > 0 else "traced"
+        if step["gap_shape"] == "kineto":
             for i, gap in zip(own, measured, strict=False):
                 weights[i] = gap
             tail = measured[-1]
-        step["gap_shape"] = "kineto" if measured is not None and sum(measured) > 0 else "traced"
         total = sum(weights) + tail
         scale = (per_step_us or 0.0) / total if total > 0 else 0.0
         for op, weight in zip(members, weights, strict=True):

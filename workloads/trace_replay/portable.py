@@ -53,10 +53,12 @@ def _binder(schema: str) -> Callable[[tuple, dict], dict[str, Any]]:
 
 
 class PortableAttention:
-    """The stand-ins of one replay: forward graphs are kept, by their output's address, for their backward."""
+    """The stand-ins of one replay: forward graphs are kept, by their output's address, for their backward
+    (in a training step's replay only: a forward-only program's attention keeps nothing, as the program's
+    own did not)."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, training: bool = True):
+        self.device, self.training = device, training
         self.graphs: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
 
     def stand_in(self, name: str, schema: str, out_infos: list[TensorInfo | None]) -> Callable[..., Any]:
@@ -74,7 +76,7 @@ class PortableAttention:
             call = bind(args, kwargs)
             kept = self.graphs.pop(call["out"].data_ptr(), None)
             if kept is None:  # its forward is not in this replay (a spec that starts between them): run it here
-                self._forward(call)
+                self._forward(call, keep=True)
                 kept = self.graphs.pop(next(reversed(self.graphs)))
             out, leaves = kept
             grad = call.get("grad_out", call.get("grad_out_"))
@@ -83,17 +85,19 @@ class PortableAttention:
 
         return backward
 
-    def _forward(self, call: dict[str, Any]) -> torch.Tensor:
-        query, key, value = (call[n].detach().requires_grad_() for n in ("query", "key", "value"))
+    def _forward(self, call: dict[str, Any], keep: bool | None = None) -> torch.Tensor:
+        keep = self.training if keep is None else keep
+        query, key, value = (call[n].detach().requires_grad_(keep) for n in ("query", "key", "value"))
         mask = call.get("attn_mask", call.get("attn_bias"))
-        with torch.enable_grad():
+        with torch.set_grad_enabled(keep):
             out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
                                                  dropout_p=float(call.get("dropout_p") or 0.0),
                                                  is_causal=bool(call.get("is_causal")), scale=call.get("scale"),
                                                  enable_gqa=key.shape[-3] != query.shape[-3])
-        if len(self.graphs) >= KEEP_GRAPHS:  # forwards whose backward never came (evaluation steps)
-            self.graphs.pop(next(iter(self.graphs)))
-        self.graphs[out.data_ptr()] = (out, (query, key, value))
+        if keep:
+            if len(self.graphs) >= KEEP_GRAPHS:  # forwards whose backward never came (evaluation steps)
+                self.graphs.pop(next(iter(self.graphs)))
+            self.graphs[out.data_ptr()] = (out, (query, key, value))
         return out
 
     def _others(self, made: list[tuple[tuple[int, ...], torch.dtype] | None]) -> list[Any]:
