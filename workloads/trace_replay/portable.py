@@ -5,11 +5,11 @@ CPU ``aten::_scaled_dot_product_flash_attention_for_cpu``, on CUDA the flash, me
 Each has a backward that reads what its own forward saved (a log-sum-exp in that kernel's layout, a random
 seed). A spec captured on one device and replayed on another names kernels the other may have none of (the
 CPU's flash kernel on a GPU, a GPU's on a CPU). Where the replay's device has no kernel for such an op, its
-forward runs ``scaled_dot_product_attention`` with autograd on, which takes the kernel this device picks for
-those inputs, and keeps the graph; its backward runs that graph's backward. The pair is then the device's own
-fused forward and backward, as the program would have run them here. The op's other outputs (log-sum-exp,
-seeds, sequence offsets) are made in their captured shapes; only the stand-in's backward could read them, and
-it reads the graph instead.
+forward runs ``scaled_dot_product_attention``, which takes the kernel this device picks for those inputs
+(in a training step's replay with autograd on, its graph kept); its backward runs that graph's backward.
+The pair is then the device's own fused forward and backward, as the program would have run them here. The
+op's other outputs (log-sum-exp, seeds, sequence offsets) are made in their captured shapes; only the
+stand-in's backward could read them, and it reads the graph instead.
 """
 
 from __future__ import annotations
