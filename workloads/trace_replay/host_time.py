@@ -17,7 +17,7 @@ import difflib
 import re
 import statistics
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -145,30 +145,44 @@ def _per_event_cost(step: KinetoEvent, walk: _StepWalk, plain_us: dict[int | Non
     return max(0.0, step.dur - plain) / walk.every
 
 
-def _walk_step(ops: list[KinetoEvent], step: KinetoEvent, replayed: Callable[[str], bool] | None) -> _StepWalk:
-    """One step's events on every thread, counted and timed as :class:`_StepWalk` says.
+def _step_events(ops: list[KinetoEvent], step: KinetoEvent, replayed: Callable[[str], bool] | None
+                 ) -> Iterator[tuple[KinetoEvent, bool | None]]:
+    """One step's events on every thread, in the order they started (``ops`` by :func:`_by_start`), each with
+    None where it lies inside a replayed op of its own thread, else whether it is a replayed op itself (the
+    top-most event whose name ``replayed`` accepts; every op when None).
 
     The replay runs a step's ops one after another on one thread, wherever the program ran them: on an
     accelerator the autograd engine runs the backward ops on a thread of its own while the step's thread
     waits. The step's time inside replayed ops is therefore theirs on any thread; counted on the step's
     thread alone, a GPU program's whole backward read as host time, which the replay then spent on top
     of running the backward ops (Llama tiny on an H200: +50 %)."""
-    start, end = step.ts, step.ts + step.dur
     covered: dict[int, float] = {}  # each thread's end of the replayed op it is inside
-    busy, union_end, outside, every, ran, nested = 0.0, start, 0, 0, 0, 0
-    for e in ops:
-        if e.ts < start or e.ts >= end:
+    for e in ops[bisect.bisect_left(ops, step.ts, key=lambda e: e.ts):]:
+        if e.ts >= step.ts + step.dur:
+            break
+        if e.ts < covered.get(e.tid, step.ts):
+            yield e, None
             continue
+        hit = replayed is None or replayed(e.name)
+        if hit:
+            covered[e.tid] = e.ts + e.dur
+        yield e, hit
+
+
+def _walk_step(ops: list[KinetoEvent], step: KinetoEvent, replayed: Callable[[str], bool] | None) -> _StepWalk:
+    """One step's events on every thread (:func:`_step_events`), counted and timed as :class:`_StepWalk` says."""
+    end = step.ts + step.dur
+    busy, union_end, outside, every, ran, nested = 0.0, step.ts, 0, 0, 0, 0
+    for e, hit in _step_events(ops, step, replayed):
         every += 1
-        if e.ts < covered.get(e.tid, start):
+        if hit is None:
             nested += 1  # inside a replayed op already counted
             continue
         outside += 1
-        if replayed is None or replayed(e.name):
+        if hit:
             finish = min(e.ts + e.dur, end)
             busy += max(0.0, finish - max(e.ts, union_end))  # events come in start order: the union's new part
             union_end = max(union_end, finish)
-            covered[e.tid] = e.ts + e.dur
             ran += 1
     return _StepWalk(every, outside, busy, ran, nested)
 
@@ -210,23 +224,20 @@ def _step_gaps(timing: KinetoTrace, plain_us: dict[int | None, float],
     before each and after the last (µs: the time no thread was inside a replayed op), the profiler's cost
     of the events in each taken out."""
     ops = _by_start(timing)
-    starts = [e.ts for e in ops]
     out = []
     for step in timing.steps:
         walk = _walk_step(ops, step, replayed)
         if (per_event := _per_event_cost(step, walk, plain_us)) is None:
             continue
         gaps, ran, end, events = [], [], step.ts, 0
-        covered: dict[int, float] = {}  # as in _walk_step
-        for e in ops[bisect.bisect_left(starts, step.ts):bisect.bisect_left(starts, step.ts + step.dur)]:
-            if e.ts < covered.get(e.tid, step.ts):
+        for e, hit in _step_events(ops, step, replayed):
+            if hit is None:
                 continue  # inside a replayed op of its thread
             events += 1  # an event outside the replayed ops: its cost lands in this gap
-            if replayed(e.name):
+            if hit:
                 gaps.append(max(0.0, e.ts - end - events * per_event))
                 ran.append(e.name)
                 end = max(end, e.ts + e.dur)
-                covered[e.tid] = e.ts + e.dur
                 events = 0
         gaps.append(max(0.0, step.ts + step.dur - end - events * per_event))
         out.append((ran, gaps))

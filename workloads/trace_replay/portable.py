@@ -64,11 +64,10 @@ class PortableAttention:
     def stand_in(self, name: str, schema: str, out_infos: list[TensorInfo | None]) -> Callable[..., Any]:
         """The callable that replays op ``name`` through this device's attention."""
         bind = _binder(schema)
-        made = [(info.shape, info.dtype) if info is not None else None for info in out_infos]
         if name in SDPA_FORWARD:
             def forward(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
                 out = self._forward(bind(args, kwargs))
-                return (out.detach(), *self._others(made[1:]))
+                return (out.detach(), *self._others(out_infos[1:]))
 
             return forward
 
@@ -81,7 +80,7 @@ class PortableAttention:
             out, leaves = kept
             grad = call.get("grad_out", call.get("grad_out_"))
             grads = torch.autograd.grad(out, leaves, grad.to(out.dtype))
-            return (*grads, *self._others(made[len(grads):]))
+            return (*grads, *self._others(out_infos[len(grads):]))
 
         return backward
 
@@ -100,6 +99,6 @@ class PortableAttention:
             self.graphs[out.data_ptr()] = (out, (query, key, value))
         return out
 
-    def _others(self, made: list[tuple[tuple[int, ...], torch.dtype] | None]) -> list[Any]:
-        return [torch.empty(shape, dtype=dtype, device=self.device) if shape is not None else None
-                for shape, dtype in (m if m is not None else (None, None) for m in made)]
+    def _others(self, infos: list[TensorInfo | None]) -> list[Any]:
+        """The op's other outputs, empty in their captured shapes (None where it returned no tensor)."""
+        return [torch.empty(i.shape, dtype=i.dtype, device=self.device) if i is not None else None for i in infos]
