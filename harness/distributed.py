@@ -165,10 +165,12 @@ def record_rank_exit(work_dir: Path, rank: int, how: str) -> None:
         write_atomic(folder / f"rank{rank}.exit", how)
 
 
-def lost_ranks_when_stopped(work_dir: Path, grace_s: float = 2.0) -> list[str]:
-    """:func:`lost_ranks`, for a rank stopped by a signal: a peer killed a moment earlier may still be
-    dying (torchrun, or a user, signals the survivors right after the kill), so wait up to ``grace_s``
-    until each other rank of this host has either left saying so (its ``.exit``) or is gone."""
+def lost_ranks_settled(work_dir: Path, grace_s: float = 2.0) -> list[str]:
+    """:func:`lost_ranks`, for a rank whose run is ending because something outside it happened: stopped by a
+    signal (torchrun, or a user, signals the survivors right after a kill), or its collective failed (the
+    killed peer's sockets close while the kernel is still ending it, before it is a zombie). A peer killed a
+    moment earlier may still be dying, so wait up to ``grace_s`` until each other rank of this host has either
+    left saying so (its ``.exit``) or is gone."""
     deadline = time.monotonic() + grace_s
     while True:
         lost = lost_ranks(work_dir)

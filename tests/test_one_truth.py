@@ -10,15 +10,17 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 from conftest import clean_env, mlflow_runs
 
 from harness.config import TrackingConfig
-from harness.distributed import PeerWatch, process_started, record_rank
+from harness.distributed import PeerWatch, lost_ranks_settled, process_started, record_rank
 from harness.recording.tracking import HOST_TAG, PID_STARTED_TAG, PID_TAG, Tracker
 from harness.running.interrupts import deferred_interrupts, sigterm_as_interrupt
 
@@ -121,6 +123,29 @@ def test_a_main_rank_that_closes_its_run_first_is_left_to_close_it_and_told_wher
         peer.kill()
     assert closed == [] and exits == []
     assert "closing the run has taken 0.4 s; where each thread is" in caplog.text and "thread MainThread" in caplog.text
+
+
+def test_a_peer_still_dying_when_this_rank_sees_its_collective_fail_is_named(tmp_path):
+    """A killed peer's sockets close before the kernel has finished ending it: the failed collective is seen
+    while the peer still looks alive, and the look at the peers waits for it (not for a live, healthy peer)."""
+    peer = _a_peer_that_dies(tmp_path)
+    try:
+        threading.Timer(0.5, peer.kill).start()
+        started = time.monotonic()
+        lost = lost_ranks_settled(tmp_path, grace_s=10.0)
+        waited = time.monotonic() - started
+    finally:
+        peer.kill()
+        peer.wait()
+    assert lost == [f"rank 1 (pid {peer.pid} on {socket.gethostname()})"] and 0.4 < waited < 5.0
+    second = _a_peer_that_dies(tmp_path / "healthy")
+    try:
+        started = time.monotonic()
+        assert lost_ranks_settled(tmp_path / "healthy", grace_s=0.5) == []  # alive throughout: nobody named
+        assert time.monotonic() - started >= 0.5
+    finally:
+        second.kill()
+        second.wait()
 
 
 def test_a_signal_while_closing_waits_until_the_records_are_closed():

@@ -33,8 +33,7 @@ from harness.distributed import (
     env_dist_info,
     gather_to_all,
     init_distributed,
-    lost_ranks,
-    lost_ranks_when_stopped,
+    lost_ranks_settled,
     record_rank,
     record_rank_exit,
 )
@@ -234,7 +233,7 @@ def run_benchmark(
             status, reason = STATUS_KILLED, f"interrupted by {signal_name(err)}"
             if dist_info.enabled:
                 record_rank_exit(run_dir, dist_info.rank, reason)
-                lost = lost_ranks_when_stopped(run_dir)
+                lost = lost_ranks_settled(run_dir)
                 if lost:  # torchrun stops the survivors of a rank that died: the run failed, not cancelled
                     status = STATUS_FAILED
                     reason = f"{', '.join(lost)} died (no longer running) during the run; then this rank was {reason}"
@@ -247,7 +246,7 @@ def run_benchmark(
             if watch is not None and not watch.claim():
                 return result
             reason = f"{type(err).__name__}: {err}"
-            lost = lost_ranks(run_dir) if dist_info.enabled else []
+            lost = lost_ranks_settled(run_dir) if dist_info.enabled else []
             if lost:  # a collective failed because a peer died: say which, first
                 reason = f"{', '.join(lost)} died (no longer running) during the run; this rank saw: {reason}"
             if main:
