@@ -16,15 +16,13 @@ import bisect
 import difflib
 import re
 import statistics
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any, NamedTuple
 
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from workloads.trace_bundle import STEP_ANNOTATION, BundleMeta
-from workloads.trace_replay.parse import BundleTrace, KinetoEvent, KinetoTrace, read_kineto, step_index
+from workloads.trace_replay.parse import BundleTrace, KinetoEvent, KinetoTrace, recorded_kineto, step_index
 
 # The host-time rounds: Kineto alone, then plain. Each block's first steps run slow and are not
 # measured: after the profiler starts (its buffers fill) and after it stops (caches, allocator).
@@ -45,27 +43,25 @@ def profiled_steps(steps: Sequence[Callable[[], Any]], *, settle: Callable[[], A
     trace it recorded. ``prepare`` runs before each step outside its annotation (a replay's state put
     back); ``synchronize`` after each, outside it too."""
     sync = synchronize or (lambda: None)
-    with tempfile.TemporaryDirectory(prefix="cobench-host-") as tmp:
-        with profile(activities=activities or [ProfilerActivity.CPU]) as prof:
-            if settle is not None:
-                settle()
-                sync()
-            for k, step in enumerate(steps):
-                if prepare is not None:
-                    prepare()
-                with record_function(f"{STEP_ANNOTATION}{k}"):
-                    step()
-                sync()
-        path = Path(tmp) / "host.json"
-        prof.export_chrome_trace(str(path))
-        return read_kineto(path)
+    with profile(activities=activities or [ProfilerActivity.CPU]) as prof:
+        if settle is not None:
+            settle()
+            sync()
+        for k, step in enumerate(steps):
+            if prepare is not None:
+                prepare()
+            with record_function(f"{STEP_ANNOTATION}{k}"):
+                step()
+            sync()
+    return recorded_kineto(prof.profiler.kineto_results.events())
 
 
 def host_and_op_time(timing: KinetoTrace, plain_us: dict[int | None, float],
                      replayed: Callable[[str], bool] | None = None) -> tuple[dict[int, float], dict[int, float]]:
     """Each annotated step's time outside the replayed ops and inside them (µs, step index → figure), the
     profiler's cost taken out against ``plain_us``: :func:`kineto_host_gaps` and :func:`replayed_op_time`."""
-    return kineto_host_gaps(timing, plain_us, replayed), replayed_op_time(timing, plain_us, replayed)
+    splits = _split_steps(timing, plain_us, replayed)
+    return _host_gaps(splits), _op_time(splits)
 
 
 def kineto_host_gaps(timing: KinetoTrace, plain_us: dict[int | None, float],
@@ -84,13 +80,7 @@ def kineto_host_gaps(timing: KinetoTrace, plain_us: dict[int | None, float],
     replayed ops − those events × c. ``plain_us`` gives the uninstrumented step time per step index
     (the ``None`` key for every step).
     """
-    ops = _by_start(timing)
-    gaps: dict[int, float] = {}
-    for step in timing.steps:
-        walk = _walk_step(ops, step, replayed)
-        if (per_event := _per_event_cost(step, walk, plain_us)) is not None:
-            gaps[step_index(step)] = max(0.0, step.dur - walk.busy - walk.outside * per_event)
-    return gaps
+    return _host_gaps(_split_steps(timing, plain_us, replayed))
 
 
 def replayed_op_counts(timing: KinetoTrace, replayed: Callable[[str], bool] | None = None) -> dict[int, int]:
@@ -111,17 +101,15 @@ def replayed_op_time(timing: KinetoTrace, plain_us: dict[int | None, float],
     (a collective's time is mostly waiting for the other ranks; what it calls inside is left out with
     it). With the nested events' cost left in, a small MLP's forward read 26 % (grad mode) and 37 % (without)
     above its plain time less its host time."""
-    ops = _by_start(timing)
-    times: dict[int, float] = {}
-    for step in timing.steps:
-        walk = _walk_step(ops, step, replayed)
-        if (per_event := _per_event_cost(step, walk, plain_us)) is None:
-            continue
-        waiting = _walk_step(ops, step, lambda name: COLLECTIVE.match(name) is not None and
-                             (replayed is None or replayed(name)))
-        times[step_index(step)] = max(0.0, walk.busy - walk.nested * per_event
-                                      - (waiting.busy - waiting.nested * per_event))
-    return times
+    return _op_time(_split_steps(timing, plain_us, replayed))
+
+
+def _host_gaps(splits: dict[int, _StepSplit]) -> dict[int, float]:
+    return {k: max(0.0, s.dur - s.walk.busy - s.walk.outside * s.per_event) for k, s in splits.items()}
+
+
+def _op_time(splits: dict[int, _StepSplit]) -> dict[int, float]:
+    return {k: max(0.0, s.walk.busy - s.walk.nested * s.per_event - s.waiting) for k, s in splits.items()}
 
 
 def _by_start(timing: KinetoTrace) -> list[KinetoEvent]:
@@ -134,6 +122,32 @@ class _StepWalk(NamedTuple):
     busy: float  # the time inside replayed ops, on any thread (µs; the union: time two threads share counts once)
     ran: int  # the replayed ops among ``outside``
     nested: int  # the events inside a replayed op of their own thread
+
+
+class _StepSplit(NamedTuple):
+    dur: float  # the step's time under Kineto (µs)
+    walk: _StepWalk
+    per_event: float  # the profiler's cost per op event (µs)
+    waiting: float  # the time inside replayed collectives, their nested events' cost taken out (µs)
+
+
+def _split_steps(timing: KinetoTrace, plain_us: dict[int | None, float],
+                 replayed: Callable[[str], bool] | None) -> dict[int, _StepSplit]:
+    """Each annotated step walked once (twice where the trace holds a collective), for both splits."""
+    ops = _by_start(timing)
+    collectives = any(COLLECTIVE.match(e.name) for e in ops)
+    splits: dict[int, _StepSplit] = {}
+    for step in timing.steps:
+        walk = _walk_step(ops, step, replayed)
+        if (per_event := _per_event_cost(step, walk, plain_us)) is None:
+            continue
+        waiting = 0.0
+        if collectives:
+            inside = _walk_step(ops, step, lambda name: COLLECTIVE.match(name) is not None and
+                                (replayed is None or replayed(name)))
+            waiting = inside.busy - inside.nested * per_event
+        splits[step_index(step)] = _StepSplit(step.dur, walk, per_event, waiting)
+    return splits
 
 
 def _per_event_cost(step: KinetoEvent, walk: _StepWalk, plain_us: dict[int | None, float]) -> float | None:
