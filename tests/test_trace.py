@@ -423,6 +423,38 @@ def test_ops_another_thread_runs_while_the_step_waits_are_op_time_not_host_time(
     assert gap_shape(trace, {None: 100.0}, replayed, names) == pytest.approx([0.0, 15.0, 5.0, 20.0, 0.0, 5.0])
 
 
+def test_a_profiled_block_read_in_memory_splits_as_its_exported_trace_does(tmp_path: Path):
+    """The host-time blocks read the profiler's events in memory (exporting and parsing them took most of a
+    replay's setup): the same events, steps, threads and times as the file it would have written, and the
+    same host time and op time per step."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from workloads.trace_replay.parse import read_kineto, recorded_kineto
+
+    x, w = torch.randn(64, 64), torch.randn(64, 64, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for k in range(3):
+            with record_function(f"cobench_step#{k}"):
+                loss = torch.relu(x @ w).sum()
+                loss.backward()  # the engine's wrappers and the ops inside them
+                sum(range(20000))  # host time
+    prof.export_chrome_trace(str(tmp_path / "t.json"))
+    exported, in_memory = read_kineto(tmp_path / "t.json"), recorded_kineto(prof.profiler.kineto_results.events())
+
+    def summary(trace: KinetoTrace) -> list[tuple]:
+        return sorted((e.name, e.cat, round(e.dur, 3)) for e in trace.events if e.cat in ("cpu_op", "user_annotation"))
+
+    assert summary(in_memory) == summary(exported) and len(in_memory.steps) == 3
+    assert len({e.tid for e in in_memory.cpu_ops}) == len({e.tid for e in exported.cpu_ops})
+    plain = {k: step.dur for k, step in enumerate(exported.steps)}  # no profiler's cost: the split as timed
+    replayed = {"aten::matmul", "aten::relu", "aten::sum", "aten::mm", "aten::threshold_backward"}.__contains__
+    for split in (kineto_host_gaps, replayed_op_time):
+        ours, theirs = split(in_memory, plain, replayed), split(exported, plain, replayed)
+        assert ours.keys() == theirs.keys() == {0, 1, 2}
+        assert ours == pytest.approx(theirs, rel=2e-3), split.__name__  # the file rounds its times
+        assert all(v > 0 for v in theirs.values()), (split.__name__, theirs)
+
+
 def test_host_time_is_spread_as_the_kineto_alone_steps_lay_it_out(monkeypatch):
     """The gaps' shape comes from the Kineto-alone steps (the traced ones' is flattened by the observer's
     cost on every op): per position the median over those steps, the profiler's cost (1 µs an event
