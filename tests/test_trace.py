@@ -423,10 +423,10 @@ def test_ops_another_thread_runs_while_the_step_waits_are_op_time_not_host_time(
     assert gap_shape(trace, {None: 100.0}, replayed, names) == pytest.approx([0.0, 15.0, 5.0, 20.0, 0.0, 5.0])
 
 
-def test_a_profiled_block_read_in_memory_splits_as_its_exported_trace_does(tmp_path: Path):
+def test_a_profiled_block_read_in_memory_splits_as_its_exported_trace_does(tmp_path: Path, monkeypatch):
     """The host-time blocks read the profiler's events in memory (exporting and parsing them took most of a
     replay's setup): the same events, steps, threads and times as the file it would have written, and the
-    same host time and op time per step."""
+    same host time and op time per step. A torch whose events do not name their category reads the file."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from workloads.trace_replay.parse import read_kineto, recorded_kineto
@@ -453,6 +453,17 @@ def test_a_profiled_block_read_in_memory_splits_as_its_exported_trace_does(tmp_p
         assert ours.keys() == theirs.keys() == {0, 1, 2}
         assert ours == pytest.approx(theirs, rel=2e-3), split.__name__  # the file rounds its times
         assert all(v > 0 for v in theirs.values()), (split.__name__, theirs)
+
+    class Unnamed:  # an event of a torch that does not bind its category
+        def name(self) -> str:
+            return "aten::mm"
+
+    assert recorded_kineto([Unnamed()]) is None
+    import workloads.trace_replay.host_time as host_time
+
+    monkeypatch.setattr(host_time, "recorded_kineto", lambda events: None)
+    from_file = host_time.profiled_steps([lambda: x @ w] * 2)
+    assert len(from_file.steps) == 2 and {e.name for e in from_file.cpu_ops} >= {"aten::mm"}
 
 
 def test_host_time_is_spread_as_the_kineto_alone_steps_lay_it_out(monkeypatch):

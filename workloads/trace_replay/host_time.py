@@ -16,13 +16,15 @@ import bisect
 import difflib
 import re
 import statistics
+import tempfile
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from workloads.trace_bundle import STEP_ANNOTATION, BundleMeta
-from workloads.trace_replay.parse import BundleTrace, KinetoEvent, KinetoTrace, recorded_kineto, step_index
+from workloads.trace_replay.parse import BundleTrace, KinetoEvent, KinetoTrace, read_kineto, recorded_kineto, step_index
 
 # The host-time rounds: Kineto alone, then plain. Each block's first steps run slow and are not
 # measured: after the profiler starts (its buffers fill) and after it stops (caches, allocator).
@@ -53,7 +55,12 @@ def profiled_steps(steps: Sequence[Callable[[], Any]], *, settle: Callable[[], A
             with record_function(f"{STEP_ANNOTATION}{k}"):
                 step()
             sync()
-    return recorded_kineto(prof.profiler.kineto_results.events())
+    if (trace := recorded_kineto(prof.profiler.kineto_results.events())) is not None:
+        return trace
+    with tempfile.TemporaryDirectory(prefix="cobench-host-") as tmp:
+        path = Path(tmp) / "host.json"
+        prof.export_chrome_trace(str(path))
+        return read_kineto(path)
 
 
 def host_and_op_time(timing: KinetoTrace, plain_us: dict[int | None, float],

@@ -182,11 +182,15 @@ def kineto_trace(raw: Any, path: Path) -> KinetoTrace:
     return KinetoTrace(events, sorted(memory, key=lambda e: e.ts))
 
 
-def recorded_kineto(events: Iterable[Any]) -> KinetoTrace:
+def recorded_kineto(events: list[Any]) -> KinetoTrace | None:
     """A profiler's recorded events (``profile().profiler.kineto_results.events()``) as the typed events its
     exported trace would read as, without writing and parsing that file (a host-time block's export and
     parse took most of a replay's setup): each event's type is its category, its times in µs. The
-    record-function id, which joins a file's event to its ET node, is not among them: None."""
+    record-function id, which joins a file's event to its ET node, is not among them: None. None in all
+    where this torch's events do not name their category (``activity_type``, bound to Python only in
+    recent torch; 2.13 has it): read the exported file there."""
+    if events and not isinstance(getattr(events[0], "activity_type", lambda: None)(), str):
+        return None
     return KinetoTrace([KinetoEvent(e.name(), e.activity_type(), e.start_ns() / 1e3, e.duration_ns() / 1e3,
                                     e.start_thread_id(), None) for e in events], [])
 
