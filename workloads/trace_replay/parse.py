@@ -52,8 +52,8 @@ class Node:
 
 
 class KinetoEvent(NamedTuple):
-    """A complete (``ph: X``) Kineto event: an op, a step annotation or another scope. (A tuple: a trace
-    holds hundreds of thousands, and a frozen dataclass took four times as long to make.)"""
+    """A complete (``ph: X``) Kineto event: an op, a step annotation or another scope. (A tuple: a profiled
+    block holds tens of thousands, and a frozen dataclass took four times as long to make.)"""
 
     name: str
     cat: str
