@@ -270,3 +270,47 @@ def test_a_small_constant_replays_with_the_programs_own_values(tmp_path: Path):
     replayer.dry_run()
     replayer.run_step()
     assert not replayer.errors and replayer.nonfinite_tensors() == 0
+
+
+def test_a_backward_op_computes_with_the_output_its_forward_saved_not_a_made_up_one(tmp_path: Path):
+    """Autograd hands a backward op the output its forward saved (a softmax, a tanh, a ReLU, a log-softmax) as
+    a new tensor over the same storage, which the trace gives an id of its own. Replayed with that id's own
+    made-up tensor (positive floats in [0.1, 1)), the log-softmax's backward read no log-probabilities at
+    all (GPT-2's gradients came out 10³ times the program's). Each such op must read what its forward made:
+    the log-softmax's output is ≤ 0, the softmax's rows sum to 1, the ReLU's has zeros."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+    def step() -> None:
+        x, y = torch.randn(12, 16), torch.randint(0, 8, (12,))
+        logits = model(x)
+        mixed = torch.softmax(logits @ logits.T, dim=-1) @ logits
+        nn.functional.cross_entropy(mixed, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with capture(tmp_path / "bundle", steps=2, warmup=2, baseline_steps=1, model=model, announce=False) as cap:
+        while not cap.done:
+            with cap.step():
+                step()
+    replayer = _replayer(tmp_path / "bundle")
+    plan, vals = replayer.plan, replayer.vals
+    saved_output_arg = {"aten::_log_softmax_backward_data": 1, "aten::_softmax_backward_data": 1,
+                        "aten::tanh_backward": 1, "aten::threshold_backward": 1}
+    read: dict[str, list[torch.Tensor]] = {}
+
+    def before(index: int) -> None:
+        op = plan.ops[index]
+        if op.name in saved_output_arg:
+            slot = next(slot for position, _, slot in op.arg_slots if position == saved_output_arg[op.name])
+            assert slot not in plan.externals, f"{op.name} reads a made-up tensor for its forward's output"
+            read.setdefault(op.name, []).append(vals[slot].clone())
+
+    stats = replayer.dry_run(before)
+    assert not stats.errors
+    assert set(read) == set(saved_output_arg) and all(len(v) == 2 for v in read.values())  # each step's
+    assert all((t <= 0).all() for t in read["aten::_log_softmax_backward_data"])
+    assert all(torch.allclose(t.sum(-1), torch.ones(t.shape[0])) for t in read["aten::_softmax_backward_data"])
+    assert all((t.abs() < 1).all() for t in read["aten::tanh_backward"])
+    assert all((t == 0).any() and (t >= 0).all() for t in read["aten::threshold_backward"])

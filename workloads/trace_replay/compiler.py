@@ -79,13 +79,36 @@ class OpCompiler:
         self.training = training
         self.slots: dict[tuple, int] = {}
         self.portable = PortableAttention(device, training)  # fused kernels of another device, through this one's
+        self._made: dict[tuple, int] = {}  # each op output's placement (storage, offset, layout) → its slot
+        self._step: int | None = None
+        self._backward = False  # the op being compiled runs in the autograd engine
 
     def _slot(self, info: TensorInfo) -> int:
         return self.slots.setdefault(info.key, len(self.slots))
 
+    def _input_slot(self, info: TensorInfo) -> int:
+        """An input's slot. A tensor a backward op reads that the ops never made nor read before, laid exactly
+        over a tensor an earlier op of this step made (same storage, offset, shape, stride and dtype), is that
+        output: autograd hands a backward op the output its forward saved as a new tensor of the same storage,
+        which the trace gives a new id (``_softmax_backward_data``'s softmax, ``tanh_backward``'s tanh,
+        ``threshold_backward``'s ReLU). Left an id of its own, it was made up like a parameter, and the backward
+        computed with made-up values: GPT-2's log-softmax gradients came out 10³ times the program's."""
+        if self._backward and info.key not in self.slots:
+            made = self._made.get(self._placement(info))
+            if made is not None:
+                self.slots[info.key] = made
+        return self._slot(info)
+
+    @staticmethod
+    def _placement(info: TensorInfo) -> tuple:
+        return (info.storage_id, info.offset, info.shape, info.stride, info.dtype)
+
     def compile(self, index: int, op: OpRecord) -> CompiledOp:
         """One captured op as a :class:`~.ops.CompiledOp` (with its error where it cannot run here)."""
         compiled = CompiledOp(index, op.name, op.category, op.step, None, [], {}, [], [], [], [], op.dur_us)
+        if op.step != self._step:  # a step's outputs stand in for its own inputs only
+            self._step, self._made = op.step, {}
+        self._backward = any(scope.startswith("autograd::engine::") for scope in op.scopes)
         refusal = None if self.trust else op_refusal(op.name, op.schema)
         if refusal is not None:  # check_spec refuses such a spec first: this is the last line of defence
             raise OpRefused(f"op #{index} {op.schema.split('(', 1)[0]}: {refusal}")
@@ -114,6 +137,9 @@ class OpCompiler:
         except Exception as err:  # noqa: BLE001 - an op this build cannot express is recorded, not fatal
             compiled.error = f"{type(err).__name__}: {err}"
             compiled.fn = None
+        for slot, info in zip(compiled.out_slots, compiled.out_infos, strict=False):
+            if slot is not None and info is not None:
+                self._made[self._placement(info)] = slot
         return compiled
 
     def _compile_outputs(self, op: OpRecord, compiled: CompiledOp) -> None:
@@ -172,7 +198,7 @@ class OpCompiler:
                 return None, []
             info = tensor_info(value, shape, stride, et_type)
             pinned = self._pinned(info, data.get(str(tensor_index[0])))
-            return (pinned, []) if pinned is not None else (None, [(-1, self._slot(info))])
+            return (pinned, []) if pinned is not None else (None, [(-1, self._input_slot(info))])
         if et_type.startswith("GenericList["):
             types = list_types(et_type)
             if any(t.startswith("Tensor(") for t in types):
@@ -188,7 +214,7 @@ class OpCompiler:
                         if pinned is not None:
                             template[j] = pinned
                         else:
-                            slots.append((j, self._slot(info)))
+                            slots.append((j, self._input_slot(info)))
                 return template, slots
             return list(value), []
         if et_type == "None" or value == "<None>":
