@@ -10,6 +10,7 @@ import json
 import math
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -98,6 +99,11 @@ def test_capture_writes_a_bundle_with_uninstrumented_step_times(program_bundle: 
     # The plain steps are the reference, timed apart from the traced ones (the profiler slows those; by
     # how much is a figure, not asserted: on a busy machine the sign of a 2-step difference is noise)
     assert meta.step_times_s[:2] != meta.traced_step_times_s and math.isfinite(meta.capture_overhead_pct)
+    # the host's speed beside each host-time round's measured steps (a replay spends their host time scaled by
+    # its own host's speed against it), and in the spec, its median
+    assert len(meta.timing_spin_ns) == meta.timing_rounds > 0 and all(0 < ns < 1e5 for ns in meta.timing_spin_ns)
+    spec = generate_spec(program_bundle)
+    assert {s["host_spin_ns"] for s in spec["ranks"][0]["steps"]} == {statistics.median(meta.timing_spin_ns)}
     et = json.loads((program_bundle / ET_FILE).read_text())
     assert et["schema"].startswith("1.1.1-chakra")
 
@@ -158,6 +164,7 @@ def test_llama_capture_generate_replay_through_the_harness(llama_bundle: Path, t
     assert fidelity["failed_ops"] == []
 
 
+@pytest.mark.alone  # its replay runs 2 intra-op threads: beside the other worker's test they wait on each other (4x)
 def test_replay_on_other_threads_is_a_portability_run_judged_against_a_reference(llama_bundle: Path,
                                                                                  tmp_path: Path):
     spec = write_spec(generate_spec(llama_bundle), tmp_path / "spec.json")
@@ -614,6 +621,57 @@ def test_the_replay_spends_the_programs_host_time_against_a_ledger_of_its_own_wo
     # without host gaps: the ops back to back, no ledger
     owed, _ = step(None)
     assert owed == 0.0 and started[1] - started[0] == pytest.approx(18 * us, abs=0.5 * us)
+
+
+def test_the_replay_spends_the_programs_host_time_as_work_that_takes_longer_on_a_slower_host():
+    """The program's host time is host work: where this host runs the ledger's spin loop twice as slowly as the
+    capture's did (its turns, on a clock each read of which costs 0.2 µs against 0.1), every gap a step spends
+    takes twice as long. The speed is read again at most every ``HostSpeed.EVERY_S`` as the steps run."""
+    from workloads.trace_replay.codegen import HostSpeed, generate_step, spin_ns
+    from workloads.trace_replay.ops import CompiledOp
+
+    us, now, read_cost, started = 1e-6, [0.0], [0.1e-6], []
+
+    def clock() -> float:
+        now[0] += read_cost[0]
+        return now[0]
+
+    assert spin_ns(clock) == pytest.approx(100.0, rel=0.01)  # ns per turn: one clock read a turn
+    speed = HostSpeed(spin_ns(clock), clock=clock)
+    speed.update()
+    assert speed.scale == pytest.approx(1.0, rel=0.01)
+    read_cost[0] = 0.2e-6  # the host now runs host work half as fast
+    speed.update()
+    assert speed.scale == pytest.approx(1.0, rel=0.01)  # read a moment ago: not again yet
+    now[0] += HostSpeed.EVERY_S
+    speed.update()
+    speed.update()
+    assert speed.scale == pytest.approx(1.0, rel=0.01)  # one slow reading of two does not move it
+    now[0] += HostSpeed.EVERY_S
+    speed.update()
+    assert speed.scale == pytest.approx(2.0, rel=0.01)  # the median of its last readings: 100, 200, 200 ns
+    assert statistics.median(speed.scales) == pytest.approx(1.0, rel=0.01) and max(speed.scales) == \
+        pytest.approx(2.0, rel=0.01)
+
+    def op_fn() -> None:  # an op of 10 µs
+        started.append(now[0])
+        now[0] += 10 * us
+
+    ops = [CompiledOp(index=i, name="aten::x", category="cpu_op", step=0, fn=op_fn, args=[], kwargs={},
+                      arg_slots=[], kwarg_slots=[], out_slots=[], out_infos=[], dur_us=10.0) for i in range(2)]
+
+    def gaps(host: HostSpeed | None) -> list[float]:
+        started.clear()
+        now[0] = 0.0
+        fn, _ = generate_step(ops, [0, 1], [[], []], [5 * us, 20 * us], 3 * us, stand_in=lambda i: None,
+                              fill=lambda i: None, name="speed", speed=host, clock=clock)
+        fn([])
+        return [started[0], started[1] - started[0] - 10 * us, now[0] - started[1] - 10 * us]
+
+    assert gaps(None) == pytest.approx([5 * us, 20 * us, 3 * us], abs=0.5 * us)
+    assert gaps(speed) == pytest.approx([10 * us, 40 * us, 6 * us], abs=0.5 * us)
+    speed.scale = 0.5  # a host twice as fast as the capture's
+    assert gaps(speed) == pytest.approx([2.5 * us, 10 * us, 1.5 * us], abs=0.5 * us)
 
 
 def test_what_the_step_would_owe_at_its_end_comes_off_its_latest_gaps_with_room_beforehand():

@@ -69,6 +69,9 @@ class BundleMeta:
     # plain steps interleaved with the Kineto-alone ones (the same minutes): what the profiler added
     timing_plain_step_times_s: list[float] = field(default_factory=list)
     timing_rounds: int = 0  # rounds of those (Kineto-alone steps, then plain ones); 0: not recorded
+    # the host's speed after each round's Kineto-alone steps: ns per turn of a replay's spin loop
+    # (workloads.trace_replay.codegen.spin_ns); empty: not recorded
+    timing_spin_ns: list[float] = field(default_factory=list)
     schema: str = META_SCHEMA
 
     @property
@@ -95,6 +98,7 @@ class BundleMeta:
             "timing_step_times_s": self.timing_step_times_s,
             "timing_plain_step_times_s": self.timing_plain_step_times_s,
             "timing_rounds": self.timing_rounds,
+            "timing_spin_ns": self.timing_spin_ns,
         }
 
 
@@ -158,6 +162,7 @@ def read_meta(bundle: Path) -> BundleMeta:
             timing_step_times_s=[float(t) for t in raw.get("timing_step_times_s", [])],
             timing_plain_step_times_s=[float(t) for t in raw.get("timing_plain_step_times_s", [])],
             timing_rounds=int(raw.get("timing_rounds", 0) or 0),
+            timing_spin_ns=[float(t) for t in raw.get("timing_spin_ns", [])],
         )
     except (KeyError, TypeError, ValueError) as err:
         raise TraceError(f"{path}: malformed metadata ({type(err).__name__}: {err})") from None

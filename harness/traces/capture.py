@@ -60,6 +60,7 @@ from workloads.trace_bundle import (
     BundleMeta,
     TraceError,
 )
+from workloads.trace_replay.codegen import spin_ns
 from workloads.trace_replay.host_time import (
     PLAIN_MEASURED,
     PLAIN_SETTLE,
@@ -177,6 +178,7 @@ class Capture:
         self.traced_times_s: list[float] = []
         self.timing_times_s: list[float] = []  # steps under Kineto alone (host-gap measurement)
         self.timing_plain_times_s: list[float] = []  # plain steps interleaved with those
+        self.timing_spin_ns: list[float] = []  # the host's speed after each round's Kineto-alone steps (spin_ns)
         self._timing_profiler: profile | None = None
         self._timing_parts: list[dict[str, Any]] = []  # each round's Kineto-alone trace
         self._profiler: profile | None = None
@@ -246,6 +248,9 @@ class Capture:
         if traced and index == self.steps - 1:
             self._stop_profiler()
         if measured_kineto and at == TIMING_WARMUP + TIMING_MEASURED - 1:
+            # beside the host time those steps had (a pure Python loop: Kineto records no event in it); a replay
+            # spends that host time scaled by its own host's speed as it runs
+            self.timing_spin_ns.append(spin_ns())
             self._stop_timing_profiler()
 
     def _stop_timing_profiler(self) -> None:
@@ -369,6 +374,7 @@ def capture(
         timing_step_times_s=cap.timing_times_s,
         timing_plain_step_times_s=cap.timing_plain_times_s,
         timing_rounds=len(cap.timing_times_s) // TIMING_MEASURED,
+        timing_spin_ns=cap.timing_spin_ns,
     )
     if cap.values is not None:
         (target / VALUES_FILE).write_text(json.dumps(cap.values))

@@ -26,6 +26,63 @@ def seconds(gap_us: Any) -> float:
     return value if math.isfinite(value) and value > 0 else 0.0
 
 
+SPIN_PROBE_US = 200.0  # one reading of the host's speed: the ledger's spin loop run this long
+SPIN_PROBE_READINGS = 5  # the median of this many
+
+
+def spin_ns(clock: Callable[[], float] = time.perf_counter, readings: int = SPIN_PROBE_READINGS) -> float:
+    """The host's speed now, as the ledger's own spin loop runs: nanoseconds per turn of it, the median of
+    ``readings`` spins of :data:`SPIN_PROBE_US` each. The capture reads it beside the program's host
+    time; a replay spending that host time reads it again as it runs (:class:`HostSpeed`). On this 2-core
+    VM a turn took 83 ns in some minutes and 132 ns in others, and a pure Python loop, a small op's dispatch
+    and a llama training step moved with it (correlation 0.8 with the step's time over 1,100 readings)."""
+    taken = []
+    for _ in range(readings):
+        turns = 0
+        now = start = clock()
+        end = start + 1e-6 * SPIN_PROBE_US
+        while now < end:  # the loop the generated steps spin (generate_step)
+            now = clock()
+            turns += 1
+        taken.append(1e9 * (now - start) / max(1, turns))
+    taken.sort()
+    return taken[len(taken) // 2]
+
+
+class HostSpeed:
+    """How fast the host runs now against the capture's moment: ``scale`` multiplies every gap a step spends
+    (the program's host time is host work, which takes as much longer as the host runs slower). Read with
+    :func:`spin_ns` against the capture's own reading (``reference_ns``), at most every :data:`EVERY_S` as
+    the steps run (:meth:`update`, after each step; 0.08 % of the replay's time): the median of the last
+    :data:`KEPT` readings (the lower one of two: one reading alone does not move it).
+
+    The turns of the steps' own spins are not the reading: spun a few µs at a time right after an op, each
+    turn runs slower than the clean loop's, and llama's replay read that way spent 22 % more host time than
+    its program had while judged."""
+
+    EVERY_S = 0.25
+    READINGS = 1  # spins of SPIN_PROBE_US a reading
+    KEPT = 3
+    LIMITS = (0.25, 4.0)
+
+    def __init__(self, reference_ns: float, clock: Callable[[], float] = time.perf_counter):
+        self.reference_ns, self.clock = reference_ns, clock
+        self.scale = 1.0
+        self.readings: list[float] = []
+        self.scales: list[float] = []  # every scale the steps ran at, for the record
+        self._last = -math.inf
+
+    def update(self) -> None:
+        """Read the host's speed again where :data:`EVERY_S` has passed since the last reading."""
+        if self.clock() - self._last < self.EVERY_S:
+            return
+        self.readings = [*self.readings[-(self.KEPT - 1):], spin_ns(self.clock, self.READINGS)]
+        ordered = sorted(self.readings)
+        self.scale = min(max(ordered[(len(ordered) - 1) // 2] / self.reference_ns, self.LIMITS[0]), self.LIMITS[1])
+        self.scales.append(self.scale)
+        self._last = self.clock()
+
+
 def taken_back(gaps_s: Sequence[float], tail_s: float, cost_s: float) -> list[float]:
     """How much to take off each gap beforehand so that a step whose own work costs ``cost_s`` per op ends on
     the program's host time: where that work costs more than the gaps left (ops the framework calls from C++
@@ -53,7 +110,7 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
                   births: Sequence[int | None] | None = None, grad: Sequence[bool] | None = None,
                   grad_on: bool = False, keep: list[Any] | None = None, stand_in: Callable[[int], None],
                   fill: Callable[[int], None], born: Callable[[int], None] | None = None,
-                  name: str,
+                  name: str, speed: HostSpeed | None = None,
                   clock: Callable[[], float] = time.perf_counter) -> tuple[Callable[[list[Any]], float], int]:
     """The step running ``ops[p]`` for each p in ``positions``; returns it and how many ops it runs.
 
@@ -78,7 +135,9 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
     replayer's autograd calibration compares: the same code, grad mode on and off); None: every op
     without grad, as the replay runs. Those ops' outputs are appended to ``keep`` then, so that the
     history they record is torn down when the caller clears it, not inside the step: the program tears
-    its down in the backward, whose host time the capture measures apart. ``clock``: the ledger's clock.
+    its down in the backward, whose host time the capture measures apart. ``speed``: every gap the ledger
+    spends is multiplied by its ``scale``, read once a step (:class:`HostSpeed`); None: the gaps as given.
+    ``clock``: the ledger's clock.
     """
     consts: list[Any] = []
     fns: list[Callable[..., Any]] = []
@@ -100,7 +159,8 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
     if ledger:
         take = taken_back(gaps_s, tail_s, call_s + outside_s)
         gaps_s = [gap - cut - call_s for gap, cut in zip(gaps_s, take, strict=True)]  # the ledger's, per op
-        lines.append(f"    d = pc() + {float(gaps_s[0] if positions else tail_s)!r}")
+        lines.append("    k = h.scale if h is not None else 1.0")
+        lines.append(f"    d = pc() + k * {float(gaps_s[0] if positions else tail_s)!r}")
     ran = 0
     for j, position in enumerate(positions):
         op = ops[position]
@@ -111,7 +171,7 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
         if op.error is not None:
             lines.append(f"    standin({int(position)})")
             if ledger:
-                lines.append(f"    d += {after!r}")
+                lines.append(f"    d += k * {after!r}")
         else:
             ran += 1
             by_arg: dict[Any, dict[int, int]] = {}
@@ -134,7 +194,7 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
             else:
                 lines.append(f"    {call}")
             if ledger:
-                lines.append(f"    d += pc() - a + {after!r}")
+                lines.append(f"    d += pc() - a + k * {after!r}")
             if targets and not op.single_output:
                 lines.extend(f"    v[{slot}] = r[{n}]" for n, slot in targets)
             if toggled:
@@ -147,7 +207,7 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
             lines.append(f"    born({int(births[j])})")
     if ledger:
         lines += ["    while pc() < d: pass", "    return pc() - d"]
-    namespace: dict[str, Any] = {"f": fns, "c": consts, "flat": flatten_tensors, "pc": clock,
+    namespace: dict[str, Any] = {"f": fns, "c": consts, "flat": flatten_tensors, "pc": clock, "h": speed,
                                  "standin": stand_in, "fill": fill, "born": born,
                                  "grad": torch._C._set_grad_enabled, "keep": keep}
     exec(compile("\n".join([*lines, "    return 0.0"]), f"<cobench replay {name}>", "exec"), namespace)

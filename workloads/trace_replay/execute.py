@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from workloads.trace_replay.codegen import generate_step, seconds
+from workloads.trace_replay.codegen import HostSpeed, generate_step, seconds
 from workloads.trace_replay.ops import CompiledOp, describe, fit_length
 from workloads.trace_replay.plan import ReplayPlan
 from workloads.trace_replay.synthesis import Synthesis
@@ -36,9 +36,12 @@ class StepRunner:
     """Runs a plan's steps on its synthesised tensors; records which ops failed and which diverged."""
 
     def __init__(self, plan: ReplayPlan, tensors: Synthesis, *, host_gaps: bool = False,
-                 tail_gaps_us: list[float] | None = None):
+                 tail_gaps_us: list[float] | None = None, host_spin_ns: float = 0.0):
         self.plan, self.tensors = plan, tensors
         self.host_gaps = host_gaps
+        # the program's host time is host work: spent as much longer as this host runs slower than the capture's
+        # did then (its spin loop's turns against the capture's, codegen.HostSpeed); None where not measured
+        self.speed = HostSpeed(host_spin_ns) if host_gaps and host_spin_ns > 0 else None
         self._tail_gaps_us = tail_gaps_us or [0.0] * len(plan.sequence)
         self._next = 0
         self._generated: list[tuple[Callable[[list[Any]], float], int] | None] = [None] * len(plan.sequence)
@@ -158,6 +161,8 @@ class StepRunner:
         try:
             with torch.no_grad():
                 self.overrun_s.append(step(self.tensors.vals))
+            if self.speed is not None:
+                self.speed.update()
         except Exception:  # noqa: BLE001 - an op failed only now (its inputs differ from the dry run's)
             self.dry_run(steps=[k])  # find it op by op: recorded, stood in for, the code regenerated
         return ran
@@ -185,7 +190,8 @@ class StepRunner:
                              grad_on=bool(grad_on), keep=keep,
                              stand_in=lambda i: self.tensors.stand_in(self.plan.ops[i]),
                              fill=lambda i: self.plan.ops[i].store_fills(self.tensors.vals, self.tensors.generator),
-                             born=self.tensors.give_birth, name=f"step {k}")
+                             born=self.tensors.give_birth, name=f"step {k}",
+                             speed=None if no_gap_time else self.speed)
 
     def _gaps_s(self, positions: list[int]) -> list[float]:
         """The host time to spend before each of these ops (seconds): the program's gap, plus the autograd

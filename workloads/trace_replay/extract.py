@@ -245,6 +245,7 @@ def extract_rank(trace: BundleTrace) -> tuple[list[dict[str, Any]], list[dict[st
         step["kineto_ops"] = traced.get(step["index"], 0)
         step["program_kineto_ops"] = statistics.fmean(timed) if timed else 0.0
         step["program_op_us"] = statistics.median(op_us) if op_us else 0.0
+        step["host_spin_ns"] = statistics.median(trace.meta.timing_spin_ns) if trace.meta.timing_spin_ns else 0.0
     return ops, steps
 
 

@@ -72,13 +72,16 @@ class StepRecord:
     kineto_ops: int = 0  # the replayed ops the profiler saw in it (0: not counted)
     program_kineto_ops: float = 0.0  # the same count, the mean over the program's steps timed at capture
     program_op_us: float = 0.0  # the time inside those ops per step, the median over those steps (0: not measured)
+    # the host's speed while that host time was measured: ns per turn of the replay's spin loop, the median over
+    # the capture's rounds (codegen.spin_ns; 0: not measured, the gaps are spent as they are)
+    host_spin_ns: float = 0.0
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> StepRecord:
         return cls(int(raw["index"]), float(raw.get("tail_gap_us", 0.0)), float(raw.get("host_gap_us", 0.0)),
                    float(raw.get("ops_dur_us", 0.0)), tuple(float(g) for g in raw.get("host_gap_samples_us", ())),
                    int(raw.get("kineto_ops", 0)), float(raw.get("program_kineto_ops", 0.0)),
-                   float(raw.get("program_op_us", 0.0)))
+                   float(raw.get("program_op_us", 0.0)), float(raw.get("host_spin_ns", 0.0)))
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,9 @@ class Replayer:
         self.tensors = Synthesis(self.plan, device, self.generator, rank_spec.external_values)
         tails = {s.index: s.tail_gap_us for s in rank_spec.steps}
         tail_gaps_us = [tails.get(step, 0.0) for step in sorted({op.step for op in rank_spec.ops})]
-        self.runner = StepRunner(self.plan, self.tensors, host_gaps=host_gaps, tail_gaps_us=tail_gaps_us)
+        spin = next((s.host_spin_ns for s in rank_spec.steps if s.host_spin_ns > 0), 0.0)
+        self.runner = StepRunner(self.plan, self.tensors, host_gaps=host_gaps, tail_gaps_us=tail_gaps_us,
+                                 host_spin_ns=spin)
         self.call_samples_s: list[float] = []
         self.autograd_samples_s: list[float] = []
         self.outside_samples_s: list[float] = []

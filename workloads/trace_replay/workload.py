@@ -185,6 +185,11 @@ class GeneratedWorkload(WorkloadBase):
             record["metrics"]["replay_host_us_per_op"] = 1e6 * self.replayer.call_s
             record["metrics"]["replay_autograd_us_per_op"] = 1e6 * self.replayer.autograd_s
             record["metrics"]["replay_outside_us_per_op"] = 1e6 * self.replayer.runner.outside_s
+            if (speed := self.replayer.runner.speed) is not None and speed.scales:
+                # how much longer than at capture this host ran host work while the steps ran (median, spread)
+                record["metrics"]["replay_host_speed_scale_p50"] = statistics.median(speed.scales)
+                record["metrics"]["replay_host_speed_scale_min"] = min(speed.scales)
+                record["metrics"]["replay_host_speed_scale_max"] = max(speed.scales)
             if overrun := self.replayer.runner.overrun_s:
                 record["metrics"]["replay_host_overrun_ms_p50"] = 1e3 * statistics.median(overrun)
             ratio, why = self.replayer.op_time_ratio()
