@@ -11,7 +11,9 @@ with, not by hand in each file:
 - every other file is a group of its own, so a file's tests run on one worker and its module-scoped fixtures
   (a suite run all its tests read, a recorded golden) are made once, as serially.
 - ``alone`` (``@pytest.mark.alone``): tests whose verdict rests on wall-clock time on a quiet CPU (LoadGen's
-  Server latency bounds, a measured host gap, a timed sleep). A group would still run beside the other
+  Server latency bounds, a measured host gap, a timed sleep), and those that run a process on every core (its
+  OpenMP threads and the other worker's wait on each other: a llama replay on 2 threads took 154 s in CI
+  beside the other worker, 39 s alone). A group would still run beside the other
   worker's tests, so the two workers share a lock: every other test holds it shared, these hold it
   exclusively, and the other worker waits for its current test to end. Two in a row keep the lock.
 
@@ -37,8 +39,8 @@ CLUSTER_FIXTURES = ("postgres_uri", "slurm_cluster")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "alone: its verdict needs a quiet CPU; no other test runs beside it "
-                                       "(tests/worker_groups.py)")
+    config.addinivalue_line("markers", "alone: its verdict needs a quiet CPU, or it runs on every core; no other "
+                                       "test runs beside it (tests/worker_groups.py)")
     config.addinivalue_line("markers", "xdist_group(name): tests that pytest-xdist's loadgroup runs on one worker")
     if hasattr(config, "workerinput"):  # an xdist worker: its share of the cores, for it and what it starts
         share = max(1, (os.cpu_count() or 1) // int(config.workerinput.get("workercount", 1)))
