@@ -147,6 +147,13 @@ def test_each_side_is_measured_again_while_judged_and_the_error_is_split(monkeyp
     side = interleave(step(10.0), step(12.0), torch.device("cpu"), rounds=2, steps_per_round=3, warmup=0,
                       host=host)
     assert side.metrics()["time_error_judged_host_pct"] == pytest.approx(5.0)  # 12 − 1.5 ms, not 12 − 2.5
+    # a replay that scaled the capture's 3 ms by its host's speed (0.8: a host faster than at capture) spends 2.4
+    host.source, host.scale = measured("source", 2.0, 8.0), lambda: 0.8
+    metrics = interleave(step(10.0), step(12.0), torch.device("cpu"), rounds=2, steps_per_round=3, warmup=0,
+                         host=host).metrics()
+    assert metrics["capture_host_ms"] == 3.0 and metrics["spent_host_ms"] == pytest.approx(2.4)
+    assert metrics["host_shift_pct"] == pytest.approx(4.0)  # (2.4 − 2) ms of a 10 ms step
+    assert metrics["time_error_judged_host_pct"] == pytest.approx(16.0)  # 12 − 0.4 ms against 10
     # without a probe, no such figures
     assert "host_shift_pct" not in interleave(step(10.0), step(12.0), torch.device("cpu"), rounds=2,
                                               steps_per_round=3, warmup=0).metrics()

@@ -142,7 +142,13 @@ def _host_probe(source_step: Callable[[], Any], replay: Any, device: torch.devic
                      host_time_probe(replay_step, device, replayed, prepare=getattr(replay, "restore_values", None),
                                      agree=agree),
                      capture_ms=statistics.median(replayer.gap_samples_us) / 1e3,
-                     spun_ms=1e3 * replayer.runner.spun_s())
+                     spun_ms=1e3 * replayer.runner.spun_s(), scale=lambda: _speed_scale(replayer))
+
+
+def _speed_scale(replayer: Any) -> float:
+    """The median scale the replay has spent its host time at so far (1 where it reads no host speed)."""
+    speed = replayer.runner.speed
+    return statistics.median(speed.scales) if speed is not None and speed.scales else 1.0
 
 
 def _fidelity_record(replay_record: dict[str, Any], side: SideBySide, source_peak: int, replay_peak: int,

@@ -55,13 +55,20 @@ class HostProbe:
     and return, per measured step, the time outside the replayed ops and inside them (µs, profiler's
     cost taken out: :func:`host_time_probe`); ``capture_ms`` is the host time per step the replay
     spends (the capture's median), ``spun_ms`` what its spins add up to per step (the most a smaller
-    host time could take off it).
+    host time could take off it); ``scale``: by how much the replay has scaled that host time so far, by
+    its host's speed against the capture's (the median; :class:`workloads.trace_replay.codegen.HostSpeed`).
     """
 
     source: Callable[[], tuple[list[float], list[float]]]
     replay: Callable[[], tuple[list[float], list[float]]]
     capture_ms: float
     spun_ms: float
+    scale: Callable[[], float] = lambda: 1.0
+
+    @property
+    def spent_ms(self) -> float:
+        """The host time per step the replay spends: the capture's, scaled by its host's speed."""
+        return self.capture_ms * self.scale()
 
 
 @dataclass
@@ -87,7 +94,7 @@ class SideBySide:
     # per side, its host time and op time per step measured while judged (µs; HostProbe), and their medians (ms)
     probed_us: dict[str, list[float]] = field(default_factory=dict)
     probed_ms: dict[str, float] = field(default_factory=dict)
-    host_shift_pct: float = math.nan  # (capture's host time − the judged one) ÷ the program's step, in %
+    host_shift_pct: float = math.nan  # (host time the replay spends − the judged one) ÷ the program's step, in %
     time_error_judged_host_pct: float = math.nan  # the figure had the replay spent the judged host time
     host_error_pct: float = math.nan  # (replay's host time − the program's, both as judged) ÷ the program's step
     op_error_pct: float = math.nan  # the same of the time inside the replayed ops
@@ -131,11 +138,11 @@ class SideBySide:
                 self.notes.append(note)
         if self.host is not None and self.probed_us.get("source_host"):
             self.probed_ms = {key: statistics.median(values) / 1e3 for key, values in self.probed_us.items() if values}
-            judged = self.probed_ms["source_host"]
-            self.host_shift_pct = 100.0 * (self.host.capture_ms - judged) / self.source_step_ms
+            judged, spent = self.probed_ms["source_host"], self.host.spent_ms
+            self.host_shift_pct = 100.0 * (spent - judged) / self.source_step_ms
             # the replay's spins are wall-clock time: a host time Δ larger moves its step by Δ (a smaller one by
             # at most what it spins)
-            moved = max(judged - self.host.capture_ms, -self.host.spun_ms)
+            moved = max(judged - spent, -self.host.spun_ms)
             self.time_error_judged_host_pct = 100.0 * ((self.replay_step_ms + moved) / self.source_step_ms - 1.0)
             if {"replay_host", "source_op", "replay_op"} <= self.probed_ms.keys():
                 self.host_error_pct = 100.0 * (self.probed_ms["replay_host"] - judged) / self.source_step_ms
@@ -184,7 +191,8 @@ class SideBySide:
             "judgement_elapsed_s": self.elapsed_s,
             "capture_half_width_pct": self.capture_half_width_pct,
             **({"judgement_budget_s": self.budget_s} if self.budget_s is not None else {}),
-            **({"capture_host_ms": self.host.capture_ms} if self.host is not None else {}),
+            **({"capture_host_ms": self.host.capture_ms, "spent_host_ms": self.host.spent_ms}
+               if self.host is not None else {}),
             **({"host_shift_pct": self.host_shift_pct,
                 "time_error_judged_host_pct": self.time_error_judged_host_pct,
                 "host_error_pct": self.host_error_pct, "op_error_pct": self.op_error_pct,
