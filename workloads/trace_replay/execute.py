@@ -40,7 +40,7 @@ class StepRunner:
         self.plan, self.tensors = plan, tensors
         self.host_gaps = host_gaps
         # the program's host time is host work: spent as much longer as this host runs slower than the capture's
-        # did then (its spin loop's turns against the capture's, codegen.HostSpeed); None where not measured
+        # did then (a spin loop read now against the capture's reading: codegen.HostSpeed); None where not read
         self.speed = HostSpeed(host_spin_ns) if host_gaps and host_spin_ns > 0 else None
         self._tail_gaps_us = tail_gaps_us or [0.0] * len(plan.sequence)
         self._next = 0
