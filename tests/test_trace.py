@@ -103,7 +103,15 @@ def test_capture_writes_a_bundle_with_uninstrumented_step_times(program_bundle: 
     # its own host's speed against it), and in the spec, its median
     assert len(meta.timing_spin_ns) == meta.timing_rounds > 0 and all(0 < ns < 1e5 for ns in meta.timing_spin_ns)
     spec = generate_spec(program_bundle)
-    assert {s["host_spin_ns"] for s in spec["ranks"][0]["steps"]} == {statistics.median(meta.timing_spin_ns)}
+    # and right before and after each measured step: each step's host time is brought to the median of those
+    # (the spec's host_spin_ns), by how the program's moved with the spin where the capture saw it change
+    assert len(meta.timing_step_spin_ns) == len(meta.timing_step_times_s) and \
+        all(len(pair) == 2 and min(pair) > 0 for pair in meta.timing_step_spin_ns)
+    steps = spec["ranks"][0]["steps"]
+    reference = statistics.median(math.sqrt(a * b) for a, b in meta.timing_step_spin_ns)
+    assert all(s["host_spin_ns"] == pytest.approx(reference) for s in steps)
+    assert all(0.0 <= s.get("host_speed_elasticity", 1.0) <= 2.0 for s in steps)
+    assert all(s["host_gap_us"] == pytest.approx(statistics.median(s["host_gap_samples_us"])) for s in steps)
     et = json.loads((program_bundle / ET_FILE).read_text())
     assert et["schema"].startswith("1.1.1-chakra")
 
@@ -672,6 +680,42 @@ def test_the_replay_spends_the_programs_host_time_as_work_that_takes_longer_on_a
     assert gaps(speed) == pytest.approx([10 * us, 40 * us, 6 * us], abs=0.5 * us)
     speed.scale = 0.5  # a host twice as fast as the capture's
     assert gaps(speed) == pytest.approx([2.5 * us, 10 * us, 1.5 * us], abs=0.5 * us)
+
+    # a program whose host time moved with the square root of the spin at capture: half again as slow, not twice
+    half = HostSpeed(100.0, clock=clock, elasticity=0.5)
+    read_cost[0] = 0.2e-6
+    half.update()
+    assert half.scale == pytest.approx(2 ** 0.5, rel=0.01)
+
+
+def test_how_the_programs_host_time_moves_with_the_hosts_speed_is_fitted_where_the_capture_saw_it_change():
+    """The slope of log(host time) on log(spin) over the capture's steady steps: a program whose host time
+    took 1.3 times as long where the spin took 1.7 times gives ln 1.3 ÷ ln 1.7; a step across which the host
+    changed speed is left out; a capture whose host kept one speed, or too few steady steps, cannot tell."""
+    import math
+    import random
+
+    from workloads.trace_replay.host_time import host_speed_elasticity
+
+    rng = random.Random(3)
+    spins, gaps = [], []
+    for k in range(32):
+        slow = k % 3 == 0
+        spin = (130.0 if slow else 76.0) * rng.uniform(0.98, 1.02)
+        spins.append([spin, spin * rng.uniform(0.97, 1.03)])
+        gaps.append((4000.0 * (1.3 if slow else 1.0)) * rng.uniform(0.97, 1.03))
+    beta = math.log(1.3) / math.log(130 / 76)
+    assert host_speed_elasticity(gaps, spins) == pytest.approx(beta, abs=0.08)
+    # steps the host changed speed across (76 before, 130 after) are not what either speed did
+    crossed = [[76.0, 130.0] if k % 4 == 1 else pair for k, pair in enumerate(spins)]
+    wild = [g * (3.0 if k % 4 == 1 else 1.0) for k, g in enumerate(gaps)]
+    assert host_speed_elasticity(wild, crossed) == pytest.approx(beta, abs=0.08)
+    steady = [[76.0, 77.0]] * 32
+    assert host_speed_elasticity(gaps, steady) is None  # one speed: nothing to fit
+    assert host_speed_elasticity(gaps[:6], spins[:6]) is None  # too few steps
+    assert host_speed_elasticity(gaps, spins[:-1]) is None  # not one reading per step
+    # however steep the fit, a host time is never spent more than twice as elastic as the spin
+    assert host_speed_elasticity([g ** 6 / 4000.0 ** 5 for g in gaps], spins) == 2.0
 
 
 def test_what_the_step_would_owe_at_its_end_comes_off_its_latest_gaps_with_room_beforehand():

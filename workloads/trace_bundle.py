@@ -72,6 +72,8 @@ class BundleMeta:
     # the host's speed after each round's Kineto-alone steps: ns per turn of a replay's spin loop
     # (workloads.trace_replay.codegen.spin_ns); empty: not recorded
     timing_spin_ns: list[float] = field(default_factory=list)
+    # the same, one spin right before and one right after each measured Kineto-alone step ([before, after], ns)
+    timing_step_spin_ns: list[list[float]] = field(default_factory=list)
     schema: str = META_SCHEMA
 
     @property
@@ -99,6 +101,7 @@ class BundleMeta:
             "timing_plain_step_times_s": self.timing_plain_step_times_s,
             "timing_rounds": self.timing_rounds,
             "timing_spin_ns": self.timing_spin_ns,
+            "timing_step_spin_ns": self.timing_step_spin_ns,
         }
 
 
@@ -163,6 +166,7 @@ def read_meta(bundle: Path) -> BundleMeta:
             timing_plain_step_times_s=[float(t) for t in raw.get("timing_plain_step_times_s", [])],
             timing_rounds=int(raw.get("timing_rounds", 0) or 0),
             timing_spin_ns=[float(t) for t in raw.get("timing_spin_ns", [])],
+            timing_step_spin_ns=[[float(t) for t in pair] for pair in raw.get("timing_step_spin_ns", [])],
         )
     except (KeyError, TypeError, ValueError) as err:
         raise TraceError(f"{path}: malformed metadata ({type(err).__name__}: {err})") from None

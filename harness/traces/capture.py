@@ -179,6 +179,7 @@ class Capture:
         self.timing_times_s: list[float] = []  # steps under Kineto alone (host-gap measurement)
         self.timing_plain_times_s: list[float] = []  # plain steps interleaved with those
         self.timing_spin_ns: list[float] = []  # the host's speed after each round's Kineto-alone steps (spin_ns)
+        self.timing_step_spin_ns: list[list[float]] = []  # the same right before and after each measured one
         self._timing_profiler: profile | None = None
         self._timing_parts: list[dict[str, Any]] = []  # each round's Kineto-alone trace
         self._profiler: profile | None = None
@@ -218,6 +219,7 @@ class Capture:
             self._timing_profiler = profile(activities=profiler_activities(self.device))
             self._timing_profiler.start()
         synchronize(self.device)
+        spin_before = spin_ns(readings=1) if measured_kineto else 0.0  # outside the step's annotation and time
         started = time.perf_counter()
         if traced:
             with record_function(f"{STEP_ANNOTATION}{index}"), self._scopes:
@@ -240,6 +242,7 @@ class Capture:
             (self.traced_times_s if traced else self.plain_times_s).append(elapsed)
         if measured_kineto:
             self.timing_times_s.append(elapsed)
+            self.timing_step_spin_ns.append([spin_before, spin_ns(readings=1)])
         if measured_plain:
             self.timing_plain_times_s.append(elapsed)
         if timed and not traced:
@@ -375,6 +378,7 @@ def capture(
         timing_plain_step_times_s=cap.timing_plain_times_s,
         timing_rounds=len(cap.timing_times_s) // TIMING_MEASURED,
         timing_spin_ns=cap.timing_spin_ns,
+        timing_step_spin_ns=cap.timing_step_spin_ns,
     )
     if cap.values is not None:
         (target / VALUES_FILE).write_text(json.dumps(cap.values))

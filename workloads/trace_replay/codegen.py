@@ -51,10 +51,12 @@ def spin_ns(clock: Callable[[], float] = time.perf_counter, readings: int = SPIN
 
 class HostSpeed:
     """How fast the host runs now against the capture's moment: ``scale`` multiplies every gap a step spends
-    (the program's host time is host work, which takes as much longer as the host runs slower). Read with
+    (the program's host time is host work, which takes longer as the host runs slower). Read with
     :func:`spin_ns` against the capture's own reading (``reference_ns``), at most every :data:`EVERY_S` as
     the steps run (:meth:`update`, after each step; 0.08 % of the replay's time): the median of the last
-    :data:`KEPT` readings (the lower one of two: one reading alone does not move it).
+    :data:`KEPT` readings (the lower one of two: one reading alone does not move it), to the power
+    ``elasticity``: how the program's host time moved with the spin at capture
+    (:func:`~workloads.trace_replay.host_time.host_speed_elasticity`; 1: as much).
 
     The turns of the steps' own spins are not the reading: spun a few µs at a time right after an op, each
     turn runs slower than the clean loop's, and llama's replay read that way spent 22 % more host time than
@@ -65,8 +67,9 @@ class HostSpeed:
     KEPT = 3
     LIMITS = (0.25, 4.0)
 
-    def __init__(self, reference_ns: float, clock: Callable[[], float] = time.perf_counter):
-        self.reference_ns, self.clock = reference_ns, clock
+    def __init__(self, reference_ns: float, clock: Callable[[], float] = time.perf_counter, *,
+                 elasticity: float = 1.0):
+        self.reference_ns, self.clock, self.elasticity = reference_ns, clock, elasticity
         self.scale = 1.0
         self.readings: list[float] = []
         self.scales: list[float] = []  # every scale the steps ran at, for the record
@@ -78,7 +81,8 @@ class HostSpeed:
             return
         self.readings = [*self.readings[-(self.KEPT - 1):], spin_ns(self.clock, self.READINGS)]
         ordered = sorted(self.readings)
-        self.scale = min(max(ordered[(len(ordered) - 1) // 2] / self.reference_ns, self.LIMITS[0]), self.LIMITS[1])
+        ratio = ordered[(len(ordered) - 1) // 2] / self.reference_ns
+        self.scale = min(max(ratio ** self.elasticity, self.LIMITS[0]), self.LIMITS[1])
         self.scales.append(self.scale)
         self._last = self.clock()
 

@@ -36,12 +36,15 @@ class StepRunner:
     """Runs a plan's steps on its synthesised tensors; records which ops failed and which diverged."""
 
     def __init__(self, plan: ReplayPlan, tensors: Synthesis, *, host_gaps: bool = False,
-                 tail_gaps_us: list[float] | None = None, host_spin_ns: float = 0.0):
+                 tail_gaps_us: list[float] | None = None, host_spin_ns: float = 0.0,
+                 host_speed_elasticity: float = 1.0):
         self.plan, self.tensors = plan, tensors
         self.host_gaps = host_gaps
-        # the program's host time is host work: spent as much longer as this host runs slower than the capture's
-        # did then (a spin loop read now against the capture's reading: codegen.HostSpeed); None where not read
-        self.speed = HostSpeed(host_spin_ns) if host_gaps and host_spin_ns > 0 else None
+        # the program's host time is host work: spent longer as this host runs slower than the capture's did
+        # then, as much as the program's moved with it at capture (a spin loop read now against the capture's
+        # reading: codegen.HostSpeed); None where not read
+        self.speed = HostSpeed(host_spin_ns, elasticity=host_speed_elasticity) \
+            if host_gaps and host_spin_ns > 0 else None
         self._tail_gaps_us = tail_gaps_us or [0.0] * len(plan.sequence)
         self._next = 0
         self._generated: list[tuple[Callable[[list[Any]], float], int] | None] = [None] * len(plan.sequence)

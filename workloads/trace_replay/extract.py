@@ -29,6 +29,7 @@ from workloads.trace_bundle import ET_FILE, STEP_ANNOTATION, TraceError
 from workloads.trace_replay.allocations import mark_source_releases
 from workloads.trace_replay.host_time import (
     COLLECTIVE,
+    at_one_speed,
     host_gap_shape,
     measured_host_gaps,
     place_host_gaps,
@@ -233,7 +234,11 @@ def extract_rank(trace: BundleTrace) -> tuple[list[dict[str, Any]], list[dict[st
     mark_source_releases(ops, trace.kineto.memory)
     replayed = {op["name"] for op in ops}
     # and how long the ops took meanwhile, which a replay sets its own against (Replayer.op_time_ratio)
-    gap, samples, op_us = measured_host_gaps(trace, replayed)
+    gap, measured, op_us = measured_host_gaps(trace, replayed)
+    # at one speed of the capture's host (which a replay scales by its own host's speed against it)
+    speed = at_one_speed(measured, trace.meta)
+    samples = speed.samples_us
+    gap = statistics.median(samples) if samples else gap
     place_host_gaps(ops, steps, gap, host_gap_shape(trace, replayed))
     # How many ops each traced step ran against the program's steps timed after them (as the profiler saw
     # both): a program whose steps differ by chance (a layer dropped at random) may have been traced on
@@ -245,7 +250,9 @@ def extract_rank(trace: BundleTrace) -> tuple[list[dict[str, Any]], list[dict[st
         step["kineto_ops"] = traced.get(step["index"], 0)
         step["program_kineto_ops"] = statistics.fmean(timed) if timed else 0.0
         step["program_op_us"] = statistics.median(op_us) if op_us else 0.0
-        step["host_spin_ns"] = statistics.median(trace.meta.timing_spin_ns) if trace.meta.timing_spin_ns else 0.0
+        step["host_spin_ns"] = speed.reference_ns
+        if speed.elasticity is not None:
+            step["host_speed_elasticity"] = speed.elasticity
     return ops, steps
 
 

@@ -113,6 +113,7 @@ class SpecFields:
             self.number(step.get("program_kineto_ops", 0.0), f"{loc}.program_kineto_ops", 0.0, 1e9)
             self.number(step.get("program_op_us", 0.0), f"{loc}.program_op_us", 0.0, 1e12)
             self.number(step.get("host_spin_ns", 0.0), f"{loc}.host_spin_ns", 0.0, 1e6)
+            self.number(step.get("host_speed_elasticity", 1.0), f"{loc}.host_speed_elasticity", 0.0, 2.0)
             host_us[index] = step.get("tail_gap_us", 0.0)
         values = self.list_(rank.get("external_values", []), f"{where}.external_values")
         self.need(len(values) <= MAX_VALUE_ENTRIES, f"{where}.external_values",

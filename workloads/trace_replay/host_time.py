@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import difflib
+import math
 import re
 import statistics
 import tempfile
@@ -35,6 +36,13 @@ TIMING_MEASURED = 4  # Kineto-alone steps of a round measured: the host-gap esti
 # median of 12 moved a 9 ms step by ±2.3 … 4.2 % between captures)
 PLAIN_SETTLE = 4  # plain steps after the profiler stopped, not measured
 PLAIN_MEASURED = 3  # plain steps of a round measured: the profiler's cost is taken against them
+# How the program's host time moves with the host's speed, fitted over the measured Kineto-alone steps
+# (host_speed_elasticity): only steps whose spin before and after agree within STEADY_SPIN (the host kept its
+# speed through the step), at least FIT_STEPS of them, over readings at least FIT_SPREAD apart (10th to 90th
+# percentile: several steps at each end); else the capture cannot tell
+STEADY_SPIN = 1.15
+FIT_STEPS = 8
+FIT_SPREAD = 1.25
 
 
 def profiled_steps(steps: Sequence[Callable[[], Any]], *, settle: Callable[[], Any] | None = None,
@@ -312,18 +320,78 @@ def host_gap_shape(trace: BundleTrace, replayed: set[str]) -> Callable[[list[str
     return lambda names: _shape(names, measured)
 
 
-def measured_host_gaps(trace: BundleTrace, replayed: set[str]) -> tuple[float | None, list[float], list[float]]:
+def measured_host_gaps(trace: BundleTrace,
+                       replayed: set[str]) -> tuple[float | None, dict[int, float], list[float]]:
     """The program's host time per step outside the ``replayed`` ops (µs; the median, None without
-    Kineto-alone steps), the per-step measurements it is the median of, and the time inside those ops in
-    the same steps (µs, :func:`replayed_op_time`), each set against the same plain steps."""
+    Kineto-alone steps), the per-step measurements it is the median of (measured step's index → µs, in
+    step order), and the time inside those ops in the same steps (µs, :func:`replayed_op_time`), each set
+    against the same plain steps."""
     if trace.timing is None:
-        return None, [], []
+        return None, {}, []
     # plain steps of the same minutes as the Kineto ones where the bundle has them (older bundles: the
     # baseline's, taken before the traced phase)
     plain = _plain_by_round(trace.meta, trace.meta.timing_plain_step_times_s or trace.meta.step_times_s)
     host, inside = host_and_op_time(trace.timing, plain, replayed.__contains__)
-    samples = list(host.values())
-    return (statistics.median(samples) if samples else None), samples, list(inside.values())
+    samples = {k: host[k] for k in sorted(host)}  # in step order: the rounds' steps in turn
+    return (statistics.median(samples.values()) if samples else None), samples, [inside[k] for k in sorted(inside)]
+
+
+def host_speed_elasticity(samples_us: Sequence[float], step_spin_ns: Sequence[Sequence[float]]) -> float | None:
+    """How the program's host time moves with the host's speed: the slope of log(host time) on log(spin time)
+    over the capture's measured Kineto-alone steps (``samples_us``), each against the spin read right before
+    and after it (``step_spin_ns``, one [before, after] a step: ``BundleMeta.timing_step_spin_ns``), between 0
+    and 2. A replay scales its host time by (its host's
+    spin ÷ the capture's) to this power (:class:`~workloads.trace_replay.codegen.HostSpeed`).
+
+    The spin loop is not the program's host work: on this 2-core VM, in the minutes a spin turn took 1.7 times
+    as long, llama's host time per step took 1.2–1.3 times as long and DLRM's 1.36 times, with a tiny op's
+    dispatch at 1.8–1.9 and a small autograd step at 1.5 (steps whose spins before and after agreed, over
+    100–120 s each). So each program's own answer is measured where its capture saw the host change speed;
+    None where it did not (fewer than :data:`FIT_STEPS` steady steps, or their readings less than
+    :data:`FIT_SPREAD` apart)."""
+    if len(samples_us) != len(step_spin_ns):
+        return None
+    points = [(0.5 * math.log(pair[0] * pair[1]), math.log(gap))
+              for gap, pair in zip(samples_us, step_spin_ns, strict=True)
+              if gap > 0 and len(pair) == 2 and min(pair) > 0 and max(pair) <= STEADY_SPIN * min(pair)]
+    if len(points) < FIT_STEPS:
+        return None
+    xs = sorted(x for x, _ in points)
+    if xs[int(0.9 * (len(xs) - 1))] - xs[int(0.1 * (len(xs) - 1))] < math.log(FIT_SPREAD):
+        return None
+    mean_x, mean_y = statistics.fmean(x for x, _ in points), statistics.fmean(y for _, y in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+    return min(max(slope, 0.0), 2.0)
+
+
+class HostSpeedNorm(NamedTuple):
+    """A capture's host time per step brought to one speed of its host (:func:`at_one_speed`)."""
+
+    samples_us: list[float]  # each measured step's host time as it would have been at ``reference_ns``
+    reference_ns: float  # the spin the capture's host read, the median (0: not read; the samples as measured)
+    elasticity: float | None  # how the program's host time moved with it (None: the capture cannot tell)
+
+
+def at_one_speed(host_us: dict[int, float], meta: BundleMeta) -> HostSpeedNorm:
+    """The capture's per-step host times (:func:`measured_host_gaps`) each brought to the median speed its host
+    read: × (median spin ÷ the spin read around that step) to the power of :func:`host_speed_elasticity`
+    (1 where it cannot tell). A capture whose host changed speed between rounds (the spin at 76 ns in some
+    and 130 in others) otherwise measures the mix it happened to get: brought to one speed, six captures of
+    llama varied 8.7 % (coefficient of variation of their medians) where they varied 14.7 % as measured,
+    and six of DLRM 8.3 % where 13.9 %. Bundles without a spin around each step: the samples as measured,
+    against the rounds' median spin (``timing_spin_ns``)."""
+    pairs = meta.timing_step_spin_ns
+    if not host_us or not all(k < len(pairs) and len(pairs[k]) == 2 and min(pairs[k]) > 0 for k in host_us):
+        rounds = meta.timing_spin_ns
+        return HostSpeedNorm(list(host_us.values()), statistics.median(rounds) if rounds else 0.0, None)
+    steps = sorted(host_us)
+    samples, around = [host_us[k] for k in steps], [pairs[k] for k in steps]
+    spins = [math.sqrt(p[0] * p[1]) for p in around]
+    reference = statistics.median(spins)
+    elasticity = host_speed_elasticity(samples, around)
+    power = 1.0 if elasticity is None else elasticity
+    normalised = [g * (reference / s) ** power for g, s in zip(samples, spins, strict=True)]
+    return HostSpeedNorm(normalised, reference, elasticity)
 
 
 def place_host_gaps(ops: list[dict[str, Any]], steps: list[dict[str, Any]], per_step_us: float | None,

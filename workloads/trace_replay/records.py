@@ -75,13 +75,17 @@ class StepRecord:
     # the host's speed while that host time was measured: ns per turn of the replay's spin loop, the median over
     # the capture's rounds (codegen.spin_ns; 0: not measured, the gaps are spent as they are)
     host_spin_ns: float = 0.0
+    # how the program's host time moved with that speed at capture (host_time.host_speed_elasticity; 1 where the
+    # capture's host kept its speed: the host time taken to move as the spin does)
+    host_speed_elasticity: float = 1.0
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> StepRecord:
         return cls(int(raw["index"]), float(raw.get("tail_gap_us", 0.0)), float(raw.get("host_gap_us", 0.0)),
                    float(raw.get("ops_dur_us", 0.0)), tuple(float(g) for g in raw.get("host_gap_samples_us", ())),
                    int(raw.get("kineto_ops", 0)), float(raw.get("program_kineto_ops", 0.0)),
-                   float(raw.get("program_op_us", 0.0)), float(raw.get("host_spin_ns", 0.0)))
+                   float(raw.get("program_op_us", 0.0)), float(raw.get("host_spin_ns", 0.0)),
+                   float(raw.get("host_speed_elasticity", 1.0)))
 
 
 @dataclass(frozen=True)

@@ -53,9 +53,10 @@ class Replayer:
         self.tensors = Synthesis(self.plan, device, self.generator, rank_spec.external_values)
         tails = {s.index: s.tail_gap_us for s in rank_spec.steps}
         tail_gaps_us = [tails.get(step, 0.0) for step in sorted({op.step for op in rank_spec.ops})]
-        spin = next((s.host_spin_ns for s in rank_spec.steps if s.host_spin_ns > 0), 0.0)
+        measured = next((s for s in rank_spec.steps if s.host_spin_ns > 0), None)
         self.runner = StepRunner(self.plan, self.tensors, host_gaps=host_gaps, tail_gaps_us=tail_gaps_us,
-                                 host_spin_ns=spin)
+                                 host_spin_ns=measured.host_spin_ns if measured else 0.0,
+                                 host_speed_elasticity=measured.host_speed_elasticity if measured else 1.0)
         self.call_samples_s: list[float] = []
         self.autograd_samples_s: list[float] = []
         self.outside_samples_s: list[float] = []

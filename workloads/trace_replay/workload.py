@@ -190,6 +190,7 @@ class GeneratedWorkload(WorkloadBase):
                 record["metrics"]["replay_host_speed_scale_p50"] = statistics.median(speed.scales)
                 record["metrics"]["replay_host_speed_scale_min"] = min(speed.scales)
                 record["metrics"]["replay_host_speed_scale_max"] = max(speed.scales)
+                record["metrics"]["replay_host_speed_elasticity"] = speed.elasticity
             if overrun := self.replayer.runner.overrun_s:
                 record["metrics"]["replay_host_overrun_ms_p50"] = 1e3 * statistics.median(overrun)
             ratio, why = self.replayer.op_time_ratio()
