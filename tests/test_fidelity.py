@@ -266,6 +266,32 @@ def test_a_wide_interval_makes_the_figure_invalid_with_the_reason():
     assert not few.fidelity_valid and "too few for an interval" in few.invalid_reason
 
 
+def test_the_captures_host_time_is_resampled_a_round_at_a_time():
+    """A capture whose eight host-time rounds each read one figure four times (a round's steps share its
+    moment): what re-measuring it would move a replay step by is as wide as eight figures resampled, not as
+    thirty-two independent ones."""
+    from types import SimpleNamespace
+
+    from harness.traces.side_by_side import capture_shift_draws
+    from workloads.trace_replay.host_time import TIMING_MEASURED
+
+    rounds = [4000.0, 4300.0, 3900.0, 4600.0, 4100.0, 3800.0, 4400.0, 4200.0]  # µs of host time a step
+    replayer = SimpleNamespace(host_gaps=True, gap_samples_us=[g for g in rounds for _ in range(TIMING_MEASURED)],
+                               call_samples_s=[], autograd_samples_s=[], sequence=[[0] * 10], grad_ops_per_step=0.0,
+                               call_s=0.0)
+
+    def half_width(draws: list[float]) -> float:
+        ordered = sorted(draws)
+        return (ordered[int(0.975 * (len(ordered) - 1))] - ordered[int(0.025 * (len(ordered) - 1))]) / 2
+
+    by_round = half_width(capture_shift_draws(replayer))
+    rng = random.Random(0)  # the eight figures' median resampled, in ms
+    eight = half_width([statistics.median(rng.choices(rounds, k=8)) / 1e3 for _ in range(2000)])
+    one_by_one = half_width([statistics.median(rng.choices(replayer.gap_samples_us, k=32)) / 1e3
+                             for _ in range(2000)])
+    assert by_round == pytest.approx(eight, rel=0.25) and by_round > 1.3 * one_by_one
+
+
 def test_the_judge_adds_rounds_until_the_interval_is_narrow_or_the_budget_is_spent(monkeypatch):
     """A replay 3 % slower, both sides with ±10 % noise of their own: the judge adds rounds until the interval
     is within ±2.5 %, inside its budget. With ±60 % noise and a budget too small for that it stops when the
