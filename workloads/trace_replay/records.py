@@ -73,7 +73,8 @@ class StepRecord:
     program_kineto_ops: float = 0.0  # the same count, the mean over the program's steps timed at capture
     program_op_us: float = 0.0  # the time inside those ops per step, the median over those steps (0: not measured)
     # the host's speed while that host time was measured: ns per turn of the replay's spin loop, the median over
-    # the capture's rounds (codegen.spin_ns; 0: not measured, the gaps are spent as they are)
+    # the capture's measured steps (over its rounds in bundles without a spin around each step; codegen.spin_ns;
+    # 0: not measured, the gaps are spent as they are)
     host_spin_ns: float = 0.0
     # how the program's host time moved with that speed at capture (host_time.host_speed_elasticity; 1 where the
     # capture's host kept its speed: the host time taken to move as the spin does)
