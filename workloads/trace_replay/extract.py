@@ -234,12 +234,11 @@ def extract_rank(trace: BundleTrace) -> tuple[list[dict[str, Any]], list[dict[st
     mark_source_releases(ops, trace.kineto.memory)
     replayed = {op["name"] for op in ops}
     # and how long the ops took meanwhile, which a replay sets its own against (Replayer.op_time_ratio)
-    gap, measured, op_us = measured_host_gaps(trace, replayed)
+    measured, op_us = measured_host_gaps(trace, replayed)
     # at one speed of the capture's host (which a replay scales by its own host's speed against it)
     speed = at_one_speed(measured, trace.meta)
     samples = speed.samples_us
-    gap = statistics.median(samples) if samples else gap
-    place_host_gaps(ops, steps, gap, host_gap_shape(trace, replayed))
+    place_host_gaps(ops, steps, statistics.median(samples) if samples else None, host_gap_shape(trace, replayed))
     # How many ops each traced step ran against the program's steps timed after them (as the profiler saw
     # both): a program whose steps differ by chance (a layer dropped at random) may have been traced on
     # steps unlike its own, whose replay then says nothing about the program's time.

@@ -320,28 +320,25 @@ def host_gap_shape(trace: BundleTrace, replayed: set[str]) -> Callable[[list[str
     return lambda names: _shape(names, measured)
 
 
-def measured_host_gaps(trace: BundleTrace,
-                       replayed: set[str]) -> tuple[float | None, dict[int, float], list[float]]:
-    """The program's host time per step outside the ``replayed`` ops (µs; the median, None without
-    Kineto-alone steps), the per-step measurements it is the median of (measured step's index → µs, in
-    step order), and the time inside those ops in the same steps (µs, :func:`replayed_op_time`), each set
-    against the same plain steps."""
+def measured_host_gaps(trace: BundleTrace, replayed: set[str]) -> tuple[dict[int, float], list[float]]:
+    """The program's host time outside the ``replayed`` ops in each measured Kineto-alone step (its index →
+    µs, in step order; empty without such steps), and the time inside those ops in the same steps (µs,
+    :func:`replayed_op_time`), each set against the same plain steps."""
     if trace.timing is None:
-        return None, {}, []
+        return {}, []
     # plain steps of the same minutes as the Kineto ones where the bundle has them (older bundles: the
     # baseline's, taken before the traced phase)
     plain = _plain_by_round(trace.meta, trace.meta.timing_plain_step_times_s or trace.meta.step_times_s)
     host, inside = host_and_op_time(trace.timing, plain, replayed.__contains__)
-    samples = {k: host[k] for k in sorted(host)}  # in step order: the rounds' steps in turn
-    return (statistics.median(samples.values()) if samples else None), samples, [inside[k] for k in sorted(inside)]
+    return {k: host[k] for k in sorted(host)}, [inside[k] for k in sorted(inside)]  # the rounds' steps in turn
 
 
 def host_speed_elasticity(samples_us: Sequence[float], step_spin_ns: Sequence[Sequence[float]]) -> float | None:
     """How the program's host time moves with the host's speed: the slope of log(host time) on log(spin time)
     over the capture's measured Kineto-alone steps (``samples_us``), each against the spin read right before
     and after it (``step_spin_ns``, one [before, after] a step: ``BundleMeta.timing_step_spin_ns``), between 0
-    and 2. A replay scales its host time by (its host's
-    spin ÷ the capture's) to this power (:class:`~workloads.trace_replay.codegen.HostSpeed`).
+    and 2. A replay scales its host time by (its host's spin ÷ the capture's) to this power
+    (:class:`~workloads.trace_replay.codegen.HostSpeed`).
 
     The spin loop is not the program's host work: on this 2-core VM, in the minutes a spin turn took 1.7 times
     as long, llama's host time per step took 1.2–1.3 times as long and DLRM's 1.36 times, with a tiny op's
