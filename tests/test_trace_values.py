@@ -242,6 +242,29 @@ def test_untouched_embedding_rows_stay_whole_zero_rows_of_the_optimiser_state_in
     assert int((strewn == 0).sum()) == 0 and float(strewn.min()) >= entry["nonzero"]["min"]
 
 
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_the_values_profiled_are_the_state_the_capture_left_not_the_warm_ups(tmp_path: Path, warmup: int):
+    """A program's state moves as it trains (an optimiser's second moments fill in, a running count grows):
+    the profile is taken on the capture's last step, so the replay starts from the most trained state the
+    capture saw, not from the warm-up's; a capture with no warm-up step has one too."""
+    seen = torch.zeros(4)  # read and updated by every step
+    head = nn.Linear(4, 1)
+
+    def step() -> None:
+        seen.add_(1.0)
+        head(seen.unsqueeze(0)).sum().backward()
+
+    with capture(tmp_path, steps=2, warmup=warmup, baseline_steps=2, model=head, announce=False) as cap:
+        while not cap.done:
+            with cap.step():
+                step()
+    before_last = cap.total_steps - 1
+    assert before_last > warmup + 2 + 2  # the traced steps and the host-time rounds came before it
+    (entry,) = [e for e in json.loads((tmp_path / VALUES_FILE).read_text()) if e["shape"] == [4]]
+    assert entry["min"] == entry["max"] == before_last  # as the last step read it
+    assert torch.equal(_external(_replayer(tmp_path), seen), torch.full((4,), float(before_last)))
+
+
 def test_a_small_constant_replays_with_the_programs_own_values(tmp_path: Path):
     """Figures cannot say which corner of a box is which: anchor boxes drawn from their mean and spread get
     negative widths, and the logarithm of a width (a detector's regression targets) goes NaN. A small tensor

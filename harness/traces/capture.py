@@ -9,14 +9,14 @@ Wrap your own loop and mark its steps::
             with cap.step():
                 train_step()
 
-The first ``warmup`` steps run plain (not timed; the last of them records what the step's
-floating tensors hold, :mod:`harness.traces.capture_values`), the next ``baseline_steps`` run plain and are
+The first ``warmup`` steps run plain (not timed), the next ``baseline_steps`` run plain and are
 timed — the reference the replay is judged against, since the profiler itself distorts time —,
 the next ``steps`` run under the PyTorch execution-trace observer and the Kineto profiler (the
-structure), and the last ones measure how much of a step is the program's own host time between
-ops: 8 rounds of Kineto alone (2 steps to settle, 4 measured) then plain (4 to settle, 3 measured),
-so the profiler's cost is taken against the plain steps of the same round, not of the baseline. A
-registered workload whose op shapes follow its data (seqrec's length buckets) holds its batch from the
+structure), the next ones measure how much of a step is the program's own host time between ops: 8
+rounds of Kineto alone (2 steps to settle, 4 measured) then plain (4 to settle, 3 measured), so the
+profiler's cost is taken against the plain steps of the same round, not of the baseline; the last
+one (not timed) records what the step's floating tensors hold (:mod:`harness.traces.capture_values`).
+A registered workload whose op shapes follow its data (seqrec's length buckets) holds its batch from the
 traced step on (``hold_batch``), so those steps run the traced step's shapes. The
 bundle (see :mod:`workloads.trace_bundle`) is written when the ``with`` block ends. Under
 ``torchrun`` every rank writes ``<out>/rank<i>/``.
@@ -92,6 +92,10 @@ INDEX_OPS = (
 
 
 _ROUND = TIMING_WARMUP + TIMING_MEASURED + PLAIN_SETTLE + PLAIN_MEASURED  # steps of a host-time round
+# The capture's last step, untimed, records what the step's floating tensors hold: a program's state moves
+# as it trains (an optimiser's second moments fill in as batches reach more embedding rows), so the replay
+# puts back the state of the most trained step the capture saw, the nearest to the program's later steps
+VALUE_STEPS = 1
 
 
 def _data_ops() -> list[str]:
@@ -185,7 +189,7 @@ class Capture:
         self._profiler: profile | None = None
         self._observer: ExecutionTraceObserver | None = None
         self._scopes = _ModuleScopes(model)
-        self.values: list[dict[str, Any]] | None = None  # the value profile of the last warm-up step
+        self.values: list[dict[str, Any]] | None = None  # the value profile of the capture's last step
 
     @property
     def timing_steps(self) -> int:
@@ -194,7 +198,7 @@ class Capture:
 
     @property
     def total_steps(self) -> int:
-        return self.warmup + self.baseline_steps + self.steps + TIMING_ROUNDS * _ROUND
+        return self.warmup + self.baseline_steps + self.steps + TIMING_ROUNDS * _ROUND + VALUE_STEPS
 
     @property
     def done(self) -> bool:
@@ -208,6 +212,7 @@ class Capture:
         traced = 0 <= index < self.steps
         round_, at = divmod(index - self.steps, _ROUND)
         in_timing = index >= self.steps and round_ < TIMING_ROUNDS
+        profile_values = index == self.steps + TIMING_ROUNDS * _ROUND
         kineto = in_timing and at < TIMING_WARMUP + TIMING_MEASURED
         measured_kineto = kineto and at >= TIMING_WARMUP
         measured_plain = in_timing and at >= _ROUND - PLAIN_MEASURED
@@ -224,13 +229,13 @@ class Capture:
         if traced:
             with record_function(f"{STEP_ANNOTATION}{index}"), self._scopes:
                 yield
-        elif self.step_index == self.warmup - 1:
-            profile_values = ValueProfile()
+        elif profile_values:
+            held = ValueProfile()
             # compiled code runs eagerly for this one step: a dispatch mode would make torch.compile
-            # recompile (and the program's own graphs, its traced steps' structure, would change)
-            with torch.compiler.set_stance("force_eager"), profile_values:
+            # recompile the program's own graphs
+            with torch.compiler.set_stance("force_eager"), held:
                 yield
-            self.values = profile_values.entries
+            self.values = held.entries
         elif measured_kineto:
             with record_function(f"{STEP_ANNOTATION}{timing_index}"):
                 yield
@@ -360,7 +365,7 @@ def capture(
         raise TraceError(
             f"capture into {target}: the loop ran {cap.step_index} step(s), but a bundle needs "
             f"{cap.total_steps} (warm-up {warmup}, timed baseline {baseline_steps}, traced {steps}, "
-            f"host-time rounds {TIMING_ROUNDS} x {_ROUND}); "
+            f"host-time rounds {TIMING_ROUNDS} x {_ROUND}, value profile {VALUE_STEPS}); "
             f"loop until `cap.done`"
         )
     meta = BundleMeta(
