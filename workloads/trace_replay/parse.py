@@ -188,10 +188,13 @@ def recorded_kineto(events: list[Any]) -> KinetoTrace | None:
     parse took most of a replay's setup): each event's type is its category, its times in µs. The
     record-function id, which joins a file's event to its ET node, is not among them: None. None in all
     where this torch's events do not name their category (``activity_type``, bound to Python only in
-    recent torch; 2.13 has it): read the exported file there."""
+    recent torch; 2.13 has it): read the exported file there. Times count from the block's first event,
+    as the file's do from its own start: nanoseconds since the epoch as a float in µs keep only a
+    quarter of a µs."""
     if events and not isinstance(getattr(events[0], "activity_type", lambda: None)(), str):
         return None
-    return KinetoTrace([KinetoEvent(e.name(), e.activity_type(), e.start_ns() / 1e3, e.duration_ns() / 1e3,
+    origin = min((e.start_ns() for e in events), default=0)
+    return KinetoTrace([KinetoEvent(e.name(), e.activity_type(), (e.start_ns() - origin) / 1e3, e.duration_ns() / 1e3,
                                     e.start_thread_id(), None) for e in events], [])
 
 
