@@ -212,7 +212,7 @@ class Capture:
         traced = 0 <= index < self.steps
         round_, at = divmod(index - self.steps, _ROUND)
         in_timing = index >= self.steps and round_ < TIMING_ROUNDS
-        profile_values = index == self.steps + TIMING_ROUNDS * _ROUND
+        profile_values = self.step_index == self.total_steps - 1
         kineto = in_timing and at < TIMING_WARMUP + TIMING_MEASURED
         measured_kineto = kineto and at >= TIMING_WARMUP
         measured_plain = in_timing and at >= _ROUND - PLAIN_MEASURED
