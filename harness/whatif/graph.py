@@ -21,6 +21,7 @@ category, communication and host time.
 from __future__ import annotations
 
 import statistics
+from bisect import bisect_left
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -367,9 +368,11 @@ def _kineto_alone_durations(timing: KinetoTrace | None, names: list[str]) -> lis
     if timing is None:
         return None
     per_step: list[list[float]] = []
+    ops = sorted(timing.cpu_ops, key=lambda e: e.ts)
+    starts = [e.ts for e in ops]
     for step in sorted(timing.steps, key=lambda e: e.ts):
         lo, hi = step.ts, step.ts + step.dur
-        mine = sorted((e for e in timing.cpu_ops if e.tid == step.tid and lo <= e.ts < hi), key=lambda e: e.ts)
+        mine = [e for e in ops[bisect_left(starts, lo):bisect_left(starts, hi)] if e.tid == step.tid]
         found, cursor, after = [], 0, lo
         for name in names:
             while cursor < len(mine) and (mine[cursor].ts < after or mine[cursor].name != name):

@@ -15,6 +15,7 @@ import base64
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -82,12 +83,14 @@ class KinetoTrace:
     events: list[KinetoEvent]  # every complete event
     memory: list[MemoryEvent]
 
-    @property
+    # each read once (a trace's events are not changed once read): a step's figures are looked up a step at a time
+
+    @cached_property
     def steps(self) -> list[KinetoEvent]:
         """The step annotations (``cobench_step#<k>``)."""
         return [e for e in self.events if e.cat == "user_annotation" and e.name.startswith(STEP_ANNOTATION)]
 
-    @property
+    @cached_property
     def cpu_ops(self) -> list[KinetoEvent]:
         return [e for e in self.events if e.cat == "cpu_op"]
 
