@@ -239,3 +239,31 @@ def test_a_replay_that_makes_other_shapes_is_named_and_not_valid(tmp_path: Path)
     assert errors or replayer.divergent
     reason = unfaithful_reason(rank.ops, errors, replayer.divergent)
     assert "aten::index" in reason and "% of the op time" in reason
+
+
+def test_an_ops_output_that_reuses_an_externals_storage_id_does_not_write_its_values_into_it():
+    """Storage ids come from data addresses, reused after frees: a routing's ``topk`` indices (made by an op,
+    read with their data recorded) in one step and a wrapped ``// 2`` read in the next share one id. The
+    indices are the op's to compute; only the divisor's own range (2) is synthesised into that storage (the
+    indices there made it 0, and ``floor_divide`` failed, when the first token's expert was 0)."""
+    from types import SimpleNamespace
+
+    from workloads.trace_replay.dataflow import InputUse, find_externals
+    from workloads.trace_replay.ops import TensorInfo
+    from workloads.trace_replay.records import OpRecord, Values
+
+    zeros = "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA="  # four int64 zeros, as recorded
+    indices = TensorInfo(28, 29, 0, (4,), (1,), torch.int64, 8)
+    divisor = TensorInfo(866, 29, 0, (), (), torch.int64, 8)
+    ids = TensorInfo(863, 7, 0, (4,), (1,), torch.int64, 8)
+    specs = [OpRecord(0, "aten::topk", "", 0, "other", Values(), Values(), allocated=[29]),
+             OpRecord(1, "aten::bincount", "", 0, "other", Values(), Values(), tensor_range={"0": [0, 3]},
+                      tensor_data={"0": zeros}),
+             OpRecord(2, "aten::floor_divide", "", 1, "elementwise", Values(), Values(),
+                      tensor_range={"0": [0, 127], "1": [2, 2]})]
+    ops = [SimpleNamespace(out_slots=[0]), SimpleNamespace(out_slots=[]), SimpleNamespace(out_slots=[3])]
+    inputs = [[], [InputUse(0, indices, 0, "self")], [InputUse(1, ids, 0, "self"), InputUse(2, divisor, 1, "other")]]
+    externals, constraints = find_externals([[0, 1], [2]], ops, specs, inputs)
+    assert set(externals) == {1, 2} and externals[2].value_range == (2, 2)
+    on_its_storage = [c for c in constraints if c.info.storage_id == 29]
+    assert [(c.info.tensor_id, c.value_range, c.data) for c in on_its_storage] == [(866, (2, 2), None)]

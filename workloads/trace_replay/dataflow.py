@@ -89,22 +89,31 @@ def find_externals(sequence: list[list[int]], ops: list[CompiledOp], specs: list
                    inputs: list[list[InputUse]]) -> tuple[dict[int, External], list[Constraint]]:
     """Slots read before any op of the sequence writes them; and every integer input with a recorded value
     range or data, so that views derived from a synthesised storage (e.g. one table's slice of a batch's
-    indices) get values valid for the op that reads them."""
+    indices) get values valid for the op that reads them.
+
+    A read of a storage an op of the same step allocated before it is of that op's output, not of a
+    synthesised storage: its recorded values are left out. Storage ids come from data addresses, reused
+    after frees, so an op's output can have the id of an external read in another step (a routing's
+    ``topk`` indices in one step, a wrapped ``// 2`` in the next): written into that external, they made
+    its divisor 0 when the first token's expert was 0."""
     produced: set[int] = set()
     externals: dict[int, External] = {}
     constraints: list[Constraint] = []
     for step in sequence:
+        allocated: set[int] = set()  # storages this step's ops have allocated so far
         for position in step:
             spec = specs[position]
             for slot, info, tensor_index, arg_name in inputs[position]:
                 rng = spec.tensor_range.get(str(tensor_index))
                 rng = (int(rng[0]), int(rng[1])) if isinstance(rng, list) and len(rng) == 2 else None
                 data = spec.tensor_data.get(str(tensor_index))
-                if (rng is not None or data) and not info.dtype.is_floating_point:
+                if (rng is not None or data) and not info.dtype.is_floating_point \
+                        and info.storage_id not in allocated:
                     constraints.append(Constraint(info, rng, arg_name == "offsets", data))
                 if slot not in produced and slot not in externals:
                     externals[slot] = External(info, rng, arg_name == "offsets")
             produced.update(s for s in ops[position].out_slots if s is not None)
+            allocated.update(spec.allocated)
     return externals, constraints
 
 
