@@ -100,7 +100,7 @@ def find_externals(sequence: list[list[int]], ops: list[CompiledOp], specs: list
     externals: dict[int, External] = {}
     constraints: list[Constraint] = []
     for step in sequence:
-        allocated: set[int] = set()  # storages this step's ops have allocated so far
+        allocated: set[int] = set()  # storages this step's ops have allocated so far, and not freed since
         for position in step:
             spec = specs[position]
             for slot, info, tensor_index, arg_name in inputs[position]:
@@ -114,6 +114,7 @@ def find_externals(sequence: list[list[int]], ops: list[CompiledOp], specs: list
                     externals[slot] = External(info, rng, arg_name == "offsets")
             produced.update(s for s in ops[position].out_slots if s is not None)
             allocated.update(spec.allocated)
+            allocated.difference_update(spec.released)
     return externals, constraints
 
 
