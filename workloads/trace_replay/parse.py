@@ -83,9 +83,7 @@ class KinetoTrace:
     events: list[KinetoEvent]  # every complete event
     memory: list[MemoryEvent]
 
-    # each read once (a trace's events are not changed once read): a step's figures are looked up a step at a time
-
-    @cached_property
+    @cached_property  # made once: a trace's events do not change once read, and its steps are looked up one by one
     def steps(self) -> list[KinetoEvent]:
         """The step annotations (``cobench_step#<k>``)."""
         return [e for e in self.events if e.cat == "user_annotation" and e.name.startswith(STEP_ANNOTATION)]
