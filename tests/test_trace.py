@@ -605,12 +605,12 @@ def test_the_replay_spends_the_programs_host_time_against_a_ledger_of_its_own_wo
     ops = [CompiledOp(index=i, name="aten::x", category="cpu_op", step=0, fn=op_fn, args=[], kwargs={},
                       arg_slots=[], kwarg_slots=[], out_slots=[], out_infos=[], dur_us=10.0) for i in range(3)]
 
-    def step(gaps_s):
+    def step(gaps_s, outside_s=0.0):
         started.clear()
         now[0] = 0.0
-        fn, ran = generate_step(ops, [0, 1, 2], [[], [], []], gaps_s, 3 * us, call_s=1 * us, births=[0, 1, None],
-                                stand_in=lambda i: None, fill=lambda i: None, born=born, name="ledger",
-                                clock=clock)
+        fn, ran = generate_step(ops, [0, 1, 2], [[], [], []], gaps_s, 3 * us, call_s=1 * us, outside_s=outside_s,
+                                births=[0, 1, None], stand_in=lambda i: None, fill=lambda i: None, born=born,
+                                name="ledger", clock=clock)
         return fn([]), ran
 
     owed, ran = step([5 * us, 20 * us, 0.0])
@@ -626,6 +626,12 @@ def test_the_replay_spends_the_programs_host_time_against_a_ledger_of_its_own_wo
     owed, _ = step([5 * us, 20 * us, 40 * us])
     assert owed < 0.5 * us
     assert now[0] == pytest.approx((4 + 10 + 19 + 10 + 39 + 10 + 3) * us, abs=1 * us)
+    # work the step expects (9 µs a op besides the call's 1) that the last gap cannot hold: the 7 µs it would
+    # owe at its end come off gap 1 beforehand (op 1 starts 7 µs sooner), and what it returns counts them:
+    # it ended 111 µs in, 21 µs after the program's host time (90), not 28 after its lowered targets
+    owed, _ = step([40 * us, 20 * us, 0.0], outside_s=9 * us)
+    assert started[1] == pytest.approx((39 + 10 + 19 - 7) * us, abs=0.5 * us)
+    assert now[0] == pytest.approx(111 * us, abs=1 * us) and owed == pytest.approx(21 * us, abs=0.5 * us)
     # without host gaps: the ops back to back, no ledger
     owed, _ = step(None)
     assert owed == 0.0 and started[1] - started[0] == pytest.approx(18 * us, abs=0.5 * us)

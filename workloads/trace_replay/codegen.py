@@ -131,7 +131,8 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
     spin running past its end) is then spent out of the program's gaps, at the cost it has as the step
     runs, not at one measured beforehand: a gap the replay's own work overran is taken back from the gaps
     after it; what is still owed at the step's end is what the step returns (seconds; 0 when it kept to
-    the program's host time). ``call_s``: the replay's host time inside that window per op (the op
+    the program's host time, less than 0 when it ended early: what it took off its gaps beforehand,
+    below, is counted, as the ledger's own lateness alone does not show it). ``call_s``: the replay's host time inside that window per op (the op
     binding's own work before and after the op proper: :func:`.host_cost.measure_call_cost`), which
     each gap leaves out; ``outside_s``: its work outside the window per op, as measured there, with which
     a balance the step would owe at its end is taken off its latest gaps beforehand (:func:`taken_back`).
@@ -160,8 +161,10 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
 
     ledger = gaps_s is not None
     lines = ["def step(v):"]
+    taken = 0.0  # what the gaps give up beforehand: the ledger's moments move earlier by it, its lateness does not
     if ledger:
         take = taken_back(gaps_s, tail_s, call_s + outside_s)
+        taken = float(sum(take))
         gaps_s = [gap - cut - call_s for gap, cut in zip(gaps_s, take, strict=True)]  # the ledger's, per op
         lines.append("    k = h.scale if h is not None else 1.0")
         lines.append(f"    d = pc() + k * {float(gaps_s[0] if positions else tail_s)!r}")
@@ -210,7 +213,7 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
         if births is not None and births[j] is not None:  # inside the next gap: the program made them there
             lines.append(f"    born({int(births[j])})")
     if ledger:
-        lines += ["    while pc() < d: pass", "    return pc() - d"]
+        lines += ["    while pc() < d: pass", f"    return pc() - d - k * {taken!r}"]
     namespace: dict[str, Any] = {"f": fns, "c": consts, "flat": flatten_tensors, "pc": clock, "h": speed,
                                  "standin": stand_in, "fill": fill, "born": born,
                                  "grad": torch._C._set_grad_enabled, "keep": keep}
