@@ -113,6 +113,30 @@ def test_edits_move_the_prediction_the_right_way(bundle: Path, tmp_path: Path):
     assert same.predicted_step_ms - compute / 2 <= on_faster.predicted_step_ms < same.predicted_step_ms - compute / 4
 
 
+def test_a_flags_missing_or_foreign_file_is_refused_before_the_bundle_is_read(tmp_path: Path):
+    """Each file a flag names is read first: one missing, or not what its flag takes, is refused at once, naming
+    the flag and how to make the file, before the bundle's graph (seconds to load) is read."""
+    from harness.whatif.run import PredictOptions, predict_bundle
+
+    nowhere, nope, foreign = tmp_path / "no-bundle", tmp_path / "nope.json", tmp_path / "foreign.json"
+    foreign.write_text('{"format": "something else"}')
+    cases = [(PredictOptions(sharded_stage=nope), r"--sharded-stage .*nope.json does not exist.*--nproc-per-node 2 "),
+             (PredictOptions(sharded_stage=foreign), "foreign.json: not a sharded-stage timing"),
+             (PredictOptions(gradient_sync=nope), r"--gradient-sync .*nope.json does not exist.*sync_probe"),
+             (PredictOptions(gradient_sync=foreign), "foreign.json: not a gradient-sync timing"),
+             (PredictOptions(collectives=nope), r"--collectives .*nope.json does not exist"),
+             (PredictOptions(collectives=foreign), "foreign.json: not a cobench.collectives.sweep"),
+             (PredictOptions(target_calibration=nope), "does not exist: make it on the target"),
+             (PredictOptions(target_calibration=foreign), "foreign.json: not a what-if calibration")]
+    for options, message in cases:
+        with pytest.raises(ValueError, match=message):
+            predict_bundle(nowhere, ["world_size=2", "workload.parallelism=ddp"], options)
+    with pytest.raises(ValueError, match="--nproc-per-node 4 "):  # the degree by any of its names
+        predict_bundle(nowhere, ["dp=4"], PredictOptions(gradient_sync=nope))
+    with pytest.raises(Exception, match="no-bundle"):  # with no flag, the bundle is what is refused
+        predict_bundle(nowhere, ["world_size=2"], PredictOptions())
+
+
 def test_cobench_trace_predict_writes_its_inputs_and_refuses_bad_changes(cobench, bundle: Path, tmp_path: Path,
                                                                          capsys):
     from harness.whatif.cache import cache_dir

@@ -47,10 +47,7 @@ def stage_cost(bundle: Path, graph: Graph, world: int, changes: list[str], timin
     in this process group when this process already runs under torchrun at that world size)."""
     stage_changes = sorted(c for c in changes if c.startswith("workload."))
     if timing_file is not None:
-        if not timing_file.exists():
-            raise ValueError(f"--sharded-stage {timing_file} does not exist: time the stage with `torchrun "
-                             f"--nproc-per-node {world} -m harness.whatif.stage_probe BUNDLE --out FILE`")
-        record = read_json_file(timing_file)
+        record = read_stage_timing(timing_file, world)
         if sorted(record.get("changes") or []) != stage_changes:
             raise ValueError(f"--sharded-stage {timing_file} was timed with changes {record.get('changes')}, "
                              f"this prediction makes {stage_changes}: time it with the same workload.* changes")
@@ -73,6 +70,24 @@ def stage_cost(bundle: Path, graph: Graph, world: int, changes: list[str], timin
     return ShardedStageCost.from_timing(read_json_file(cached), str(cached))
 
 
+def read_stage_timing(timing_file: Path, world: int | str) -> dict[str, Any]:
+    """A sharded-stage timing (``--sharded-stage``), refused where it does not exist or is not one."""
+    if not timing_file.exists():
+        raise ValueError(f"--sharded-stage {timing_file} does not exist: time the stage with `torchrun "
+                         f"--nproc-per-node {world} -m harness.whatif.stage_probe BUNDLE --out FILE`")
+    record = read_json_file(timing_file)
+    ShardedStageCost.from_timing(record, str(timing_file))
+    return record
+
+
+def read_sync_timing(timing_file: Path, world: int | str) -> GradientSyncCost:
+    """A gradient-sync timing (``--gradient-sync``), refused where it does not exist or is not one."""
+    if not timing_file.exists():
+        raise ValueError(f"--gradient-sync {timing_file} does not exist: time the skeleton with `torchrun "
+                         f"--nproc-per-node {world} -m harness.whatif.sync_probe PREDICTION.json --out FILE`")
+    return GradientSyncCost.from_timing(read_json_file(timing_file), str(timing_file))
+
+
 def sync_cost(bundle: Path, spec: dict | None, world: int, changes: list[str], timing_file: Path | None,
               from_table: bool, other_platform: bool) -> GradientSyncCost | None:
     """DDP's gradient synchronisation at ``world`` ranks for this prediction's skeleton ``spec``: ``timing_file``
@@ -83,10 +98,7 @@ def sync_cost(bundle: Path, spec: dict | None, world: int, changes: list[str], t
     if spec is None or world < 2:
         return None
     if timing_file is not None:
-        if not timing_file.exists():
-            raise ValueError(f"--gradient-sync {timing_file} does not exist: time the skeleton with `torchrun "
-                             f"--nproc-per-node {world} -m harness.whatif.sync_probe PREDICTION.json --out FILE`")
-        return GradientSyncCost.from_timing(read_json_file(timing_file), str(timing_file))
+        return read_sync_timing(timing_file, world)
     if from_table:
         return None
     if other_platform:

@@ -17,9 +17,9 @@ from typing import Any
 from harness.platform import configure_host_allocator, host_allocator_in_effect
 from harness.whatif.cache import cache_dir
 from harness.whatif.chakra_export import edited_ops, export_edited_chakra
-from harness.whatif.changes import Changes, parse_changes
+from harness.whatif.changes import WORLD_KEYS, Changes, parse_changes
 from harness.whatif.costmodel import Calibration, calibrate, load_or_calibrate, read_calibration
-from harness.whatif.costs import has_sharded_stage, stage_cost, sync_cost
+from harness.whatif.costs import has_sharded_stage, read_stage_timing, read_sync_timing, stage_cost, sync_cost
 from harness.whatif.dataparallel import (
     ASSUMED_BUSBW_GBPS,
     ASSUMED_LATENCY_US,
@@ -70,12 +70,10 @@ class BundlePrediction:
 
 def predict_bundle(bundle: Path, changes: list[str], options: PredictOptions) -> BundlePrediction:
     """``bundle``'s step under ``changes`` (``key=N`` items: layers, batch, sequence, ``world_size``)."""
+    check_input_files(changes, options)
     graph = load_graph(bundle)
     parsed = parse_changes(graph, changes)
     calibration = _curves(bundle, graph, parsed, options)
-    if options.collectives is not None and not options.collectives.exists():
-        raise ValueError(f"--collectives {options.collectives} does not exist: it is the collectives benchmark's "
-                         "sweep table (collectives_all_reduce.json in that run's folder)")
     rank_calibration, allreduce = None, None
     if parsed.world_size is not None:
         allreduce = allreduce_cost(parsed.world_size, options.collectives, options.assume_busbw_gbps,
@@ -90,6 +88,29 @@ def predict_bundle(bundle: Path, changes: list[str], options: PredictOptions) ->
     return BundlePrediction(graph, parsed, calibration, rank_calibration, allreduce, result, record)
 
 
+def check_input_files(changes: list[str], options: PredictOptions) -> None:
+    """Each file a flag names, read before the bundle's graph is (loading it takes seconds): one that does not
+    exist, or is not what its flag takes, is refused at once. What a file must agree with (the changes, the
+    predicted step) is checked where it is used."""
+    world = next((value for key, _, value in (c.partition("=") for c in changes) if key in WORLD_KEYS), "W")
+    if options.collectives is not None:
+        if not options.collectives.exists():
+            raise ValueError(f"--collectives {options.collectives} does not exist: it is the collectives benchmark's "
+                             "sweep table (collectives_all_reduce.json in that run's folder)")
+        from workloads.collectives.table import read_sweep_table
+
+        read_sweep_table(options.collectives)
+    if options.target_calibration is not None:
+        if not options.target_calibration.exists():
+            raise ValueError(f"--target-calibration {options.target_calibration} does not exist: make it on the "
+                             "target with `cobench trace calibrate --out FILE`")
+        read_calibration(options.target_calibration)
+    if options.sharded_stage is not None:
+        read_stage_timing(options.sharded_stage, world)
+    if options.gradient_sync is not None:
+        read_sync_timing(options.gradient_sync, world)
+
+
 def _curves(bundle: Path, graph: Graph, parsed: Changes, options: PredictOptions) -> Calibration:
     """This host's curves (``options.calibration``, else the bundle's what-if cache, measured there first); another
     platform's, when given, go on ``parsed.change``."""
@@ -97,10 +118,7 @@ def _curves(bundle: Path, graph: Graph, parsed: Changes, options: PredictOptions
     # for glibc returning freed memory, or neither does)
     configure_host_allocator("steady" if graph.platform.get("host_allocator", "").startswith("steady") else "system")
     calibration = load_or_calibrate(options.calibration or cache_dir(bundle) / "calibration.json")
-    if options.target_calibration is not None:
-        if not options.target_calibration.exists():
-            raise ValueError(f"--target-calibration {options.target_calibration} does not exist: make it on the "
-                             "target with `cobench trace calibrate --out FILE`")
+    if options.target_calibration is not None:  # checked: check_input_files
         parsed.change.calibration = read_calibration(options.target_calibration)
     return calibration
 
