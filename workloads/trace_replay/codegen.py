@@ -131,11 +131,12 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
     spin running past its end) is then spent out of the program's gaps, at the cost it has as the step
     runs, not at one measured beforehand: a gap the replay's own work overran is taken back from the gaps
     after it; what is still owed at the step's end is what the step returns (seconds; 0 when it kept to
-    the program's host time, less than 0 when it ended early: what it took off its gaps beforehand,
-    below, is counted, as the ledger's own lateness alone does not show it). ``call_s``: the replay's host time inside that window per op (the op
-    binding's own work before and after the op proper: :func:`.host_cost.measure_call_cost`), which
-    each gap leaves out; ``outside_s``: its work outside the window per op, as measured there, with which
-    a balance the step would owe at its end is taken off its latest gaps beforehand (:func:`taken_back`).
+    the program's host time, below 0 when it ended early: what it took off its gaps beforehand, below,
+    is counted, as the ledger's own lateness does not show it). ``call_s``: the replay's host time
+    inside that window per op (the op binding's own work before and after the op proper:
+    :func:`.host_cost.measure_call_cost`), which each gap leaves out; ``outside_s``: its work outside the
+    window per op, as measured there, with which a balance the step would owe at its end is taken off its
+    latest gaps beforehand (:func:`taken_back`).
     ``grad[j]``: run the j-th op with grad mode set to ``grad_on`` and back off after it (what the
     replayer's autograd calibration compares: the same code, grad mode on and off); None: every op
     without grad, as the replay runs. Those ops' outputs are appended to ``keep`` then, so that the
