@@ -626,7 +626,7 @@ def test_the_replay_spends_the_programs_host_time_against_a_ledger_of_its_own_wo
     owed, _ = step([5 * us, 20 * us, 40 * us])
     assert owed < 0.5 * us
     assert now[0] == pytest.approx((4 + 10 + 19 + 10 + 39 + 10 + 3) * us, abs=1 * us)
-    # work the step expects (9 µs a op besides the call's 1) that the last gap cannot hold: the 7 µs it would
+    # work the step expects (9 µs an op besides the call's 1) that the last gap cannot hold: the 7 µs it would
     # owe at its end come off gap 1 beforehand (op 1 starts 7 µs sooner), and what it returns counts them:
     # it ended 111 µs in, 21 µs after the program's host time (90), not 28 after its lowered targets
     owed, _ = step([40 * us, 20 * us, 0.0], outside_s=9 * us)
