@@ -551,6 +551,12 @@ def test_the_programs_own_host_time_is_measured_and_spent_by_the_replay(tmp_path
     replayer.calibrate_host_cost(lambda: None)
     # the replay's own work per op, inside the window its ledger counts as op time and outside it: each positive
     assert replayer.runner.call_s > 0 and replayer.runner.outside_s > 0
+    # the call cost as the steps run between their gaps: what they took beyond what they spent, every step of
+    # every round, added to the call cost and to the samples a judgement resamples it from (centred on it)
+    steps = len(replayer.sequence)
+    assert len(replayer.gap_excess_samples_s) == 8 * steps, replayer.gap_excess_samples_s
+    assert all(math.isfinite(e) for e in replayer.gap_excess_samples_s)
+    assert statistics.median(replayer.call_samples_s) == pytest.approx(replayer.runner.call_s)
     started = time.perf_counter()
     for _ in range(4):
         replayer.run_step()

@@ -183,8 +183,8 @@ class StepRunner:
         no_gap_time = no_gap_time or grad_on is not None
         gaps = None
         if self.host_gaps:
-            gaps = [0.0] * len(positions) if no_gap_time else self._gaps_s(positions)
-        tail = seconds(self._tail_gaps_us[k]) if self.host_gaps and not no_gap_time else 0.0
+            gaps = [0.0] * len(positions) if no_gap_time else self.gaps_s(positions)
+        tail = self.tail_gap_s(k) if self.host_gaps and not no_gap_time else 0.0
         births = [offset + j if offset + j in self.plan.births else None for j in range(len(positions))]
         return generate_step(self.plan.ops, positions, self.plan.clears[offset:offset + len(positions)], gaps, tail,
                              call_s=0.0 if no_gap_time else self.call_s,
@@ -196,17 +196,21 @@ class StepRunner:
                              born=self.tensors.give_birth, name=f"step {k}",
                              speed=None if no_gap_time else self.speed)
 
-    def _gaps_s(self, positions: list[int]) -> list[float]:
+    def gaps_s(self, positions: list[int]) -> list[float]:
         """The host time to spend before each of these ops (seconds): the program's gap, plus the autograd
         bookkeeping before each op the program recorded history through."""
         return [seconds(self.plan.specs[p].gap_us) + self.plan.specs[p].grad * self.autograd_s for p in positions]
+
+    def tail_gap_s(self, k: int) -> float:
+        """The host time to spend after step ``k``'s last op (seconds)."""
+        return seconds(self._tail_gaps_us[k])
 
     def spun_s(self) -> float:
         """What the steps spin, on average a step, with the costs measured so far (seconds): the program's host
         time less the replay's own work (its calls, and the rest per op), which the ledger spends out of it."""
         total = 0.0
         for k, positions in enumerate(self.plan.sequence):
-            total += max(0.0, sum(self._gaps_s(positions)) + seconds(self._tail_gaps_us[k])
+            total += max(0.0, sum(self.gaps_s(positions)) + self.tail_gap_s(k)
                          - len(positions) * (self.call_s + self.outside_s))
         return total / max(1, len(self.plan.sequence))
 

@@ -111,6 +111,59 @@ def measure_call_cost(runner: StepRunner, synchronize: Callable[[], None], round
     return [1e-6 * v for v in per_op], [1e-6 * v for v in outside], op_us
 
 
+def measure_gap_excess(runner: StepRunner, synchronize: Callable[[], None], rounds: int = 8) -> list[float]:
+    """How much more host time per op the replay's steps take, spending their gaps, than they mean to spend:
+    one figure per measured step (seconds), measured as the capture measures the program's host time
+    (:func:`.host_time.kineto_host_gaps`: the generated steps with their gaps under Kineto alone, then
+    plain, the profiler's cost taken out), less what each step's ledger spends (every gap and its tail, at
+    the host-speed scale it ran at), ÷ its ops.
+
+    The call cost (:func:`measure_call_cost`) is measured with the ops back to back. Spent between gaps, each
+    call costs more: over the model zoo on a quiet machine (2026-11-29, 28 judgements), the replay's host
+    time as judged, less the autograd bookkeeping it spends on purpose, stood above what it spent in 22, by
+    1.4 % of the program's step at the median (up to 0.9 µs an op; Faster R-CNN 1.5–3.2), about a third of
+    the replay's bias then (its time error +3.9 % at the median). Added to the call cost, one BERT
+    capture's excess went from +0.41 µs an op to −0.05. Steps that hold collectives run on every rank in
+    the same order, once each a round."""
+    steps = len(runner.plan.sequence)
+    generated = [runner.generated_step(k) for k in range(steps)]
+    speed = runner.speed
+    scales: dict[int, float] = {}
+    recorded = len(speed.scales) if speed is not None else 0  # the record keeps the scales the replay ran at
+
+    def run(k: int) -> None:
+        scales[k] = speed.scale if speed is not None else 1.0
+        with torch.no_grad():
+            generated[k][0](runner.tensors.vals)
+        if speed is not None:
+            speed.update()
+
+    excess: list[float] = []
+    for _ in range(rounds):
+        runner.tensors.restore_values()
+        trace = profiled_steps([lambda k=k: run(k) for k in range(steps)],
+                               settle=lambda: [run(k) for k in range(steps)], synchronize=synchronize)
+        runner.tensors.restore_values()
+        for k in range(steps):  # settles plain running again
+            run(k)
+        plain_us: dict[int | None, float] = {}
+        for k in range(steps):
+            synchronize()
+            started = time.perf_counter()
+            run(k)
+            synchronize()
+            plain_us[k] = 1e6 * (time.perf_counter() - started)
+        host_us = kineto_host_gaps(trace, plain_us)
+        for k, host in host_us.items():
+            positions = runner.plan.sequence[k]
+            spent_us = 1e6 * scales[k] * (sum(runner.gaps_s(positions)) + runner.tail_gap_s(k))
+            excess.append(1e-6 * (host - spent_us) / max(1, len(positions)))
+    runner.tensors.restore_values()
+    if speed is not None:
+        del speed.scales[recorded:]
+    return excess
+
+
 def _runs_with_grad(op: Any, vals: list[Any], leaves: list[torch.Tensor]) -> bool:
     for leaf in leaves:
         leaf.requires_grad_(True)

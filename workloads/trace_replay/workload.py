@@ -185,6 +185,9 @@ class GeneratedWorkload(WorkloadBase):
             record["metrics"]["replay_host_us_per_op"] = 1e6 * self.replayer.call_s
             record["metrics"]["replay_autograd_us_per_op"] = 1e6 * self.replayer.autograd_s
             record["metrics"]["replay_outside_us_per_op"] = 1e6 * self.replayer.runner.outside_s
+            if self.replayer.gap_excess_samples_s:  # what the call cost gained between gaps over back to back
+                record["metrics"]["replay_gap_excess_us_per_op"] = \
+                    1e6 * statistics.median(self.replayer.gap_excess_samples_s)
             if (speed := self.replayer.runner.speed) is not None and speed.scales:
                 # how much longer than at capture this host ran host work while the steps ran (median, spread)
                 record["metrics"]["replay_host_speed_scale_p50"] = statistics.median(speed.scales)
