@@ -22,10 +22,10 @@ from conftest import clean_env, mlflow_runs
 from workloads.trace_bundle import ET_FILE, KINETO_FILE, META_FILE, TraceError, read_meta
 from workloads.trace_replay import host_time
 from workloads.trace_replay.extract import ancestors
-from workloads.trace_replay.fidelity import unrepresentative_reason
+from workloads.trace_replay.fidelity import compute_fidelity, unrepresentative_reason
 from workloads.trace_replay.host_time import gap_shape, kineto_host_gaps, place_host_gaps, replayed_op_time
 from workloads.trace_replay.parse import KinetoEvent, KinetoTrace, Node, kineto_trace, repair_nesting
-from workloads.trace_replay.records import RankRecord
+from workloads.trace_replay.records import RankRecord, SpecRecord
 from workloads.trace_replay.replay import Replayer
 from workloads.trace_replay.spec import GenerateOptions, generate_spec, load_spec, write_spec
 
@@ -187,6 +187,21 @@ def test_replay_on_other_threads_is_a_portability_run_judged_against_a_reference
     (run_dir,) = (results / "runs").iterdir()
     fidelity = json.loads((run_dir / "fidelity.json").read_text())
     assert fidelity["reference"] == "reference bundle" and fidelity["replay_platform"]["num_threads"] == other
+    assert "memory_error_pct" in fidelity["metrics"] and "memory_unmeasured" not in fidelity  # both RSS
+
+
+def test_memory_is_not_compared_across_meters(llama_bundle: Path):
+    # a spec captured on a GPU holds the allocator's peak; a replay on the CPU reads process RSS: no error
+    spec = SpecRecord.from_json(generate_spec(llama_bundle))
+    spec.source.platform["device_type"] = "cuda"
+    steps_s = [1e-3 * t for t in spec.source.step_times_ms[0]]
+    record = compute_fidelity(spec, 0, steps_s, {}, {}, replay_peak_memory_bytes=400 * 2**20)
+    assert "memory_error_pct" not in record["metrics"]
+    assert "process RSS" in record["memory_unmeasured"] and "allocator" in record["memory_unmeasured"]
+    # the same meter on both sides (a reference bundle captured on this CPU): compared
+    record = compute_fidelity(spec, 0, steps_s, {}, {}, reference_times_ms=[10.0], replay_peak_memory_bytes=110,
+                              reference_peak_memory_bytes=100, reference_device_type="cpu")
+    assert record["metrics"]["memory_error_pct"] == pytest.approx(10.0) and "memory_unmeasured" not in record
 
 
 def test_dlrm_replays_with_valid_indices(tmp_path: Path):

@@ -143,11 +143,18 @@ def compute_fidelity(
     *,
     reference_times_ms: list[float] | None = None,
     replay_peak_memory_bytes: int = 0,
+    replay_device_type: str = "cpu",
+    reference_peak_memory_bytes: int = 0,
+    reference_device_type: str | None = None,
     portability: bool = False,
     host_gaps: bool = False,
     divergent: dict[int, str] | None = None,
 ) -> dict[str, Any]:
-    """The fidelity record (``fidelity.json``) and its headline metrics."""
+    """The fidelity record (``fidelity.json``) and its headline metrics.
+
+    Memory is judged against a reference bundle's peak where one is given (captured on the replay's
+    platform), else against the source's; and only where both peaks come from the same meter (process RSS
+    on a CPU, the allocator's peak on an accelerator; ``MemoryMeter``)."""
     rank_spec = spec.ranks[min(rank, len(spec.ranks) - 1)]
     ops = rank_spec.ops
     reference_ms = reference_step_ms(spec, rank, reference_times_ms)
@@ -162,8 +169,13 @@ def compute_fidelity(
     distance = 0.5 * sum(abs(v["source_share"] - v["replay_share"]) for v in categories.values())
     logs = [(math.log(a), math.log(max(b, 1e-3))) for a, b in pairs if a > 0]
 
-    source_peak = spec.source.peak_memory_bytes
-    source_peak = source_peak[min(rank, len(source_peak) - 1)] if source_peak else 0
+    if reference_times_ms is not None:
+        source_peak, source_device = reference_peak_memory_bytes, reference_device_type
+    else:
+        peaks = spec.source.peak_memory_bytes
+        source_peak = peaks[min(rank, len(peaks) - 1)] if peaks else 0
+        source_device = spec.source.platform.get("device_type")
+    same_meter = source_device is None or (source_device == "cpu") == (replay_device_type == "cpu")
     metrics = {
         "time_error_pct": abs(signed),
         "time_error_signed_pct": signed,
@@ -188,7 +200,7 @@ def compute_fidelity(
         "host_gap_ms": statistics.fmean(s.host_gap_us for s in rank_spec.steps) / 1e3
         if host_gaps and rank_spec.steps else 0.0,
     }
-    if source_peak and replay_peak_memory_bytes:
+    if source_peak and replay_peak_memory_bytes and same_meter:
         metrics["memory_error_pct"] = 100.0 * (replay_peak_memory_bytes - source_peak) / source_peak
     record = {
         "metrics": metrics,
@@ -207,4 +219,11 @@ def compute_fidelity(
                    "platform": spec.source.platform, "world_size": spec.source.world_size},
         "options": spec.options,
     }
+    if not same_meter:
+        meter = {True: "process RSS", False: "the allocator's peak"}
+        record["memory_unmeasured"] = (
+            f"no memory error: the {'reference' if reference_times_ms is not None else 'source'}'s peak on "
+            f"{source_device} is {meter[source_device == 'cpu']}, the replay's on {replay_device_type} "
+            f"{meter[replay_device_type == 'cpu']}; judge against a capture on this device "
+            f"(workload.reference_bundle=)")
     return record

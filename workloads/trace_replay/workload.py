@@ -77,6 +77,7 @@ class GeneratedWorkload(WorkloadBase):
                           f"{listed}. They can reach outside the replay's tensors.", stacklevel=2)
         self.reference_ms: list[float] | None = None
         self.reference_platform: dict[str, Any] | None = None
+        self.reference_peak_bytes = 0
         if config.reference_bundle:
             try:
                 dirs = rank_dirs(Path(config.reference_bundle))
@@ -85,6 +86,7 @@ class GeneratedWorkload(WorkloadBase):
                 raise invalid_config("reference_bundle", str(err)) from None
             self.reference_ms = [1e3 * t for t in meta.step_times_s]
             self.reference_platform = meta.platform
+            self.reference_peak_bytes = meta.peak_memory_bytes
         self.replayer: Replayer | None = None
         self.step_times_s: list[float] = []
         self.record: dict[str, Any] = {}  # the fidelity record extra_metrics() made (rank 0 also writes it)
@@ -175,6 +177,8 @@ class GeneratedWorkload(WorkloadBase):
         record = compute_fidelity(
             self.spec, self.rank_index, self.step_times_s, op_times, self.replayer.errors,
             reference_times_ms=self.reference_ms, replay_peak_memory_bytes=_process_peak_bytes(self.ctx.device),
+            replay_device_type=self.ctx.device.type, reference_peak_memory_bytes=self.reference_peak_bytes,
+            reference_device_type=(self.reference_platform or {}).get("device_type"),
             portability=self.portability, host_gaps=self.replayer.host_gaps, divergent=self.replayer.divergent,
         )
         record["metrics"]["replay_static_mb"] = self.replayer.static_bytes / 2**20
