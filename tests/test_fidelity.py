@@ -17,13 +17,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from conftest import clean_env, mlflow_runs, run_ranks
 from fidelity_corpus import PROGRAMS
 
+import harness.traces.judge as judge_module
 import harness.traces.side_by_side as side_by_side_module
+from harness.config import compose_config, to_run_config
 from harness.traces.allocator_peaks import step_memory_peak_bytes
 from harness.traces.capture import capture
 from harness.traces.judge import judge
@@ -468,6 +471,31 @@ def test_cobench_trace_fidelity_is_one_mlflow_run(tmp_path: Path):
     assert run.data.metrics["op_coverage_pct"] == 100.0
     (run_dir,) = (results / "runs").iterdir()
     assert json.loads((run_dir / "fidelity.json").read_text())["judgement"] == "side_by_side"
+
+
+def test_a_workload_whose_shapes_follow_its_data_is_judged_on_its_traced_batch(tmp_path: Path, monkeypatch):
+    """seqrec's steps run its batches' length buckets: judged over fresh batches, its steps would set the
+    average of other batches against the replay of the traced one. Every step the judgement times (the
+    source's own, and its host-time probe's) runs the traced batch, and the cycle resumes afterwards."""
+    small = ["workload.train_batches=6", "workload.eval_batches=2", "workload.simulate_batches=0",
+             "workload.cost_model=tokens", "workload.batch_size=8", "workload.max_len=64"]
+    cfg = to_run_config(compose_config(["workload=seqrec", *small, f"results_dir={tmp_path}", "tracking=off"]))
+    tokens: list[int] = []
+    real_judge_bundle = judge_module.judge_bundle
+
+    def spying(source_step: Callable[[], Any], bundle: Path, ctx: Any, **kwargs: Any) -> dict[str, Any]:
+        def step() -> Any:
+            result = source_step()
+            tokens.append(result.tokens)
+            return result
+        return real_judge_bundle(step, bundle, ctx, **kwargs)
+
+    monkeypatch.setattr(judge_module, "judge_bundle", spying)
+    result = judge_module.judge_benchmark(cfg, rounds=2, steps_per_round=2, warmup=1, capture_steps=1,
+                                          baseline_steps=3, connect=False, budget_s=None)
+    assert result.status == "FINISHED", result.error
+    assert len(tokens) > 10 and len(set(tokens)) == 1, tokens
+    assert result.metrics["op_coverage_pct"] == 100.0
 
 
 def test_a_bad_workload_is_refused_before_any_fidelity_run(tmp_path: Path):

@@ -110,9 +110,9 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
         # Each side's peak over that many of its own steps, measured alike. Not the captured
         # steps' own allocator events: under the execution-trace observer, the copies it makes of integer
         # inputs (recorded data, value ranges) are allocations too — a GCN's edge indices added 83 % there.
-        # Except for a workload that held its traced batch through the capture (its op shapes follow its
-        # data): its next steps would be other batches, with its data pipeline's next ones being made
-        # beside them (seqrec: 10.8 MB where its captured steps held 6.8), so its captured steps it is.
+        # Except for a workload that holds its traced batch (its op shapes follow its data): its captured
+        # steps' peak (its own steps over fresh batches had its data pipeline's next ones made beside them:
+        # seqrec 10.8 MB where its captured steps held 6.8).
         captured_peak = captured_step_peak_bytes(rank_dir, ctx.device)
         if hold_batch is not None and captured_peak is not None:
             source_peak = captured_peak
@@ -279,9 +279,18 @@ def judge_benchmark(cfg: CobenchConfig, *, benchmark: str | None = None, rounds:
         source.capture(bundle, steps=capture_steps, warmup=warmup, baseline_steps=baseline_steps, announce=False)
         if ctx.distributed:
             torch.distributed.barrier()  # every rank's bundle is written
-        record = judge_bundle(source.workload.step, bundle, ctx, rounds=rounds, steps_per_round=steps_per_round,
-                              warmup=warmup, budget_s=budget_s,
-                              hold_batch=getattr(source.workload, "hold_batch", None))
+        # A workload whose op shapes follow its data held its traced batch through the capture, and the replay
+        # runs that batch's shapes: the source steps it too while judged, or each side would run other work
+        # (seqrec's steps ran 15–32 ms, p10 to p90, over fresh batches; the replay of its traced one 16–22).
+        hold = getattr(source.workload, "hold_batch", None)
+        if hold is not None:
+            hold(True)  # nothing ran since the capture: the batch it hands out last is the traced one
+        try:
+            record = judge_bundle(source.workload.step, bundle, ctx, rounds=rounds, steps_per_round=steps_per_round,
+                                  warmup=warmup, budget_s=budget_s, hold_batch=hold)
+        finally:
+            if hold is not None:
+                hold(False)
         result.metrics = dict(record["metrics"])
         replay_rounds = [statistics.median(r) for r in record["side_by_side"]["replay_ms"]]
         result.metrics["throughput"] = 1e3 / result.metrics["replay_step_ms"]
