@@ -125,6 +125,9 @@ def test_the_dry_run_passes_offline_in_a_bare_venv_with_torch_and_the_wheelhouse
     assert figures["collectives"] == {**figures["collectives"], "backend": "gloo", "world_size": 2}
     assert all(row["bound_violations"] == 0 for row in figures["codec"]["table"] if row["codec"].startswith("eb"))
     assert figures["portability"]["judgement"] in ("portability", "cross_process")
+    assert figures["portability"]["replay_peak_memory_mb"] > 0 and figures["portability"]["source_peak_memory_mb"] > 0
+    # the source's own spread beside the verdict (where the error lies too, when the host probe gave a figure)
+    assert figures["trace_fidelity"]["source_round_cv_pct"] > 0
     doctor = json.loads((out / "doctor.json").read_text())
     assert doctor["workloads"]["llama"]["supported"] and not doctor["workloads"]["dlrm"]["supported"]
     table = (out / "check.md").read_text()

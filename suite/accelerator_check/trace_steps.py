@@ -25,8 +25,11 @@ def fidelity_step(check: Check) -> Outcome:
     if code != 0 or not records:
         return Outcome("trace_fidelity", FAIL, f"exit {code}: {tail}", command=command)
     metrics = json.loads(records[-1].parent.joinpath("metrics.json").read_text())["metrics"]
+    # the verdict, then where the difference lies (host time, time inside ops, each in % of a step) and the
+    # figures that say how far to trust it (the source's own spread, this host's speed against the capture's)
     keys = ("time_error_signed_pct", "time_error_ci_low_pct", "time_error_ci_high_pct", "replay_step_ms",
-            "source_step_ms", "op_coverage_pct", "memory_error_pct", "fidelity_valid")
+            "source_step_ms", "op_coverage_pct", "memory_error_pct", "fidelity_valid", "host_error_pct",
+            "op_error_pct", "source_round_cv_pct", "replay_host_speed_scale_p50")
     return Outcome("trace_fidelity", PASS, "", {k: metrics[k] for k in keys if k in metrics}, command=command)
 
 
@@ -90,5 +93,6 @@ def portability_step(check: Check) -> Outcome:
     metrics = record["metrics"]
     figures = {"judgement": record["judgement"], "source_platform": record["source"]["platform"].get("device_name"),
                **{k: metrics[k] for k in ("time_error_signed_pct", "replay_step_ms", "reference_step_ms",
-                                          "op_coverage_pct", "ops_failed", "memory_error_pct") if k in metrics}}
+                                          "op_coverage_pct", "ops_failed", "memory_error_pct", "replay_peak_memory_mb",
+                                          "source_peak_memory_mb") if k in metrics}}
     return Outcome("portability", PASS, "", figures, command=command)
