@@ -23,6 +23,7 @@ from workloads.trace_bundle import ET_FILE, KINETO_FILE, META_FILE, TraceError, 
 from workloads.trace_replay import host_time
 from workloads.trace_replay.extract import ancestors
 from workloads.trace_replay.fidelity import compute_fidelity, unrepresentative_reason
+from workloads.trace_replay.host_cost import settled_excess
 from workloads.trace_replay.host_time import gap_shape, kineto_host_gaps, place_host_gaps, replayed_op_time
 from workloads.trace_replay.parse import KinetoEvent, KinetoTrace, Node, kineto_trace, repair_nesting
 from workloads.trace_replay.records import RankRecord, SpecRecord
@@ -572,11 +573,27 @@ def test_the_programs_own_host_time_is_measured_and_spent_by_the_replay(tmp_path
     assert len(replayer.gap_excess_samples_s) == 8 * steps, replayer.gap_excess_samples_s
     assert all(math.isfinite(e) for e in replayer.gap_excess_samples_s)
     assert statistics.median(replayer.call_samples_s) == pytest.approx(replayer.runner.call_s)
+    # what was added is no more than the figure read (the part of it its rounds agree on)
+    assert abs(replayer.gap_excess_applied_s) <= abs(statistics.median(replayer.gap_excess_samples_s)) + 1e-9
     started = time.perf_counter()
     for _ in range(4):
         replayer.run_step()
-    assert (time.perf_counter() - started) / 4 >= 0.0035
+    step_s = (time.perf_counter() - started) / 4
+    assert step_s >= 0.0035, (f"call {1e6 * replayer.runner.call_s:.1f} µs, of it between gaps "
+                              f"{1e6 * replayer.gap_excess_applied_s:.1f}, read (µs an op) "
+                              f"{[round(1e6 * e) for e in replayer.gap_excess_samples_s]}")
     assert len(replayer.runner.overrun_s) == 4  # what each step's own work ran past the program's host time
+
+
+def test_an_excess_is_added_as_far_as_its_rounds_agree_on_it():
+    us = 1e-6
+    quiet = [[17 * us, 18 * us], [16 * us], [19 * us], [19 * us], [16 * us], [65 * us], [19 * us], [44 * us]]
+    assert settled_excess(quiet) == pytest.approx(16 * us)  # the 95 % interval of the median: [16, 44]
+    loaded = [[x * us] for x in (152, 129, 111, -724, -319, 134, 161, 112)]
+    assert settled_excess(loaded) == 0.0  # [-319, 152]: it holds zero
+    lower = [[-x * us] for x in (0.3, 0.4, 0.35, 0.5, 0.45, 0.38, 0.41, 0.6)]
+    assert settled_excess(lower) == pytest.approx(-0.35 * us)  # the bound nearest zero, either side
+    assert settled_excess([[5 * us], [6 * us]]) == 0.0 and settled_excess([]) == 0.0  # too few rounds to tell
 
 
 def test_the_replay_sets_its_op_time_against_the_programs_without_the_profilers_cost(tmp_path: Path):

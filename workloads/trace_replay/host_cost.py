@@ -111,9 +111,9 @@ def measure_call_cost(runner: StepRunner, synchronize: Callable[[], None], round
     return [1e-6 * v for v in per_op], [1e-6 * v for v in outside], op_us
 
 
-def measure_gap_excess(runner: StepRunner, synchronize: Callable[[], None], rounds: int = 8) -> list[float]:
+def measure_gap_excess(runner: StepRunner, synchronize: Callable[[], None], rounds: int = 8) -> list[list[float]]:
     """How much more host time per op the replay's steps take, spending their gaps, than they mean to spend:
-    one figure per measured step (seconds), measured as the capture measures the program's host time
+    one figure per measured step (seconds), a list per round, measured as the capture measures the program's host time
     (:func:`.host_time.kineto_host_gaps`: the generated steps with their gaps under Kineto alone, then
     plain, the profiler's cost taken out), less what each step's ledger spends (every gap and its tail, at
     the host-speed scale it ran at), ÷ its ops.
@@ -138,7 +138,7 @@ def measure_gap_excess(runner: StepRunner, synchronize: Callable[[], None], roun
         if speed is not None:
             speed.update()
 
-    excess: list[float] = []
+    excess: list[list[float]] = []
     for _ in range(rounds):
         runner.tensors.restore_values()
         trace = profiled_steps([lambda k=k: run(k) for k in range(steps)],
@@ -154,14 +154,35 @@ def measure_gap_excess(runner: StepRunner, synchronize: Callable[[], None], roun
             synchronize()
             plain_us[k] = 1e6 * (time.perf_counter() - started)
         host_us = kineto_host_gaps(trace, plain_us)
+        round_excess = []
         for k, host in host_us.items():
             positions = runner.plan.sequence[k]
             spent_us = 1e6 * scales[k] * (sum(runner.gaps_s(positions)) + runner.tail_gap_s(k))
-            excess.append(1e-6 * (host - spent_us) / max(1, len(positions)))
+            round_excess.append(1e-6 * (host - spent_us) / max(1, len(positions)))
+        if round_excess:
+            excess.append(round_excess)
     runner.tensors.restore_values()
     if speed is not None:
         del speed.scales[recorded:]
     return excess
+
+
+def settled_excess(rounds: list[list[float]]) -> float:
+    """The part of a measured excess that its own spread cannot undo: the bound nearest zero of the 95 %
+    interval of the median over the rounds' medians (the order statistics that hold the median with 95 %
+    probability, whatever the distribution), 0 where that interval holds zero.
+
+    A round's steps share its moment, so a round is one figure. On a quiet machine the rounds agree: a
+    host-bound program's read 16–65 µs an op and gave 16 (the median 19). With one busy neighbour they
+    do not (−116 … +1,151 µs an op; the median of every step's figure once read +412, and a replay then
+    spent 1.2 ms a step too little of a 4 ms gap); the bound nearest zero of such rounds is 0 or near it."""
+    medians = sorted(statistics.median(r) for r in rounds if r)
+    n = len(medians)
+    if n < 3:
+        return 0.0
+    k = max(0, math.floor((n - 1.96 * math.sqrt(n)) / 2))
+    low, high = medians[k], medians[n - 1 - k]
+    return low if low > 0 else high if high < 0 else 0.0
 
 
 def _runs_with_grad(op: Any, vals: list[Any], leaves: list[torch.Tensor]) -> bool:

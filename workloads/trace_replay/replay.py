@@ -26,7 +26,12 @@ import torch
 
 from workloads.trace_replay.dataflow import External
 from workloads.trace_replay.execute import ReplayStats, StepRunner
-from workloads.trace_replay.host_cost import measure_autograd_cost, measure_call_cost, measure_gap_excess
+from workloads.trace_replay.host_cost import (
+    measure_autograd_cost,
+    measure_call_cost,
+    measure_gap_excess,
+    settled_excess,
+)
 from workloads.trace_replay.host_time import COLLECTIVE
 from workloads.trace_replay.ops import CompiledOp
 from workloads.trace_replay.plan import plan_replay
@@ -61,6 +66,7 @@ class Replayer:
         self.autograd_samples_s: list[float] = []
         self.outside_samples_s: list[float] = []
         self.gap_excess_samples_s: list[float] = []  # the call cost's excess between gaps (measure_gap_excess)
+        self.gap_excess_applied_s = 0.0  # what of it was added to the call cost (settled_excess)
         self.autograd_unmeasured: str | None = None  # why the autograd bookkeeping was not measured
 
     @property
@@ -149,8 +155,9 @@ class Replayer:
         then add; returns the first, 0 without host gaps. (Its work outside the window its ledger spends out
         of the gaps as the steps run; measured here too, for what the steps spin.) The call cost is measured
         with the ops back to back and then set to what it is as the steps run, between their gaps: whatever
-        host time the steps take beyond what they mean to spend (:func:`.host_cost.measure_gap_excess`) is
-        added to it, so that the gaps leave that out too."""
+        host time the steps take beyond what they mean to spend (:func:`.host_cost.measure_gap_excess`), as
+        far as its rounds agree on it (:func:`.host_cost.settled_excess`), is added to it, so that the gaps
+        leave that out too."""
         if not self.host_gaps:
             return 0.0
         self.call_samples_s, self.outside_samples_s, self.op_samples_us = measure_call_cost(
@@ -165,11 +172,13 @@ class Replayer:
         self.runner.autograd_s = max(0.0, statistics.median(self.autograd_samples_s)) if self.autograd_samples_s \
             else 0.0
         self.runner.regenerate()  # with the measured costs
-        self.gap_excess_samples_s = measure_gap_excess(self.runner, synchronize)
-        if self.gap_excess_samples_s:
-            # each call costs more spent between gaps than back to back: the call cost as the steps run
-            excess = statistics.median(self.gap_excess_samples_s)
-            added = max(excess, -self.runner.call_s)
+        rounds = measure_gap_excess(self.runner, synchronize)
+        self.gap_excess_samples_s = [e for r in rounds for e in r]
+        # each call costs more spent between gaps than back to back: the call cost as the steps run, by as
+        # much as the rounds agree on (a moment's load reads anything, either way)
+        self.gap_excess_applied_s = max(settled_excess(rounds), -self.runner.call_s)
+        if self.gap_excess_applied_s:
+            added = self.gap_excess_applied_s
             self.call_samples_s = [max(0.0, c + added) for c in self.call_samples_s]
             self.runner.call_s += added
             self.runner.regenerate()

@@ -192,6 +192,7 @@ class GeneratedWorkload(WorkloadBase):
             if self.replayer.gap_excess_samples_s:  # what the call cost gained between gaps over back to back
                 record["metrics"]["replay_gap_excess_us_per_op"] = \
                     1e6 * statistics.median(self.replayer.gap_excess_samples_s)
+                record["metrics"]["replay_gap_excess_applied_us_per_op"] = 1e6 * self.replayer.gap_excess_applied_s
             if (speed := self.replayer.runner.speed) is not None and speed.scales:
                 # how much longer than at capture this host ran host work while the steps ran (median, spread)
                 record["metrics"]["replay_host_speed_scale_p50"] = statistics.median(speed.scales)
