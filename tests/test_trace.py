@@ -573,8 +573,6 @@ def test_the_programs_own_host_time_is_measured_and_spent_by_the_replay(tmp_path
     assert len(replayer.gap_excess_samples_s) == 8 * steps, replayer.gap_excess_samples_s
     assert all(math.isfinite(e) for e in replayer.gap_excess_samples_s)
     assert statistics.median(replayer.call_samples_s) == pytest.approx(replayer.runner.call_s)
-    # what was added is no more than the figure read (the part of it its rounds agree on)
-    assert abs(replayer.gap_excess_applied_s) <= abs(statistics.median(replayer.gap_excess_samples_s)) + 1e-9
     started = time.perf_counter()
     for _ in range(4):
         replayer.run_step()
