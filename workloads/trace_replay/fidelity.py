@@ -169,7 +169,7 @@ def compute_fidelity(
     distance = 0.5 * sum(abs(v["source_share"] - v["replay_share"]) for v in categories.values())
     logs = [(math.log(a), math.log(max(b, 1e-3))) for a, b in pairs if a > 0]
 
-    if reference_times_ms is not None:
+    if reference_times_ms:  # judged against a reference bundle, as the record's "reference" says
         source_peak, source_device = reference_peak_memory_bytes, reference_device_type
     else:
         peaks = spec.source.peak_memory_bytes
@@ -222,7 +222,7 @@ def compute_fidelity(
     if not same_meter:
         meter = {True: "process RSS", False: "the allocator's peak"}
         record["memory_unmeasured"] = (
-            f"no memory error: the {'reference' if reference_times_ms is not None else 'source'}'s peak on "
+            f"no memory error: the {'reference' if reference_times_ms else 'source'}'s peak on "
             f"{source_device} is {meter[source_device == 'cpu']}, the replay's on {replay_device_type} "
             f"{meter[replay_device_type == 'cpu']}; judge against a capture on this device "
             f"(workload.reference_bundle=)")

@@ -177,8 +177,7 @@ class Replayer:
         # each call costs more spent between gaps than back to back: the call cost as the steps run, by as
         # much as the rounds agree on (a moment's load reads anything, either way)
         self.gap_excess_applied_s = max(settled_excess(rounds), -self.runner.call_s)
-        if self.gap_excess_applied_s:
-            added = self.gap_excess_applied_s
+        if added := self.gap_excess_applied_s:
             self.call_samples_s = [max(0.0, c + added) for c in self.call_samples_s]
             self.runner.call_s += added
             self.runner.regenerate()
