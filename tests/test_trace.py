@@ -117,6 +117,56 @@ def test_capture_writes_a_bundle_with_uninstrumented_step_times(program_bundle: 
     assert et["schema"].startswith("1.1.1-chakra")
 
 
+def _uneven_host_program(out: Path) -> tuple[int, float]:
+    """A program whose own Python time between its ops varies 15-fold from step to step; its capture's host-time
+    rounds and what they leave of the median's interval (% of a plain step)."""
+    import random
+    import time
+
+    from harness.traces.capture import capture
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 32)
+    x, pause = torch.randn(8, 32), random.Random(0)
+
+    def step() -> None:
+        for _ in range(3):
+            y = layer(x).relu().sum()
+            until = time.perf_counter() + 2e-4 * pause.uniform(0.2, 3.0)
+            while time.perf_counter() < until:
+                pass
+        y.backward()
+
+    with capture(out, steps=1, warmup=1, baseline_steps=3, announce=False) as cap:
+        while not cap.done:
+            with cap.step():
+                step()
+    return cap.timing_rounds, cap.host_half_width_pct
+
+
+def test_a_capture_adds_host_time_rounds_until_it_knows_the_programs_host_time(tmp_path: Path, monkeypatch):
+    """A capture measures the program's host time in rounds, adding rounds after the eighth while the 95 %
+    interval of the median is wider than ±1 % of the program's step (up to 32): what a judgement resamples
+    the capture by, and the bundle's record of the host time, rest on all of them."""
+    rounds, half_width = _uneven_host_program(tmp_path / "uneven")
+    assert host_time.TIMING_ROUNDS < rounds <= host_time.MAX_TIMING_ROUNDS, rounds
+    assert half_width <= host_time.HOST_TARGET_PCT or rounds == host_time.MAX_TIMING_ROUNDS, (rounds, half_width)
+    meta = read_meta(tmp_path / "uneven")
+    assert meta.timing_rounds == rounds and len(meta.timing_step_times_s) == rounds * host_time.TIMING_MEASURED
+    assert len(meta.timing_spin_ns) == rounds
+    samples = generate_spec(tmp_path / "uneven")["ranks"][0]["steps"][0]["host_gap_samples_us"]
+    assert len(samples) == rounds * host_time.TIMING_MEASURED
+    # a host time known as closely as asked after eight rounds: no more are run
+    monkeypatch.setattr("harness.traces.capture.HOST_TARGET_PCT", math.inf)
+    assert _uneven_host_program(tmp_path / "known")[0] == host_time.TIMING_ROUNDS
+    assert read_meta(tmp_path / "known").timing_rounds == host_time.TIMING_ROUNDS
+    # the interval itself: rounds that agree leave none; fewer than two rounds cannot tell
+    assert host_time.host_time_half_width_pct([[100.0] * 4] * 8, 1000.0) == 0.0
+    assert host_time.host_time_half_width_pct([[100.0, 300.0]], 1000.0) == math.inf
+    spread = host_time.host_time_half_width_pct([[100.0 * (1 + r % 4)] * 4 for r in range(8)], 1000.0)
+    assert 5.0 <= spread <= 15.0, spread  # round medians of 100-400 µs: the median's interval spans 200-300 µs
+
+
 def test_user_program_replays_every_op_with_the_captured_layout(program_bundle: Path):
     spec = generate_spec(program_bundle)
     rank = spec["ranks"][0]

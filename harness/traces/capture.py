@@ -12,9 +12,10 @@ Wrap your own loop and mark its steps::
 The first ``warmup`` steps run plain (not timed), the next ``baseline_steps`` run plain and are
 timed — the reference the replay is judged against, since the profiler itself distorts time —,
 the next ``steps`` run under the PyTorch execution-trace observer and the Kineto profiler (the
-structure), the next ones measure how much of a step is the program's own host time between ops: 8
-rounds of Kineto alone (2 steps to settle, 4 measured) then plain (4 to settle, 3 measured), so the
-profiler's cost is taken against the plain steps of the same round, not of the baseline; the last
+structure), the next ones measure how much of a step is the program's own host time between ops: 8 to
+32 rounds of Kineto alone (2 steps to settle, 4 measured) then plain (4 to settle, 3 measured), so the
+profiler's cost is taken against the plain steps of the same round, not of the baseline, rounds added
+after the eighth while the median host time is not yet known within ±1 % of the step; the last
 one (not timed) records what the step's floating tensors hold (:mod:`harness.traces.capture_values`).
 A registered workload whose op shapes follow its data (seqrec's length buckets) holds its batch from the
 traced step on (``hold_batch``), so those steps run the traced step's shapes. The
@@ -25,8 +26,10 @@ bundle (see :mod:`workloads.trace_bundle`) is written when the ``with`` block en
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform as pyplatform
+import statistics
 import sys
 import time
 from collections.abc import Iterator
@@ -41,7 +44,7 @@ from omegaconf import OmegaConf
 from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile, record_function
 
 from harness.config import CobenchConfig, results_root
-from harness.distributed import broadcast_from_main, env_dist_info
+from harness.distributed import broadcast_from_main, env_dist_info, gather_to_all
 from harness.platform import Platform, device_name, host_allocator_in_effect, synchronize
 from harness.recording.fingerprint import git_state, library_versions
 from harness.running.loop import MemoryMeter, seed_everything
@@ -62,12 +65,17 @@ from workloads.trace_bundle import (
 )
 from workloads.trace_replay.codegen import spin_ns
 from workloads.trace_replay.host_time import (
+    HOST_TARGET_PCT,
+    MAX_TIMING_ROUNDS,
     PLAIN_MEASURED,
     PLAIN_SETTLE,
     TIMING_MEASURED,
     TIMING_ROUNDS,
     TIMING_WARMUP,
+    host_time_half_width_pct,
+    kineto_host_gaps,
 )
+from workloads.trace_replay.parse import KinetoTrace, kineto_trace
 
 # Kineto's own lines (profiler_start/stop, stages) are not the user's business; set it to see them
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
@@ -96,6 +104,12 @@ _ROUND = TIMING_WARMUP + TIMING_MEASURED + PLAIN_SETTLE + PLAIN_MEASURED  # step
 # as it trains (an optimiser's second moments fill in as batches reach more embedding rows), so the replay
 # puts back the state of the most trained step the capture saw, the nearest to the program's later steps
 VALUE_STEPS = 1
+
+
+def _is_op(name: str) -> bool:
+    """An operator's event (``aten::``, ``fbgemm::``, ``c10d::`` ...), not a framework wrapper around one (the
+    autograd engine's ``autograd::engine::evaluate_function``) nor a user's annotation."""
+    return "::" in name and not name.startswith("autograd::")
 
 
 def _data_ops() -> list[str]:
@@ -186,6 +200,10 @@ class Capture:
         self.timing_step_spin_ns: list[list[float]] = []  # the same right before and after each measured one
         self._timing_profiler: profile | None = None
         self._timing_parts: list[dict[str, Any]] = []  # each round's Kineto-alone trace
+        self.timing_rounds = TIMING_ROUNDS  # host-time rounds to run: more while the host time is not yet known
+        self.round_host_us: list[list[float]] = []  # each finished round's host time per measured step (µs)
+        self.host_half_width_pct = math.inf  # what those rounds leave of the median's interval (% of a plain step)
+        self._round_trace: KinetoTrace | None = None  # the running round's Kineto-alone steps
         self._profiler: profile | None = None
         self._observer: ExecutionTraceObserver | None = None
         self._scopes = _ModuleScopes(model)
@@ -194,11 +212,12 @@ class Capture:
     @property
     def timing_steps(self) -> int:
         """Steps under Kineto alone that are measured, over all rounds."""
-        return TIMING_ROUNDS * TIMING_MEASURED
+        return self.timing_rounds * TIMING_MEASURED
 
     @property
     def total_steps(self) -> int:
-        return self.warmup + self.baseline_steps + self.steps + TIMING_ROUNDS * _ROUND + VALUE_STEPS
+        """Steps the loop runs; it grows while the host-time rounds are added (:meth:`_settle_rounds`)."""
+        return self.warmup + self.baseline_steps + self.steps + self.timing_rounds * _ROUND + VALUE_STEPS
 
     @property
     def done(self) -> bool:
@@ -211,7 +230,7 @@ class Capture:
         index = self.step_index - self.warmup - self.baseline_steps
         traced = 0 <= index < self.steps
         round_, at = divmod(index - self.steps, _ROUND)
-        in_timing = index >= self.steps and round_ < TIMING_ROUNDS
+        in_timing = index >= self.steps and round_ < self.timing_rounds
         profile_values = self.step_index == self.total_steps - 1
         kineto = in_timing and at < TIMING_WARMUP + TIMING_MEASURED
         measured_kineto = kineto and at >= TIMING_WARMUP
@@ -260,6 +279,29 @@ class Capture:
             # spends that host time scaled by its own host's speed as it runs
             self.timing_spin_ns.append(spin_ns())
             self._stop_timing_profiler()
+        if measured_plain and at == _ROUND - 1:
+            self._settle_rounds()
+
+    def _settle_rounds(self) -> None:
+        """After a round's plain steps: its host time per measured step (the profiler's cost taken against
+        those plain steps, every op's time left out), and one more round while the rounds so far leave the
+        median host time wider than ±:data:`HOST_TARGET_PCT` of the baseline's plain step, up to
+        :data:`MAX_TIMING_ROUNDS`. Under torchrun a round is added on every rank where any rank asks for
+        one (the steps hold collectives). The bundle's extraction measures the same host time again
+        against the ops its spec replays, and brings it to one host speed."""
+        gaps: dict[int, float] = {}
+        if self._round_trace is not None:
+            plain_us = 1e6 * statistics.median(self.timing_plain_times_s[-PLAIN_MEASURED:])
+            gaps = kineto_host_gaps(self._round_trace, {None: plain_us}, _is_op)
+            self._round_trace = None
+        self.round_host_us.append([gaps[k] for k in sorted(gaps)])  # on every rank alike, read or not
+        if len(self.round_host_us) < self.timing_rounds or self.timing_rounds >= MAX_TIMING_ROUNDS:
+            return
+        self.host_half_width_pct = host_time_half_width_pct(self.round_host_us,
+                                                            1e6 * statistics.median(self.plain_times_s))
+        more = self.host_half_width_pct > HOST_TARGET_PCT
+        if any(gather_to_all(more)) if dist.is_available() and dist.is_initialized() else more:
+            self.timing_rounds += 1
 
     def _stop_timing_profiler(self) -> None:
         """End a round's Kineto-alone block; its trace joins the others (one time base per process)."""
@@ -269,7 +311,9 @@ class Capture:
         part = self.out_dir / f".{KINETO_TIMING_FILE}.part"
         self._timing_profiler.export_chrome_trace(str(part))
         self._timing_profiler = None
-        self._timing_parts.append(json.loads(part.read_text()))
+        raw = json.loads(part.read_text())
+        self._timing_parts.append(raw)
+        self._round_trace = kineto_trace(raw, part)
         part.unlink()
 
     def write_timing_trace(self) -> None:
@@ -365,7 +409,7 @@ def capture(
         raise TraceError(
             f"capture into {target}: the loop ran {cap.step_index} step(s), but a bundle needs "
             f"{cap.total_steps} (warm-up {warmup}, timed baseline {baseline_steps}, traced {steps}, "
-            f"host-time rounds {TIMING_ROUNDS} x {_ROUND}, value profile {VALUE_STEPS}); "
+            f"host-time rounds {cap.timing_rounds} x {_ROUND}, value profile {VALUE_STEPS}); "
             f"loop until `cap.done`"
         )
     meta = BundleMeta(
@@ -396,7 +440,8 @@ def capture_summary(meta: BundleMeta, out_dir: Path) -> str:
     """What a capture says when it is done: where the bundle is, what it cost, what to run next."""
     plain_ms = meta.to_json()["step_time_ms_median"]
     return (f"captured {meta.source}: {out_dir}\n  step {plain_ms:.2f} ms plain, capture overhead "
-            f"{meta.capture_overhead_pct:+.0f} %\nto make its benchmark: cobench trace generate {out_dir}")
+            f"{meta.capture_overhead_pct:+.0f} %, host time over {meta.timing_rounds} rounds\n"
+            f"to make its benchmark: cobench trace generate {out_dir}")
 
 
 @dataclass

@@ -31,6 +31,7 @@ from workloads.trace_replay.host_time import (
     TIMING_WARMUP,
     host_and_op_time,
     profiled_steps,
+    round_median_draws,
 )
 
 # A verdict needs the 95 % interval of the replay ÷ source ratio within ±TARGET_HALF_WIDTH_PCT: the judge
@@ -344,9 +345,9 @@ def capture_shift_draws(replayer: Any, *, seed: int = 0, samples: int = BOOTSTRA
     rounds = [gaps[i:i + TIMING_MEASURED] for i in range(0, len(gaps), TIMING_MEASURED)] \
         if len(gaps) % TIMING_MEASURED == 0 and len(gaps) > TIMING_MEASURED else [[g] for g in gaps]
     rng = random.Random(seed + 1)
+    gap_draws = round_median_draws(rounds, rng, samples) if len(gaps) > 1 else [gap] * samples
     draws = []
-    for _ in range(samples):
-        g = statistics.median([x for r in rng.choices(rounds, k=len(rounds)) for x in r]) if len(gaps) > 1 else gap
+    for g in gap_draws:
         c = statistics.median(rng.choices(calls, k=len(calls))) if len(calls) > 1 else call
         a = statistics.median(rng.choices(books, k=len(books))) if len(books) > 1 else book
         draws.append((g - gap - ops * 1e6 * (c - call) + grad_ops * 1e6 * (a - book)) / 1e3)
