@@ -12,11 +12,11 @@ Wrap your own loop and mark its steps::
 The first ``warmup`` steps run plain (not timed), the next ``baseline_steps`` run plain and are
 timed — the reference the replay is judged against, since the profiler itself distorts time —,
 the next ``steps`` run under the PyTorch execution-trace observer and the Kineto profiler (the
-structure), the next ones measure how much of a step is the program's own host time between ops: 8 to
-32 rounds of Kineto alone (2 steps to settle, 4 measured) then plain (4 to settle, 3 measured), so the
-profiler's cost is taken against the plain steps of the same round, not of the baseline, rounds added
-after the eighth while the median host time is not yet known within ±1 % of the step; the last
-one (not timed) records what the step's floating tensors hold (:mod:`harness.traces.capture_values`).
+structure), the next ones measure how much of a step is the program's own host time between ops: one
+round that settles, then 8 to 32 rounds of Kineto alone (2 steps to settle, 4 measured) then plain (4 to
+settle, 3 measured), so the profiler's cost is taken against the plain steps of the same round, not of the
+baseline, rounds added after the eighth while the median host time is not yet known within ±1 % of the
+step; the last one (not timed) records what the step's floating tensors hold (:mod:`harness.traces.capture_values`).
 A registered workload whose op shapes follow its data (seqrec's length buckets) holds its batch from the
 traced step on (``hold_batch``), so those steps run the traced step's shapes. The
 bundle (see :mod:`workloads.trace_bundle`) is written when the ``with`` block ends. Under
@@ -69,6 +69,7 @@ from workloads.trace_replay.host_time import (
     MAX_TIMING_ROUNDS,
     PLAIN_MEASURED,
     PLAIN_SETTLE,
+    SETTLE_ROUNDS,
     TIMING_MEASURED,
     TIMING_ROUNDS,
     TIMING_WARMUP,
@@ -217,7 +218,8 @@ class Capture:
     @property
     def total_steps(self) -> int:
         """Steps the loop runs; it grows while the host-time rounds are added (:meth:`_settle_rounds`)."""
-        return self.warmup + self.baseline_steps + self.steps + self.timing_rounds * _ROUND + VALUE_STEPS
+        return self.warmup + self.baseline_steps + self.steps + (SETTLE_ROUNDS + self.timing_rounds) * _ROUND + \
+            VALUE_STEPS
 
     @property
     def done(self) -> bool:
@@ -229,11 +231,12 @@ class Capture:
         """One step of the user's loop; steps past the last phase run plain."""
         index = self.step_index - self.warmup - self.baseline_steps
         traced = 0 <= index < self.steps
-        round_, at = divmod(index - self.steps, _ROUND)
-        in_timing = index >= self.steps and round_ < self.timing_rounds
+        round_, at = divmod(index - self.steps - SETTLE_ROUNDS * _ROUND, _ROUND)  # the settling rounds: below 0
+        in_rounds = index >= self.steps and round_ < self.timing_rounds
+        in_timing = in_rounds and round_ >= 0
         profile_values = self.step_index == self.total_steps - 1
-        kineto = in_timing and at < TIMING_WARMUP + TIMING_MEASURED
-        measured_kineto = kineto and at >= TIMING_WARMUP
+        kineto = in_rounds and at < TIMING_WARMUP + TIMING_MEASURED
+        measured_kineto = kineto and in_timing and at >= TIMING_WARMUP
         measured_plain = in_timing and at >= _ROUND - PLAIN_MEASURED
         timing_index = round_ * TIMING_MEASURED + at - TIMING_WARMUP
         timed = self.warmup <= self.step_index < self.warmup + self.baseline_steps or traced
@@ -274,6 +277,8 @@ class Capture:
         self.step_index += 1
         if traced and index == self.steps - 1:
             self._stop_profiler()
+        if kineto and at == TIMING_WARMUP + TIMING_MEASURED - 1 and not in_timing:
+            self._stop_timing_profiler(keep=False)  # a settling round's
         if measured_kineto and at == TIMING_WARMUP + TIMING_MEASURED - 1:
             # beside the host time those steps had (a pure Python loop: Kineto records no event in it); a replay
             # spends that host time scaled by its own host's speed as it runs
@@ -303,11 +308,15 @@ class Capture:
         if any(gather_to_all(more)) if dist.is_available() and dist.is_initialized() else more:
             self.timing_rounds += 1
 
-    def _stop_timing_profiler(self) -> None:
-        """End a round's Kineto-alone block; its trace joins the others (one time base per process)."""
+    def _stop_timing_profiler(self, keep: bool = True) -> None:
+        """End a round's Kineto-alone block; its trace joins the others (one time base per process) unless
+        not ``keep``."""
         if self._timing_profiler is None:
             return
         self._timing_profiler.stop()
+        if not keep:
+            self._timing_profiler = None
+            return
         part = self.out_dir / f".{KINETO_TIMING_FILE}.part"
         self._timing_profiler.export_chrome_trace(str(part))
         self._timing_profiler = None
@@ -409,7 +418,7 @@ def capture(
         raise TraceError(
             f"capture into {target}: the loop ran {cap.step_index} step(s), but a bundle needs "
             f"{cap.total_steps} (warm-up {warmup}, timed baseline {baseline_steps}, traced {steps}, "
-            f"host-time rounds {cap.timing_rounds} x {_ROUND}, value profile {VALUE_STEPS}); "
+            f"host-time rounds {SETTLE_ROUNDS} + {cap.timing_rounds} x {_ROUND}, value profile {VALUE_STEPS}); "
             f"loop until `cap.done`"
         )
     meta = BundleMeta(
