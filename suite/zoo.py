@@ -166,8 +166,10 @@ def _short(reason: str) -> str:
     if not reason:
         return "-"
     words = []
-    if "not the program" in reason:
+    if "the replay is not the program" in reason:
         words.append("ops failed or diverged")
+    if "not the program's steps" in reason:
+        words.append("captured steps not the program's typical ones")
     if "95 % interval" in reason:
         words.append("interval " + reason.split("95 % interval is ", 1)[1].split(" ", 1)[0] + " %, budget spent")
     if "too few" in reason:

@@ -105,3 +105,20 @@ def test_a_judgement_that_could_not_measure_its_host_time_again_is_named_under_t
     assert "(1 of 2, those measured again on every side): within 5 % on 1" in table
     assert f"- **b**: {note}" in table.split("What a judgement could not measure:", 1)[1]
     assert "What a judgement could not measure" not in markdown([row("a", 1.5, [])], "# zoo")
+
+
+def test_the_tables_short_reason_names_what_made_a_verdict_not_valid():
+    """The table's reason column says in a few words why a verdict is not valid: a replay whose ops failed
+    is not the same finding as captured steps unlike the program's typical ones (a layer dropped at random)."""
+    from suite.zoo import _short
+    from workloads.trace_replay.fidelity import unrepresentative_reason
+
+    class Step:
+        kineto_ops, program_kineto_ops = 997, 930.0
+
+    steps = f"not the program's steps: {unrepresentative_reason([Step()])}"
+    assert _short(steps) == "captured steps not the program's typical ones"
+    assert _short("the replay is not the program: 2 ops failed (aten::foo)") == "ops failed or diverged"
+    assert _short("the 95 % interval is ±3.1 % (> ±2.5 %) after 229 rounds in 60 s, the budget spent") == \
+        "interval ±3.1 %, budget spent"
+    assert _short("") == "-"
