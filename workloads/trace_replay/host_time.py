@@ -43,11 +43,11 @@ MAX_TIMING_ROUNDS = 32
 HOST_TARGET_PCT = 1.0
 HOST_DRAWS = 1000  # bootstrap draws for that interval
 PLAIN_SETTLE = 4  # plain steps after the profiler stopped, not measured
+PLAIN_MEASURED = 3  # plain steps of a round measured: the profiler's cost is taken against them
 # Rounds run first and not measured: the first round after the traced steps (the execution-trace observer and
 # the memory profiler) read the program's host time 14 % below the median of the rounds after it, and below it
 # in 52 of 68 captures (the zoo, 2026-11-29/30); no later round stood apart (−0.3 … +0.1 %, 23 … 35 of 68 below)
 SETTLE_ROUNDS = 1
-PLAIN_MEASURED = 3  # plain steps of a round measured: the profiler's cost is taken against them
 # How the program's host time moves with the host's speed, fitted over the measured Kineto-alone steps
 # (host_speed_elasticity): only steps whose spin before and after agree within STEADY_SPIN (the host kept its
 # speed through the step), at least FIT_STEPS of them, over readings at least FIT_SPREAD apart (10th to 90th
