@@ -160,6 +160,10 @@ def test_a_capture_adds_host_time_rounds_until_it_knows_the_programs_host_time(t
     monkeypatch.setattr("harness.traces.capture.HOST_TARGET_PCT", math.inf)
     assert _uneven_host_program(tmp_path / "known")[0] == host_time.TIMING_ROUNDS
     assert read_meta(tmp_path / "known").timing_rounds == host_time.TIMING_ROUNDS
+    # nor where one more round would take the Kineto-alone trace the bundle holds past its size limit
+    monkeypatch.setattr("harness.traces.capture.HOST_TARGET_PCT", 0.0)
+    monkeypatch.setattr("harness.traces.capture.MAX_TIMING_TRACE_BYTES", 1)
+    assert _uneven_host_program(tmp_path / "large")[0] == host_time.TIMING_ROUNDS
     # the interval itself: rounds that agree leave none; fewer than two rounds cannot tell
     assert host_time.host_time_half_width_pct([[100.0] * 4] * 8, 1000.0) == 0.0
     assert host_time.host_time_half_width_pct([[100.0, 300.0]], 1000.0) == math.inf

@@ -67,6 +67,7 @@ from workloads.trace_replay.codegen import spin_ns
 from workloads.trace_replay.host_time import (
     HOST_TARGET_PCT,
     MAX_TIMING_ROUNDS,
+    MAX_TIMING_TRACE_BYTES,
     PLAIN_MEASURED,
     PLAIN_SETTLE,
     SETTLE_ROUNDS,
@@ -205,6 +206,7 @@ class Capture:
         self.round_host_us: list[list[float]] = []  # each finished round's host time per measured step (µs)
         self.host_half_width_pct = math.inf  # what those rounds leave of the median's interval (% of a plain step)
         self._round_trace: KinetoTrace | None = None  # the running round's Kineto-alone steps
+        self._timing_bytes = 0  # what the rounds' Kineto-alone traces come to, exported
         self._profiler: profile | None = None
         self._observer: ExecutionTraceObserver | None = None
         self._scopes = _ModuleScopes(model)
@@ -291,7 +293,8 @@ class Capture:
         """After a round's plain steps: its host time per measured step (the profiler's cost taken against
         those plain steps, every op's time left out), and one more round while the rounds so far leave the
         median host time wider than ±:data:`HOST_TARGET_PCT` of the baseline's plain step, up to
-        :data:`MAX_TIMING_ROUNDS`. Under torchrun a round is added on every rank where any rank asks for
+        :data:`MAX_TIMING_ROUNDS` and while one more round's trace keeps them within
+        :data:`MAX_TIMING_TRACE_BYTES`. Under torchrun a round is added on every rank where any rank asks for
         one (the steps hold collectives). The bundle's extraction measures the same host time again
         against the ops its spec replays, and brings it to one host speed."""
         gaps: dict[int, float] = {}
@@ -300,7 +303,9 @@ class Capture:
             gaps = kineto_host_gaps(self._round_trace, {None: plain_us}, _is_op)
             self._round_trace = None
         self.round_host_us.append([gaps[k] for k in sorted(gaps)])  # on every rank alike, read or not
-        if len(self.round_host_us) < self.timing_rounds or self.timing_rounds >= MAX_TIMING_ROUNDS:
+        rounds = len(self.round_host_us)
+        if rounds < self.timing_rounds or self.timing_rounds >= MAX_TIMING_ROUNDS or \
+                self._timing_bytes * (rounds + 1) / rounds > MAX_TIMING_TRACE_BYTES:
             return
         self.host_half_width_pct = host_time_half_width_pct(self.round_host_us,
                                                             1e6 * statistics.median(self.plain_times_s))
@@ -320,6 +325,7 @@ class Capture:
         part = self.out_dir / f".{KINETO_TIMING_FILE}.part"
         self._timing_profiler.export_chrome_trace(str(part))
         self._timing_profiler = None
+        self._timing_bytes += part.stat().st_size
         raw = json.loads(part.read_text())
         self._timing_parts.append(raw)
         self._round_trace = kineto_trace(raw, part)
