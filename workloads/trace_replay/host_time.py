@@ -41,10 +41,10 @@ TIMING_MEASURED = 4  # Kineto-alone steps of a round measured: the host-gap esti
 # however many rounds they ran.
 MAX_TIMING_ROUNDS = 32
 HOST_TARGET_PCT = 1.0
+HOST_DRAWS = 1000  # bootstrap draws for that interval
 # ... and while the rounds' Kineto-alone trace (the bundle's kineto_timing.json, held in memory until it is
 # written) stays within this many bytes: Faster R-CNN's came to 468 MB over 31 rounds, 15 MB a round
 MAX_TIMING_TRACE_BYTES = 256 * 2**20
-HOST_DRAWS = 1000  # bootstrap draws for that interval
 PLAIN_SETTLE = 4  # plain steps after the profiler stopped, not measured
 PLAIN_MEASURED = 3  # plain steps of a round measured: the profiler's cost is taken against them
 # Rounds run first and not measured: the first round after the traced steps (the execution-trace observer and
