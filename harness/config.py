@@ -227,7 +227,7 @@ class FTConfig:
     kill_at_step: int = 20  # SIGKILL one replica group once it has committed this step
     kill_replica: int = 1  # which group
     restart_delay_s: float = 2.0  # from the kill to the group's restart
-    lighthouse_port: int = 29510
+    lighthouse_port: int = 0  # 0: a free port, the one the lighthouse binds when it starts
     heartbeat_timeout_ms: int = 1000  # the lighthouse declares a silent replica dead after this
     quorum_tick_ms: int = 100
     join_timeout_ms: int = 1000  # how long a quorum waits for stragglers
@@ -243,7 +243,8 @@ class FTConfig:
                  f"got {self.kill_replica}, must be a replica group in [0, {self.replicas - 1}]")
         _require(self.kill_at_step >= 1, "ft.kill_at_step", f"got {self.kill_at_step}, must be >= 1")
         _require(self.restart_delay_s >= 0, "ft.restart_delay_s", f"got {self.restart_delay_s}, must be >= 0")
-        _require(1 <= self.lighthouse_port <= 65535, "ft.lighthouse_port", f"got {self.lighthouse_port}")
+        _require(0 <= self.lighthouse_port <= 65535, "ft.lighthouse_port",
+                 f"got {self.lighthouse_port}, must be a port or 0 (a free one)")
         _require(self.checkpoint_interval >= 1, "ft.checkpoint_interval",
                  f"got {self.checkpoint_interval}, must be >= 1")
         for key in ("heartbeat_timeout_ms", "quorum_tick_ms", "join_timeout_ms", "timeout_s", "max_processes"):

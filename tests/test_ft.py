@@ -14,6 +14,7 @@ from conftest import clean_env, mlflow_runs
 from harness.config import compose_config, to_run_config
 from harness.distribution.ft.checks import check_scenario
 from harness.distribution.ft.metrics import FailureRun, scenario_metrics
+from harness.distribution.ft.processes import port_is_free
 
 
 def _cfg(*overrides: str):
@@ -100,11 +101,8 @@ def test_goodput_stays_below_1_when_the_survivor_steps_faster_alone():
 def test_replica_killed_restarted_and_healed_beside_a_whole_job_restart(tmp_path, calibration_cache):
     pytest.importorskip("torchft")
     results = tmp_path / "results"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "suite.cli", "run", "workload=llama", "ft=torchft", "ft.replicas=2",
-           "ft.kill_at_step=20", "runner.steps=300", "runner.progress=false", f"ft.lighthouse_port={port}",
+           "ft.kill_at_step=20", "runner.steps=300", "runner.progress=false",
            "ft.restart_delay_s=1", f"results_dir={results}", f"platform.calibration_cache={calibration_cache}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=clean_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -136,12 +134,9 @@ def test_fsdp2_inside_each_group_heals_every_shard(tmp_path, calibration_cache):
     their own shard from their counterpart, and every shard ends equal to its counterpart's."""
     pytest.importorskip("torchft")
     results = tmp_path / "results"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "suite.cli", "run", "workload=llama", "ft=torchft", "ft.replicas=2",
            "ft.procs_per_replica=2", "ft.max_processes=4", "ft.kill_at_step=20", "runner.steps=200",
-           "ft.baseline=false", "ft.restart_delay_s=1", "runner.progress=false", f"ft.lighthouse_port={port}",
+           "ft.baseline=false", "ft.restart_delay_s=1", "runner.progress=false",
            f"results_dir={results}", f"platform.calibration_cache={calibration_cache}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=clean_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -151,3 +146,40 @@ def test_fsdp2_inside_each_group_heals_every_shard(tmp_path, calibration_cache):
     run_dir = next((results / "runs").iterdir())
     finals = sorted(p.name for p in run_dir.glob("ft_torchft_replica*_rank*.final.json"))
     assert len(finals) == 4  # both groups' two ranks reached the end
+
+
+
+def test_a_failed_groups_error_carries_its_ranks_exception_not_torchruns_report(tmp_path):
+    from harness.distribution.ft.supervisor import log_excerpt
+
+    rank = ("Traceback (most recent call last):\n" + '  File "replica.py", line 9, in train\n    step()\n' * 20
+            + "TimeoutError: quorum timed out\n")
+    torchrun = ("E1130 failed (exitcode: 1) local_rank: 0\nTraceback (most recent call last):\n"
+                '  File "/venv/lib/python3.11/site-packages/torch/distributed/run.py", line 1032\n'
+                "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n" + "=" * 60 + "\n"
+                + "  traceback : To enable traceback see: ...\n" * 20)
+    log = tmp_path / "ft_torchft_replica1.log"
+    log.write_text("[INFO] quorum\n" * 50 + rank + "[INFO] should_commit\n" * 5 + torchrun)
+    excerpt = log_excerpt(log).splitlines()
+    assert excerpt[-1] == "TimeoutError: quorum timed out" and len(excerpt) == 30  # the innermost frames
+    assert log_excerpt(log, lines=100).splitlines()[0] == "Traceback (most recent call last):"
+    log.write_text("".join(f"line {i}\n" for i in range(100)))  # no traceback: its last lines
+    assert log_excerpt(log).splitlines() == [f"line {i}" for i in range(70, 100)]
+    assert log_excerpt(tmp_path / "absent.log") == ""
+
+
+def test_a_lighthouse_that_cannot_bind_its_port_is_a_clear_error_at_once(tmp_path):
+    pytest.importorskip("torchft")
+    from harness.distribution.ft.processes import start_lighthouse
+
+    ft = _cfg().ft
+    lighthouse, port = start_lighthouse(ft, tmp_path / "free.log")  # ft.lighthouse_port 0: one it picks
+    try:
+        assert port > 0 and not port_is_free(port)  # it listens there
+        ft.lighthouse_port = port  # taken since the checks: what a second run on this machine would meet
+        with pytest.raises(RuntimeError, match=rf"did not start on port {port} .*Address already in use.*"
+                                               r"pass a free ft.lighthouse_port, or 0"):
+            start_lighthouse(ft, tmp_path / "taken.log", wait_s=30)
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()

@@ -4,7 +4,7 @@
 
 1. checks (bad input costs nothing; :mod:`harness.distribution.ft.checks`): a workload that supports fault tolerance,
    enough processes for ``replicas × procs_per_replica``, a kill step inside the run with room to recover,
-   a free lighthouse port;
+   a free lighthouse port (``ft.lighthouse_port``; 0, the default: the one the lighthouse binds);
 2. torchft's ``torchft_lighthouse`` and R replica groups, each its own ``torchrun`` (its own TCPStore
    and process group; FSDP2 inside a group of more than one rank) of :mod:`harness.distribution.ft.replica`. Each
    process builds the workload with a :class:`~workloads.fault_tolerance.FaultTolerance` holding torchft's

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from harness.config import CobenchConfig
-from harness.distribution.ft.processes import free_port, lighthouse_binary, port_is_free
+from harness.distribution.ft.processes import lighthouse_binary, port_is_free
 
 MIN_STEPS_AFTER_KILL = 5  # the restarted replica needs steps to heal and commit before the run ends
 SUPPORTING_WORKLOADS = ("llama",)  # workloads whose setup() calls RunContext.fault_tolerance.attach
@@ -44,6 +44,6 @@ def check_scenario(cfg: CobenchConfig) -> None:
     if lighthouse_binary() is None:
         raise ValueError("ft=torchft needs torchft (its torchft_lighthouse program): pip install 'cobench[ft]' "
                          "(torchft==0.2.*)")
-    if not port_is_free(ft.lighthouse_port):
+    if ft.lighthouse_port and not port_is_free(ft.lighthouse_port):
         raise ValueError(f"invalid config 'ft.lighthouse_port': port {ft.lighthouse_port} is in use (another "
-                         f"lighthouse or service?); pass a free one, e.g. ft.lighthouse_port={free_port()}")
+                         f"lighthouse or service?); pass a free one or 0 (the lighthouse takes a free one)")

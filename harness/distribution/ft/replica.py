@@ -22,7 +22,7 @@ from typing import IO, Any
 import torch
 from omegaconf import OmegaConf
 
-from harness.config import CobenchConfig, FTConfig
+from harness.config import CobenchConfig
 from harness.distributed import DistInfo
 from harness.distribution.ft.checks import total_steps
 from harness.distribution.ft.group_sync import SYNC_DIR, agree_to_stop, wait_for_all_groups
@@ -52,14 +52,15 @@ def load_run_config(path: Path) -> CobenchConfig:
     return OmegaConf.to_object(OmegaConf.merge(schema, loaded))
 
 
-def torchft_manager(ft: FTConfig, replica: int, dist_info: DistInfo) -> Any:
-    """torchft's ``Manager`` for this rank of replica group ``replica`` (gloo across the groups)."""
+def torchft_manager(lighthouse_port: int, replica: int, dist_info: DistInfo) -> Any:
+    """torchft's ``Manager`` for this rank of replica group ``replica`` (gloo across the groups), its
+    lighthouse on this machine's ``lighthouse_port``."""
     from torchft import Manager, ProcessGroupGloo
 
     # timeouts nest: a collective gives up before a step, a step before a quorum
     return Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), min_replica_size=1,
                    load_state_dict=None, state_dict=None, replica_id=f"replica{replica}",
-                   lighthouse_addr=f"http://localhost:{ft.lighthouse_port}", rank=dist_info.rank,
+                   lighthouse_addr=f"http://localhost:{lighthouse_port}", rank=dist_info.rank,
                    world_size=dist_info.world_size, timeout=timedelta(seconds=30),
                    quorum_timeout=timedelta(seconds=60), connect_timeout=timedelta(seconds=60),
                    hostname="localhost",
@@ -179,6 +180,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--side", choices=("torchft", "baseline"), required=True)
     parser.add_argument("--replica", type=int, default=0)
     parser.add_argument("--incarnation", type=int, default=0)
+    parser.add_argument("--lighthouse-port", type=int, default=0, help="where the supervisor's lighthouse listens")
     return parser
 
 
@@ -191,7 +193,7 @@ def replica_main(argv: list[str]) -> int:
     cfg = load_run_config(args.run_dir / "config.yaml")
     ft = cfg.ft
     platform, dist_info = join_process_group(cfg)
-    manager = torchft_manager(ft, args.replica, dist_info) if args.side == "torchft" else None
+    manager = torchft_manager(args.lighthouse_port, args.replica, dist_info) if args.side == "torchft" else None
     tolerance = FaultTolerance(replica=args.replica, replicas=ft.replicas if manager else 1, manager=manager)
     if manager is not None and args.incarnation == 0:  # all groups meet before their first quorum
         tolerance.before_first_quorum = lambda: wait_for_all_groups(

@@ -17,7 +17,7 @@ from harness.config import CobenchConfig, results_root
 from harness.distribution.ft.checks import check_scenario
 from harness.distribution.ft.group_sync import SYNC_DIR
 from harness.distribution.ft.metrics import FailureRun, scenario_metrics
-from harness.distribution.ft.processes import free_port, kill_tree, lighthouse_binary
+from harness.distribution.ft.processes import kill_tree, start_lighthouse
 from harness.files import write_atomic
 from harness.running.runner import (
     STATUS_FAILED,
@@ -40,12 +40,13 @@ def _read_logs(run_dir: Path, side: FailureRun) -> None:
         side.hashes[(replica, rank)] = json.loads(path.read_text())["hash"]
 
 
-def _spawn(cfg: CobenchConfig, run_dir: Path, side: str, replica: int, incarnation: int, nprocs: int,
+def _spawn(run_dir: Path, side: str, replica: int, incarnation: int, nprocs: int, lighthouse_port: int,
            out: Path) -> subprocess.Popen:
-    port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nprocs), "--master-port", str(port),
+    # --standalone: the group's rendezvous store binds a free port itself (a port picked here could be taken first)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nprocs),
            "-m", "harness.distribution.ft.replica", "--run-dir", str(run_dir), "--side", side,
-           "--replica", str(replica), "--incarnation", str(incarnation)]
+           "--replica", str(replica), "--incarnation", str(incarnation),
+           "--lighthouse-port", str(lighthouse_port)]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     return subprocess.Popen(cmd, stdout=out.open("a"), stderr=subprocess.STDOUT, env=env, cwd=os.getcwd(),
                             start_new_session=True)  # apart from ours: a Ctrl-C here is the launcher's to handle
@@ -59,19 +60,40 @@ def _kill_record(run_dir: Path, side: str, replica: int) -> float | None:
     return last.get("killed_at")
 
 
+def log_excerpt(path: Path, lines: int = 30) -> str:
+    """How a group ended, from its log: the end of the last Python traceback that is not torchrun's own (the
+    rank's error, which torchrun's report after it pushes out of sight), else the log's last lines; at most
+    ``lines``."""
+    text = path.read_text(errors="replace").splitlines() if path.exists() else []
+    starts = [i for i, line in enumerate(text) if line.startswith("Traceback (most recent call last)")]
+    blocks = [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)][:len(starts)], strict=True)]
+    ranks = [b for b in blocks if not any("torch/distributed/run.py" in line for line in b)]
+    if not ranks:
+        return "\n".join(text[-lines:])
+    block = ranks[-1]
+    end = next((i for i, line in enumerate(block) if i and line and not line[0].isspace()), len(block) - 1)
+    # ^ its exception's line: the first after the frames (indented) that is not indented
+    return "\n".join(block[max(0, end + 1 - lines):end + 1])
+
+
+def _group_failed(message: str, log: Path) -> RuntimeError:
+    return RuntimeError(f"{message}; see {log}\n{log_excerpt(log)}")
+
+
 def _kill(proc: subprocess.Popen) -> None:
     kill_tree(proc.pid)
     proc.wait()
 
 
-def run_side(cfg: CobenchConfig, run_dir: Path, side: str) -> FailureRun:
+def run_side(cfg: CobenchConfig, run_dir: Path, side: str, lighthouse_port: int) -> FailureRun:
     """Start the side's groups, kill one at the step, restart it after the delay, wait for the end."""
     ft = cfg.ft
     groups = ft.replicas if side == "torchft" else 1
     nprocs = ft.procs_per_replica if side == "torchft" else ft.replicas * ft.procs_per_replica
     victim = ft.kill_replica if side == "torchft" else 0
     result = FailureRun(side)
-    procs = {r: _spawn(cfg, run_dir, side, r, 0, nprocs, run_dir / f"ft_{side}_replica{r}.log") for r in range(groups)}
+    procs = {r: _spawn(run_dir, side, r, 0, nprocs, lighthouse_port, run_dir / f"ft_{side}_replica{r}.log")
+             for r in range(groups)}
     deadline = time.monotonic() + ft.timeout_s
     try:
         try:  # the victim kills itself at the step (harness.distribution.ft.replica): exact, however short the steps
@@ -81,12 +103,13 @@ def run_side(cfg: CobenchConfig, run_dir: Path, side: str) -> FailureRun:
                                f"ft.timeout_s={ft.timeout_s}") from err
         killed = _kill_record(run_dir, side, victim)
         if killed is None:
-            raise RuntimeError(f"{side}: replica group {victim} ended (exit {procs[victim].returncode}) before "
-                               f"step {ft.kill_at_step}; see {run_dir}/ft_{side}_replica{victim}.log")
+            raise _group_failed(f"{side}: replica group {victim} ended (exit {procs[victim].returncode}) before "
+                                f"step {ft.kill_at_step}", run_dir / f"ft_{side}_replica{victim}.log")
         result.kill_time = killed
         time.sleep(ft.restart_delay_s)
         result.restart_time = time.time()
-        procs[victim] = _spawn(cfg, run_dir, side, victim, 1, nprocs, run_dir / f"ft_{side}_replica{victim}.log")
+        procs[victim] = _spawn(run_dir, side, victim, 1, nprocs, lighthouse_port,
+                               run_dir / f"ft_{side}_replica{victim}.log")
         for replica, proc in procs.items():
             try:
                 code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -94,8 +117,8 @@ def run_side(cfg: CobenchConfig, run_dir: Path, side: str) -> FailureRun:
                 raise RuntimeError(f"{side}: replica group {replica} still running after ft.timeout_s={ft.timeout_s}"
                                    ) from err
             if code != 0:
-                raise RuntimeError(f"{side}: replica group {replica} failed (exit {code}); "
-                                   f"see {run_dir}/ft_{side}_replica{replica}.log")
+                raise _group_failed(f"{side}: replica group {replica} failed (exit {code})",
+                                    run_dir / f"ft_{side}_replica{replica}.log")
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -119,15 +142,12 @@ def run_ft(cfg: CobenchConfig) -> BenchmarkResult:
              tags={"ft": cfg.ft.name, "ft_replicas": cfg.ft.replicas})
     lighthouse = None
     try:
-        lighthouse = subprocess.Popen(
-            [lighthouse_binary(), "--min_replicas", "1", "--bind", f"[::]:{cfg.ft.lighthouse_port}",
-             "--quorum_tick_ms", str(cfg.ft.quorum_tick_ms), "--join_timeout_ms", str(cfg.ft.join_timeout_ms),
-             "--heartbeat_timeout_ms", str(cfg.ft.heartbeat_timeout_ms)],
-            stdout=(run_dir / "ft_lighthouse.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        lighthouse, port = start_lighthouse(cfg.ft, run_dir / "ft_lighthouse.log")
         skip = cfg.runner.warmup_steps
-        result.metrics = scenario_metrics(run_side(cfg, run_dir, "torchft"), skip=skip)
+        result.metrics = scenario_metrics(run_side(cfg, run_dir, "torchft", port), skip=skip)
         if cfg.ft.baseline:
-            result.metrics |= scenario_metrics(run_side(cfg, run_dir, "baseline"), prefix="baseline_", skip=skip)
+            result.metrics |= scenario_metrics(run_side(cfg, run_dir, "baseline", port), prefix="baseline_",
+                                               skip=skip)
     except Exception as err:  # noqa: BLE001 - the run ends FAILED with the reason, the logs kept
         result.status, result.error = STATUS_FAILED, f"{type(err).__name__}: {err}"
         write_atomic(run_dir / "error.txt", traceback.format_exc())
