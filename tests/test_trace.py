@@ -193,6 +193,47 @@ def test_user_program_replays_every_op_with_the_captured_layout(program_bundle: 
     assert replayer.run_step() == len(replayer.sequence[0])
 
 
+
+def test_the_replay_calls_each_op_through_torchs_own_binding_where_it_reaches_the_same_op(program_bundle: Path):
+    """torch's generated bindings are quicker ways into an op than the dispatcher's boxed call, but a binding
+    chooses among its name's overloads by its arguments: it is taken only where it reaches the dispatcher
+    with exactly the op's own calls. A replayed step computes the same values either way."""
+    from workloads.trace_replay.bindings import python_binding
+
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    assert python_binding(torch.ops.aten.mm.default, [a, b], {}) is torch._C._VariableFunctions.mm
+    assert python_binding(torch.ops.aten.add_.Tensor, [a.clone(), b], {}) is torch._C.TensorBase.add_
+    assert python_binding(torch.ops.aten.mul.Tensor, [a, 0.5], {}) is torch._C._VariableFunctions.mul
+    # torch.mul(a, 0.5) reaches aten::mul.Tensor (the number wrapped), not the captured mul.Scalar
+    assert python_binding(torch.ops.aten.mul.Scalar, [a, 0.5], {}) is None
+    # an op made of others (aten::linear: t, then addmm) is taken where its binding is made of the same
+    assert python_binding(torch.ops.aten.linear.default, [a, b, None], {}) is torch._C._nn.linear
+    assert python_binding(torch.ops.aten.nonzero.default, [a > 0], {}) is None  # no meta kernel: not proven
+    assert python_binding(torch.ops.aten.slice.Tensor, [a, 0, 0, 2, 1], {}) is None  # no binding of that name
+
+    rank = generate_spec(program_bundle)["ranks"][0]
+
+    def one_step(bindings: bool) -> tuple[Replayer, list]:  # a replay made afresh, from the same random state
+        torch.manual_seed(0)
+        replayer = Replayer(RankRecord.from_json(rank), torch.device("cpu"))
+        replayer.materialize()
+        torch.manual_seed(1)
+        assert replayer.dry_run().errors == {}
+        if not bindings:
+            for op in replayer.ops:
+                op.binding = None
+        torch.manual_seed(0)
+        replayer.run_step()
+        return replayer, [v.clone() if isinstance(v, torch.Tensor) else v for v in replayer.vals]
+
+    replayer, through_bindings = one_step(True)
+    bound = [op for op in replayer.ops if op.binding is not None]
+    assert len(bound) >= len(replayer.ops) // 2 and all(op.bound for op in replayer.ops)
+    _, boxed = one_step(False)
+    assert len(through_bindings) == len(boxed)
+    for x, y in zip(through_bindings, boxed, strict=True):
+        assert type(x) is type(y) and (not isinstance(x, torch.Tensor) or torch.equal(x, y))
+
 def test_llama_capture_generate_replay_through_the_harness(llama_bundle: Path, tmp_path: Path):
     proc = _cli("trace", "generate", str(llama_bundle), "--out", str(tmp_path / "spec.json"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

@@ -1,4 +1,5 @@
-"""A captured step as one generated Python function: each op one direct C++ op call on the value list.
+"""A captured step as one generated Python function: each op one direct call on the value list (torch's
+generated binding where it calls exactly that op, else the C++ op: :mod:`.bindings`).
 
 Interpreting call templates op by op costs the replayer ~3.6 µs per op, comparable to a small op
 itself; generated straight-line code costs 1.4–4.7 µs per op here (argument lists, the op binding,
@@ -190,7 +191,8 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
             parts = [expr(a, by_arg.get(i, {})) for i, a in enumerate(op.args)]
             assert all(key.isidentifier() for key in op.kwargs), "keyword names come from the parsed schema"
             parts += [f"{key}={expr(value, by_arg.get(key, {}))}" for key, value in op.kwargs.items()]
-            fns.append(getattr(op.fn, "_op", op.fn))  # the C++ op itself, not its Python wrapper
+            # torch's own binding where it calls exactly this op, else the C++ op itself, not its Python wrapper
+            fns.append(op.binding or getattr(op.fn, "_op", op.fn))
             call = f"f[{len(fns) - 1}]({', '.join(parts)})"
             if ledger:
                 lines.append("    while (a := pc()) < d: pass")

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from workloads.trace_replay.bindings import cached_binding
 from workloads.trace_replay.codegen import HostSpeed, generate_step, seconds
 from workloads.trace_replay.ops import CompiledOp, describe, fit_length
 from workloads.trace_replay.plan import ReplayPlan
@@ -48,6 +49,7 @@ class StepRunner:
         self._tail_gaps_us = tail_gaps_us or [0.0] * len(plan.sequence)
         self._next = 0
         self._generated: list[tuple[Callable[[list[Any]], float], int] | None] = [None] * len(plan.sequence)
+        self._bindings: dict[Any, Callable[..., Any] | None] = {}  # op and kinds of arguments → its binding
         self.errors: dict[int, str] = {}  # op index → why it did not run (compile, dry run or later)
         self.divergent: dict[int, str] = {}  # op index → how what it made differs from what the program made
         self.call_s = 0.0  # the replay's own host time per op call inside the ledger's op window (:mod:`.host_cost`)
@@ -102,6 +104,9 @@ class StepRunner:
                         if before_op is not None:
                             before_op(op.index)
                         try:
+                            if not op.bound:  # the generated steps' quicker way in, where there is one
+                                op.binding, op.bound = cached_binding(op.fn, *op.arguments(self.tensors.vals),
+                                                                      self._bindings), True
                             self._call_or_unalias(position)
                             self._check_shapes(op)
                         except Exception as err:  # noqa: BLE001 - recorded per op; replay goes on

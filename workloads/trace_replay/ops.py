@@ -148,8 +148,17 @@ class CompiledOp:
     lengths: list[tuple[int, int]] = field(default_factory=list)
     # What runs in its place where this device has no kernel for it (:mod:`.portable`), or None
     ported: str | None = None
+    # torch's generated binding that calls it as it is called here, quicker than the boxed call
+    # (:func:`.bindings.python_binding`); None: the boxed call. ``bound``: looked for already.
+    binding: Callable[..., Any] | None = None
+    bound: bool = False
 
     def call(self, vals: list[Any]) -> Any:
+        args, kwargs = self.arguments(vals)
+        return self.fn(*args, **kwargs)
+
+    def arguments(self, vals: list[Any]) -> tuple[list[Any], dict[str, Any]]:
+        """Its positional and keyword arguments, their tensors taken from ``vals``."""
         args = [list(a) if isinstance(a, list) else a for a in self.args]
         for pos, sub, slot in self.arg_slots:
             if sub < 0:
@@ -164,7 +173,7 @@ class CompiledOp:
                     kwargs[key] = vals[slot]
                 else:
                     kwargs[key][sub] = vals[slot]
-        return self.fn(*args, **kwargs)
+        return args, kwargs
 
     def store(self, result: Any, vals: list[Any], generator: torch.Generator) -> None:
         if not self.out_slots:
