@@ -148,7 +148,6 @@ def test_fsdp2_inside_each_group_heals_every_shard(tmp_path, calibration_cache):
     assert len(finals) == 4  # both groups' two ranks reached the end
 
 
-
 def test_a_failed_groups_error_carries_its_ranks_exception_not_torchruns_report(tmp_path):
     from harness.distribution.ft.supervisor import log_excerpt
 
