@@ -774,11 +774,13 @@ def test_predict_validate_captures_every_round_and_logs_each_case(tmp_path: Path
     # a one-process change is measured side by side in one process, each round's pair in its own record
     for r in range(2):
         pairs = [json.loads(p.read_text()) for p in sorted((out / "rounds").glob(f"layers-{r}-*-pair.json"))]
-        assert pairs and pairs[-1]["base_ms"] == row["base_ms"][r] and pairs[-1]["changed_ms"] == row["changed_ms"][r]
+        # the pair's own figure: the ratio within rounds, and the changed step as the base's at that ratio
+        assert pairs and pairs[-1]["base_ms"] == row["base_ms"][r]
+        assert row["changed_ms"][r] == pytest.approx(pairs[-1]["base_ms"] * pairs[-1]["ratio"])
         assert pairs[-1]["rounds"] == 2 and len(pairs[-1]["base_round_ms"]) == 2  # 8 steps: two rounds of 10
         low, high = pairs[-1]["ratio_ci"]
-        assert low <= pairs[-1]["ratio"] <= high and pairs[-1]["ratio"] == pytest.approx(
-            pairs[-1]["changed_ms"] / pairs[-1]["base_ms"])
+        assert low <= pairs[-1]["ratio"] <= high and pairs[-1]["ratio"] == pytest.approx(math.exp(statistics.median(
+            [math.log(c / b) for b, c in zip(pairs[-1]["base_round_ms"], pairs[-1]["changed_round_ms"], strict=True)])))
     err = refused(capsys, "trace", "measure-pair", "--out", str(tmp_path / "pair.json"), "workload=llama",
                   "--changed", "world_size=2")
     assert "one process" in err

@@ -197,16 +197,16 @@ METRIC_DEFINITIONS: dict[str, tuple[str, str]] = {
     "auc": ("0 … 1", "dlrm: ROC AUC of the click predictions on the held-out batches (repetition 0)"),
     "hr_at_10": ("0 … 1", "seqrec: share of held-out next items ranked in the top 10 (repetition 0)"),
     "ndcg_at_10": ("0 … 1", "seqrec: normalised discounted cumulative gain of the next item at 10 (repetition 0)"),
-    "time_error_pct": ("%", "abs(replay step ÷ source step − 1) × 100: medians side by side in one process "
-                            "(`cobench trace fidelity`, suites, qualify), else replay p50 vs the capture's "
-                            "plain steps"),
+    "time_error_pct": ("%", "abs(replay step ÷ source step − 1) × 100: side by side in one process, the median "
+                            "of the rounds' own ratios (`cobench trace fidelity`, suites, qualify), else replay "
+                            "p50 vs the capture's plain steps"),
     "time_error_signed_pct": ("%", "(replay step ÷ source step − 1) × 100; positive: the replay is slower"),
     "time_error_ci_low_pct": ("%", "lower end of the 95 % bootstrap interval of time_error_signed_pct "
-                                   "(resampling whole rounds)"),
+                                   "(resampling pairs of rounds and the capture's measurements)"),
     "time_error_ci_high_pct": ("%", "upper end of that interval"),
-    "fidelity_valid": ("0 or 1", "1 when every op of the replay ran and made the shapes the program made, there "
-                                 "were ≥ 5 rounds, the source's round-to-round cv ≤ 10 % and the interval's "
-                                 "half-width ≤ 5 %"),
+    "fidelity_valid": ("0 or 1", "1 when every op of the replay ran and made the shapes the program made, the "
+                                 "captured steps are the program's kind, there were ≥ 20 rounds and the "
+                                 "interval's half-width is ≤ 2.5 %"),
     "op_coverage_pct": ("%", "ops of the spec that ran ÷ ops of the spec × 100"),
     "ops_divergent": ("ops", "ops of a replay that ran but made other output shapes than the program did (values "
                              "that decide shapes, replayed otherwise): any makes fidelity_valid 0"),

@@ -1,13 +1,14 @@
 """Two step functions timed side by side in one process, and the verdict on the ratio of their steps.
 
 The source and its replay run interleaved in rounds — source K samples, replay K samples, the order
-alternating every round — so machine drift lands on both sides alike (:func:`interleave`). The figure
-is the ratio of the two sides' median step times, with a 95 % interval from a bootstrap over rounds
-(each round's pair resampled together); rounds are added until the interval's half-width is within
-the target or the time budget runs out, and :class:`SideBySide` says whether the figure is a verdict
-and, when it is not, why. Each side's host time and op time are measured again while they are judged
-(:func:`host_time_probe`), so that the judgement says how much of its figure is the capture's moment,
-how much the replay's host time and how much its ops.
+alternating every round — so machine drift lands on both sides alike (:func:`interleave`). The
+figure is taken within rounds, where both sides shared the machine's moment: the median over rounds
+of each round's ratio of the two sides' medians, with a 95 % interval from a bootstrap drawing pairs
+of consecutive rounds, one in each order (:func:`paired_ratio`). Rounds are added until the
+interval's half-width is within the target or the time budget runs out, and :class:`SideBySide` says
+whether the figure is a verdict and, when it is not, why. Each side's host time and op time are
+measured again while they are judged (:func:`host_time_probe`), so that the judgement says how much
+of its figure is the capture's moment, how much the replay's host time and how much its ops.
 """
 
 from __future__ import annotations
@@ -37,7 +38,11 @@ from workloads.trace_replay.host_time import (
 # A verdict needs the 95 % interval of the replay ÷ source ratio within ±TARGET_HALF_WIDTH_PCT: the judge
 # adds rounds until it is, or until its time budget runs out (then, and only then, no verdict).
 TARGET_HALF_WIDTH_PCT = 2.5
-MIN_VALID_ROUNDS = 5  # a bootstrap over fewer rounds gives an interval too narrow to believe
+# A bootstrap over fewer rounds gives an interval too narrow to believe: windows of 10 consecutive rounds of
+# the zoo's judgements of 80 rounds or more (15 of them, 40 windows each) held the whole judgement's figure
+# in 45 … 88 % of them, windows of 20 in 65 … 100 % (90 at the median), as often as the pooled medians'
+# ratio did (2026-11-30)
+MIN_VALID_ROUNDS = 20
 MAX_ROUNDS = 400
 MIN_SAMPLE_MS = 20.0  # a sample times enough consecutive steps to last this long: timer and sync costs vanish
 BOOTSTRAP_SAMPLES = 2000
@@ -103,7 +108,8 @@ class SideBySide:
     time_error_pct: float = math.nan
     time_error_ci_low_pct: float = math.nan
     time_error_ci_high_pct: float = math.nan
-    ratio_ci: tuple[float, float] = (math.nan, math.nan)  # the same interval as replay/source ratios, unrounded
+    ratio: float = math.nan  # replay ÷ source: the median of the rounds' own ratios (paired_ratio)
+    ratio_ci: tuple[float, float] = (math.nan, math.nan)  # its 95 % interval, unrounded
     source_step_ms: float = math.nan
     replay_step_ms: float = math.nan
     source_round_cv_pct: float = math.nan
@@ -121,10 +127,9 @@ class SideBySide:
         source = [t for r in self.source_ms for t in r]
         replay = [t for r in self.replay_ms for t in r]
         self.source_step_ms, self.replay_step_ms = statistics.median(source), statistics.median(replay)
-        ratio = self.replay_step_ms / self.source_step_ms
-        self.time_error_signed_pct = 100.0 * (ratio - 1.0)
+        self.ratio, low, high = paired_ratio(self.source_ms, self.replay_ms, seed=seed, shift_ms=self.replay_shift_ms)
+        self.time_error_signed_pct = 100.0 * (self.ratio - 1.0)
         self.time_error_pct = abs(self.time_error_signed_pct)
-        low, high = bootstrap_ratio_interval(self.source_ms, self.replay_ms, seed=seed, shift_ms=self.replay_shift_ms)
         if self.replay_shift_ms:
             shifts = sorted(100.0 * d / self.replay_step_ms for d in self.replay_shift_ms)
             last = len(shifts) - 1
@@ -144,7 +149,8 @@ class SideBySide:
             # the replay's spins are wall-clock time: a host time Δ larger moves its step by Δ (a smaller one by
             # at most what it spins)
             moved = max(judged - spent, -self.host.spun_ms)
-            self.time_error_judged_host_pct = 100.0 * ((self.replay_step_ms + moved) / self.source_step_ms - 1.0)
+            self.time_error_judged_host_pct = 100.0 * (self.ratio * (self.replay_step_ms + moved) / self.replay_step_ms
+                                                       - 1.0)
             if {"replay_host", "source_op", "replay_op"} <= self.probed_ms.keys():
                 self.host_error_pct = 100.0 * (self.probed_ms["replay_host"] - judged) / self.source_step_ms
                 self.op_error_pct = 100.0 * (self.probed_ms["replay_op"] - self.probed_ms["source_op"]) / \
@@ -203,23 +209,43 @@ class SideBySide:
         }
 
 
-def bootstrap_ratio_interval(source_ms: list[list[float]], replay_ms: list[list[float]], *, seed: int = 0,
-                             samples: int = BOOTSTRAP_SAMPLES, level: float = 0.95,
-                             shift_ms: list[float] | None = None) -> tuple[float, float]:
-    """95 % interval of median(replay) ÷ median(source), resampling whole rounds (pairs stay together);
-    ``shift_ms``: draws of what re-measuring the capture would add to a replay step, one per sample."""
+def round_ratios(source_ms: list[list[float]], replay_ms: list[list[float]]) -> list[list[float]]:
+    """The log of replay ÷ source in each round (the ratio of the two sides' median samples), in pairs of
+    consecutive rounds, one in each order (a last round without its pair stands alone).
+
+    A round's two sides share the machine's moment, which on a shared VM moves the rounds' medians far more
+    than anything the replay does: over the model zoo's 28 judgements of 2026-11-30 the source's round medians
+    varied 1.8 … 35 % (15 at the median), the two sides' ratio within a round 1.4 … 31 % (10). The side that
+    goes second meets the machine a little later, which the next round, in the other order, meets the other
+    way: a bootstrap drawing whole pairs keeps each resample as balanced in order as the rounds were."""
+    logs = [math.log(statistics.median(r) / statistics.median(s)) for s, r in zip(source_ms, replay_ms, strict=True)]
+    return [logs[i:i + 2] for i in range(0, len(logs), 2)]
+
+
+def paired_ratio(source_ms: list[list[float]], replay_ms: list[list[float]], *, seed: int = 0,
+                 samples: int = BOOTSTRAP_SAMPLES, level: float = 0.95,
+                 shift_ms: list[float] | None = None) -> tuple[float, float, float]:
+    """Replay ÷ source: the median over rounds of each round's ratio (:func:`round_ratios`), and its 95 %
+    interval from a bootstrap resampling pairs of rounds; ``shift_ms``: draws of what re-measuring the capture
+    would add to a replay step (:func:`capture_shift_draws`), one per bootstrap sample, each moving that
+    sample's ratio as it would move the replay's median step.
+
+    Over the zoo's 28 judgements of 2026-11-30 (the capture's spread left out) this interval's half-width was
+    ±1.5 % at the median, where the ratio of the two sides' pooled medians, resampled a round at a time, gave
+    ±2.5, and the median over pairs of rounds of their mean ±2.1 (a round the machine disturbed moves a
+    median of rounds less than a mean of two)."""
+    pairs = round_ratios(source_ms, replay_ms)
+    replay_step = statistics.median([t for r in replay_ms for t in r])
     rng = random.Random(seed)
-    rounds = len(source_ms)
     ratios = []
     for b in range(samples):
-        picked = [rng.randrange(rounds) for _ in range(rounds)]
-        source = [t for i in picked for t in source_ms[i]]
-        replay = [t for i in picked for t in replay_ms[i]]
+        picked = [x for _ in pairs for x in pairs[rng.randrange(len(pairs))]]
         shift = shift_ms[b % len(shift_ms)] if shift_ms else 0.0
-        ratios.append((statistics.median(replay) + shift) / statistics.median(source))
+        ratios.append(math.exp(statistics.median(picked)) * (replay_step + shift) / replay_step)
     ratios.sort()
     tail = (1.0 - level) / 2
-    return ratios[int(tail * (samples - 1))], ratios[int(math.ceil((1.0 - tail) * (samples - 1)))]
+    return (math.exp(statistics.median([x for pair in pairs for x in pair])), ratios[int(tail * (samples - 1))],
+            ratios[int(math.ceil((1.0 - tail) * (samples - 1)))])
 
 
 def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], device: torch.device, *,
@@ -289,12 +315,15 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
     side.summarise(seed)
     while budget_s is not None:
         per_round = side.elapsed_s / len(order)
-        # a quarter more rounds at a time (the bootstrap is recomputed each time), within the budget;
-        # every rank follows rank 0's decision (its own interval may differ)
-        done = side.half_width_pct <= target_half_width_pct or len(order) >= MAX_ROUNDS
-        exhausted = side.elapsed_s + per_round > budget_s
+        # a quarter more rounds at a time (the bootstrap is recomputed each time), within the budget, ending on
+        # a whole pair of rounds (what the bootstrap draws); every rank follows rank 0's decision (its own
+        # interval may differ)
+        done = side.half_width_pct <= target_half_width_pct and len(order) >= MIN_VALID_ROUNDS \
+            or len(order) >= MAX_ROUNDS
         more = max(1, min(max(2, len(order) // 4), int((budget_s - side.elapsed_s) / per_round),
                           MAX_ROUNDS - len(order)))
+        more -= (len(order) + more) % 2
+        exhausted = side.elapsed_s + per_round > budget_s or more < 1
         done, exhausted, more = agree((done, exhausted, more))
         if done:
             break

@@ -66,7 +66,7 @@ PAIR_STEPS_PER_ROUND = 10  # a side-by-side pair's steps per side per round (rou
 def measure_pair(base: list[str], changed: list[str], work_dir: Path, steps: int, warmup: int) -> dict[str, Any]:
     """The base and changed configurations (Hydra overrides) of one workload in this process, their steps
     interleaved in rounds (:func:`harness.traces.side_by_side.interleave`): step medians, the ratio changed /
-    base and its 95 % interval (whole rounds resampled)."""
+    base taken within rounds and its 95 % interval (:func:`harness.traces.side_by_side.paired_ratio`)."""
     cfgs = [to_run_config(compose_config([*side, "tracking=off"])) for side in (base, changed)]
     joined = join_process_group(cfgs[0])
     opened = []
@@ -85,7 +85,7 @@ def measure_pair(base: list[str], changed: list[str], work_dir: Path, steps: int
         for side in opened:
             side.workload.teardown()
     return {"base_ms": result.source_step_ms, "changed_ms": result.replay_step_ms,
-            "ratio": result.replay_step_ms / result.source_step_ms,
+            "ratio": result.ratio,
             "ratio_ci": list(result.ratio_ci),
             "base_round_cv_pct": result.source_round_cv_pct, "changed_round_cv_pct": result.replay_round_cv_pct,
             "rounds": rounds, "steps_per_round": PAIR_STEPS_PER_ROUND, "warmup": warmup,
@@ -158,8 +158,9 @@ def _step_ms(run_root: Path, command: list[str]) -> tuple[float, bool]:
 
 def _measure(where: Path, world: int, workload: list[str], changes: list[str], run: list[str], steps: int,
              warmup: int, cli: str) -> tuple[list[float], bool]:
-    """One round's [base, changed] step medians and whether a run was noisy: side by side in one process
-    (``trace measure-pair``, its record ``<where>-pair.json``) when the change keeps one process; else a base
+    """One round's [base, changed] step times and whether a run was noisy: side by side in one process
+    (``trace measure-pair``, its record ``<where>-pair.json``: the base's median step, and the changed one
+    as that × the ratio measured within rounds, the pair's own figure) when the change keeps one process; else a base
     run, the changed one under torchrun and the base again (``<where>-base``, ``<where>-changed``,
     ``<where>-base-after``), the base's step the two runs' geometric mean. ``cli``: the cobench command's module."""
     here = [sys.executable, "-m", cli]
@@ -168,7 +169,7 @@ def _measure(where: Path, world: int, workload: list[str], changes: list[str], r
         subprocess.run([*here, "trace", "measure-pair", "--out", str(record), "--steps", str(steps), "--warmup",
                         str(warmup), *workload, "--changed", *changes], check=True, stdout=subprocess.DEVNULL)
         measured = json.loads(record.read_text())
-        return [measured["base_ms"], measured["changed_ms"]], False
+        return [measured["base_ms"], measured["base_ms"] * measured["ratio"]], False
     steps_ms, noisy = [], False
     for side, launch, extra in (("base", here, []), ("changed", [*TORCHRUN, str(world), "-m", cli], changes),
                                 ("base-after", here, [])):
