@@ -355,6 +355,31 @@ def test_the_judge_adds_rounds_until_the_interval_is_narrow_or_the_budget_is_spe
     assert "the most a judgement runs" in capped.invalid_reason and "budget" not in capped.invalid_reason
 
 
+def test_a_program_of_long_steps_takes_fewer_samples_a_round_so_that_enough_rounds_fit_its_budget(monkeypatch):
+    """300 ms steps, 5 samples of each side a round asked for and a 30 s budget: 20 rounds of those would take
+    60 s, and 10 rounds are too few for a verdict. The judge takes 2 samples a round (20 rounds: 24 s), reaches
+    20 rounds inside its budget and says why it took fewer samples."""
+    clock = FakeClock()
+    monkeypatch.setattr(side_by_side_module.time, "perf_counter", clock)
+    noise = random.Random(5)
+
+    def work(ms: float) -> Callable[[], None]:
+        def step() -> None:
+            clock.now += 1e-3 * ms * (1 + noise.uniform(-0.01, 0.01))
+        return step
+
+    side = interleave(work(300.0), work(306.0), torch.device("cpu"), rounds=10, steps_per_round=5, warmup=2,
+                      budget_s=30.0)
+    assert side.batch == 1 and all(len(r) == 2 for r in side.source_ms + side.replay_ms)
+    assert len(side.order) >= side_by_side_module.MIN_VALID_ROUNDS and side.elapsed_s <= 30.0
+    assert side.fidelity_valid and side.time_error_ci_low_pct < 2.0 < side.time_error_ci_high_pct
+    assert "2 samples of each side a round, not 5" in side.notes[0] and "30 s budget" in side.notes[0]
+    # what the host-time probes take is set aside first: with them, one sample a round is what fits
+    assert side_by_side_module.samples_within_budget(5, 300.0, 300.0, 60.0, 20, probed=True) == 1
+    assert side_by_side_module.samples_within_budget(5, 300.0, 300.0, 60.0, 20, probed=False) == 5
+    assert side_by_side_module.samples_within_budget(5, 24.0, 12.0, 60.0, 20, probed=True) == 5  # short steps
+
+
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
 def test_corpus_program_replays_completely_judged_side_by_side(name: str, tmp_path: Path):
     """Every program of the corpus: every op replays; the side-by-side figure is reported with its interval."""

@@ -281,9 +281,13 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
     for step in sides.values():  # both warm: caches, allocator, lazy init
         for _ in range(warmup):
             warm_ms.append(_timed(step, device, 1))
+    typical = statistics.median(warm_ms[len(warm_ms) // 4:]) if warm_ms else MIN_SAMPLE_MS
     if batch is None:
-        typical = statistics.median(warm_ms[len(warm_ms) // 4:]) if warm_ms else MIN_SAMPLE_MS
         batch = agree(max(1, min(1000, math.ceil(MIN_SAMPLE_MS / max(typical, 1e-3)))))
+    asked = steps_per_round
+    if budget_s is not None:
+        steps_per_round = agree(samples_within_budget(steps_per_round, batch * typical, typical, budget_s,
+                                                      max(rounds, MIN_VALID_ROUNDS), probed=host is not None))
     times: dict[str, list[list[float]]] = {"source": [], "replay": []}
     order: list[str] = []
     probed_us: dict[str, list[float]] = {f"{side}_{part}": [] for side in sides for part in ("host", "op")}
@@ -311,6 +315,11 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
     side = SideBySide(times["source"], times["replay"], order, batch=batch, budget_s=budget_s,
                       target_half_width_pct=target_half_width_pct, replay_shift_ms=replay_shift_ms,
                       host=host, probed_us=probed_us)
+    if steps_per_round < asked:
+        side.notes.append(f"{steps_per_round} sample{'s' if steps_per_round > 1 else ''} of each side a round, not "
+                          f"{asked}: {MIN_VALID_ROUNDS} rounds of "
+                          f"{asked} ({typical:.0f} ms steps), with their host-time probes, would not fit the "
+                          f"{budget_s:.0f} s budget")
     side.elapsed_s = time.perf_counter() - started
     side.summarise(seed)
     while budget_s is not None:
@@ -335,6 +344,23 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
         side.elapsed_s = time.perf_counter() - started
         side.summarise(seed)
     return side
+
+
+PROBE_STEPS = TIMING_WARMUP + TIMING_MEASURED + PLAIN_SETTLE + PLAIN_MEASURED  # a side's steps in one probe
+PROBE_SLOWDOWN = 1.5  # a probe's steps under the profiler, against plain ones (allowed for, not measured)
+
+
+def samples_within_budget(asked: int, sample_ms: float, step_ms: float, budget_s: float, rounds: int, *,
+                          probed: bool) -> int:
+    """Samples of each side a round, at most ``asked``, such that ``rounds`` rounds (and their host-time probes,
+    where ``probed``: one after the first round and every :data:`PROBE_EVERY` after it) fit in ``budget_s``; at
+    least one. A verdict needs :data:`MIN_VALID_ROUNDS` rounds, and the bootstrap draws rounds, not samples: a
+    program whose step lasts 290 ms (Faster R-CNN on this VM) ran 12 rounds of 5 samples and their probes in
+    60 s, its interval within ±1.2 % but on too few rounds for a verdict."""
+    probes = (1 + (rounds - 1) // PROBE_EVERY) if probed else 0
+    left_ms = 1e3 * budget_s - probes * 2 * PROBE_STEPS * PROBE_SLOWDOWN * step_ms
+    fits = math.floor(left_ms / (rounds * 2 * max(sample_ms, 1e-6)))
+    return max(1, min(asked, fits))
 
 
 def _timed(step: Callable[[], Any], device: torch.device, batch: int) -> float:
