@@ -46,9 +46,9 @@ class FakeClock:
 
 def test_interleaving_cancels_machine_drift(monkeypatch):
     """The machine slows down steadily through the measurement (3x by the end): a judgement that ran
-    all source steps first would call the replay 2x slower; interleaved, and taken within pairs of rounds in
-    opposite orders, identical sides agree within a fraction of a percent (what is left is the drift's own
-    curvature over a pair)."""
+    all source steps first would call the replay 2x slower; interleaved, the order alternating, the median of
+    the rounds' own ratios (half of them taken each way round) finds identical sides alike within a fraction
+    of a percent (what is left is the drift's own curvature)."""
     clock = FakeClock()
     monkeypatch.setattr(side_by_side_module.time, "perf_counter", clock)
     calls = [0]
