@@ -47,6 +47,8 @@ MAX_ROUNDS = 400
 MIN_SAMPLE_MS = 20.0  # a sample times enough consecutive steps to last this long: timer and sync costs vanish
 BOOTSTRAP_SAMPLES = 2000
 PROBE_EVERY = 5  # each side's host and op time are measured again after the first round and every this many after
+PROBE_STEPS = TIMING_WARMUP + TIMING_MEASURED + PLAIN_SETTLE + PLAIN_MEASURED  # a side's steps in one probe
+PROBE_SLOWDOWN = 1.5  # a probe's steps under the profiler, against plain ones (allowed for, not measured)
 # A probe in which a step's host time or its time inside the ops came out at zero (the profiler's cost, estimated
 # against the plain steps, took all of it: the machine's load moved between the profiled and the plain steps)
 # measured nothing; it is taken again, at most this many times in all, and left out if none holds together.
@@ -348,10 +350,6 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
         side.elapsed_s = time.perf_counter() - started
         side.summarise(seed)
     return side
-
-
-PROBE_STEPS = TIMING_WARMUP + TIMING_MEASURED + PLAIN_SETTLE + PLAIN_MEASURED  # a side's steps in one probe
-PROBE_SLOWDOWN = 1.5  # a probe's steps under the profiler, against plain ones (allowed for, not measured)
 
 
 def samples_within_budget(asked: int, sample_ms: float, step_ms: float, budget_s: float, rounds: int, *,
