@@ -185,6 +185,7 @@ def _zoo(args: argparse.Namespace) -> int:
 
     from harness.config import compose_config, results_root, to_run_config
     from harness.running.runner import connect_tracker
+    from harness.traces.side_by_side import MIN_VALID_ROUNDS, TARGET_HALF_WIDTH_PCT
     from suite.zoo import markdown, run_program, write_tables
     from suite.zoo_programs import ZOO
 
@@ -202,8 +203,9 @@ def _zoo(args: argparse.Namespace) -> int:
                "budget_s": args.budget_s}
     rows = []
     header = (f"Model zoo: {args.judgements} judgement(s) per program, each from a fresh capture; at least "
-              f"{args.rounds} rounds of {args.round_steps} samples each side, more until the interval is within "
-              f"±2.5 % or {args.budget_s:.0f} s are spent")
+              f"{args.rounds} rounds of {args.round_steps} samples each side, more until there are "
+              f"{MIN_VALID_ROUNDS} and the interval (covering a capture at the judgement's moment too) is within "
+              f"±{TARGET_HALF_WIDTH_PCT:g} %, or {args.budget_s:.0f} s are spent")
     for i, name in enumerate(names, 1):
         print(f"[{i}/{len(names)}] {name} ({ZOO[name].library})", file=sys.stderr, flush=True)
         rows.append(run_program(name, out / name, options, args.timeout_s))

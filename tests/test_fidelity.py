@@ -101,6 +101,38 @@ def test_the_figure_is_taken_within_rounds_so_the_machines_swings_between_rounds
     assert 100 * (pooled[1949] - pooled[50]) / 2 > 2 * side.half_width_pct
 
 
+def test_the_interval_covers_a_capture_taken_at_the_judgements_moment():
+    """Two judgements of one program, each from its own capture: the first capture met a slow minute and its
+    replay spends 3 ms of host time a step where the program, judged, spends 2 (the replay reads +10 %); the
+    second met the machine as judged (+0 %). Each interval covers a capture taken at the judgement's moment
+    too, so the first one holds the second one's figure, and the second, whose capture agreed with its
+    judgement, is no wider than its rounds and its capture's own spread make it."""
+    noise = random.Random(5)
+
+    def rounds(replay_ms: float) -> tuple[list[list[float]], list[list[float]]]:
+        source, replay = [], []
+        for _ in range(24):
+            speed = noise.uniform(0.9, 1.1)
+            source.append([10.0 * speed * (1 + noise.uniform(-0.01, 0.01)) for _ in range(4)])
+            replay.append([replay_ms * speed * (1 + noise.uniform(-0.01, 0.01)) for _ in range(4)])
+        return source, replay
+
+    judged = {"source_host": [2000.0] * 16, "source_op": [8000.0] * 16,
+              "replay_host": [2000.0] * 16, "replay_op": [8000.0] * 16}
+    order = ["source", "replay"] * 12
+    first = SideBySide(*rounds(11.0), order, host=HostProbe(None, None, capture_ms=3.0, spun_ms=3.0),
+                       probed_us=judged).summarise()
+    second = SideBySide(*rounds(10.0), order, host=HostProbe(None, None, capture_ms=2.0, spun_ms=2.0),
+                        probed_us=judged).summarise()
+    assert first.time_error_signed_pct == pytest.approx(10.0, abs=1.0)
+    assert second.time_error_signed_pct == pytest.approx(0.0, abs=1.0)
+    assert first.time_error_ci_low_pct <= second.time_error_signed_pct <= first.time_error_ci_high_pct
+    assert first.time_error_judged_host_pct == pytest.approx(0.0, abs=1.0)
+    assert not first.fidelity_valid and "% of its step below the capture's" in first.invalid_reason
+    alone = SideBySide(second.source_ms, second.replay_ms, order).summarise()  # no probes: the rounds alone
+    assert second.ratio_ci == alone.ratio_ci and second.fidelity_valid
+
+
 def test_a_replay_that_drifts_as_it_runs_is_put_back_before_each_sample_untimed(monkeypatch):
     """A replay's carried state drifts the more steps it runs from it (on a CPU: into subnormal floats, its ops
     slower); ``prepare`` puts it back before each of its samples, outside the samples' time, so that every

@@ -202,7 +202,8 @@ METRIC_DEFINITIONS: dict[str, tuple[str, str]] = {
                             "p50 vs the capture's plain steps"),
     "time_error_signed_pct": ("%", "(replay step ÷ source step − 1) × 100; positive: the replay is slower"),
     "time_error_ci_low_pct": ("%", "lower end of the 95 % bootstrap interval of time_error_signed_pct "
-                                   "(resampling pairs of rounds and the capture's measurements)"),
+                                   "(resampling pairs of rounds and the capture's measurements; every other draw "
+                                   "moved to the host time the program had while judged)"),
     "time_error_ci_high_pct": ("%", "upper end of that interval"),
     "fidelity_valid": ("0 or 1", "1 when every op of the replay ran and made the shapes the program made, the "
                                  "captured steps are the program's kind, there were ≥ 20 rounds and the "
