@@ -180,7 +180,10 @@ class SideBySide:
             else:
                 spent = (f" after {len(self.order)} rounds in {self.elapsed_s:.0f} s, the budget spent "
                          f"(--budget-s {self.budget_s:.0f})")
-            reasons.append(f"the 95 % interval is ±{self.half_width_pct:.1f} % (> ±{self.target_half_width_pct:g} %)"
+            shown = f"{self.half_width_pct:.1f}"  # enough digits to read above the target
+            if float(shown) <= self.target_half_width_pct:
+                shown = f"{self.half_width_pct:.2f}"
+            reasons.append(f"the 95 % interval is ±{shown} % (> ±{self.target_half_width_pct:g} %)"
                            f"{spent}: the source's round medians vary {self.source_round_cv_pct:.1f} %"
                            + (f", and re-measuring the capture's host time and the replay's call cost alone moves "
                               f"it ±{self.capture_half_width_pct:.1f} %" if self.replay_shift_ms else "")
