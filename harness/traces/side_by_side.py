@@ -155,11 +155,11 @@ class SideBySide:
         self.ratio_ci = (low, high)
         self.time_error_ci_low_pct, self.time_error_ci_high_pct = 100.0 * (low - 1.0), 100.0 * (high - 1.0)
         if moved is not None:
-            judged = self.probed_ms["source_host"]
             self.time_error_judged_host_pct = 100.0 * (self.ratio * (self.replay_step_ms + moved) / self.replay_step_ms
                                                        - 1.0)
             if {"replay_host", "source_op", "replay_op"} <= self.probed_ms.keys():
-                self.host_error_pct = 100.0 * (self.probed_ms["replay_host"] - judged) / self.source_step_ms
+                self.host_error_pct = 100.0 * (self.probed_ms["replay_host"] - self.probed_ms["source_host"]) / \
+                    self.source_step_ms
                 self.op_error_pct = 100.0 * (self.probed_ms["replay_op"] - self.probed_ms["source_op"]) / \
                     self.source_step_ms
         self.source_round_cv_pct = cv_pct([statistics.median(r) for r in self.source_ms])
