@@ -207,6 +207,13 @@ def test_each_side_is_measured_again_while_judged_and_the_error_is_split(monkeyp
     assert metrics["time_error_judged_host_pct"] == pytest.approx(10.0)  # 12 − 1 ms against 10
     assert metrics["host_error_pct"] == pytest.approx(20.0) and metrics["op_error_pct"] == pytest.approx(5.0)
     assert metrics["judged_host_samples"] == 12.0
+    # 1 ms of the replay's 4 ms host time is the autograd bookkeeping it spends there, which the program did inside
+    # its forward ops: the split sets it with the ops, like with like
+    host.autograd_ms = 1.0
+    metrics = side.summarise().metrics()
+    assert metrics["host_error_pct"] == pytest.approx(10.0) and metrics["op_error_pct"] == pytest.approx(15.0)
+    assert metrics["spent_autograd_ms"] == 1.0 and metrics["time_error_signed_pct"] == pytest.approx(20.0)
+    host.autograd_ms = 0.0
     # a host time far smaller than the capture's takes off at most what the replay spins
     host.source = measured("source", 0.5, 8.0)
     side = interleave(step(10.0), step(12.0), torch.device("cpu"), rounds=2, steps_per_round=3, warmup=0,
@@ -423,6 +430,29 @@ def test_a_program_of_long_steps_takes_fewer_samples_a_round_so_that_enough_roun
     assert side_by_side_module.samples_within_budget(5, 24.0, 12.0, 60.0, 20, probed=True) == 5  # short steps
 
 
+
+
+def test_samples_a_round_are_sized_again_from_the_first_rounds_own_steps(monkeypatch):
+    """Right after a capture a program's first steps can run slow (EfficientNet's warm-up steps 223 ms against
+    its 62 ms step). Warm-up steps of 240 ms, then 60 ms: the warm-up alone would allow 3 samples a round in a
+    30 s budget; the first round shows 60 ms steps, and every later round takes the 5 asked for."""
+    clock = FakeClock()
+    monkeypatch.setattr(side_by_side_module.time, "perf_counter", clock)
+    noise = random.Random(3)
+
+    def work(first_ms: float, ms: float, slow_steps: int) -> Callable[[], None]:
+        calls = [0]
+
+        def step() -> None:
+            calls[0] += 1
+            clock.now += 1e-3 * (first_ms if calls[0] <= slow_steps else ms) * (1 + noise.uniform(-0.01, 0.01))
+        return step
+
+    side = interleave(work(240.0, 60.0, 2), work(240.0, 60.0, 2), torch.device("cpu"), rounds=10, steps_per_round=5,
+                      warmup=2, budget_s=30.0)
+    assert [len(r) for r in side.source_ms[:3]] == [3, 5, 5] and all(len(r) == 5 for r in side.replay_ms[1:])
+    assert not side.notes  # every later round took what was asked for
+    assert side.fidelity_valid and side.batch == 1
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
 def test_corpus_program_replays_completely_judged_side_by_side(name: str, tmp_path: Path):
     """Every program of the corpus: every op replays; the side-by-side figure is reported with its interval."""

@@ -65,7 +65,10 @@ class HostProbe:
     cost taken out: :func:`host_time_probe`); ``capture_ms`` is the host time per step the replay
     spends (the capture's median), ``spun_ms`` what its spins add up to per step (the most a smaller
     host time could take off it); ``scale``: by how much the replay has scaled that host time so far, by
-    its host's speed against the capture's (the median; :class:`workloads.trace_replay.codegen.HostSpeed`).
+    its host's speed against the capture's (the median; :class:`workloads.trace_replay.codegen.HostSpeed`);
+    ``autograd_ms``: the autograd bookkeeping per step the replay spends as host time too, at that scale,
+    which the program did inside its forward ops (:func:`workloads.trace_replay.host_cost.measure_autograd_cost`):
+    the split of the error counts it with the op time, where the program's lies.
     """
 
     source: Callable[[], tuple[list[float], list[float]]]
@@ -73,6 +76,7 @@ class HostProbe:
     capture_ms: float
     spun_ms: float
     scale: Callable[[], float] = lambda: 1.0
+    autograd_ms: float = 0.0
 
     @property
     def spent_ms(self) -> float:
@@ -105,8 +109,10 @@ class SideBySide:
     probed_ms: dict[str, float] = field(default_factory=dict)
     host_shift_pct: float = math.nan  # (host time the replay spends − the judged one) ÷ the program's step, in %
     time_error_judged_host_pct: float = math.nan  # the figure had the replay spent the judged host time
-    host_error_pct: float = math.nan  # (replay's host time − the program's, both as judged) ÷ the program's step
-    op_error_pct: float = math.nan  # the same of the time inside the replayed ops
+    # (replay's host time − the program's, both as judged) ÷ the program's step, the autograd bookkeeping the
+    # replay spends as host time counted with the ops (the program's lies inside its forward ops)
+    host_error_pct: float = math.nan
+    op_error_pct: float = math.nan  # the same of the time inside the replayed ops, that bookkeeping added
     time_error_signed_pct: float = math.nan
     time_error_pct: float = math.nan
     time_error_ci_low_pct: float = math.nan
@@ -158,9 +164,11 @@ class SideBySide:
             self.time_error_judged_host_pct = 100.0 * (self.ratio * (self.replay_step_ms + moved) / self.replay_step_ms
                                                        - 1.0)
             if {"replay_host", "source_op", "replay_op"} <= self.probed_ms.keys():
-                self.host_error_pct = 100.0 * (self.probed_ms["replay_host"] - self.probed_ms["source_host"]) / \
-                    self.source_step_ms
-                self.op_error_pct = 100.0 * (self.probed_ms["replay_op"] - self.probed_ms["source_op"]) / \
+                # like with like: the bookkeeping the replay spends as host time is inside the program's op time
+                book = self.host.autograd_ms * self.host.scale()
+                self.host_error_pct = 100.0 * (self.probed_ms["replay_host"] - book - self.probed_ms["source_host"]) \
+                    / self.source_step_ms
+                self.op_error_pct = 100.0 * (self.probed_ms["replay_op"] + book - self.probed_ms["source_op"]) / \
                     self.source_step_ms
         self.source_round_cv_pct = cv_pct([statistics.median(r) for r in self.source_ms])
         self.replay_round_cv_pct = cv_pct([statistics.median(r) for r in self.replay_ms])
@@ -213,7 +221,8 @@ class SideBySide:
             "judgement_elapsed_s": self.elapsed_s,
             "capture_half_width_pct": self.capture_half_width_pct,
             **({"judgement_budget_s": self.budget_s} if self.budget_s is not None else {}),
-            **({"capture_host_ms": self.host.capture_ms, "spent_host_ms": self.host.spent_ms}
+            **({"capture_host_ms": self.host.capture_ms, "spent_host_ms": self.host.spent_ms,
+                "spent_autograd_ms": self.host.autograd_ms * self.host.scale()}
                if self.host is not None else {}),
             **({"host_shift_pct": self.host_shift_pct,
                 "time_error_judged_host_pct": self.time_error_judged_host_pct,
@@ -291,7 +300,9 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
     :data:`MIN_SAMPLE_MS`, from the warm-up steps' times), so that short steps are not lost in the
     timer's and the synchronisation's own cost. With ``budget_s``, ``rounds`` is the least: more are
     added until the interval's half-width is within ``target_half_width_pct`` or the rounds have
-    taken ``budget_s`` (the figure is then reported as reached, and not valid). ``agree``: under
+    taken ``budget_s`` (the figure is then reported as reached, and not valid), each round of as many of
+    ``steps_per_round`` samples as let :data:`MIN_VALID_ROUNDS` rounds fit the budget
+    (:func:`samples_within_budget`: from the warm-up steps, then again from the first round's). ``agree``: under
     torchrun, returns rank 0's value of what it is given, so that every rank runs the same batch and
     rounds (the steps hold collectives). ``replay_shift_ms``: see :func:`capture_shift_draws`.
     ``prepare``: side name → called before each of that side's samples, untimed (the replay puts its
@@ -316,9 +327,13 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
     if batch is None:
         batch = agree(max(1, min(1000, math.ceil(MIN_SAMPLE_MS / max(typical, 1e-3)))))
     asked = steps_per_round
+
+    def sized(step_ms: float, left_s: float, rounds_left: int) -> int:
+        return agree(samples_within_budget(asked, batch * step_ms, step_ms, left_s, rounds_left,
+                                           probed=host is not None))
+
     if budget_s is not None:
-        steps_per_round = agree(samples_within_budget(steps_per_round, batch * typical, typical, budget_s,
-                                                      max(rounds, MIN_VALID_ROUNDS), probed=host is not None))
+        steps_per_round = sized(typical, budget_s, max(rounds, MIN_VALID_ROUNDS))
     times: dict[str, list[list[float]]] = {"source": [], "replay": []}
     order: list[str] = []
     probed_us: dict[str, list[float]] = {f"{side}_{part}": [] for side in sides for part in ("host", "op")}
@@ -341,8 +356,14 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
                 probed_us[f"{name}_host"].extend(host_us)
                 probed_us[f"{name}_op"].extend(op_us)
 
-    for _ in range(rounds):
+    for r in range(rounds):
         run_round()
+        if r == 0 and budget_s is not None:
+            # sized again from the first round's own samples: the warm-up steps right after a capture can run
+            # slow (EfficientNet's 223 ms against its 62 ms step) and leave fewer samples a round than fit
+            typical = statistics.median(times["source"][0] + times["replay"][0])
+            steps_per_round = sized(typical, budget_s - (time.perf_counter() - started),
+                                    max(rounds, MIN_VALID_ROUNDS) - 1)
     side = SideBySide(times["source"], times["replay"], order, batch=batch, budget_s=budget_s,
                       target_half_width_pct=target_half_width_pct, replay_shift_ms=replay_shift_ms,
                       host=host, probed_us=probed_us)
