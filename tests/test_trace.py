@@ -908,11 +908,15 @@ def test_the_autograd_bookkeeping_of_forward_ops_is_measured_and_spent_by_the_re
     replayer.run_step()
 
 
-def test_captured_steps_unlike_the_programs_own_are_named(tmp_path: Path):
+def test_captured_steps_unlike_the_programs_own_are_traced_again_or_named(tmp_path: Path):
     """A program whose steps differ by chance (a layer dropped at random) can be traced on steps unlike its
-    own: the replay of those says nothing about the program's time. The spec counts the ops of the traced
-    steps and of the program's steps timed after them, and the fidelity record names the difference (the
-    judge then gives no verdict); a program traced on steps like its own is not named."""
+    own: the replay of those says nothing about the program's time. The capture counts the ops of the traced
+    steps and of the program's steps timed after them, and traces as many steps again where they differ:
+    a program that ran shallow steps only when first traced is traced again once, on steps like its own.
+    One whose traced steps are always unlike its others is traced again MAX_TRACED_AGAIN times (each block
+    twice the last); the spec
+    still counts both, and the fidelity record names the difference (the judge then gives no verdict); a
+    program traced on steps like its own is neither traced again nor named."""
     from harness.traces.capture import capture
 
     torch.manual_seed(0)
@@ -927,18 +931,26 @@ def test_captured_steps_unlike_the_programs_own_are_named(tmp_path: Path):
         opt.step()
         opt.zero_grad()
 
-    reasons = {}
-    for name, shallow_when_traced in (("steady", False), ("dropped", True)):
-        with capture(tmp_path / name, steps=2, warmup=1, baseline_steps=2, source=name) as cap:
+    from harness.traces.capture import MAX_TRACED_AGAIN, capture_summary
+
+    reasons, again = {}, {}
+    for name, shallow_blocks in (("steady", 0), ("dropped_once", 1), ("always_dropped", 99)):
+        with capture(tmp_path / name, steps=2, warmup=1, baseline_steps=2, source=name, announce=False) as cap:
             while not cap.done:
-                first = cap.warmup + cap.baseline_steps
+                # the traced blocks so far, less this one: cap.traced_again
+                shallow = cap.tracing and cap.traced_again < shallow_blocks
                 with cap.step():
-                    step(2 if shallow_when_traced and first <= cap.step_index < first + cap.steps else 6)
+                    step(2 if shallow else 6)
+        again[name] = read_meta(tmp_path / name).traced_again
         rank = RankRecord.from_json(generate_spec(tmp_path / name)["ranks"][0])
         assert all(s.kineto_ops > 0 and s.program_kineto_ops > 0 for s in rank.steps)
         reasons[name] = unrepresentative_reason(rank.steps)
-    assert reasons["steady"] == ""
-    assert "captured steps ran" in reasons["dropped"] and "capture more steps (--steps)" in reasons["dropped"]
+    assert again == {"steady": 0, "dropped_once": 1, "always_dropped": MAX_TRACED_AGAIN}
+    assert "traced 1 more time: the steps traced before ran more or fewer ops" in \
+        capture_summary(read_meta(tmp_path / "dropped_once"), tmp_path / "dropped_once")
+    assert reasons["steady"] == "" and reasons["dropped_once"] == ""
+    assert "captured steps ran" in reasons["always_dropped"] and "capture more steps (--steps)" in \
+        reasons["always_dropped"]
 
 
 def test_the_capture_api_says_where_the_bundle_went(tmp_path: Path, capsys):

@@ -74,6 +74,9 @@ class BundleMeta:
     timing_spin_ns: list[float] = field(default_factory=list)
     # the same, one spin right before and one right after each measured Kineto-alone step ([before, after], ns)
     timing_step_spin_ns: list[list[float]] = field(default_factory=list)
+    # how many times the steps were traced again after the host-time rounds: the traced ones ran ops a step
+    # unlike the program's steps (harness.traces.capture.MAX_TRACED_AGAIN)
+    traced_again: int = 0
     schema: str = META_SCHEMA
 
     @property
@@ -102,6 +105,7 @@ class BundleMeta:
             "timing_rounds": self.timing_rounds,
             "timing_spin_ns": self.timing_spin_ns,
             "timing_step_spin_ns": self.timing_step_spin_ns,
+            "traced_again": self.traced_again,
         }
 
 
@@ -167,6 +171,7 @@ def read_meta(bundle: Path) -> BundleMeta:
             timing_rounds=int(raw.get("timing_rounds", 0) or 0),
             timing_spin_ns=[float(t) for t in raw.get("timing_spin_ns", [])],
             timing_step_spin_ns=[[float(t) for t in pair] for pair in raw.get("timing_step_spin_ns", [])],
+            traced_again=int(raw.get("traced_again", 0) or 0),
         )
     except (KeyError, TypeError, ValueError) as err:
         raise TraceError(f"{path}: malformed metadata ({type(err).__name__}: {err})") from None

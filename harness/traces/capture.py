@@ -16,7 +16,10 @@ structure), the next ones measure how much of a step is the program's own host t
 round that settles, then 8 to 32 rounds of Kineto alone (2 steps to settle, 4 measured) then plain (4 to
 settle, 3 measured), so the profiler's cost is taken against the plain steps of the same round, not of the
 baseline, rounds added after the eighth while the median host time is not yet known within ±1 % of the
-step; the last one (not timed) records what the step's floating tensors hold (:mod:`harness.traces.capture_values`).
+step; where the traced steps ran more or fewer ops a step than those rounds' steps (a program whose steps
+differ by chance: a layer dropped at random), twice as many steps are traced again in their place, up to
+:data:`MAX_TRACED_AGAIN` times (each twice the last); the last step (not timed) records what the step's
+floating tensors hold (:mod:`harness.traces.capture_values`).
 A registered workload whose op shapes follow its data (seqrec's length buckets) holds its batch from the
 traced step on (``hold_batch``), so those steps run the traced step's shapes. The
 bundle (see :mod:`workloads.trace_bundle`) is written when the ``with`` block ends. Under
@@ -29,6 +32,7 @@ import json
 import math
 import os
 import platform as pyplatform
+import shutil
 import statistics
 import sys
 import time
@@ -64,6 +68,7 @@ from workloads.trace_bundle import (
     TraceError,
 )
 from workloads.trace_replay.codegen import spin_ns
+from workloads.trace_replay.fidelity import UNREPRESENTATIVE_PCT
 from workloads.trace_replay.host_time import (
     HOST_TARGET_PCT,
     MAX_TIMING_ROUNDS,
@@ -76,8 +81,9 @@ from workloads.trace_replay.host_time import (
     TIMING_WARMUP,
     host_time_half_width_pct,
     kineto_host_gaps,
+    replayed_op_counts,
 )
-from workloads.trace_replay.parse import KinetoTrace, kineto_trace
+from workloads.trace_replay.parse import KinetoTrace, kineto_trace, read_kineto
 
 # Kineto's own lines (profiler_start/stop, stages) are not the user's business; set it to see them
 os.environ.setdefault("KINETO_LOG_LEVEL", "6")
@@ -106,6 +112,11 @@ _ROUND = TIMING_WARMUP + TIMING_MEASURED + PLAIN_SETTLE + PLAIN_MEASURED  # step
 # as it trains (an optimiser's second moments fill in as batches reach more embedding rows), so the replay
 # puts back the state of the most trained step the capture saw, the nearest to the program's later steps
 VALUE_STEPS = 1
+# Traced steps whose ops a step differ from the host-time rounds' steps by more than UNREPRESENTATIVE_PCT are
+# not the program's typical steps (Wav2Vec2's layer drop: 3 traced steps of 774 ops where its steps ran 941 at
+# the mean, in one of its captures in the zoo's run of 2026-11-30 15:13): the capture traces twice as many
+# steps again in their place, at most this many times (3 steps, then 6, 12 and 24)
+MAX_TRACED_AGAIN = 3
 
 
 def _is_op(name: str) -> bool:
@@ -211,6 +222,10 @@ class Capture:
         self._observer: ExecutionTraceObserver | None = None
         self._scopes = _ModuleScopes(model)
         self.values: list[dict[str, Any]] | None = None  # the value profile of the capture's last step
+        self.timing_ops: list[int] = []  # ops each measured Kineto-alone step ran (the top-most op events)
+        self.timing_op_names: set[str] = set()  # the ops those steps ran, by name
+        self.traced_ops: list[int] = []  # the same of the latest traced steps, counting those ops alone
+        self.again_blocks: list[int] = []  # the steps of each block traced again after the rounds (_check_traced)
 
     @property
     def timing_steps(self) -> int:
@@ -221,7 +236,28 @@ class Capture:
     def total_steps(self) -> int:
         """Steps the loop runs; it grows while the host-time rounds are added (:meth:`_settle_rounds`)."""
         return self.warmup + self.baseline_steps + self.steps + (SETTLE_ROUNDS + self.timing_rounds) * _ROUND + \
-            VALUE_STEPS
+            sum(self.again_blocks) + VALUE_STEPS
+
+    @property
+    def tracing(self) -> bool:
+        """Whether the next step runs traced (under the execution-trace observer)."""
+        return self._trace_index()[0] is not None
+
+    @property
+    def traced_again(self) -> int:
+        """How many times the steps were traced again after the host-time rounds (:meth:`_check_traced`)."""
+        return len(self.again_blocks)
+
+    def _trace_index(self) -> tuple[int | None, int, bool]:
+        """The next step's index among its block of traced steps (None: not traced), the block's steps, and
+        whether it is traced again."""
+        index = self.step_index - self.warmup - self.baseline_steps
+        again = index - self.steps - (SETTLE_ROUNDS + self.timing_rounds) * _ROUND  # past the rounds: traced again
+        for size in self.again_blocks if again >= 0 else ():
+            if again < size:
+                return again, size, True
+            again -= size
+        return (index, self.steps, False) if 0 <= index < self.steps else (None, 0, False)
 
     @property
     def done(self) -> bool:
@@ -232,7 +268,8 @@ class Capture:
     def step(self) -> Iterator[None]:
         """One step of the user's loop; steps past the last phase run plain."""
         index = self.step_index - self.warmup - self.baseline_steps
-        traced = 0 <= index < self.steps
+        trace_index, block, traced_again = self._trace_index()
+        traced = trace_index is not None
         round_, at = divmod(index - self.steps - SETTLE_ROUNDS * _ROUND, _ROUND)  # the settling rounds: below 0
         in_rounds = index >= self.steps and round_ < self.timing_rounds
         in_timing = in_rounds and round_ >= 0
@@ -243,6 +280,10 @@ class Capture:
         timing_index = round_ * TIMING_MEASURED + at - TIMING_WARMUP
         timed = self.warmup <= self.step_index < self.warmup + self.baseline_steps or traced
         if traced and self._profiler is None:
+            if traced_again:  # in place of the steps traced before
+                self.traced_times_s = []
+                (self.out_dir / ET_FILE).unlink(missing_ok=True)
+                shutil.rmtree(self.out_dir / ET_RESOURCES, ignore_errors=True)
             self._start_profiler()
         if kineto and self._timing_profiler is None:
             self._timing_profiler = profile(activities=profiler_activities(self.device))
@@ -251,7 +292,7 @@ class Capture:
         spin_before = spin_ns(readings=1) if measured_kineto else 0.0  # outside the step's annotation and time
         started = time.perf_counter()
         if traced:
-            with record_function(f"{STEP_ANNOTATION}{index}"), self._scopes:
+            with record_function(f"{STEP_ANNOTATION}{trace_index}"), self._scopes:
                 yield
         elif profile_values:
             held = ValueProfile()
@@ -277,8 +318,10 @@ class Capture:
         if timed and not traced:
             self.memory.sample()
         self.step_index += 1
-        if traced and index == self.steps - 1:
+        if traced and trace_index == block - 1:
             self._stop_profiler()
+            if traced_again:
+                self._check_traced()
         if kineto and at == TIMING_WARMUP + TIMING_MEASURED - 1 and not in_timing:
             self._stop_timing_profiler(keep=False)  # a settling round's
         if measured_kineto and at == TIMING_WARMUP + TIMING_MEASURED - 1:
@@ -288,6 +331,27 @@ class Capture:
             self._stop_timing_profiler()
         if measured_plain and at == _ROUND - 1:
             self._settle_rounds()
+            if round_ == self.timing_rounds - 1:  # the last round: none was added
+                self._check_traced()
+
+    def _check_traced(self) -> None:
+        """After the host-time rounds, and after each block traced again: one more block traced in place of the
+        last while the traced steps ran more or fewer ops a step than the rounds' steps, at the mean, by more
+        than :data:`~workloads.trace_replay.fidelity.UNREPRESENTATIVE_PCT` (both as the profiler saw them: the
+        ops the rounds' steps ran, top-most), up to :data:`MAX_TRACED_AGAIN` blocks, each twice the steps of the
+        last: the mean of a few steps of a program whose steps differ by chance lands only on a few values
+        (Wav2Vec2's steps ran 905 ops, or 606 with a layer dropped, 858 at the mean: 3 steps read 905 or 805,
+        both more than 5 % off), and of more steps nearer the mean. Under torchrun every rank traces again
+        where any rank's steps differ (the steps hold collectives)."""
+        unlike = False
+        if self.timing_ops and (path := self.out_dir / KINETO_FILE).is_file():
+            self.traced_ops = list(replayed_op_counts(read_kineto(path), self.timing_op_names.__contains__).values())
+            if self.traced_ops:
+                off = statistics.fmean(self.traced_ops) / statistics.fmean(self.timing_ops) - 1.0
+                unlike = abs(100.0 * off) > UNREPRESENTATIVE_PCT
+        if any(gather_to_all(unlike)) if dist.is_available() and dist.is_initialized() else unlike:
+            if self.traced_again < MAX_TRACED_AGAIN:
+                self.again_blocks.append(2 * (self.again_blocks[-1] if self.again_blocks else self.steps))
 
     def _settle_rounds(self) -> None:
         """After a round's plain steps: its host time per measured step (the profiler's cost taken against
@@ -301,6 +365,8 @@ class Capture:
         if self._round_trace is not None:
             plain_us = 1e6 * statistics.median(self.timing_plain_times_s[-PLAIN_MEASURED:])
             gaps = kineto_host_gaps(self._round_trace, {None: plain_us}, _is_op)
+            self.timing_ops += list(replayed_op_counts(self._round_trace, _is_op).values())
+            self.timing_op_names.update(e.name for e in self._round_trace.cpu_ops if _is_op(e.name))
             self._round_trace = None
         self.round_host_us.append([gaps[k] for k in sorted(gaps)])  # on every rank alike, read or not
         rounds = len(self.round_host_us)
@@ -424,7 +490,8 @@ def capture(
         raise TraceError(
             f"capture into {target}: the loop ran {cap.step_index} step(s), but a bundle needs "
             f"{cap.total_steps} (warm-up {warmup}, timed baseline {baseline_steps}, traced {steps}, "
-            f"host-time rounds {SETTLE_ROUNDS} + {cap.timing_rounds} x {_ROUND}, value profile {VALUE_STEPS}); "
+            f"host-time rounds {SETTLE_ROUNDS} + {cap.timing_rounds} x {_ROUND}, traced again "
+            f"{sum(cap.again_blocks)}, value profile {VALUE_STEPS}); "
             f"loop until `cap.done`"
         )
     meta = BundleMeta(
@@ -443,6 +510,7 @@ def capture(
         timing_rounds=len(cap.timing_times_s) // TIMING_MEASURED,
         timing_spin_ns=cap.timing_spin_ns,
         timing_step_spin_ns=cap.timing_step_spin_ns,
+        traced_again=cap.traced_again,
     )
     if cap.values is not None:
         (target / VALUES_FILE).write_text(json.dumps(cap.values))
@@ -456,7 +524,9 @@ def capture_summary(meta: BundleMeta, out_dir: Path) -> str:
     plain_ms = meta.to_json()["step_time_ms_median"]
     return (f"captured {meta.source}: {out_dir}\n  step {plain_ms:.2f} ms plain, capture overhead "
             f"{meta.capture_overhead_pct:+.0f} %, host time over {meta.timing_rounds} rounds\n"
-            f"to make its benchmark: cobench trace generate {out_dir}")
+            + (f"  traced {meta.traced_again} more time{'s' if meta.traced_again > 1 else ''}: the steps traced before "
+               f"ran more or fewer ops than the program's steps\n" if meta.traced_again else "")
+            + f"to make its benchmark: cobench trace generate {out_dir}")
 
 
 @dataclass
