@@ -68,7 +68,7 @@ from workloads.trace_bundle import (
     TraceError,
 )
 from workloads.trace_replay.codegen import spin_ns
-from workloads.trace_replay.fidelity import UNREPRESENTATIVE_PCT
+from workloads.trace_replay.fidelity import steps_unlike
 from workloads.trace_replay.host_time import (
     HOST_TARGET_PCT,
     MAX_TIMING_ROUNDS,
@@ -80,8 +80,10 @@ from workloads.trace_replay.host_time import (
     TIMING_ROUNDS,
     TIMING_WARMUP,
     host_time_half_width_pct,
+    is_op,
     kineto_host_gaps,
-    replayed_op_counts,
+    op_names,
+    step_op_counts,
 )
 from workloads.trace_replay.parse import KinetoTrace, kineto_trace, read_kineto
 
@@ -117,12 +119,6 @@ VALUE_STEPS = 1
 # the mean, in one of its captures in the zoo's run of 2026-11-30 15:13): the capture traces twice as many
 # steps again in their place, at most this many times (3 steps, then 6, 12 and 24)
 MAX_TRACED_AGAIN = 3
-
-
-def _is_op(name: str) -> bool:
-    """An operator's event (``aten::``, ``fbgemm::``, ``c10d::`` ...), not a framework wrapper around one (the
-    autograd engine's ``autograd::engine::evaluate_function``) nor a user's annotation."""
-    return "::" in name and not name.startswith("autograd::")
 
 
 def _data_ops() -> list[str]:
@@ -337,18 +333,17 @@ class Capture:
     def _check_traced(self) -> None:
         """After the host-time rounds, and after each block traced again: one more block traced in place of the
         last while the traced steps ran more or fewer ops a step than the rounds' steps, at the mean, by more
-        than :data:`~workloads.trace_replay.fidelity.UNREPRESENTATIVE_PCT` (both as the profiler saw them: the
-        ops the rounds' steps ran, top-most), up to :data:`MAX_TRACED_AGAIN` blocks, each twice the steps of the
-        last: the mean of a few steps of a program whose steps differ by chance lands only on a few values
-        (Wav2Vec2's steps ran 905 ops, or 606 with a layer dropped, 858 at the mean: 3 steps read 905 or 805,
-        both more than 5 % off), and of more steps nearer the mean. Under torchrun every rank traces again
-        where any rank's steps differ (the steps hold collectives)."""
+        than :data:`~workloads.trace_replay.fidelity.UNREPRESENTATIVE_PCT` (both counted as the spec counts
+        them: :func:`~workloads.trace_replay.host_time.step_op_counts`), up to :data:`MAX_TRACED_AGAIN` blocks,
+        each twice the steps of the last: the mean of a few steps of a program whose steps differ by chance
+        lands on a few values only (Wav2Vec2's steps ran 905 ops, or 606 with a layer dropped, 858 at the mean:
+        3 steps read 905 or 805, both more than 5 % off), and of more steps nearer the mean. Under torchrun every
+        rank traces again where any rank's steps differ (the steps hold collectives)."""
         unlike = False
         if self.timing_ops and (path := self.out_dir / KINETO_FILE).is_file():
-            self.traced_ops = list(replayed_op_counts(read_kineto(path), self.timing_op_names.__contains__).values())
-            if self.traced_ops:
-                off = statistics.fmean(self.traced_ops) / statistics.fmean(self.timing_ops) - 1.0
-                unlike = abs(100.0 * off) > UNREPRESENTATIVE_PCT
+            self.traced_ops = list(step_op_counts(read_kineto(path), self.timing_op_names).values())
+            unlike = bool(self.traced_ops) and steps_unlike(statistics.fmean(self.traced_ops),
+                                                            statistics.fmean(self.timing_ops))
         if any(gather_to_all(unlike)) if dist.is_available() and dist.is_initialized() else unlike:
             if self.traced_again < MAX_TRACED_AGAIN:
                 self.again_blocks.append(2 * (self.again_blocks[-1] if self.again_blocks else self.steps))
@@ -364,9 +359,9 @@ class Capture:
         gaps: dict[int, float] = {}
         if self._round_trace is not None:
             plain_us = 1e6 * statistics.median(self.timing_plain_times_s[-PLAIN_MEASURED:])
-            gaps = kineto_host_gaps(self._round_trace, {None: plain_us}, _is_op)
-            self.timing_ops += list(replayed_op_counts(self._round_trace, _is_op).values())
-            self.timing_op_names.update(e.name for e in self._round_trace.cpu_ops if _is_op(e.name))
+            gaps = kineto_host_gaps(self._round_trace, {None: plain_us}, is_op)
+            self.timing_ops += list(step_op_counts(self._round_trace).values())
+            self.timing_op_names |= op_names(self._round_trace)
             self._round_trace = None
         self.round_host_us.append([gaps[k] for k in sorted(gaps)])  # on every rank alike, read or not
         rounds = len(self.round_host_us)

@@ -32,8 +32,9 @@ from workloads.trace_replay.host_time import (
     at_one_speed,
     host_gap_shape,
     measured_host_gaps,
+    op_names,
     place_host_gaps,
-    replayed_op_counts,
+    step_op_counts,
 )
 from workloads.trace_replay.parse import (
     BundleTrace,
@@ -242,8 +243,9 @@ def extract_rank(trace: BundleTrace) -> tuple[list[dict[str, Any]], list[dict[st
     # How many ops each traced step ran against the program's steps timed after them (as the profiler saw
     # both): a program whose steps differ by chance (a layer dropped at random) may have been traced on
     # steps unlike its own, whose replay then says nothing about the program's time.
-    traced = replayed_op_counts(trace.kineto, replayed.__contains__)
-    timed = list(replayed_op_counts(trace.timing, replayed.__contains__).values()) if trace.timing is not None else []
+    # (counted as the capture counted them when it chose to trace them again: step_op_counts)
+    traced = step_op_counts(trace.kineto, op_names(trace.timing)) if trace.timing is not None else {}
+    timed = list(step_op_counts(trace.timing).values()) if trace.timing is not None else []
     for step in steps:  # what the estimate rests on: a judgement resamples it (harness.traces.judge)
         step["host_gap_samples_us"] = samples
         step["kineto_ops"] = traced.get(step["index"], 0)

@@ -96,6 +96,12 @@ def unfaithful_reason(ops: list[Any], errors: dict[int, str], divergent: dict[in
 UNREPRESENTATIVE_PCT = 5.0  # traced steps this far from the program's own in ops a step are not its steps
 
 
+def steps_unlike(traced: float, program: float) -> bool:
+    """Whether traced steps that ran ``traced`` ops a step, at the mean, are unlike the program's steps that ran
+    ``program``: apart by more than :data:`UNREPRESENTATIVE_PCT`."""
+    return abs(100.0 * (traced / program - 1.0)) > UNREPRESENTATIVE_PCT
+
+
 def unrepresentative_reason(steps: Sequence[Any]) -> str:
     """Why the captured steps are not the program's own: they ran more or fewer ops a step (as the profiler
     saw them) than the program's steps timed at capture, by more than :data:`UNREPRESENTATIVE_PCT`;
@@ -104,7 +110,7 @@ def unrepresentative_reason(steps: Sequence[Any]) -> str:
     if not counted:
         return ""
     traced, program = statistics.fmean(s.kineto_ops for s in counted), counted[0].program_kineto_ops
-    if abs(100.0 * (traced / program - 1.0)) <= UNREPRESENTATIVE_PCT:
+    if not steps_unlike(traced, program):
         return ""
     return (f"the captured steps ran {traced:.0f} ops a step where the program's steps ran {program:.0f} (the "
             f"mean of those timed at capture): its steps differ by chance (a layer dropped at random, a "

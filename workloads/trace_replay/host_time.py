@@ -137,6 +137,25 @@ def replayed_op_counts(timing: KinetoTrace, replayed: Callable[[str], bool] | No
     return {step_index(step): _walk_step(ops, step, replayed).ran for step in timing.steps}
 
 
+def is_op(name: str) -> bool:
+    """An operator's event (``aten::``, ``fbgemm::``, ``c10d::`` ...), not a framework wrapper around one (the
+    autograd engine's ``autograd::engine::evaluate_function``) nor a user's annotation."""
+    return "::" in name and not name.startswith("autograd::")
+
+
+def op_names(trace: KinetoTrace) -> set[str]:
+    """The ops a trace's steps ran, by name (:func:`is_op`)."""
+    return {e.name for e in trace.cpu_ops if is_op(e.name)}
+
+
+def step_op_counts(trace: KinetoTrace, names: set[str] | None = None) -> dict[int, int]:
+    """The ops each annotated step ran (step index → count), as the profiler saw them: the top-most op events
+    on each thread (:func:`is_op`), of ``names`` only where given. The capture sets its traced steps against
+    the Kineto-alone steps that way (the traced ones counted on the ops those ran: the execution-trace
+    observer records some that they do not), and so does the spec (``kineto_ops``, ``program_kineto_ops``)."""
+    return replayed_op_counts(trace, is_op if names is None else lambda name: is_op(name) and name in names)
+
+
 COLLECTIVE = re.compile(r"^(c10d|_c10d_functional|c10d_functional)::")
 
 

@@ -69,7 +69,7 @@ class StepRecord:
     host_gap_us: float = 0.0  # host time per step, all gaps together
     ops_dur_us: float = 0.0  # every captured op's time in it (the denominator of a partial spec)
     host_gap_samples_us: tuple[float, ...] = ()  # the per-step measurements host_gap_us is the median of
-    kineto_ops: int = 0  # the replayed ops the profiler saw in it (0: not counted)
+    kineto_ops: int = 0  # the ops the profiler saw in it (host_time.step_op_counts; 0: not counted)
     program_kineto_ops: float = 0.0  # the same count, the mean over the program's steps timed at capture
     program_op_us: float = 0.0  # the time inside those ops per step, the median over those steps (0: not measured)
     # the host's speed while that host time was measured: ns per turn of the replay's spin loop, the median over
