@@ -220,7 +220,6 @@ class Capture:
         self.values: list[dict[str, Any]] | None = None  # the value profile of the capture's last step
         self.timing_ops: list[int] = []  # ops each measured Kineto-alone step ran (the top-most op events)
         self.timing_op_names: set[str] = set()  # the ops those steps ran, by name
-        self.traced_ops: list[int] = []  # the same of the latest traced steps, counting those ops alone
         self.again_blocks: list[int] = []  # the steps of each block traced again after the rounds (_check_traced)
 
     @property
@@ -341,9 +340,8 @@ class Capture:
         rank traces again where any rank's steps differ (the steps hold collectives)."""
         unlike = False
         if self.timing_ops and (path := self.out_dir / KINETO_FILE).is_file():
-            self.traced_ops = list(step_op_counts(read_kineto(path), self.timing_op_names).values())
-            unlike = bool(self.traced_ops) and steps_unlike(statistics.fmean(self.traced_ops),
-                                                            statistics.fmean(self.timing_ops))
+            traced = list(step_op_counts(read_kineto(path), self.timing_op_names).values())
+            unlike = bool(traced) and steps_unlike(statistics.fmean(traced), statistics.fmean(self.timing_ops))
         if any(gather_to_all(unlike)) if dist.is_available() and dist.is_initialized() else unlike:
             if self.traced_again < MAX_TRACED_AGAIN:
                 self.again_blocks.append(2 * (self.again_blocks[-1] if self.again_blocks else self.steps))
