@@ -113,6 +113,28 @@ def test_restoring_puts_the_carried_state_back_after_replayed_steps(captured):
     assert torch.equal(weight, made)
 
 
+def test_python_numbers_the_optimiser_passes_replay_with_the_programs_values(captured):
+    """An optimiser passes Python numbers where its ops take tensors (AdamW: ``param.mul_(1 - lr * wd)``,
+    ``exp_avg_sq.mul_(beta2)``, ``denom.add_(eps)``), a new one each time; the trace shows 0-dim doubles
+    only. Made up, they shrank the replay's weights by about half a step where the program's shrink by
+    1e-5, into subnormal floats within some tens of steps. Recorded at each read, with the op that read
+    it, each replays as the program's own number."""
+    bundle, model, opt = captured
+    group = opt.param_groups[0]
+    entries = json.loads((bundle / VALUES_FILE).read_text())
+    read = [(e["op"], e["min"]) for e in entries if "op" in e]
+    for number in (("aten::mul_", 1 - group["lr"] * group["weight_decay"]), ("aten::mul_", group["betas"][1]),
+                   ("aten::add_", group["eps"])):
+        assert read.count(number) == len(list(model.parameters())), number  # once a parameter
+    replayer = _replayer(bundle)
+    weight = _external(replayer, model[2].weight)
+    made = weight.norm().item()
+    replayer.dry_run()
+    for _ in range(50):
+        replayer.run_step()
+    assert not replayer.errors and 0.9 < weight.norm().item() / made < 1.1
+
+
 def test_a_part_of_a_step_keeps_the_default_fill(captured):
     bundle, _, _ = captured
     from workloads.trace_replay.spec import GenerateOptions
@@ -131,6 +153,8 @@ def test_a_part_of_a_step_keeps_the_default_fill(captured):
     (lambda e: e.update(zeros=0.1, zero_rows=0.2), "exceeds"),
     (lambda e: e.update(zeros=0.1, nonzero={"mean": 2.0, "std": 0.1, "min": 0.0, "max": 1.0}), "nonzero"),
     (lambda e: e.update(data="not base64!"), "not base64"),
+    (lambda e: e.update(op="aten::mul_"), "a reader recorded for a tensor of shape"),
+    (lambda e: e.update(shape=[], op=7), "op.*expected a string"),
     (lambda e: e.update(shape=[3], data=base64.b64encode(bytes(8)).decode()), "8 bytes where 3 float32"),
     (lambda e: e.update(shape=[EXACT_VALUE_ELEMENTS + 1], data=base64.b64encode(bytes(4 * EXACT_VALUE_ELEMENTS + 4))
                         .decode()), "recorded whole"),

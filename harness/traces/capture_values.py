@@ -12,6 +12,13 @@ own values: figures cannot say which corner of a box is which, and a detector's 
 from their mean and spread came out with negative widths, so its replayed RoI ops read other memory
 for other lengths (``torchvision::_roi_align_backward`` ran 30 % short) and its regression targets,
 logarithms of widths, went NaN.
+
+A 0-dim floating tensor no op made is recorded at each read, with the op that read it: most are
+Python numbers the program passed where an op takes a tensor (an optimiser's ``param.mul_(1 - lr *
+weight_decay)``, ``denom.add_(eps)``), each made afresh, often at an address the last one freed, so
+keyed by storage the step's first one would stand for all of them. Made up in ``[0.1, 1)`` instead,
+an AdamW replay multiplied its weights by ~0.5 each step where the program multiplied by 0.999999,
+and within some tens of steps its kernels ran on subnormal floats.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
 
 from workloads.trace_bundle import EXACT_VALUE_BUDGET, EXACT_VALUE_ELEMENTS, MAX_VALUE_ENTRIES
 
@@ -75,9 +83,27 @@ def _stats(tensor: torch.Tensor) -> dict[str, Any] | None:
     return entry if all(math.isfinite(v) for v in figures) else None
 
 
+def _inputs(func: Any, args: tuple, kwargs: dict) -> list[Any]:
+    """The tensors an op reads in its schema's order, and the Python floats it takes where its schema has a
+    tensor: a dispatch mode sees a number the program passed as such (``x.mul_(0.999)``) as the number,
+    where the execution trace sees the 0-dim double tensor it was wrapped in."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return [v for v in tree_flatten((args, kwargs))[0] if isinstance(v, torch.Tensor)]
+    inputs: list[Any] = []
+    for i, argument in enumerate(schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(argument.name)
+        if isinstance(value, float) and isinstance(argument.type, torch.TensorType):
+            inputs.append(value)
+        else:
+            inputs.extend(v for v in tree_flatten(value)[0] if isinstance(v, torch.Tensor))
+    return inputs
+
+
 class ValueProfile(TorchDispatchMode):
     """Under it, each floating tensor an op reads whose storage no op of this step made (the first
-    time its storage is read) is summarised in :attr:`entries`; the ops themselves run unchanged."""
+    time its storage is read; a 0-dim one at every read, with its reader's name in ``op``) is summarised
+    in :attr:`entries`; the ops themselves run unchanged."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -85,6 +111,7 @@ class ValueProfile(TorchDispatchMode):
         self.exact_left = EXACT_VALUE_BUDGET  # elements still to be recorded whole
         self._made: set[int] = set()
         self._seen: set[int] = set()
+        self._outputs = WeakIdKeyDictionary()  # 0-dim tensors ops returned, by identity
 
     def _storage(self, tensor: torch.Tensor) -> int | None:
         try:
@@ -96,9 +123,14 @@ class ValueProfile(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        inputs = _inputs(func, args, kwargs)
         if len(self.entries) < MAX_VALUE_ENTRIES:
-            for value in tree_flatten((args, kwargs))[0]:
-                if isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
+            for value in inputs:
+                if isinstance(value, float):  # a Python number where the op takes a tensor
+                    self._scalar(torch.tensor(value, dtype=torch.float64), func)
+                elif isinstance(value, torch.Tensor) and value.is_floating_point() and value.dim() == 0:
+                    self._scalar(value, func)
+                elif isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel():
                     ptr = self._storage(value)
                     if ptr is None or ptr in self._made or ptr in self._seen:
                         continue
@@ -115,4 +147,18 @@ class ValueProfile(TorchDispatchMode):
                 ptr = self._storage(value)
                 if ptr is not None:
                     self._made.add(ptr)
+                if value.dim() == 0 and not any(value is given for given in inputs):  # in place: still theirs
+                    self._outputs[value] = True
         return out
+
+    def _scalar(self, value: torch.Tensor, func: Any) -> None:
+        """A 0-dim floating input: recorded with its reader at every read, unless an op of this step made it."""
+        if value in self._outputs or self._storage(value) is None or value.device.type == "meta":
+            return
+        entry = _stats(value)
+        if entry is not None:
+            entry["op"] = func.name().split(".")[0]  # the trace's name for it: aten::mul_
+            if self.exact_left > 0:
+                entry["data"] = raw_values(value)
+                self.exact_left -= 1
+            self.entries.append(entry)

@@ -148,6 +148,9 @@ class SpecFields:
                   f"zero_rows {entry.get('zero_rows')} exceeds zeros {entry.get('zeros')}")
         if "nonzero" in entry:
             self.summary(self.dict_(entry["nonzero"], f"{where}.nonzero"), f"{where}.nonzero")
+        if "op" in entry:  # the reader of a 0-dim tensor, recorded at each read
+            self.str_(entry["op"], f"{where}.op")
+            self.need(not shape, f"{where}.op", f"a reader recorded for a tensor of shape {shape}, not 0-dim")
         if "data" not in entry:
             return 0
         numel, loc = math.prod(shape), f"{where}.data"

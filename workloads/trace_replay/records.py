@@ -103,6 +103,7 @@ class ValueStats:
     zero_rows: float = 0.0  # the share of rows (along the first dimension) wholly zero
     nonzero: tuple[float, float, float, float] | None = None  # the other elements' mean, std, min, max
     data: str | None = None  # a small tensor's own values: raw bytes in logical order, base64
+    op: str | None = None  # a 0-dim one, recorded at each read: the op that read it (``aten::mul_``)
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> ValueStats:
@@ -110,7 +111,7 @@ class ValueStats:
         return cls(tuple(int(d) for d in raw["shape"]), str(raw["dtype"]), float(raw["mean"]), float(raw["std"]),
                    float(raw["min"]), float(raw["max"]), float(raw.get("zeros", 0.0)), float(raw.get("zero_rows", 0.0)),
                    tuple(float(nonzero[k]) for k in ("mean", "std", "min", "max")) if nonzero else None,
-                   raw.get("data"))
+                   raw.get("data"), raw.get("op"))
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from workloads.trace_replay.dataflow import Constraint, External
 from workloads.trace_replay.ops import CompiledOp
 from workloads.trace_replay.plan import ReplayPlan
 from workloads.trace_replay.records import ValueStats
-from workloads.trace_replay.tensors import copy_recorded, fill_view, match_values, stand_in
+from workloads.trace_replay.tensors import copy_recorded, fill_view, match_scalars, match_values, stand_in
 
 
 class Synthesis:
@@ -45,6 +45,14 @@ class Synthesis:
         for slot, mask in self.plan.external_masks.items():
             if slot in static:
                 self.vals[slot].copy_(mask)
+        # 0-dim floats no op made, with the program's values read by read, each in storage of its own (the
+        # observer's storage ids repeat where the program made one at the address the last one freed)
+        viewed = {(info.storage_id, info.dtype) for info, _, _ in static.values() if info.shape != ()}
+        reads = [[(use.slot, self.plan.ops[p].name, use.info.dtype) for p in positions for use in self.plan.inputs[p]
+                  if use.slot in static and use.info.shape == () and use.info.dtype.is_floating_point
+                  and (use.info.storage_id, use.info.dtype) not in viewed] for positions in self.plan.sequence]
+        for slot, value in match_scalars(reads, self.external_values).items():
+            self.vals[slot] = torch.full((), value, dtype=static[slot].info.dtype, device=self.device)
         for index, slots in self.plan.wrapped.items():  # Python numbers in the program: Python numbers again
             op = self.plan.ops[index]
             for pos, sub, slot in [entry for entry in op.arg_slots if entry[2] in slots and entry[1] < 0]:

@@ -74,7 +74,8 @@ def match_values(externals: list[tuple[Any, tuple[int, ...], torch.dtype]],
     storage of a shape and dtype gets the n-th profile of it (a storage with none keeps the default)."""
     by_kind: dict[tuple[tuple[int, ...], str], list[ValueStats]] = {}
     for entry in captured:
-        by_kind.setdefault((tuple(entry.shape), entry.dtype), []).append(entry)
+        if entry.op is None:  # a 0-dim tensor recorded at each read is matched by its reader (match_scalars)
+            by_kind.setdefault((tuple(entry.shape), entry.dtype), []).append(entry)
     taken: dict[tuple[tuple[int, ...], str], int] = {}
     matched: dict[Any, ValueStats] = {}
     for key, shape, dtype in externals:
@@ -84,6 +85,29 @@ def match_values(externals: list[tuple[Any, tuple[int, ...], torch.dtype]],
             matched[key] = by_kind[kind][n]
             taken[kind] = n + 1
     return matched
+
+
+def match_scalars(reads: list[list[tuple[int, str, torch.dtype]]], captured: list[ValueStats]) -> dict[int, float]:
+    """The program's value of each 0-dim floating tensor a step reads but no op makes (mostly Python numbers
+    the program passed: an optimiser's decay factors, epsilons, bias corrections): slot → value.
+
+    ``reads`` are each step's such reads in its order, as (slot, reading op's name, dtype); ``captured`` the
+    program's own, recorded at each read of its profiled step with the reader's name (:attr:`ValueStats.op`).
+    The n-th read by an op of a name in a step gets the n-th recorded read by an op of that name, where their
+    dtypes agree; a slot read more than once keeps the first value it gets."""
+    by_op: dict[str, list[ValueStats]] = {}
+    for entry in captured:
+        if entry.op is not None:
+            by_op.setdefault(entry.op, []).append(entry)
+    values: dict[int, float] = {}
+    for step in reads:
+        taken: dict[str, int] = {}
+        for slot, name, dtype in step:
+            n = taken[name] = taken.get(name, -1) + 1
+            entries = by_op.get(name, [])
+            if n < len(entries) and slot not in values and entries[n].dtype == str(dtype).removeprefix("torch."):
+                values[slot] = entries[n].low  # min = max = the value
+    return values
 
 
 def fill_view(view: torch.Tensor, rng: tuple[int, int] | None, is_offsets: bool, generator: torch.Generator,
