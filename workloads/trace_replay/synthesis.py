@@ -72,12 +72,13 @@ class Synthesis:
     def restore_values(self) -> None:
         """Put the floating state carried across steps (parameters, optimiser state) back as it was made.
 
-        A replay runs the same captured steps again and again, on the same batches: its optimiser
-        drives the parameters where those batches' loss is least, its softmaxes saturate and its
-        gradients sink into subnormal floats that the program, on fresh batches, never computes
-        with (GPT-2: 113 op calls with subnormal inputs per step after some 300 replayed steps, 2 in
-        the program) — and a CPU's kernels slow down on them. Restoring between measurements keeps
-        the replay where the program was. The copy is in host memory; this costs a copy, not a step.
+        A replay runs the same captured steps again and again, on the same batches, and its state drifts
+        where the program's, on fresh batches, does not; a CPU's kernels slow down on the subnormal floats
+        it may sink into. With an optimiser's Python numbers made up it sank fast (GPT-2: 73 op calls a step
+        with subnormal inputs after 300 replayed steps, ViT 116); with the program's own
+        (:func:`.tensors.match_scalars`), 4 and 0. Restoring between measurements keeps the replay where
+        the program was.
+        The copy is in host memory; this costs a copy, not a step.
         """
         with torch.no_grad():
             for whole, initial in self._initial_values:

@@ -141,10 +141,9 @@ class GeneratedWorkload(WorkloadBase):
 
     def between_steps(self) -> None:
         """On the CPU, once every captured step has run, the carried state back as it was made (:meth:`.Replayer.
-        restore_values`), outside the steps' timing: run again and again on the same batches, it sinks into
-        subnormal floats the program's never holds, on which a CPU's kernels slow down (ViT's replay ran its
-        steps twice as slow after some 25). On an accelerator the copy would drain the stream between two
-        timed steps."""
+        restore_values`), outside the steps' timing: run again and again on the same batches, it drifts where
+        the program's does not, and a CPU's kernels slow down on the subnormal floats it may sink into. On an
+        accelerator the copy would drain the stream between two timed steps."""
         assert self.replayer is not None, "setup() first"
         if self.ctx.device.type == "cpu" and self.replayer.next_step == 0:
             self.replayer.restore_values()
