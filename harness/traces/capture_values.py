@@ -135,12 +135,7 @@ class ValueProfile(TorchDispatchMode):
                     if ptr is None or ptr in self._made or ptr in self._seen:
                         continue
                     self._seen.add(ptr)
-                    entry = _stats(value)
-                    if entry is not None:
-                        if value.numel() <= min(EXACT_VALUE_ELEMENTS, self.exact_left):
-                            entry["data"] = raw_values(value)
-                            self.exact_left -= value.numel()
-                        self.entries.append(entry)
+                    self._record(value)
         out = func(*args, **kwargs)
         for value in tree_flatten(out)[0]:
             if isinstance(value, torch.Tensor):
@@ -155,10 +150,14 @@ class ValueProfile(TorchDispatchMode):
         """A 0-dim floating input: recorded with its reader at every read, unless an op of this step made it."""
         if value in self._outputs or self._storage(value) is None or value.device.type == "meta":
             return
+        self._record(value, op=func.name().split(".")[0])  # the trace's name for its reader: aten::mul_
+
+    def _record(self, value: torch.Tensor, **reader: str) -> None:
+        """One entry: its figures, and its own values where it is small enough and the budget lasts."""
         entry = _stats(value)
         if entry is not None:
-            entry["op"] = func.name().split(".")[0]  # the trace's name for it: aten::mul_
-            if self.exact_left > 0:
+            entry.update(reader)
+            if value.numel() <= min(EXACT_VALUE_ELEMENTS, self.exact_left):
                 entry["data"] = raw_values(value)
-                self.exact_left -= 1
+                self.exact_left -= value.numel()
             self.entries.append(entry)
