@@ -39,6 +39,12 @@ MAX_VALUE_ENTRIES = 100_000  # value profiles per rank; a step reading more keep
 # boxes, whose corners' order and sizes decide which memory its RoI ops read and how much.
 EXACT_VALUE_ELEMENTS = 1024
 EXACT_VALUE_BUDGET = 2**17
+# Where a floating input holds exact zeros, the slices along each dimension that are wholly zero are recorded by
+# index where at most ZERO_SLICE_INDICES of a dimension are (at most ZERO_SLICE_BUDGET indices per rank), else by
+# their share; a tensor of at most ZERO_SLICE_ELEMENTS is searched whole, a larger one in its summarised sample.
+ZERO_SLICE_INDICES = 256
+ZERO_SLICE_BUDGET = 2**16
+ZERO_SLICE_ELEMENTS = 2**24
 ET_RESOURCES = "et_resources"  # integer input data the ET observer saved: nid_<node>_tid_<input>.dat
 META_SCHEMA = "cobench-trace-bundle/1"
 # Execution-trace schemas this code understands: the Chakra-flavoured 1.x family of torch 2.x.

@@ -4,9 +4,9 @@ A replay makes up the contents of every tensor a step reads but does not make (p
 state, inputs). Kernels are not blind to values: on a CPU a square root of subnormal floats ran 35x
 slower here and of negative ones 19x, and a network whose made-up weights saturate its softmax trains
 its gradients into subnormals within a few hundred replayed steps. So the capture records, for one
-step it does not time, each such tensor's mean, spread, range and zeros, in the order the step first reads
-them; the replay matches them to its own by shape, dtype and that order
-(:mod:`workloads.trace_replay.replay`). A few numbers per tensor; a small tensor (at most
+step it does not time, each such tensor's mean, spread, range and zeros (how many, and which slices
+of it are wholly zero), in the order the step first reads them; the replay matches them to its own by
+shape, dtype and that order (:mod:`workloads.trace_replay.replay`). A few numbers per tensor; a small tensor (at most
 :data:`~workloads.trace_bundle.EXACT_VALUE_ELEMENTS` elements, within a budget per rank) also keeps its
 own values: figures cannot say which corner of a box is which, and a detector's anchor boxes drawn
 from their mean and spread came out with negative widths, so its replayed RoI ops read other memory
@@ -32,7 +32,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
-from workloads.trace_bundle import EXACT_VALUE_BUDGET, EXACT_VALUE_ELEMENTS, MAX_VALUE_ENTRIES
+from workloads.trace_bundle import (
+    EXACT_VALUE_BUDGET,
+    EXACT_VALUE_ELEMENTS,
+    MAX_VALUE_ENTRIES,
+    ZERO_SLICE_BUDGET,
+    ZERO_SLICE_ELEMENTS,
+    ZERO_SLICE_INDICES,
+)
 
 SAMPLE_ELEMENTS = 2**20  # a larger tensor is summarised from an evenly strided view of about as many
 
@@ -62,25 +69,45 @@ def raw_values(tensor: torch.Tensor) -> str:
 
 def _stats(tensor: torch.Tensor) -> dict[str, Any] | None:
     """Mean, standard deviation and range of the finite elements (None: none is finite); where some are exact
-    zeros, how many (``zeros``), how many of its rows (along the first dimension) are wholly zero (``zero_rows``),
-    and the same four figures of the others (``nonzero``): an optimiser's state is zero on the rows of an
-    embedding table no batch has touched yet, and a CPU's square root runs ~3x slower on zeros strewn among
-    values than on the same share of whole zero rows."""
-    sample = _sample(tensor.detach())
+    zeros, how many (``zeros``: counted over the whole tensor where it has at most
+    :data:`~workloads.trace_bundle.ZERO_SLICE_ELEMENTS`, as its zero slices are; an evenly strided sample of
+    a 3 × 3 kernel sees its first row and column in 3 of its 4 elements, where they are 5 of 9) and the same
+    four figures of the others (``nonzero``)."""
+    detached = tensor.detach()
+    sample = _sample(detached)
     values = sample.reshape(-1).double()
     finite = values[torch.isfinite(values)]
     if finite.numel() == 0:
         return None
     entry = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."), **_summary(finite)}
     zero = finite == 0
-    if bool(zero.any()):
-        entry["zeros"] = float(zero.double().mean())
-        rows = sample.reshape(sample.shape[0], -1) if sample.dim() >= 2 else None
-        entry["zero_rows"] = float((rows == 0).all(dim=1).double().mean()) if rows is not None else 0.0
+    share = float(zero.double().mean())
+    if sample is not detached and detached.numel() <= ZERO_SLICE_ELEMENTS:
+        share = int((detached == 0).sum()) / max(int(torch.isfinite(detached).sum()), 1)
+    if share > 0:
+        entry["zeros"] = share
         if not bool(zero.all()):
             entry["nonzero"] = _summary(finite[~zero])
     figures = [entry[k] for k in ("mean", "std", "min", "max")] + list(entry.get("nonzero", {}).values())
     return entry if all(math.isfinite(v) for v in figures) else None
+
+
+def zero_slices(tensor: torch.Tensor) -> tuple[dict[int, torch.Tensor], bool]:
+    """Per dimension, the indices of the slices along it that are wholly zero, and whether they index the tensor
+    itself (else its summarised sample: one larger than :data:`~workloads.trace_bundle.ZERO_SLICE_ELEMENTS`).
+
+    Where zeros lie decides how fast some kernels run on them, not only how many there are: a CPU's square root
+    of an optimiser's second moments ran twice as long with its zeros strewn as with the same share of them in
+    the program's places (ResNet-18's last convolutions, whose 3 × 3 kernels' first row and column only ever
+    meet padding on a 2 × 2 input: their gradients, and the moments, are zero on those whole slices). An
+    embedding table no batch has touched yet is zero on whole rows, a dead channel on a whole slice along
+    another dimension."""
+    detached = tensor.detach()
+    whole = detached.numel() <= ZERO_SLICE_ELEMENTS
+    source = detached if whole else _sample(detached)
+    zero = source == 0
+    return {d: zero.movedim(d, 0).reshape(source.shape[d], -1).all(dim=1).nonzero().flatten()
+            for d in range(source.dim())}, whole
 
 
 def _inputs(func: Any, args: tuple, kwargs: dict) -> list[Any]:
@@ -109,6 +136,7 @@ class ValueProfile(TorchDispatchMode):
         super().__init__()
         self.entries: list[dict[str, Any]] = []
         self.exact_left = EXACT_VALUE_BUDGET  # elements still to be recorded whole
+        self.zero_slices_left = ZERO_SLICE_BUDGET  # indices of wholly zero slices still to be recorded
         self._made: set[int] = set()
         self._seen: set[int] = set()
         self._outputs = WeakIdKeyDictionary()  # 0-dim tensors ops returned, by identity
@@ -153,11 +181,26 @@ class ValueProfile(TorchDispatchMode):
         self._record(value, op=func.name().split(".")[0])  # the trace's name for its reader: aten::mul_
 
     def _record(self, value: torch.Tensor, **reader: str) -> None:
-        """One entry: its figures, and its own values where it is small enough and the budget lasts."""
+        """One entry: its figures, its own values where it is small enough and the budget lasts, and where it
+        holds zeros, its wholly zero slices along each dimension (``zero_slices``: by index where a dimension
+        has at most :data:`~workloads.trace_bundle.ZERO_SLICE_INDICES` and the budget lasts; else their share,
+        ``zero_slice_shares``)."""
         entry = _stats(value)
-        if entry is not None:
-            entry.update(reader)
-            if value.numel() <= min(EXACT_VALUE_ELEMENTS, self.exact_left):
-                entry["data"] = raw_values(value)
-                self.exact_left -= value.numel()
-            self.entries.append(entry)
+        if entry is None:
+            return
+        entry.update(reader)
+        if value.numel() <= min(EXACT_VALUE_ELEMENTS, self.exact_left):
+            entry["data"] = raw_values(value)
+            self.exact_left -= value.numel()
+        if entry.get("zeros") and "data" not in entry and value.dim() > 0:
+            slices, whole = zero_slices(value)
+            for d, index in slices.items():
+                if not index.numel():
+                    continue
+                if whole and index.numel() <= min(ZERO_SLICE_INDICES, self.zero_slices_left):
+                    entry.setdefault("zero_slices", {})[str(d)] = index.tolist()
+                    self.zero_slices_left -= index.numel()
+                else:
+                    size = value.shape[d] if whole else _sample(value).shape[d]
+                    entry.setdefault("zero_slice_shares", {})[str(d)] = min(index.numel() / size, entry["zeros"])
+        self.entries.append(entry)

@@ -19,7 +19,14 @@ from typing import Any
 
 import torch
 
-from workloads.trace_bundle import EXACT_VALUE_BUDGET, EXACT_VALUE_ELEMENTS, MAX_VALUE_ENTRIES, TraceError
+from workloads.trace_bundle import (
+    EXACT_VALUE_BUDGET,
+    EXACT_VALUE_ELEMENTS,
+    MAX_VALUE_ENTRIES,
+    ZERO_SLICE_BUDGET,
+    ZERO_SLICE_INDICES,
+    TraceError,
+)
 from workloads.trace_replay.ops import ET_DTYPES, LAYOUTS, MEMORY_FORMATS, SCALAR_TYPES, at, list_types
 
 _OP_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*::[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?")
@@ -118,12 +125,15 @@ class SpecFields:
         values = self.list_(rank.get("external_values", []), f"{where}.external_values")
         self.need(len(values) <= MAX_VALUE_ENTRIES, f"{where}.external_values",
                   f"{len(values)} entries (at most {MAX_VALUE_ENTRIES})")
-        exact = 0  # elements recorded whole
+        exact = indices = 0  # elements recorded whole, indices of wholly zero slices
         for i, entry in enumerate(values):
-            exact += self.value_stats(self.dict_(entry, f"{where}.external_values[{i}]"),
-                                      f"{where}.external_values[{i}]")
+            whole, zero = self.value_stats(self.dict_(entry, f"{where}.external_values[{i}]"),
+                                           f"{where}.external_values[{i}]")
+            exact, indices = exact + whole, indices + zero
         self.need(exact <= EXACT_VALUE_BUDGET, f"{where}.external_values",
                   f"{exact} elements recorded whole (at most {EXACT_VALUE_BUDGET})")
+        self.need(indices <= ZERO_SLICE_BUDGET, f"{where}.external_values",
+                  f"{indices} indices of wholly zero slices (at most {ZERO_SLICE_BUDGET})")
         for i, op in enumerate(self.list_(rank["ops"], f"{where}.ops")):
             loc = f"{where}.ops[{i}]"
             self.op(self.dict_(op, loc), loc)
@@ -132,8 +142,9 @@ class SpecFields:
             self.need(host_us[step] <= MAX_STEP_HOST_US, loc,
                       f"step {step}'s host gaps add up to over {MAX_STEP_HOST_US / 1e6:.0f} s")
 
-    def value_stats(self, entry: dict[str, Any], where: str) -> int:
-        """Checks one value profile; returns how many elements it records whole (``data``)."""
+    def value_stats(self, entry: dict[str, Any], where: str) -> tuple[int, int]:
+        """Checks one value profile; returns how many elements it records whole (``data``) and how many indices
+        of wholly zero slices (``zero_slices``)."""
         shape = self.list_(entry.get("shape"), f"{where}.shape")
         self.need(len(shape) <= 64, f"{where}.shape", f"{len(shape)} dimensions")
         for d in shape:
@@ -141,18 +152,19 @@ class SpecFields:
         self.need(entry.get("dtype") in FLOAT_DTYPES, f"{where}.dtype",
                   f"{_show(entry.get('dtype'))} is not a floating dtype")
         self.summary(entry, where)
-        for key in ("zeros", "zero_rows"):
+        for key in ("zeros", "zero_rows"):  # zero_rows: the share of wholly zero rows, as older bundles record it
             if key in entry:
                 self.number(entry[key], f"{where}.{key}", 0.0, 1.0)
         self.need(entry.get("zero_rows", 0.0) <= entry.get("zeros", 0.0), where,
                   f"zero_rows {entry.get('zero_rows')} exceeds zeros {entry.get('zeros')}")
+        indices = self.zero_slices(entry, shape, where)
         if "nonzero" in entry:
             self.summary(self.dict_(entry["nonzero"], f"{where}.nonzero"), f"{where}.nonzero")
         if "op" in entry:  # the reader of a 0-dim tensor, recorded at each read
             self.str_(entry["op"], f"{where}.op")
             self.need(not shape, f"{where}.op", f"a reader recorded for a tensor of shape {shape}, not 0-dim")
         if "data" not in entry:
-            return 0
+            return 0, indices
         numel, loc = math.prod(shape), f"{where}.data"
         self.need(numel <= EXACT_VALUE_ELEMENTS, loc, f"{numel} elements recorded whole (at most "
                   f"{EXACT_VALUE_ELEMENTS} a tensor)")
@@ -160,7 +172,29 @@ class SpecFields:
         itemsize = torch.empty(0, dtype=getattr(torch, entry["dtype"])).element_size()
         self.need(len(raw) == numel * itemsize, loc, f"{len(raw)} bytes where {numel} {entry['dtype']} elements "
                   f"take {numel * itemsize}")
-        return numel
+        return numel, indices
+
+    def zero_slices(self, entry: dict[str, Any], shape: list[int], where: str) -> int:
+        """A value profile's wholly zero slices: per dimension of its shape, their indices (distinct, in
+        range, at most :data:`~workloads.trace_bundle.ZERO_SLICE_INDICES`) or their share (no more than its
+        zeros); returns how many indices it lists."""
+        listed = 0
+        for key in ("zero_slices", "zero_slice_shares"):
+            for dim, value in self.dict_(entry.get(key, {}), f"{where}.{key}").items():
+                loc = f"{where}.{key}.{dim}"
+                self.need(type(dim) is str and dim.isdigit() and int(dim) < len(shape), loc,
+                          f"not a dimension of shape {shape}")
+                if key == "zero_slice_shares":
+                    self.number(value, loc, 0.0, entry.get("zeros", 0.0))
+                    continue
+                index = self.list_(value, loc)
+                self.need(len(index) <= ZERO_SLICE_INDICES, loc, f"{len(index)} indices (at most "
+                          f"{ZERO_SLICE_INDICES})")
+                for i in index:
+                    self.int_(i, loc, 0, shape[int(dim)] - 1)
+                self.need(len(set(index)) == len(index), loc, "indices repeat")
+                listed += len(index)
+        return listed
 
     def summary(self, figures: dict[str, Any], where: str) -> None:
         """A value profile's mean, std, min and max: numbers, the mean inside the range."""

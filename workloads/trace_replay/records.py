@@ -100,18 +100,24 @@ class ValueStats:
     low: float
     high: float
     zeros: float = 0.0  # the share of elements that are exact zeros
-    zero_rows: float = 0.0  # the share of rows (along the first dimension) wholly zero
     nonzero: tuple[float, float, float, float] | None = None  # the other elements' mean, std, min, max
     data: str | None = None  # a small tensor's own values: raw bytes in logical order, base64
     op: str | None = None  # a 0-dim one, recorded at each read: the op that read it (``aten::mul_``)
+    # per dimension, the slices along it that are wholly zero: by index, or (too many to list) their share
+    zero_slices: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    zero_slice_shares: dict[int, float] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> ValueStats:
         nonzero = raw.get("nonzero")
+        shares = {int(d): float(share) for d, share in raw.get("zero_slice_shares", {}).items()}
+        if "zero_rows" in raw and raw["zero_rows"]:  # a bundle recorded before slices along every dimension
+            shares.setdefault(0, float(raw["zero_rows"]))
         return cls(tuple(int(d) for d in raw["shape"]), str(raw["dtype"]), float(raw["mean"]), float(raw["std"]),
-                   float(raw["min"]), float(raw["max"]), float(raw.get("zeros", 0.0)), float(raw.get("zero_rows", 0.0)),
+                   float(raw["min"]), float(raw["max"]), float(raw.get("zeros", 0.0)),
                    tuple(float(nonzero[k]) for k in ("mean", "std", "min", "max")) if nonzero else None,
-                   raw.get("data"), raw.get("op"))
+                   raw.get("data"), raw.get("op"),
+                   {int(d): tuple(int(i) for i in index) for d, index in raw.get("zero_slices", {}).items()}, shares)
 
 
 @dataclass(frozen=True)

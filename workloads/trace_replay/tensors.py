@@ -163,20 +163,28 @@ def _recorded(stats: ValueStats, view: torch.Tensor) -> torch.Tensor | None:
 
 def _like(stats: ValueStats, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
     """Floats like the program's: normal with its mean and spread, inside its range; where it held exact zeros,
-    its share of them, as many whole rows (along the first dimension) as it had, the rest strewn, and the other
-    elements drawn like its non-zero ones (a clamp at a minimum of 0 would strew zeros instead)."""
+    its share of them: its wholly zero slices along each dimension where they were recorded (by index, or as
+    many slices drawn as their share), the rest strewn, and the other elements drawn like its non-zero ones (a
+    clamp at a minimum of 0 would strew zeros instead)."""
     mean, std, low, high = stats.nonzero if stats.nonzero is not None and stats.zeros > 0 else \
         (stats.mean, stats.std, stats.low, stats.high)
     values = torch.empty(shape, dtype=torch.float32).normal_(mean, std, generator=generator).clamp_(low, high)
     if stats.zeros <= 0 or stats.nonzero is None or values.numel() == 0:
         return values
-    strewn = stats.zeros
-    if stats.zero_rows > 0 and values.dim() >= 2:
-        rows = torch.rand(values.shape[0], generator=generator) < stats.zero_rows
-        values[rows] = 0.0
-        strewn = max(0.0, (stats.zeros - stats.zero_rows) / max(1.0 - stats.zero_rows, 1e-12))
+    zero = torch.zeros(values.shape, dtype=torch.bool)
+    if tuple(values.shape) == tuple(stats.shape):  # slices are of the shape they were recorded in
+        for d, index in stats.zero_slices.items():
+            picked = torch.tensor([i for i in index if i < values.shape[d]], dtype=torch.long)
+            zero.index_fill_(d, picked, True)
+        for d, share in stats.zero_slice_shares.items():
+            if d not in stats.zero_slices:
+                picked = torch.randperm(values.shape[d], generator=generator)[:round(share * values.shape[d])]
+                zero.index_fill_(d, picked, True)
+    made = float(zero.double().mean())
+    strewn = max(0.0, (stats.zeros - made) / max(1.0 - made, 1e-12))
     if strewn > 0:
-        values[torch.rand(values.shape, generator=generator) < strewn] = 0.0
+        zero |= torch.rand(values.shape, generator=generator) < strewn
+    values[zero] = 0.0
     return values
 
 
