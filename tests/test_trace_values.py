@@ -239,6 +239,14 @@ def test_a_replay_run_puts_the_carried_state_back_after_each_pass_over_the_captu
             assert torch.equal(weight, made) == (i == steps - 1), i
 
 
+def _capture_one_step(out: Path, step: callable, model: nn.Module) -> None:
+    """One traced step after three of warm-up, its value profile in ``out``."""
+    with capture(out, steps=1, warmup=3, baseline_steps=1, model=model, announce=False) as cap:
+        while not cap.done:
+            with cap.step():
+                step()
+
+
 def test_untouched_embedding_rows_stay_whole_zero_rows_of_the_optimiser_state_in_the_replay(tmp_path: Path):
     """Adagrad's state is zero on the rows no batch has touched: whole rows, not zeros strewn among values (a
     CPU's square root runs ~3x slower on strewn zeros). The replay makes the same rows zero, and the other
@@ -253,10 +261,7 @@ def test_untouched_embedding_rows_stay_whole_zero_rows_of_the_optimiser_state_in
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    with capture(tmp_path, steps=1, warmup=3, baseline_steps=1, model=table, announce=False) as cap:
-        while not cap.done:
-            with cap.step():
-                step()
+    _capture_one_step(tmp_path, step, table)
     state = opt.state[table.weight]["sum"]
     program_rows = (state == 0).all(dim=1).nonzero().flatten().tolist()
     assert len(program_rows) >= 200  # the 200 untouched rows, and any of the 300 no batch drew yet
@@ -288,10 +293,7 @@ def test_an_optimisers_zeros_lie_in_the_replay_where_they_lay_in_the_program(tmp
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    with capture(tmp_path, steps=1, warmup=3, baseline_steps=1, model=conv, announce=False) as cap:
-        while not cap.done:
-            with cap.step():
-                step()
+    _capture_one_step(tmp_path, step, conv)
     program = opt.state[conv.weight]["exp_avg_sq"] == 0
     assert program[:, :, 0, :].all() and program[:, :, :, 0].all() and not program[:, :, 1:, 1:].any()
     entries = [e for e in json.loads((tmp_path / VALUES_FILE).read_text()) if e["shape"] == [32, 16, 3, 3]]
