@@ -415,3 +415,47 @@ def test_a_backward_op_computes_with_the_output_its_forward_saved_not_a_made_up_
     assert all(torch.allclose(t.sum(-1), torch.ones(t.shape[0])) for t in read["aten::_softmax_backward_data"])
     assert all((t.abs() < 1).all() for t in read["aten::tanh_backward"])
     assert all((t == 0).any() and (t >= 0).all() for t in read["aten::threshold_backward"])
+
+
+def test_a_fused_optimisers_small_floats_replay_at_full_precision_and_its_state_stays_finite(tmp_path: Path):
+    """The execution trace writes a float argument with six decimals: fused AdamW's eps of 1e-8 read 0.0, and
+    its zero moments (rows no batch touched) then divided zero by zero, the replay's state all NaN after one
+    pass over its steps. The spec takes each such float at the precision the profiler recorded it."""
+    torch.manual_seed(0)
+    table, head = nn.Embedding(200, 16), nn.Linear(16, 1)
+    lr, eps = 0.00123456789, 1e-8
+    opt = torch.optim.AdamW([*table.parameters(), *head.parameters()], lr=lr, eps=eps, fused=True)
+
+    def step() -> None:
+        ids = torch.randint(0, 120, (32, 4))  # rows 120..199 are never looked up: their moments stay zero
+        head(table(ids)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    _capture_one_step(tmp_path, step, table)
+    (fused,) = [op for op in generate_spec(tmp_path)["ranks"][0]["ops"] if op["name"] == "aten::_fused_adamw_"]
+    values = fused["inputs"]["values"]
+    assert lr in values and eps in values and 0.0 not in values[:-4]
+    replayer = _replayer(tmp_path)
+    replayer.dry_run()
+    for _ in range(6):
+        replayer.run_step()
+    assert not replayer.errors and replayer.nonfinite_tensors() == 0
+
+
+@pytest.mark.parametrize(("recorded", "concrete", "kept"), [
+    (0.0, "1e-08", 1e-08),  # rounded to six decimals: taken whole
+    (0.002963, "0.0029626993925368633", 0.0029626993925368633),
+    (0.5, "0.25", 0.5),  # not that value rounded: the trace's own kept
+    (0.0, "nan", 0.0),
+    (0.0, "abc", 0.0),
+])
+def test_a_traced_float_is_taken_from_the_profiler_only_where_the_two_agree(recorded, concrete, kept):
+    from workloads.trace_replay.extract import precise_doubles
+    from workloads.trace_replay.parse import KinetoEvent
+
+    inputs = {"types": ["Tensor(float)", "Double", "Int"], "values": [[1, 2, 0, 4, 4, "cpu"], recorded, 3]}
+    event = KinetoEvent("aten::add_", "cpu_op", 0.0, 1.0, 1, 7, ("", concrete, "3"))
+    assert precise_doubles(inputs, event)["values"] == [[1, 2, 0, 4, 4, "cpu"], kept, 3]
+    assert precise_doubles(inputs, None) == inputs
+    assert precise_doubles(inputs, event._replace(concrete=("", concrete))) == inputs  # not the same inputs

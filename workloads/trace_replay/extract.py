@@ -184,6 +184,34 @@ def _step_of(node: Node, chain: list[Node], event: KinetoEvent | None, step_even
     return None
 
 
+# The execution trace writes a float input with six decimals (AdamW's eps of 1e-8 reads 0.0, its learning rate of
+# 0.0029627 reads 0.002963); the profiler's own record of the op's scalar inputs holds them whole
+ET_DOUBLE_DECIMALS = 6
+
+
+def precise_doubles(inputs: dict[str, list], event: KinetoEvent | None) -> dict[str, list]:
+    """An op's inputs with each float (``Double``) the execution trace rounded to :data:`ET_DOUBLE_DECIMALS`
+    decimals put back at the precision its Kineto event recorded (``Concrete Inputs``, joined on ``rf_id``),
+    where the two agree to that rounding; as recorded otherwise. A replay of AdamW with its eps read as 0.0
+    divided a zero moment by zero: llama's replay state was all NaN after one cycle of its three steps."""
+    concrete = event.concrete if event is not None else None
+    types, values = inputs.get("types"), inputs.get("values")
+    if not concrete or not isinstance(types, list) or not isinstance(values, list) or \
+            not len(concrete) == len(types) == len(values):
+        return inputs
+    fixed = list(values)
+    for i, (kind, value, text) in enumerate(zip(types, values, concrete, strict=True)):
+        if kind != "Double" or isinstance(value, bool) or not isinstance(value, int | float) or not text:
+            continue
+        try:
+            precise = float(text)
+        except ValueError:
+            continue
+        if math.isfinite(precise) and round(precise, ET_DOUBLE_DECIMALS) == round(float(value), ET_DOUBLE_DECIMALS):
+            fixed[i] = precise
+    return {**inputs, "values": fixed}
+
+
 def _captured_ops(trace: BundleTrace) -> list[dict[str, Any]]:
     """The replay-level ops of the captured steps with what the trace says of each, in execution order."""
     nodes, by_rf, step_events = trace.nodes, trace.kineto.by_rf_id(), trace.kineto.steps
@@ -207,7 +235,7 @@ def _captured_ops(trace: BundleTrace) -> list[dict[str, Any]]:
             "tid": node.tid,
             "scopes": scopes,
             "category": op_category(node.name),
-            "inputs": node.inputs,
+            "inputs": precise_doubles(node.inputs, event),
             "outputs": node.outputs,
             "tensor_range": node.tensor_range,
             "tensor_data": recorded_tensor_data(trace.path, node),

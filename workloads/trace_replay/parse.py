@@ -62,6 +62,9 @@ class KinetoEvent(NamedTuple):
     dur: float  # µs
     tid: Any
     rf_id: int | None  # the record-function id joining it to its ET node
+    # an op's scalar inputs as the profiler wrote them (``Concrete Inputs``, recorded with shapes; '' for the rest):
+    # at full precision, where the execution trace writes a float with six decimals (see ``precise_doubles``)
+    concrete: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -171,10 +174,13 @@ def kineto_trace(raw: Any, path: Path) -> KinetoTrace:
     events, memory = [], []
     for event in raw["traceEvents"]:
         if isinstance(event, dict) and event.get("ph") == "X":
-            rf = (event.get("args") or {}).get("Record function id")
+            args = event.get("args") or {}
+            rf, concrete = args.get("Record function id"), args.get("Concrete Inputs")
+            scalars = tuple(str(c) for c in concrete) if isinstance(concrete, list) and any(concrete) else None
             try:
                 events.append(KinetoEvent(str(event.get("name", "")), str(event.get("cat", "")), float(event["ts"]),
-                                          float(event["dur"]), event.get("tid"), int(rf) if rf is not None else None))
+                                          float(event["dur"]), event.get("tid"), int(rf) if rf is not None else None,
+                                          scalars))
             except (KeyError, TypeError, ValueError) as err:
                 raise TraceError(f"{path}: malformed Kineto event {str(event)[:120]}: {err}") from None
         found = _memory_event(event)
