@@ -419,8 +419,9 @@ def test_a_backward_op_computes_with_the_output_its_forward_saved_not_a_made_up_
 
 def test_a_fused_optimisers_small_floats_replay_at_full_precision_and_its_state_stays_finite(tmp_path: Path):
     """The execution trace writes a float argument with six decimals: fused AdamW's eps of 1e-8 read 0.0, and
-    its zero moments (rows no batch touched) then divided zero by zero, the replay's state all NaN after one
-    pass over its steps. The spec takes each such float at the precision the profiler recorded it."""
+    its zero moments (rows no batch touched) then divided zero by zero: the replay's state held NaN after one
+    pass over its steps (here, and 63 of llama's carried tensors). The spec takes each such float at the
+    precision the profiler recorded it."""
     torch.manual_seed(0)
     table, head = nn.Embedding(200, 16), nn.Linear(16, 1)
     lr, eps = 0.00123456789, 1e-8
