@@ -20,6 +20,8 @@ from torch import nn
 from harness.traces.capture import capture
 from harness.traces.capture_values import ValueProfile
 from workloads.trace_bundle import EXACT_VALUE_ELEMENTS, VALUES_FILE, ZERO_SLICE_INDICES, TraceError
+from workloads.trace_replay.extract import precise_doubles
+from workloads.trace_replay.parse import KinetoEvent
 from workloads.trace_replay.records import RankRecord, ValueStats
 from workloads.trace_replay.replay import Replayer
 from workloads.trace_replay.safety import check_spec
@@ -452,9 +454,6 @@ def test_a_fused_optimisers_small_floats_replay_at_full_precision_and_its_state_
     (0.0, "abc", 0.0),
 ])
 def test_a_traced_float_is_taken_from_the_profiler_only_where_the_two_agree(recorded, concrete, kept):
-    from workloads.trace_replay.extract import precise_doubles
-    from workloads.trace_replay.parse import KinetoEvent
-
     inputs = {"types": ["Tensor(float)", "Double", "Int"], "values": [[1, 2, 0, 4, 4, "cpu"], recorded, 3]}
     event = KinetoEvent("aten::add_", "cpu_op", 0.0, 1.0, 1, 7, ("", concrete, "3"))
     assert precise_doubles(inputs, event)["values"] == [[1, 2, 0, 4, 4, "cpu"], kept, 3]
