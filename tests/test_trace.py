@@ -549,6 +549,75 @@ def test_ops_another_thread_runs_while_the_step_waits_are_op_time_not_host_time(
     assert gap_shape(trace, {None: 100.0}, replayed, names) == pytest.approx([0.0, 15.0, 5.0, 20.0, 0.0, 5.0])
 
 
+def test_a_collectives_communication_on_its_backends_thread_is_not_host_time():
+    """A program that launches a collective and waits for it later (TorchRec's awaitables) waits on its own
+    thread outside any op, while gloo's worker thread runs the exchange (``gloo:all_to_all``, an annotation);
+    the replay runs the collective to its end inside the op. The exchange is the collective's time.
+
+    Step of 100 µs, 100 plain. Thread 7 launches the all-to-all (5 µs), waits in an annotation 10–60 and runs
+    relu (20 µs) at 70; thread 9's exchange runs 15–55. Outside the ops and the exchange: 5 before the launch,
+    5 before the exchange, 15 after it until relu, 10 after relu: 35 µs of host time, where 75 read before."""
+    def event(name: str, ts: float, dur: float, tid: int, cat: str = "cpu_op") -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+    trace = kineto_trace({"traceEvents": [
+        event("cobench_step#0", 1000, 100, 7, "user_annotation"),
+        event("c10d::alltoall_base_", 1005, 5, 7),
+        event("## SplitsAllToAllAwaitable wait() ##", 1010, 50, 7, "user_annotation"),
+        event("gloo:all_to_all", 1015, 40, 9, "user_annotation"),
+        event("aten::relu", 1070, 20, 7),
+    ]}, Path("t.json"))
+    replayed = {"c10d::alltoall_base_", "aten::relu"}.__contains__
+    assert kineto_host_gaps(trace, {None: 100.0}, replayed) == {0: pytest.approx(35.0)}
+    # the ops' own time: the collective's (launch and exchange) left out, as the other ranks' wait it mostly is
+    assert replayed_op_time(trace, {None: 100.0}, replayed) == {0: pytest.approx(20.0)}
+    # the gaps: before the launch, then before relu the time outside the exchange (5 + 15), then the tail
+    assert gap_shape(trace, {None: 100.0}, replayed, ["c10d::alltoall_base_", "aten::relu"]) == \
+        pytest.approx([5.0, 20.0, 10.0])
+    assert host_time.replayed_op_counts(trace, replayed) == {0: 2}  # the exchange is not an op the replay runs
+
+
+TWO_RANK_WAIT = """
+import json, sys, time
+import torch, torch.distributed as dist
+from workloads.trace_replay.host_time import kineto_host_gaps, profiled_steps
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+x, out = torch.randn(4096), torch.empty(4096)
+
+def step():
+    if rank == 1:  # rank 1's own host time, which rank 0 waits out inside the exchange
+        end = time.perf_counter() + 0.02
+        while time.perf_counter() < end:
+            pass
+    dist.all_to_all_single(out, x, async_op=True).wait()
+
+trace = profiled_steps([step] * 4, settle=step)
+host = kineto_host_gaps(trace, {k: s.dur for k, s in enumerate(trace.steps)})  # no profiler's cost taken out
+names = sorted({e.name for e in trace.events if e.name.startswith("gloo:")})
+with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
+    json.dump({"host_ms": [v / 1e3 for v in host.values()], "communication": names}, f)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.alone  # its figures are wall-clock waits between two processes on the machine's two cores
+def test_a_rank_waiting_for_another_inside_an_asynchronous_collective_has_no_host_time_for_it(tmp_path: Path):
+    """Two real gloo ranks: rank 1 spends 20 ms of host time before each all-to-all, which rank 0 launches at
+    once and waits for; rank 0's host time is its own, not rank 1's (it read ~20 ms as host time before)."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(TWO_RANK_WAIT)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+                           str(worker), str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          env=clean_env() | {"PYTHONPATH": str(Path.cwd())}, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    waits, works = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert waits["communication"] == ["gloo:all_to_all"] and len(waits["host_ms"]) == 4
+    assert statistics.median(works["host_ms"]) > 15.0, works  # rank 1's spin is its host time
+    assert statistics.median(waits["host_ms"]) < 5.0, waits
+
+
 def test_a_profiled_block_read_in_memory_splits_as_its_exported_trace_does(tmp_path: Path, monkeypatch):
     """The host-time blocks read the profiler's events in memory (exporting and parsing them took most of a
     replay's setup): the same events, steps, threads and times as the file it would have written, and the
