@@ -459,3 +459,50 @@ def test_a_traced_float_is_taken_from_the_profiler_only_where_the_two_agree(reco
     assert precise_doubles(inputs, event)["values"] == [[1, 2, 0, 4, 4, "cpu"], kept, 3]
     assert precise_doubles(inputs, None) == inputs
     assert precise_doubles(inputs, event._replace(concrete=("", concrete))) == inputs  # not the same inputs
+
+
+def test_a_profiled_step_that_skipped_a_layer_gives_each_tensor_a_profile_of_its_own_kind(tmp_path: Path):
+    """A program that drops layers at random (Wav2Vec2's LayerDrop) may skip one in the step whose values are
+    profiled and run it in the traced ones: that step reads fewer tensors, in another order. Matched by shape
+    and order alone, the optimiser's second moments took the profiles of signed tensors, and the replay's
+    square roots of them went NaN (147 of Wav2Vec2's carried tensors). Each tensor first read by the same op
+    as a profiled one takes a profile of that op's tensors: the second moments stay non-negative, the state
+    finite."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64)) for _ in range(3))
+    opt = torch.optim.AdamW(layers.parameters(), lr=1e-3, foreach=False)
+    skip = {"layer": None}
+
+    def step() -> None:
+        x = torch.randn(32, 64)
+        for i, layer in enumerate(layers):
+            if i != skip["layer"]:
+                x = x + torch.tanh(layer(x))
+        x.square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with capture(tmp_path, steps=2, warmup=3, baseline_steps=1, model=layers, announce=False) as cap:
+        while not cap.done:
+            skip["layer"] = 0 if cap.step_index == cap.total_steps - 1 else None  # the profiled step drops one
+            with cap.step():
+                step()
+    entries = json.loads((tmp_path / VALUES_FILE).read_text())
+    squares = [e for e in entries if e.get("reader") == "aten::mul_" and e["shape"]]
+    assert squares and all(e["min"] >= 0.0 for e in squares), "the second moments, first read by mul_"
+    replayer = _replayer(tmp_path)
+    moments = [replayer.vals[slot] for slot, (info, _, _) in replayer.externals.items()
+               if info.shape and replayer.plan.ops[_first_reader(replayer, info)].name == "aten::mul_"]
+    assert len(moments) == 2 * 3 * 2  # weight and bias of each Linear and LayerNorm of the three layers
+    assert all(float(m.min()) >= 0.0 for m in moments)
+    replayer.dry_run()
+    for _ in range(6):
+        replayer.run_step()
+    assert not replayer.errors and replayer.nonfinite_tensors() == 0
+
+
+def _first_reader(replayer: Replayer, info: object) -> int:
+    """The op that reads the storage ``info`` lies in first, in the replay's order."""
+    plan = replayer.plan
+    return next(p for positions in plan.sequence for p in positions
+                if any(use.info.storage_id == info.storage_id for use in plan.inputs[p]))

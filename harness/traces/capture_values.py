@@ -129,8 +129,8 @@ def _inputs(func: Any, args: tuple, kwargs: dict) -> list[Any]:
 
 class ValueProfile(TorchDispatchMode):
     """Under it, each floating tensor an op reads whose storage no op of this step made (the first
-    time its storage is read; a 0-dim one at every read, with its reader's name in ``op``) is summarised
-    in :attr:`entries`; the ops themselves run unchanged."""
+    time its storage is read, with that op's name in ``reader``; a 0-dim one at every read, with its reader's
+    name in ``op``) is summarised in :attr:`entries`; the ops themselves run unchanged."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -163,7 +163,7 @@ class ValueProfile(TorchDispatchMode):
                     if ptr is None or ptr in self._made or ptr in self._seen:
                         continue
                     self._seen.add(ptr)
-                    self._record(value)
+                    self._record(value, reader=func.name().split(".")[0])
         out = func(*args, **kwargs)
         for value in tree_flatten(out)[0]:
             if isinstance(value, torch.Tensor):

@@ -163,6 +163,8 @@ class SpecFields:
         if "op" in entry:  # the reader of a 0-dim tensor, recorded at each read
             self.str_(entry["op"], f"{where}.op")
             self.need(not shape, f"{where}.op", f"a reader recorded for a tensor of shape {shape}, not 0-dim")
+        if "reader" in entry:  # the first reader of any other
+            self.str_(entry["reader"], f"{where}.reader")
         if "data" not in entry:
             return 0, indices
         numel, loc = math.prod(shape), f"{where}.data"

@@ -103,6 +103,7 @@ class ValueStats:
     nonzero: tuple[float, float, float, float] | None = None  # the other elements' mean, std, min, max
     data: str | None = None  # a small tensor's own values: raw bytes in logical order, base64
     op: str | None = None  # a 0-dim one, recorded at each read: the op that read it (``aten::mul_``)
+    reader: str | None = None  # any other: the op that read it first (the name the dispatcher knows it by)
     # per dimension, the slices along it that are wholly zero: by index, or (too many to list) their share
     zero_slices: dict[int, tuple[int, ...]] = field(default_factory=dict)
     zero_slice_shares: dict[int, float] = field(default_factory=dict)
@@ -116,7 +117,7 @@ class ValueStats:
         return cls(tuple(int(d) for d in raw["shape"]), str(raw["dtype"]), float(raw["mean"]), float(raw["std"]),
                    float(raw["min"]), float(raw["max"]), float(raw.get("zeros", 0.0)),
                    tuple(float(nonzero[k]) for k in ("mean", "std", "min", "max")) if nonzero else None,
-                   raw.get("data"), raw.get("op"),
+                   raw.get("data"), raw.get("op"), raw.get("reader"),
                    {int(d): tuple(int(i) for i in index) for d, index in raw.get("zero_slices", {}).items()}, shares)
 
 

@@ -38,7 +38,13 @@ class Synthesis:
         """Synthesise every external tensor that lives across steps: one buffer per captured storage,
         views laid over it (those the program makes during a step are made there: :meth:`give_birth`)."""
         static = {slot: entry for slot, entry in self.plan.externals.items() if slot not in self.plan.born_slots}
-        self._values_of = match_values([((info.storage_id, info.dtype), info.shape, info.dtype)
+        reader: dict[tuple[int, torch.dtype], str] = {}  # each storage's first reader
+        for positions in self.plan.sequence:
+            for p in positions:
+                for use in self.plan.inputs[p]:
+                    reader.setdefault((use.info.storage_id, use.info.dtype), self.plan.ops[p].name)
+        self._values_of = match_values([((info.storage_id, info.dtype), info.shape, info.dtype,
+                                         reader.get((info.storage_id, info.dtype)))
                                         for info, _, _ in static.values() if info.dtype.is_floating_point],
                                        self.external_values)
         self.static_bytes = self._lay_out(static)  # what lives across steps

@@ -66,24 +66,46 @@ def copy_recorded(view: torch.Tensor, data: str) -> bool:
     return True
 
 
-def match_values(externals: list[tuple[Any, tuple[int, ...], torch.dtype]],
+def match_values(externals: list[tuple[Any, tuple[int, ...], torch.dtype, str | None]],
                  captured: list[ValueStats]) -> dict[Any, ValueStats]:
     """The program's value profile of each external floating storage: ``externals`` are (storage key,
-    shape, dtype) of the view each storage is first read through, in the order the steps first read
-    them; ``captured`` the program's own, in its order. Matched by shape and dtype, in order: the n-th
-    storage of a shape and dtype gets the n-th profile of it (a storage with none keeps the default)."""
-    by_kind: dict[tuple[tuple[int, ...], str], list[ValueStats]] = {}
-    for entry in captured:
-        if entry.op is None:  # a 0-dim tensor recorded at each read is matched by its reader (match_scalars)
-            by_kind.setdefault((tuple(entry.shape), entry.dtype), []).append(entry)
-    taken: dict[tuple[tuple[int, ...], str], int] = {}
+    shape, dtype, the op that first read it) of the view each storage is first read through, in the order the
+    steps first read them; ``captured`` the program's own, in its order (a storage with none keeps the default).
+
+    Matched by shape, dtype and first reader where the profile names its reader, in order: the n-th storage an
+    optimiser's ``aten::mul_`` first reads gets the n-th such profile (its second moments, never negative),
+    and one more than the profile holds another of them. The rest by shape and dtype, in order, from the
+    profiles left: an op the trace shows whole (``aten::linear``) reads its weight as another op below it
+    (``aten::t``). Shape and order alone gave a storage another's profile wherever the profiled step read
+    other tensors than the traced ones: Wav2Vec2's LayerDrop left one layer of two out of the profiled step,
+    an optimiser's second moments were drawn like a weight, signed, and their square roots went NaN."""
+    def kind(shape: tuple[int, ...], dtype: Any) -> tuple[tuple[int, ...], str]:
+        return tuple(shape), str(dtype).removeprefix("torch.")
+
+    profiles = [entry for entry in captured if entry.op is None]  # 0-dim ones read by read: match_scalars
+    by_reader: dict[tuple, list[int]] = {}
+    for i, entry in enumerate(profiles):
+        if entry.reader is not None:
+            by_reader.setdefault((*kind(entry.shape, entry.dtype), entry.reader), []).append(i)
     matched: dict[Any, ValueStats] = {}
-    for key, shape, dtype in externals:
-        kind = (tuple(shape), str(dtype).removeprefix("torch."))
-        n = taken.get(kind, 0)
-        if key not in matched and n < len(by_kind.get(kind, [])):
-            matched[key] = by_kind[kind][n]
-            taken[kind] = n + 1
+    used: set[int] = set()
+    taken: dict[tuple, int] = {}
+    for key, shape, dtype, reader in externals:
+        same = by_reader.get((*kind(shape, dtype), reader), [])
+        if key not in matched and same:
+            n = taken[(*kind(shape, dtype), reader)] = taken.get((*kind(shape, dtype), reader), -1) + 1
+            matched[key] = profiles[same[n % len(same)]]
+            used.update(same[:n + 1])
+    by_kind: dict[tuple[tuple[int, ...], str], list[ValueStats]] = {}
+    for i, entry in enumerate(profiles):
+        if i not in used:
+            by_kind.setdefault(kind(entry.shape, entry.dtype), []).append(entry)
+    left: dict[tuple[tuple[int, ...], str], int] = {}
+    for key, shape, dtype, _ in externals:
+        n = left.get(kind(shape, dtype), 0)
+        if key not in matched and n < len(by_kind.get(kind(shape, dtype), [])):
+            matched[key] = by_kind[kind(shape, dtype)][n]
+            left[kind(shape, dtype)] = n + 1
     return matched
 
 
