@@ -584,6 +584,46 @@ def test_a_step_peak_does_not_climb_with_blocks_freed_on_a_thread_the_profiler_d
     assert peaks[1] == pytest.approx(peaks[0], abs=4096) and peaks[1] <= 3 * 2**20 + 4096, [p / 2**20 for p in peaks]
 
 
+def test_a_replay_whose_carried_state_went_nan_says_so_in_its_judgement(tmp_path: Path, capsys):
+    """A replay whose parameters or optimiser state went NaN ran its ops on other values than the program's,
+    at other speeds: its judgement says so (a note in the record and on the console), not only a figure in
+    ``fidelity.json``. Here the profile of the optimiser's second moments is made wrong after capture (signed,
+    as a weight's), and the replay's square roots of them go NaN."""
+    from harness.platform import device_name
+    from workloads.base import RunContext
+    from workloads.trace_bundle import VALUES_FILE
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+
+    def step() -> None:
+        model(torch.randn(8, 16)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    bundle = tmp_path / "bundle"
+    with capture(bundle, steps=2, warmup=2, baseline_steps=2, model=model, announce=False) as cap:
+        while not cap.done:
+            with cap.step():
+                step()
+    entries = json.loads((bundle / VALUES_FILE).read_text())
+    for entry in entries:
+        if entry.get("reader") == "aten::mul_" and entry["shape"]:
+            entry.update(mean=0.0, std=1.0, min=-1.0, max=1.0)
+            entry.pop("data", None)
+    (bundle / VALUES_FILE).write_text(json.dumps(entries))
+    ctx = RunContext(device=torch.device("cpu"), seed=0, work_dir=bundle, device_name=device_name(torch.device("cpu")))
+    record = judge_module.judge_bundle(step, bundle, ctx, rounds=2, steps_per_round=1, warmup=1, budget_s=None)
+    assert record["metrics"]["replay_nonfinite_tensors"] > 0
+    (note,) = [n for n in record["side_by_side"]["notes"] if "NaN or infinity" in n]
+    assert note.startswith(f"{int(record['metrics']['replay_nonfinite_tensors'])} of the tensors the replay carries")
+    assert "NaN or infinity" in judge_module.verdict_line("program", record)
+    assert "warning:" in capsys.readouterr().err
+    assert json.loads((bundle / "fidelity.json").read_text())["side_by_side"]["notes"] == \
+        record["side_by_side"]["notes"]
+
+
 def test_cobench_trace_fidelity_is_one_mlflow_run(tmp_path: Path):
     results = tmp_path / "results"
     proc = subprocess.run([sys.executable, "-m", "suite.cli", "trace", "fidelity", "--rounds", "3", "--round-steps",

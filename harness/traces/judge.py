@@ -166,6 +166,8 @@ def _fidelity_record(replay_record: dict[str, Any], side: SideBySide, source_pea
         if record.get(key):
             side.fidelity_valid = False
             side.invalid_reason = "; ".join(r for r in (f"{what}: {record[key]}", side.invalid_reason) if r)
+    if record.get("nonfinite") and record["nonfinite"] not in side.notes:
+        side.notes.append(record["nonfinite"])
     record["metrics"].update(side.metrics())
     for category, shares in record.get("categories", {}).items():  # replay's share − source's, in points
         record["metrics"][f"category_error_pp_{category}"] = 100.0 * (shares["replay_share"] - shares["source_share"])

@@ -93,6 +93,17 @@ def unfaithful_reason(ops: list[Any], errors: dict[int, str], divergent: dict[in
     return "; ".join(parts)
 
 
+def nonfinite_note(count: int) -> str:
+    """What a replay whose carried state went NaN or infinite says of itself (``count`` such tensors); empty
+    when there are none. Its ops then ran on other values than the program's, at speeds of their own: a CPU's
+    square root of NaN or negative floats is many times slower than of the program's (:mod:`.tensors`)."""
+    if not count:
+        return ""
+    return (f"{count} of the tensors the replay carries across steps (parameters, optimiser state, inputs) held "
+            f"NaN or infinity after its steps: its ops ran on other values than the program's (a value the "
+            f"capture recorded wrongly or matched to another tensor); its time may not be the program's")
+
+
 UNREPRESENTATIVE_PCT = 5.0  # traced steps this far from the program's own in ops a step are not its steps
 
 

@@ -23,7 +23,7 @@ from workloads.base import MLPerfInfo, RunContext, StepResult, WorkloadBase, inv
 from workloads.device import max_memory_allocated
 from workloads.trace_bundle import TraceError, rank_dirs, read_meta
 from workloads.trace_replay.config import GeneratedConfig
-from workloads.trace_replay.fidelity import FIDELITY_FILE, compute_fidelity
+from workloads.trace_replay.fidelity import FIDELITY_FILE, compute_fidelity, nonfinite_note
 from workloads.trace_replay.memory import available_memory_bytes
 from workloads.trace_replay.probe import find_crashing_ops
 from workloads.trace_replay.records import SpecRecord
@@ -207,7 +207,9 @@ class GeneratedWorkload(WorkloadBase):
                 record["op_time_ratio_unmeasured"] = why
             if self.replayer.autograd_unmeasured:
                 record["autograd_unmeasured"] = self.replayer.autograd_unmeasured
-        record["metrics"]["replay_nonfinite_tensors"] = float(self.replayer.nonfinite_tensors())
+        nonfinite = self.replayer.nonfinite_tensors()
+        record["metrics"]["replay_nonfinite_tensors"] = float(nonfinite)
+        record["nonfinite"] = nonfinite_note(nonfinite)
         record["replay_platform"] = self.platform
         self.record = record
         if self.reference_platform is not None:
@@ -216,6 +218,8 @@ class GeneratedWorkload(WorkloadBase):
             print(f"warning: the replay is not the program: {record['unfaithful']}", file=sys.stderr)
         if self.ctx.rank == 0 and record["unrepresentative"]:
             print(f"warning: not the program's steps: {record['unrepresentative']}", file=sys.stderr)
+        if self.ctx.rank == 0 and record["nonfinite"]:
+            print(f"warning: {record['nonfinite']}", file=sys.stderr)
         if self.ctx.rank == 0:
             path = self.ctx.work_dir / FIDELITY_FILE
             tmp = path.with_suffix(".tmp")
