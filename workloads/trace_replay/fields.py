@@ -149,7 +149,7 @@ class SpecFields:
         self.need(len(shape) <= 64, f"{where}.shape", f"{len(shape)} dimensions")
         for d in shape:
             self.int_(d, f"{where}.shape", 0, MAX_ELEMENTS)
-        self.need(entry.get("dtype") in FLOAT_DTYPES, f"{where}.dtype",
+        self.need(type(entry.get("dtype")) is str and entry["dtype"] in FLOAT_DTYPES, f"{where}.dtype",
                   f"{_show(entry.get('dtype'))} is not a floating dtype")
         self.summary(entry, where)
         for key in ("zeros", "zero_rows"):  # zero_rows: the share of wholly zero rows, as older bundles record it
