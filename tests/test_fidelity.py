@@ -481,6 +481,11 @@ def test_corpus_program_replays_completely_judged_side_by_side(name: str, tmp_pa
     if name == "compiled_mlp":
         ops = json.loads((tmp_path / "bundle" / "spec.json").read_text())["ranks"][0]["ops"]
         assert any(op["born"] for op in ops)
+    if name == "gru_tagger":  # the recurrent layer replayed as one op; its cell's saved tensors made after it
+        ops = json.loads((tmp_path / "bundle" / "spec.json").read_text())["ranks"][0]["ops"]
+        whole = [op for op in ops if op["name"] == "aten::gru"]
+        assert whole and all(op["held_bytes"] > 0 and op["born"] for op in whole)
+        assert not any(op["name"] == "aten::sigmoid_" for op in ops)  # none of its cell's own ops
     saved = json.loads((tmp_path / "bundle" / "fidelity.json").read_text())
     assert saved["side_by_side"]["source_ms"] and saved["metrics"]["fidelity_valid"] in (0.0, 1.0)
     # both sides measured again after the first round, as the capture measured the program: the figure split,

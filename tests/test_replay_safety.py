@@ -148,6 +148,22 @@ def test_a_spec_too_big_for_the_device_is_refused_with_both_figures(program_spec
     assert proc.returncode == 2 and "4,194,304 MiB" in proc.stderr, proc.stderr[-2000:]
 
 
+def test_what_a_composite_kept_whole_held_is_checked_and_counted_before_any_run(program_spec: Path):
+    """``held_bytes`` (what a composite op the replay keeps whole held at its return, made right after it)
+    is memory the replay allocates: counted in the estimate the device's memory is checked against, and
+    refused when it is not a byte count."""
+    spec = json.loads(program_spec.read_text())
+    rank = spec["ranks"][0]
+    peak = estimate_peak_bytes(rank)
+    rank["ops"][1]["held_bytes"] = 2**40  # 1 TiB claimed by one op
+    assert estimate_peak_bytes(rank) >= 2**40
+    with pytest.raises(TraceError, match=r"need an estimated .* MiB"):
+        check_spec(spec, program_spec, memory_limit_bytes=peak + 2**30)
+    rank["ops"][1]["held_bytes"] = -4096
+    with pytest.raises(TraceError, match=r"held_bytes"):
+        check_spec(spec, program_spec)
+
+
 @pytest.mark.parametrize("field", ["name", "schema", "str_argument", "int_argument", "gap", "tensor_id", "scope",
                                    "category", "step", "repeat", "tensor_data_key", "list_argument"])
 def test_nothing_in_a_spec_is_executed(program_spec: Path, tmp_path: Path, monkeypatch, field: str):

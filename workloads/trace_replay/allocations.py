@@ -11,7 +11,9 @@ each buffer when the program did, so the peak is the program's. Bundles captured
 get no ``released`` (the replay frees at last use).
 
 ``born`` on an op: storages the program allocated after it and before the next op, outside every
-replayed op (a compiled graph's own buffers: inductor allocates them without an op), that a later
+replayed op (a compiled graph's own buffers: inductor allocates them without an op), or inside a
+composite op the replay keeps whole (``held_bytes``: all it allocated inside it and still held when it
+returned, beyond its outputs; a recurrent layer's gates and states, saved for backward), that a later
 op of the step reads before any op writes them. Without it the replay would hold such a buffer
 (e.g. an activation a compiled forward saves for its backward) from the start as if it lived
 across steps; with it the replay makes the buffer when the program did. An allocation is matched
@@ -127,7 +129,12 @@ def mark_source_releases(ops: list[dict[str, Any]], memory: list[MemoryEvent]) -
                     del fresh[at][made[k][0]]
                     owner[where] = made[k][0]
                     op["allocated"].append(made[k][0])
-                continue
+                    continue
+                if "held_bytes" not in op:
+                    continue
+                # a composite kept whole: what it made inside it and still held, made right after it; a
+                # storage of it that a later op reads is one of those (below)
+                op["held_bytes"] += event.nbytes
             # between ops: the first storage of this size the step reads later without having made it
             later = [(i, size) for i, (reader, _, size) in enumerate(orphans)
                      if reader > at and timed[reader]["step"] == op["step"]]

@@ -48,6 +48,11 @@ from workloads.trace_replay.parse import (
 
 _THREAD_ROOT = "[pytorch|profiler|execution_trace|thread]"
 _PROCESS_ROOT = "[pytorch|profiler|execution_trace|process]"
+# A composite whose inner results are read later is replaced by its inner ops unless they come to this many
+# replayed ops or more: the GRU tagger's `aten::gru` (two layers of 24 steps) came to 690 small ops a call,
+# which the replay called one by one from Python where the program called them from C++ (docs/traces.md,
+# "Generate": measured both ways); attention's composites come to one or two.
+WHOLE_MIN_OPS = 64
 
 # Op categories for the time breakdown; the first pattern that matches the op's name wins.
 CATEGORIES: list[tuple[str, str]] = [
@@ -122,10 +127,14 @@ def _is_composite(schema: str) -> bool:
         return False
 
 
-def _replay_level(nodes: dict[int, Node]) -> list[Node]:
+def _replay_level(nodes: dict[int, Node]) -> tuple[list[Node], set[int]]:
     """The ops to replay: top-level ops, except that a composite op (one whose work is all done by the
     ops it calls) whose inner ops make a tensor a later op reads (e.g. attention's log-sum-exp, saved
-    for backward) is replaced by its inner ops, so the replay makes that tensor instead of inventing it."""
+    for backward) is replaced by its inner ops, so the replay makes that tensor instead of inventing it;
+    and the ids of the composites kept whole although they make such tensors: those that would be replaced
+    by :data:`WHOLE_MIN_OPS` ops or more (a recurrent layer's ``aten::gru`` calls its cell's small ops from
+    C++, which the replay would call one by one from Python). What such an op made inside it and still held
+    when it returned is made right after it (:mod:`.allocations`: ``held_bytes``)."""
     children: dict[int, list[Node]] = {}
     for node in nodes.values():
         if node.parent != node.id:
@@ -161,16 +170,31 @@ def _replay_level(nodes: dict[int, Node]) -> list[Node]:
         made_inside = set().union(*(_keys(n.outputs) for n in inner if n.schema)) - _keys(node.outputs)
         return any(reader > last for key in made_inside for reader in readers.get(key, ()))
 
+    def expanded(node: Node) -> list[Node]:
+        """The ops ``node`` would be replaced by (none: kept as it is)."""
+        return ops_below(node) if escapes(node) else []
+
+    counted: dict[int, int] = {}
+
+    def count(node: Node) -> int:
+        if node.id not in counted:
+            below = expanded(node)
+            counted[node.id] = sum(count(n) for n in below) if below else 1
+        return counted[node.id]
+
     roots = [n for n in nodes.values() if n.schema and not any(a.schema for a in ancestors(n, nodes))]
-    level, work = [], sorted(roots, key=lambda n: n.id)
+    level, whole, work = [], set(), sorted(roots, key=lambda n: n.id)
     while work:
         node = work.pop(0)
-        below = ops_below(node) if escapes(node) else []
+        below = expanded(node)
+        if below and sum(count(n) for n in below) >= WHOLE_MIN_OPS:
+            whole.add(node.id)
+            below = []
         if below:
             work = below + work
         else:
             level.append(node)
-    return level
+    return level, whole
 
 
 def _step_of(node: Node, chain: list[Node], event: KinetoEvent | None, step_events: list[KinetoEvent]) -> int | None:
@@ -218,7 +242,8 @@ def _captured_ops(trace: BundleTrace) -> list[dict[str, Any]]:
     nodes, by_rf, step_events = trace.nodes, trace.kineto.by_rf_id(), trace.kineto.steps
     threads = _framework_threads(nodes)
     ops = []
-    for node in _replay_level(nodes):
+    level, whole = _replay_level(nodes)
+    for node in level:
         chain = ancestors(node, nodes)
         if not any(a.id in threads for a in chain):
             continue  # a library worker thread's ops (part of a collective), not framework work
@@ -245,6 +270,7 @@ def _captured_ops(trace: BundleTrace) -> list[dict[str, Any]]:
             # the program recorded autograd history through it (an autograd sequence number): a forward op
             # under grad mode, whose bookkeeping the replay, running without grad, measures and spends
             "grad": node.seq_id is not None and "backward" not in node.name,
+            **({"held_bytes": 0} if node.id in whole else {}),  # set from the allocator's events
         })
     ops.sort(key=lambda o: (o["step"], o["ts_us"] if o["ts_us"] is not None else math.inf, o["id"]))
     return ops

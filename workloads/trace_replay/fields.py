@@ -231,6 +231,7 @@ class SpecFields:
             self.str_(scope, f"{where}.scopes[{s}]")
         for d, dep in enumerate(self.list_(op.get("deps", []), f"{where}.deps")):
             self.int_(dep, f"{where}.deps[{d}]")
+        self.int_(op.get("held_bytes", 0), f"{where}.held_bytes", 0)  # made after it (a composite kept whole)
         for key in ("allocated", "released", "born"):  # storage ids (lifetimes)
             for d, storage in enumerate(self.list_(op.get(key, []), f"{where}.{key}")):
                 self.int_(storage, f"{where}.{key}[{d}]")

@@ -21,7 +21,8 @@ from workloads.trace_replay.ops import at, list_types
 
 def estimate_peak_bytes(rank_spec: dict[str, Any]) -> int:
     """Peak bytes of the replay's tensors: each storage sized from its widest view, live from the first
-    op that touches it to the last (storages read before any op writes them live throughout)."""
+    op that touches it to the last (storages read before any op writes them live throughout), and what a
+    composite op kept whole held at its return (``held_bytes``), live to its step's end."""
     size: dict[int, int] = {}
     first: dict[int, int] = {}
     last: dict[int, int] = {}
@@ -34,6 +35,12 @@ def estimate_peak_bytes(rank_spec: dict[str, Any]) -> int:
                 first.setdefault(sid, position)
                 last[sid] = position
     events: dict[int, int] = {}
+    ops = rank_spec["ops"]
+    step_end = {op.get("step"): position for position, op in enumerate(ops)}
+    for position, op in enumerate(ops):  # what a composite kept whole held, made after it: to its step's end
+        if op.get("held_bytes"):
+            events[position] = events.get(position, 0) + op["held_bytes"]
+            events[step_end[op.get("step")] + 1] = events.get(step_end[op.get("step")] + 1, 0) - op["held_bytes"]
     for sid, nbytes in size.items():
         events[first[sid]] = events.get(first[sid], 0) + nbytes
         events[last[sid] + 1] = events.get(last[sid] + 1, 0) - nbytes

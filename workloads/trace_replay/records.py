@@ -49,6 +49,7 @@ class OpRecord:
     released: list[int] = field(default_factory=list)  # storages the program freed right after it
     born: list[int] = field(default_factory=list)  # storages it made right after it, outside any op
     grad: bool = False  # the program recorded autograd history through it (a forward op under grad mode)
+    held_bytes: int = 0  # a composite kept whole: what it made inside and still held at its return (allocations)
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> OpRecord:
@@ -57,7 +58,7 @@ class OpRecord:
                    dict(raw.get("tensor_range") or {}), dict(raw.get("tensor_data") or {}), raw.get("dur_us"),
                    float(raw.get("gap_us") or 0.0), list(raw.get("scopes", [])), list(raw.get("deps", [])),
                    list(raw.get("allocated", [])), list(raw.get("released", [])),
-                   list(raw.get("born", [])), raw.get("grad") is True)
+                   list(raw.get("born", [])), raw.get("grad") is True, int(raw.get("held_bytes", 0)))
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,8 @@ from workloads.trace_replay.plan import ReplayPlan
 from workloads.trace_replay.records import ValueStats
 from workloads.trace_replay.tensors import copy_recorded, fill_view, match_scalars, match_values, stand_in
 
+HELD_ALIGN = 64  # bytes: each storage laid over a composite's held buffer starts on such a boundary
+
 
 class Synthesis:
     """The replay's value list (:attr:`vals`, by slot) and the tensors it makes itself."""
@@ -32,7 +34,9 @@ class Synthesis:
         self.static_bytes = 0  # synthesised tensors (parameters, optimiser state, inputs): set by materialize()
         self._values_of: dict[tuple[int, torch.dtype], ValueStats] = {}
         self._initial_values: list[tuple[torch.Tensor, torch.Tensor]] = []  # (storage's bytes, their copy)
-        self._birth_plans: dict[int, tuple[dict, list, list]] = {}
+        self._birth_plans: dict[int, tuple[dict, list, list, int]] = {}
+        self._flat = [p for positions in plan.sequence for p in positions]  # flat position → op index
+        self._held_templates: dict[int, tuple[torch.Tensor, list]] = {}  # see _give_birth_held
 
     def materialize(self) -> None:
         """Synthesise every external tensor that lives across steps: one buffer per captured storage,
@@ -103,16 +107,47 @@ class Synthesis:
                      [(s, every[s].info) for s in slots]) for (_, dtype), slots in births]
             if constraints or self.device.type != "cpu" or any(not dtype.is_floating_point for _, dtype, _ in fast):
                 fast = []
-            self._birth_plans[k] = (externals, constraints, fast)
-        externals, constraints, fast = self._birth_plans[k]
+            self._birth_plans[k] = (externals, constraints, fast, self.plan.specs[self._flat[k]].held_bytes)
+        externals, constraints, fast, held = self._birth_plans[k]
         if not fast:
             self._lay_out(externals, constraints)
+            return
+        if held:
+            self._give_birth_held(k, fast, held)
             return
         for numel, dtype, views in fast:
             whole = torch.empty(max(numel, 1), dtype=dtype, device=self.device)
             whole.uniform_(0.1, 1.0, generator=self.generator)  # see tensors.fill_view: positive, defined
             for slot, info in views:
                 self.vals[slot] = whole.as_strided(info.shape, info.stride, info.offset)
+
+    def _give_birth_held(self, k: int, fast: list[tuple[int, torch.dtype, list[tuple[int, Any]]]],
+                         held: int) -> None:
+        """What a composite op kept whole held at its return (``held`` bytes: a recurrent layer's gates and
+        states, saved for backward), made as the program made it: all at once, as one buffer, the storages
+        later ops read laid over its start and the rest of it there for its bytes (nothing reads it). The
+        buffer lives while any of those storages does. It is a copy of one made and filled once (in
+        [0.1, 1), as :func:`.tensors.fill_view` fills where nothing is known): made one by one, each
+        filled, the GRU tagger's 97 storages a step cost its replay more host time than keeping the op
+        whole saved."""
+        if k not in self._held_templates:
+            layout, at = [], 0
+            for numel, dtype, views in sorted(fast, key=lambda entry: str(entry[1])):
+                at = -(-at // HELD_ALIGN) * HELD_ALIGN
+                layout.append((at // dtype.itemsize, dtype, views))
+                at += max(numel, 1) * dtype.itemsize
+            template = torch.empty(-(-max(at, held) // HELD_ALIGN) * HELD_ALIGN, dtype=torch.uint8,
+                                   device=self.device)
+            for start, dtype, views in layout:
+                numel = max(max(info.offset + info.extent for _, info in views), 1)
+                template.view(dtype)[start:start + numel].uniform_(0.1, 1.0, generator=self.generator)
+            self._held_templates[k] = (template, layout)
+        template, layout = self._held_templates[k]
+        whole = template.clone()
+        typed = {dtype: whole.view(dtype) for _, dtype, _ in layout}
+        for start, dtype, views in layout:
+            for slot, info in views:
+                self.vals[slot] = typed[dtype].as_strided(info.shape, info.stride, start + info.offset)
 
     def _lay_out(self, externals: dict[int, External], constraints: list[Constraint] | None = None) -> int:
         """Buffers for these external slots, their views in :attr:`vals` with defined contents (``constraints``:
