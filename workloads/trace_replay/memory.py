@@ -38,9 +38,10 @@ def estimate_peak_bytes(rank_spec: dict[str, Any]) -> int:
     ops = rank_spec["ops"]
     step_end = {op.get("step"): position for position, op in enumerate(ops)}
     for position, op in enumerate(ops):  # what a composite kept whole held, made after it: to its step's end
-        if op.get("held_bytes"):
-            events[position] = events.get(position, 0) + op["held_bytes"]
-            events[step_end[op.get("step")] + 1] = events.get(step_end[op.get("step")] + 1, 0) - op["held_bytes"]
+        if held := op.get("held_bytes"):
+            freed = step_end[op.get("step")] + 1
+            events[position] = events.get(position, 0) + held
+            events[freed] = events.get(freed, 0) - held
     for sid, nbytes in size.items():
         events[first[sid]] = events.get(first[sid], 0) + nbytes
         events[last[sid] + 1] = events.get(last[sid] + 1, 0) - nbytes

@@ -134,18 +134,17 @@ class Synthesis:
             layout, at = [], 0
             for numel, dtype, views in sorted(fast, key=lambda entry: str(entry[1])):
                 at = -(-at // HELD_ALIGN) * HELD_ALIGN
-                layout.append((at // dtype.itemsize, dtype, views))
+                layout.append((at // dtype.itemsize, max(numel, 1), dtype, views))
                 at += max(numel, 1) * dtype.itemsize
             template = torch.empty(-(-max(at, held) // HELD_ALIGN) * HELD_ALIGN, dtype=torch.uint8,
                                    device=self.device)
-            for start, dtype, views in layout:
-                numel = max(max(info.offset + info.extent for _, info in views), 1)
+            for start, numel, dtype, _ in layout:
                 template.view(dtype)[start:start + numel].uniform_(0.1, 1.0, generator=self.generator)
             self._held_templates[k] = (template, layout)
         template, layout = self._held_templates[k]
         whole = template.clone()
-        typed = {dtype: whole.view(dtype) for _, dtype, _ in layout}
-        for start, dtype, views in layout:
+        typed = {dtype: whole.view(dtype) for _, _, dtype, _ in layout}
+        for start, _, dtype, views in layout:
             for slot, info in views:
                 self.vals[slot] = typed[dtype].as_strided(info.shape, info.stride, start + info.offset)
 
