@@ -721,8 +721,8 @@ def _host_bound_spec(tmp_path: Path, *, size: int = 64, host_s: float = 0.004, b
 def test_the_programs_own_host_time_is_measured_and_spent_by_the_replay(tmp_path: Path):
     """A program that spends 4 ms in Python between two ops each step: the spec records about that much
     host time per step (the profiler's own cost taken out), and each step of a replay of it takes at least as
-    long, at the host's speed as it runs against the capture's (on a 2-core VM that slowed down during a
-    capture, a replay a minute later ran its steps in 0.7 of the time, as the program would have)."""
+    long, scaled by the host's speed as it runs against the capture's (a bound no load can break: a spin
+    does not end early)."""
     import time
 
     from workloads.trace_replay.codegen import taken_back
@@ -744,9 +744,9 @@ def test_the_programs_own_host_time_is_measured_and_spent_by_the_replay(tmp_path
     assert statistics.median(replayer.call_samples_s) == pytest.approx(replayer.runner.call_s)
     runner = replayer.runner
     for _ in range(4):
-        # the step spends the program's host time, as fast as the host runs now against the capture's moment
-        # (its speed scale, which the program's own host work would have followed too), less the replay's
-        # own call cost, which it leaves out of its gaps
+        # the step spends the program's host time, scaled by how fast the host runs now against the capture's
+        # moment (the program's host work is taken to follow the host's speed), less the replay's own call
+        # cost, which it leaves out of its gaps
         k, scale = runner.next_step, runner.speed.scale
         positions = runner.plan.sequence[k]
         planned_s = sum(runner.gaps_s(positions)) + runner.tail_gap_s(k)
