@@ -749,12 +749,11 @@ def test_the_programs_own_host_time_is_measured_and_spent_by_the_replay(tmp_path
         # cost, which it leaves out of its gaps
         k, scale = runner.next_step, runner.speed.scale
         positions = runner.plan.sequence[k]
-        planned_s = sum(runner.gaps_s(positions)) + runner.tail_gap_s(k)
+        gaps_s, tail_s = runner.gaps_s(positions), runner.tail_gap_s(k)
+        planned_s = sum(gaps_s) + tail_s
         # the program's host time, and the autograd bookkeeping the replay does not do (a few µs here)
         assert 0 <= planned_s - 1e-6 * spec["ranks"][0]["steps"][k]["host_gap_us"] <= 0.05 * planned_s
-        left_out_s = len(positions) * runner.call_s + sum(taken_back(runner.gaps_s(positions),
-                                                                     runner.tail_gap_s(k),
-                                                                     runner.call_s + runner.outside_s))
+        left_out_s = len(positions) * runner.call_s + sum(taken_back(gaps_s, tail_s, runner.call_s + runner.outside_s))
         started = time.perf_counter()
         replayer.run_step()
         step_s = time.perf_counter() - started

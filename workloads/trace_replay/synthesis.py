@@ -133,9 +133,9 @@ class Synthesis:
         if k not in self._held_templates:
             layout, at = [], 0
             for numel, dtype, views in sorted(fast, key=lambda entry: str(entry[1])):
-                at = -(-at // HELD_ALIGN) * HELD_ALIGN
-                layout.append((at // dtype.itemsize, max(numel, 1), dtype, views))
-                at += max(numel, 1) * dtype.itemsize
+                at, numel = -(-at // HELD_ALIGN) * HELD_ALIGN, max(numel, 1)
+                layout.append((at // dtype.itemsize, numel, dtype, views))
+                at += numel * dtype.itemsize
             template = torch.empty(-(-max(at, held) // HELD_ALIGN) * HELD_ALIGN, dtype=torch.uint8,
                                    device=self.device)
             for start, numel, dtype, _ in layout:
