@@ -28,9 +28,9 @@ def estimate_peak_bytes(rank_spec: dict[str, Any]) -> int:
     last: dict[int, int] = {}
     for position, op in enumerate(rank_spec["ops"]):
         for side in ("inputs", "outputs"):
-            for ref, shape, stride in _tensor_refs(op[side]):
+            for ref, shape, stride in laid_out_refs(op[side]):
                 sid, offset, itemsize = ref[1], ref[2], ref[4]
-                extent = _extent(shape, stride)
+                extent = view_extent(shape, stride)
                 size[sid] = max(size.get(sid, 0), (offset + extent) * itemsize)
                 first.setdefault(sid, position)
                 last[sid] = position
@@ -65,7 +65,10 @@ def available_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _tensor_refs(io: dict[str, Any]) -> Iterator[tuple[list, Any, Any]]:
+def laid_out_refs(io: dict[str, Any]) -> Iterator[tuple[list, Any, Any]]:
+    """Each tensor reference among an op's inputs or outputs (``io``; lists' elements included), with its shape
+    and strides as recorded; undefined tensors (``Tensor(nullptr (uninitialized))``: an index list's ``None``)
+    left out."""
     for value, et_type, shape, stride in zip(io.get("values", []), io.get("types", []), io.get("shapes", []),
                                              io.get("strides", []), strict=False):
         if et_type.startswith("Tensor(") and "nullptr" not in et_type and _is_ref(value):
@@ -73,11 +76,12 @@ def _tensor_refs(io: dict[str, Any]) -> Iterator[tuple[list, Any, Any]]:
         elif et_type.startswith("GenericList[") and isinstance(value, list):
             items = list_types(et_type)
             for j, item in enumerate(value):
-                if j < len(items) and items[j].startswith("Tensor(") and _is_ref(item):
+                if j < len(items) and items[j].startswith("Tensor(") and "nullptr" not in items[j] and _is_ref(item):
                     yield item, at(shape, j), at(stride, j)
 
 
-def _extent(shape: Any, stride: Any) -> int:
+def view_extent(shape: Any, stride: Any) -> int:
+    """Elements of its storage a view of ``shape`` and ``stride`` spans from its offset (0 when it is empty)."""
     sizes = shape if isinstance(shape, list) else []
     if any(s == 0 for s in sizes):
         return 0
