@@ -572,6 +572,55 @@ def test_a_step_peak_leaves_out_what_was_allocated_before_it():
     assert kept.numel() == 1 << 20
 
 
+def test_a_recurrent_layer_kept_whole_holds_what_its_program_held_until_its_backward_let_it_go(tmp_path: Path):
+    """A packed LSTM (random lengths) is one ``aten::lstm`` op kept whole; its time steps' gates and states,
+    saved for backward (many under 1 KiB, read back in reverse, some only in part), are made after it and
+    freed a chunk at a time as the program's backward freed them. Made as one buffer held to the backward's
+    end, with the small ones held from the start as if they were state, its step's peak read 47 % below the
+    captured step's (memory -16 % of the whole)."""
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    from harness.platform import device_name
+    from harness.traces.allocator_peaks import captured_step_peak_bytes
+    from workloads.base import RunContext
+
+    torch.manual_seed(0)
+    lstm, head = torch.nn.LSTM(10, 24, batch_first=True, num_layers=2), torch.nn.Linear(24, 3)
+    opt = torch.optim.Adam([*lstm.parameters(), *head.parameters()], lr=1e-3)
+
+    def step() -> None:
+        lengths = torch.randint(3, 16, (6,))
+        lengths[0] = 15  # as many time steps, and so ops, in every step: the capture's steps stand for the rest
+        out, _ = lstm(pack_padded_sequence(torch.randn(6, 15, 10), lengths, batch_first=True, enforce_sorted=False))
+        out, back = pad_packed_sequence(out, batch_first=True)
+        torch.nn.functional.cross_entropy(head(out[torch.arange(6), back - 1]), torch.randint(0, 3, (6,))).backward()
+        opt.step()
+        opt.zero_grad()
+
+    bundle, cpu = tmp_path / "bundle", torch.device("cpu")
+    with capture(bundle, steps=2, warmup=1, baseline_steps=1, model=lstm, announce=False) as cap:
+        while not cap.done:
+            with cap.step():
+                step()
+    ctx = RunContext(device=cpu, seed=0, work_dir=tmp_path, device_name=device_name(cpu), rank=0, world_size=1,
+                     process_group=None)
+    replay = judge_module.replay_workload_spec().factory.from_bundle(bundle, ctx)
+    replay.setup()
+    try:
+        whole = [op for op in json.loads((bundle / "spec.json").read_text())["ranks"][0]["ops"]
+                 if op["name"] == "aten::lstm"]
+        assert len(whole) == 2 and all(op["held_bytes"] > 0 and op["born"] for op in whole)
+        for _ in range(2):
+            replay.step()
+        replayed = step_memory_peak_bytes(replay.step, cpu, 4)
+        replay.extra_metrics()
+        static = replay.record["metrics"]["replay_static_mb"] * 2**20
+    finally:
+        replay.teardown()
+    captured = captured_step_peak_bytes(bundle, cpu)
+    assert abs(replayed - captured) <= 0.1 * (static + captured), (replayed, captured, static)
+
+
 def test_a_step_peak_does_not_climb_with_blocks_freed_on_a_thread_the_profiler_does_not_follow():
     """An asynchronous collective's worker thread (gloo's) drops the last reference to a buffer the step made:
     the CPU allocator's running total never takes it back. A step reads what it held at its peak (2 MiB)

@@ -21,7 +21,8 @@ to the first storage of its size (:func:`fits`) that the step reads without havi
 kept only if the program freed it within the traced steps and after that read (a temporary of the
 same size freed at once is not it; what lives on is state). Below :data:`BORN_MIN_BYTES` (scalars
 wrapped from Python numbers) the memory is immaterial and making it each step would cost the replay
-host time the program did not spend: those stay held throughout.
+host time the program did not spend: those stay held throughout, except inside a composite kept whole,
+whose storages are laid over one buffer made at once.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import bisect
 from typing import Any
 
+from workloads.trace_replay.memory import laid_out_refs, view_extent
 from workloads.trace_replay.parse import MemoryEvent, tensor_refs
 
 BORN_MIN_BYTES = 1024  # smaller buffers a program makes outside any op are held by the replay throughout
@@ -50,19 +52,24 @@ def fits(size: int, event: MemoryEvent) -> bool:
     return size <= event.nbytes <= most
 
 
-def _closest(sizes: list[tuple[Any, int]], event: MemoryEvent) -> int | None:
+def _closest(sizes: list[tuple[Any, int]], event: MemoryEvent, *, within: bool = False) -> int | None:
     """The index in ``sizes`` ((key, bytes), in order) of the storage ``event`` allocated: of those it can be,
-    the one it rounds up least, the first of equals; None where none fits."""
-    found = [(event.nbytes - size, k) for k, (_, size) in enumerate(sizes) if fits(size, event)]
+    the one it rounds up least, the first of equals; None where none fits. ``within``: a storage whose views
+    reach no further than the allocation can be it too (later ops may read only part of it: an LSTM's
+    backward reads three of a time step's four gate chunks)."""
+    found = [(event.nbytes - size, k) for k, (_, size) in enumerate(sizes)
+             if fits(size, event) or within and 0 < size <= event.nbytes]
     return min(found)[1] if found else None
 
 
-def _storage_bytes(values: list[Any], seen: set[int]) -> dict[int, int]:
-    """Storage id → the bytes its views among ``values`` reach, for storages not in ``seen``."""
+def _storage_bytes(io: dict[str, Any], seen: set[int]) -> dict[int, int]:
+    """Storage id → the bytes its views among an op's inputs or outputs (``io``) reach, for storages not in
+    ``seen``. A view reaches its offset plus its extent, not its element count: an LSTM's gate chunk (6 × 24 of
+    a 6 × 96 storage, at offset 72) reaches the storage's 2,304 bytes, where 72 + 144 elements said 864."""
     found: dict[int, int] = {}
-    for ref in tensor_refs(values):
+    for ref, shape, stride in laid_out_refs(io):
         if ref[1] not in seen and ref[3] > 0:
-            found[ref[1]] = max(found.get(ref[1], 0), (ref[2] + ref[3]) * ref[4])
+            found[ref[1]] = max(found.get(ref[1], 0), (ref[2] + view_extent(shape, stride)) * ref[4])
     return found
 
 
@@ -75,16 +82,33 @@ def _first_uses(timed: list[dict[str, Any]]) -> tuple[list[dict[int, int]], list
     for k, op in enumerate(timed):
         if k and op["step"] != timed[k - 1]["step"]:
             seen.clear()
-        inputs = op["inputs"].get("values", [])
-        orphans.extend((k, sid, size) for sid, size in _storage_bytes(inputs, seen).items())
-        seen.update(ref[1] for ref in tensor_refs(inputs))
-        new: dict[int, int] = {}
-        for ref in tensor_refs(op["outputs"].get("values", [])):
-            if ref[1] not in seen and ref[3] > 0:
-                new[ref[1]] = max(new.get(ref[1], 0), (ref[2] + ref[3]) * ref[4])
-            seen.add(ref[1])
-        fresh.append(new)
+        orphans.extend((k, sid, size) for sid, size in _storage_bytes(op["inputs"], seen).items())
+        seen.update(ref[1] for ref in tensor_refs(op["inputs"].get("values", [])))
+        fresh.append(_storage_bytes(op["outputs"], seen))
+        seen.update(ref[1] for ref in tensor_refs(op["outputs"].get("values", [])))
     return fresh, orphans
+
+
+def _last_reads(timed: list[dict[str, Any]], orphans: list[tuple[int, int, int]]) -> dict[tuple[int, int], int]:
+    """(first reader, storage) of each of ``orphans`` → the last op of its step that reads the storage before
+    an op makes it anew (an id is an address's, reused after a free)."""
+    starting: dict[int, list[int]] = {}
+    for reader, sid, _ in orphans:
+        starting.setdefault(reader, []).append(sid)
+    active: dict[int, tuple[int, int]] = {}
+    last: dict[tuple[int, int], int] = {}
+    for k, op in enumerate(timed):
+        if k and op["step"] != timed[k - 1]["step"]:
+            active.clear()
+        for sid in starting.get(k, []):
+            active[sid] = (k, sid)
+        for ref in tensor_refs(op["inputs"].get("values", [])):
+            if ref[1] in active:
+                last[active[ref[1]]] = k
+        for ref in tensor_refs(op["outputs"].get("values", [])):
+            if ref[1] in active and active[ref[1]][0] != k:
+                del active[ref[1]]
+    return last
 
 
 def _free_times(memory: list[MemoryEvent]) -> dict[int, float]:
@@ -108,6 +132,7 @@ def mark_source_releases(ops: list[dict[str, Any]], memory: list[MemoryEvent]) -
         return
     starts = [op["ts_us"] for op in timed]
     fresh, orphans = _first_uses(timed)
+    last = _last_reads(timed, orphans)
     for op in ops:
         op["allocated"], op["released"], op["born"] = [], [], []
     # (device, address) → the storage allocated there, while it lives; or (op, orphan) made between ops
@@ -133,12 +158,23 @@ def mark_source_releases(ops: list[dict[str, Any]], memory: list[MemoryEvent]) -
                 if "held_bytes" not in op:
                     continue
                 # a composite kept whole: what it made inside it and still held, made right after it; a
-                # storage of it that a later op reads is one of those (below)
+                # storage of it that a later op reads is one of those (below), of any size: the replay lays
+                # them all over the one buffer it makes for them
                 op["held_bytes"] += event.nbytes
+                held = True
+            else:
+                held = False
             # between ops: the first storage of this size the step reads later without having made it
             later = [(i, size) for i, (reader, _, size) in enumerate(orphans)
                      if reader > at and timed[reader]["step"] == op["step"]]
-            k = None if event.nbytes < BORN_MIN_BYTES else _closest(later, event)
+            if held and n in freed:
+                # of a composite's many storages of one size (an LSTM's gates, a time step each, read back in
+                # reverse), the one last read just before this allocation was freed
+                gone = bisect.bisect_right(starts, freed[n]) - 1
+                later = sorted(((gone - last[orphans[i][:2]], size), i, size) for i, size in later
+                               if last.get(orphans[i][:2], gone + 1) <= gone)
+                later = [(i, size) for _, i, size in later]
+            k = None if event.nbytes < BORN_MIN_BYTES and not held else _closest(later, event, within=held)
             if k is not None:
                 unconfirmed[where] = (op, orphans.pop(later[k][0]))
         elif event.nbytes < 0 and where in unconfirmed:

@@ -10,6 +10,8 @@ that could not run is stood in for by outputs of its captured layout.
 
 from __future__ import annotations
 
+import bisect
+import math
 from typing import Any
 
 import torch
@@ -21,6 +23,7 @@ from workloads.trace_replay.records import ValueStats
 from workloads.trace_replay.tensors import copy_recorded, fill_view, match_scalars, match_values, stand_in
 
 HELD_ALIGN = 64  # bytes: each storage laid over a composite's held buffer starts on such a boundary
+HELD_CHUNKS = 8  # a composite's held memory is made in at most this many buffers, freed one by one
 
 
 class Synthesis:
@@ -37,6 +40,7 @@ class Synthesis:
         self._birth_plans: dict[int, tuple[dict, list, list, int]] = {}
         self._flat = [p for positions in plan.sequence for p in positions]  # flat position → op index
         self._held_templates: dict[int, tuple[torch.Tensor, list]] = {}  # see _give_birth_held
+        self._freed: dict[int, list[int]] | None = None  # slot → the flat positions after which it is freed
 
     def materialize(self) -> None:
         """Synthesise every external tensor that lives across steps: one buffer per captured storage,
@@ -124,29 +128,61 @@ class Synthesis:
     def _give_birth_held(self, k: int, fast: list[tuple[int, torch.dtype, list[tuple[int, Any]]]],
                          held: int) -> None:
         """What a composite op kept whole held at its return (``held`` bytes: a recurrent layer's gates and
-        states, saved for backward), made as the program made it: all at once, as one buffer, the storages
-        later ops read laid over its start and the rest of it there for its bytes (nothing reads it). The
-        buffer lives while any of those storages does. It is a copy of one made and filled once (in
-        [0.1, 1), as :func:`.tensors.fill_view` fills where nothing is known): made one by one, each
-        filled, the GRU tagger's 97 storages a step cost its replay more host time than keeping the op
-        whole saved."""
+        states, saved for backward), made as the program made it: all at once, in at most
+        :data:`HELD_CHUNKS` buffers, the storages later ops read laid over them and the rest of ``held``
+        spread over them by their bytes (nothing reads it). Its storages are grouped in the order the replay
+        frees them (as the program freed them, :mod:`.liveness`), so that the memory goes as the program's
+        backward let it go, a chunk at a time: one buffer for all of them lived until the last was freed,
+        and a packed LSTM's replay ended its backward holding 80 KB its program had let go (+16 % at its
+        step's peak). Each buffer is a copy of one made and filled once (in [0.1, 1), as
+        :func:`.tensors.fill_view` fills where nothing is known): made one by one, each filled, the GRU
+        tagger's 97 storages a step cost its replay more host time than keeping the op whole saved."""
         if k not in self._held_templates:
-            layout, at = [], 0
-            for numel, dtype, views in sorted(fast, key=lambda entry: str(entry[1])):
-                at, numel = -(-at // HELD_ALIGN) * HELD_ALIGN, max(numel, 1)
-                layout.append((at // dtype.itemsize, numel, dtype, views))
-                at += numel * dtype.itemsize
-            template = torch.empty(-(-max(at, held) // HELD_ALIGN) * HELD_ALIGN, dtype=torch.uint8,
-                                   device=self.device)
-            for start, numel, dtype, _ in layout:
-                template.view(dtype)[start:start + numel].uniform_(0.1, 1.0, generator=self.generator)
-            self._held_templates[k] = (template, layout)
-        template, layout = self._held_templates[k]
-        whole = template.clone()
-        typed = {dtype: whole.view(dtype) for _, _, dtype, _ in layout}
-        for start, _, dtype, views in layout:
-            for slot, info in views:
-                self.vals[slot] = typed[dtype].as_strided(info.shape, info.stride, start + info.offset)
+            entries = sorted(fast, key=lambda entry: max(self._freed_after(slot, k) for slot, _ in entry[2]))
+            sizes = [max(numel, 1) * dtype.itemsize for numel, dtype, _ in entries]
+            born, rest = sum(sizes), max(held - sum(sizes), 0)
+            groups: list[list[int]] = []  # runs of about equal bytes, in the order they are freed
+            done = 0
+            for n, size in enumerate(sizes):
+                if not groups or done >= born * len(groups) / HELD_CHUNKS:
+                    groups.append([])
+                groups[-1].append(n)
+                done += size
+            chunks, at = [], 0  # (where a chunk begins in the template, its storages, where it ends)
+            for members in groups:
+                begin, layout = at, []
+                for n in members:
+                    numel, dtype, views = entries[n]
+                    at = -(-at // HELD_ALIGN) * HELD_ALIGN
+                    layout.append(((at - begin) // dtype.itemsize, max(numel, 1), dtype, views))
+                    at += sizes[n]
+                at += rest * sum(sizes[n] for n in members) // max(born, 1)  # its share of what nothing reads
+                at = -(-at // HELD_ALIGN) * HELD_ALIGN
+                chunks.append((begin, layout, at))
+            template = torch.empty(max(at, 1), dtype=torch.uint8, device=self.device)
+            for begin, layout, end in chunks:
+                typed = {dtype: template[begin:end].view(dtype) for _, _, dtype, _ in layout}
+                for start, numel, dtype, _ in layout:
+                    typed[dtype][start:start + numel].uniform_(0.1, 1.0, generator=self.generator)
+            self._held_templates[k] = (template, chunks)
+        template, chunks = self._held_templates[k]
+        for begin, layout, end in chunks:
+            whole = template[begin:end].clone()
+            typed = {dtype: whole.view(dtype) for _, _, dtype, _ in layout}
+            for start, _, dtype, views in layout:
+                for slot, info in views:
+                    self.vals[slot] = typed[dtype].as_strided(info.shape, info.stride, start + info.offset)
+
+    def _freed_after(self, slot: int, k: int) -> float:
+        """The flat position after which the replay frees ``slot``, made at flat position ``k`` (inf: never)."""
+        if self._freed is None:
+            self._freed = {}
+            for position, slots in enumerate(self.plan.clears):
+                for cleared in slots:
+                    self._freed.setdefault(cleared, []).append(position)
+        positions = self._freed.get(slot, [])
+        n = bisect.bisect_left(positions, k)
+        return positions[n] if n < len(positions) else math.inf
 
     def _lay_out(self, externals: dict[int, External], constraints: list[Constraint] | None = None) -> int:
         """Buffers for these external slots, their views in :attr:`vals` with defined contents (``constraints``:
