@@ -22,7 +22,7 @@ kept only if the program freed it within the traced steps and after that read (a
 same size freed at once is not it; what lives on is state). Below :data:`BORN_MIN_BYTES` (scalars
 wrapped from Python numbers) the memory is immaterial and making it each step would cost the replay
 host time the program did not spend: those stay held throughout, except inside a composite kept whole,
-whose storages are laid over one buffer made at once.
+whose storages are laid over a few buffers made at once (:mod:`.synthesis`).
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def mark_source_releases(ops: list[dict[str, Any]], memory: list[MemoryEvent]) -
                     continue
                 # a composite kept whole: what it made inside it and still held, made right after it; a
                 # storage of it that a later op reads is one of those (below), of any size: the replay lays
-                # them all over the one buffer it makes for them
+                # them all over the few buffers it makes for them
                 op["held_bytes"] += event.nbytes
                 held = True
             else:
