@@ -576,7 +576,7 @@ def test_a_step_peak_leaves_out_what_was_allocated_before_it():
 def test_a_recurrent_layer_kept_whole_holds_what_its_program_held_until_its_backward_let_it_go(tmp_path: Path):
     """A packed LSTM (random lengths) is one ``aten::lstm`` op kept whole; its time steps' gates and states,
     saved for backward (many under 1 KiB, 30 of one size, read back in reverse, some only in part), are made
-    after it and freed a chunk at a time as the program's backward freed them. Where none of them was matched
+    after it and freed as the program's backward freed them. Where none of them was matched
     to the op's allocations (none made after it, the small ones held from the start as if they were state),
     its step's peak read 47 % below the captured step's (memory -16 % of the whole)."""
     from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
