@@ -71,7 +71,7 @@ def run_main(argv: list[str]) -> int:
     (:func:`suite.cli.guarded`): ValueError and TrackingError are bad input, Ctrl-C an interruption."""
     from harness.config import results_root, run_hydra_app, to_run_config
     from harness.distributed import adopt_slurm_tasks, env_dist_info
-    from harness.distribution.scheduler import check_launcher, collect_results, launcher_of, prepare_argv, save_result
+    from harness.distribution.scheduler import check_launcher, launch_sweep, launcher_of, prepare_argv, save_result
     from harness.recording.tracking import TrackingError
     from harness.running.runner import STATUS_FINISHED, BenchmarkResult, run_benchmark
     from harness.running.summary import print_summary, sweep_labels
@@ -106,9 +106,10 @@ def run_main(argv: list[str]) -> int:
         if remote:
             check_launcher(remote, argv)
             argv, sweep_dir = prepare_argv(argv, results_root(first))
-    run_hydra_app(task, "cobench run", argv)
-    if remote and not hydra_flags:
-        results[:], job_overrides[:] = collect_results(sweep_dir)
+    if remote and not hydra_flags:  # the jobs run elsewhere: what they left comes back once all have ended
+        results[:], job_overrides[:] = launch_sweep(task, "cobench run", remote, argv, sweep_dir)
+    else:
+        run_hydra_app(task, "cobench run", argv)
     if not results:  # --help, --cfg job, ... : Hydra answered and ran nothing
         return EXIT_OK
     if env_dist_info().is_main:

@@ -13,19 +13,18 @@ benchmarks whose jobs failed or left nothing.
 
 from __future__ import annotations
 
-import sys
 import traceback
 from collections.abc import Callable
 
 from omegaconf import DictConfig
 
 from harness.cli import EXIT_FAILED, EXIT_OK
-from harness.config import results_root, run_hydra_app
+from harness.config import results_root
 from harness.distributed import adopt_slurm_tasks, env_dist_info
 from harness.distribution.scheduler import (
     check_launcher,
-    collect_results,
     is_launcher_override,
+    launch_sweep,
     launcher_of,
     prepare_argv,
     save_result,
@@ -73,16 +72,12 @@ def launch_suite(name: str, args: list[str], launcher: str) -> SuiteOutcome:
             if env_dist_info().is_main:
                 save_result(job_dir, result)
 
-        try:
-            run_hydra_app(job, "cobench suite", argv)
-        except SystemExit as exit_:  # Hydra's way of saying a job raised: the jobs' own results say which
-            if exit_.code not in (0, None):
-                print(f"cobench suite: a job failed (Hydra exit {exit_.code}); see {sweep_dir}", file=sys.stderr)
-        got, job_overrides = collect_results(sweep_dir)
+        got, job_overrides = launch_sweep(job, "cobench suite", launcher, argv, sweep_dir)
         for result, ran in zip(got, job_overrides, strict=True):
             if result.benchmark.startswith("job "):  # the job left nothing: name it by its benchmark
                 chosen = [o.split("=", 1)[1].strip("[]") for o in ran if o.startswith("suite.only=")]
-                result.benchmark = chosen[0] if chosen else result.benchmark
+                number = int(result.benchmark.split()[1])  # the sweep's jobs are the benchmarks, in order
+                result.benchmark = chosen[0] if chosen else jobs[number] if number < len(jobs) else result.benchmark
             results.append(result)
         for missing in sorted(set(jobs) - {r.benchmark for r in got}):
             results.append(BenchmarkResult(missing, "?", "?", STATUS_FAILED, "-", None,
