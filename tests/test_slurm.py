@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 import time
 
 import pytest
@@ -93,8 +94,6 @@ def test_a_job_cancelled_on_the_cluster_is_a_failed_row_and_the_sweep_still_ends
     """A job cancelled mid-run (`scancel`: no result file will ever come) on a cluster that keeps no
     accounting, where `sacct` cannot say it ended: the submitting process sees it leave the queue, prints the
     other job's row and a FAILED row naming where the logs are, and exits 1 — it does not wait forever."""
-    import sys
-
     from conftest import clean_env, mlflow_runs
 
     env = clean_env() | slurm_cluster["env"]
@@ -105,11 +104,13 @@ def test_a_job_cancelled_on_the_cluster_is_a_failed_row_and_the_sweep_still_ends
          "runner.warmup_steps=1", "runner.repetitions=1", "runner.progress=false", f"results_dir={results}",
          f"platform.calibration_cache={calibration_cache}"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    sweeps: set[str] = set()  # the sweep's array ids: cancelled at the end whatever happens, so none runs on
     try:
         deadline = time.monotonic() + 300
         while True:  # the sweep's second job (a million steps) running: cancel it
             listed = subprocess.run(["squeue", "--noheader", "--array", "--format=%i %T"], env=env,
                                     capture_output=True, text=True).stdout.split()
+            sweeps |= {job.split("_")[0] for job in listed[::2]}
             endless = [job for job, state in zip(listed[::2], listed[1::2], strict=True)
                        if job.endswith("_1") and state == "RUNNING"]
             if endless:
@@ -120,6 +121,8 @@ def test_a_job_cancelled_on_the_cluster_is_a_failed_row_and_the_sweep_still_ends
         out, err = proc.communicate(timeout=300)
     finally:
         proc.kill()
+        if sweeps:
+            subprocess.run(["scancel", *sorted(sweeps)], env=env, capture_output=True)
     assert proc.returncode == 1, out[-3000:] + err[-3000:]
     assert "a job failed" in err and ".submitit" in err
     assert "left no result" in out and "FAILED" in out
