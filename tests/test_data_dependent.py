@@ -194,10 +194,24 @@ def lstm_packed_lengths() -> Callable[[], None]:
     return _train(model, loss)
 
 
+def kept_covariance_cholesky() -> Callable[[], None]:
+    """A covariance the program keeps (48 x 48: too large to be recorded whole), factorised each step: drawn element
+    by element its replay is not positive definite and ``linalg_cholesky`` fails; drawn of its kind it runs."""
+    lin = nn.Linear(48, 48)
+    samples = torch.randn(200, 48)
+    covariance = samples.T @ samples / 200 + 0.1 * torch.eye(48)
+
+    def loss() -> torch.Tensor:
+        factor = torch.linalg.cholesky(covariance)
+        return torch.cholesky_solve(lin(torch.randn(16, 48)).T, factor).pow(2).mean()
+
+    return _train(lin, loss)
+
+
 FAMILIES = {f.__name__: f for f in (
     bool_mask_rows, column_mask_and_index_list, mask_nonzero_index_put, masked_select_pairs, unique_inverse_lookup,
     bincount_repeat_interleave, topk_sort_indices, argwhere_where_cond, box_keep_list, label_runs,
-    masked_scatter_fill, lstm_packed_lengths)}
+    masked_scatter_fill, lstm_packed_lengths, kept_covariance_cholesky)}
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

@@ -167,6 +167,8 @@ def test_a_part_of_a_step_keeps_the_default_fill(captured):
     (lambda e: e.update(shape=[], op=7), "op.*expected a string"),
     (lambda e: e.update(reader=["aten::mul_"]), "reader.*expected a string"),
     (lambda e: e.update(dtype=["float32"]), "is not a floating dtype"),
+    (lambda e: e.update(shape=[3, 3], matrix="orthogonal"), "is not one of"),
+    (lambda e: e.update(shape=[4, 3], matrix="symmetric"), "not square"),
     (lambda e: e.update(shape=[3], data=base64.b64encode(bytes(8)).decode()), "8 bytes where 3 float32"),
     (lambda e: e.update(shape=[EXACT_VALUE_ELEMENTS + 1], data=base64.b64encode(bytes(4 * EXACT_VALUE_ELEMENTS + 4))
                         .decode()), "recorded whole"),

@@ -38,6 +38,7 @@ MAX_GAP_SAMPLES = 1000  # host-gap measurements a step's estimate rests on
 MAX_STEP_HOST_US = 60e6  # one step's host time in all: 60 s
 MAX_REPEAT = 10_000
 MAX_STRING = 4096
+MATRIX_KINDS = {"symmetric", "positive_definite"}
 FLOAT_DTYPES = {"float16", "bfloat16", "float32", "float64", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
                 "float8_e5m2fnuz", "complex64", "complex128", "complex32"}
 MAX_TENSOR_DATA_CHARS = 4 * (64 * 2**20) // 3  # base64 of 64 MiB
@@ -165,6 +166,11 @@ class SpecFields:
             self.need(not shape, f"{where}.op", f"a reader recorded for a tensor of shape {shape}, not 0-dim")
         if "reader" in entry:  # the first reader of any other
             self.str_(entry["reader"], f"{where}.reader")
+        if "matrix" in entry:  # a square matrix, or a batch of them, of a kind its values must keep
+            self.need(entry["matrix"] in MATRIX_KINDS, f"{where}.matrix",
+                      f"{_show(entry['matrix'])} is not one of {sorted(MATRIX_KINDS)}")
+            self.need(len(shape) >= 2 and shape[-1] == shape[-2], f"{where}.matrix",
+                      f"a matrix kind recorded for shape {shape}, not square")
         if "data" not in entry:
             return 0, indices
         numel, loc = math.prod(shape), f"{where}.data"

@@ -108,6 +108,7 @@ class ValueStats:
     # per dimension, the slices along it that are wholly zero: by index, or (too many to list) their share
     zero_slices: dict[int, tuple[int, ...]] = field(default_factory=dict)
     zero_slice_shares: dict[int, float] = field(default_factory=dict)
+    matrix: str | None = None  # a square matrix (or a batch) that was "symmetric" or "positive_definite"
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> ValueStats:
@@ -119,7 +120,8 @@ class ValueStats:
                    float(raw["min"]), float(raw["max"]), float(raw.get("zeros", 0.0)),
                    tuple(float(nonzero[k]) for k in ("mean", "std", "min", "max")) if nonzero else None,
                    raw.get("data"), raw.get("op"), raw.get("reader"),
-                   {int(d): tuple(int(i) for i in index) for d, index in raw.get("zero_slices", {}).items()}, shares)
+                   {int(d): tuple(int(i) for i in index) for d, index in raw.get("zero_slices", {}).items()}, shares,
+                   raw.get("matrix"))
 
 
 @dataclass(frozen=True)

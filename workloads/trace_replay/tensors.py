@@ -160,7 +160,7 @@ def fill_view(view: torch.Tensor, rng: tuple[int, int] | None, is_offsets: bool,
     elif target.dtype == torch.bool:
         values = torch.rand(target.shape, generator=generator) < 0.5
     elif stats is not None and target.dtype.is_floating_point:
-        values = _like(stats, target.shape, generator)
+        values = _of_kind(stats, _like(stats, target.shape, generator))
     elif target.dtype.is_floating_point or target.dtype.is_complex:
         values = torch.empty(target.shape, dtype=torch.float32).uniform_(0.1, 1.0, generator=generator)
     else:
@@ -207,6 +207,22 @@ def _like(stats: ValueStats, shape: torch.Size, generator: torch.Generator) -> t
     if strewn > 0:
         zero |= torch.rand(values.shape, generator=generator) < strewn
     values[zero] = 0.0
+    return values
+
+
+def _of_kind(stats: ValueStats, values: torch.Tensor) -> torch.Tensor:
+    """Drawn values made a matrix of the kind the program's was (``stats.matrix``): symmetric, its mirror image
+    averaged in; positive definite, each diagonal element raised above the sum of its row's other magnitudes
+    (by the program's spread), which makes it so. A Cholesky factorisation runs on any such matrix as on the
+    program's, where it fails on floats drawn element by element."""
+    if stats.matrix is None or tuple(values.shape) != tuple(stats.shape) or values.dim() < 2 \
+            or values.shape[-1] != values.shape[-2]:
+        return values
+    values = (values + values.mT) / 2
+    if stats.matrix == "positive_definite":
+        diagonal = values.diagonal(dim1=-2, dim2=-1)
+        others = values.abs().sum(-1) - diagonal.abs()
+        diagonal.copy_(torch.maximum(diagonal, others + max(stats.std, 1e-3)))
     return values
 
 
