@@ -74,8 +74,10 @@ def _storage_bytes(io: dict[str, Any], seen: set[int]) -> dict[int, int]:
 
 
 def _first_uses(timed: list[dict[str, Any]]) -> tuple[list[dict[int, int]], list[tuple[int, int, int]]]:
-    """Per timed op, its new output storages (id → bytes); and the storages each step reads before it
-    makes or reads them, as (first reader, storage, bytes)."""
+    """Per timed op, the output storages it may have made (id → bytes): those it does not read, an id seen
+    earlier in the step too (an id is an address's, reused after a free: a convolution's input gradient at
+    the address its forward's batch norm output had), which an allocation inside the op confirms; and the
+    storages each step reads before it makes or reads them, as (first reader, storage, bytes)."""
     seen: set[int] = set()  # storages that existed before an op in its step: its inputs, earlier outputs
     fresh: list[dict[int, int]] = []
     orphans: list[tuple[int, int, int]] = []
@@ -83,8 +85,9 @@ def _first_uses(timed: list[dict[str, Any]]) -> tuple[list[dict[int, int]], list
         if k and op["step"] != timed[k - 1]["step"]:
             seen.clear()
         orphans.extend((k, sid, size) for sid, size in _storage_bytes(op["inputs"], seen).items())
-        seen.update(ref[1] for ref in tensor_refs(op["inputs"].get("values", [])))
-        fresh.append(_storage_bytes(op["outputs"], seen))
+        read = {ref[1] for ref in tensor_refs(op["inputs"].get("values", []))}
+        seen.update(read)
+        fresh.append(_storage_bytes(op["outputs"], read))
         seen.update(ref[1] for ref in tensor_refs(op["outputs"].get("values", [])))
     return fresh, orphans
 

@@ -207,6 +207,9 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
                 lines.append(f"    d += pc() - a + k * {after!r}")
             if targets and not op.single_output:
                 lines.extend(f"    v[{slot}] = r[{n}]" for n, slot in targets)
+                # not held past its slots' lifetimes: until the next op with several outputs returned, its list
+                # kept a convolution's input gradient through a batch norm's backward (+162 KB at its peak)
+                lines.append("    r = None")
             if toggled:
                 lines.append("    grad(False)")
                 lines.extend(f"    keep.append(v[{slot}])" for _, slot in targets)

@@ -67,19 +67,26 @@ def _source_lifetimes(flat: list[int], ops: list[CompiledOp], specs: list[OpReco
                       carried: set[int]) -> dict[int, int]:
     """Slot → the last flat position the program held its storage (see :func:`plan_clears`)."""
     held: dict[int, int] = {}
-    live: dict[int, list[int]] = {}  # storage allocated in this step → the slots viewing it
+    # storage allocated in this step → its lifetimes, oldest first, each the slots viewing it: an id is an
+    # address's, so an op may make a storage at the address one freed within it had (that one's release
+    # is then this op's too, and ends the older lifetime)
+    live: dict[int, list[list[int]]] = {}
     step_of = [ops[p].step for p in flat]
     for k, position in enumerate(flat):
         op, allocated = ops[position], specs[position].allocated
+        made: dict[int, list[int]] = {}
         for slot, info in zip(op.out_slots, op.out_infos, strict=False):
             if slot is not None and info is not None and slot not in carried and info.storage_id in allocated:
-                live.setdefault(info.storage_id, []).append(slot)
+                made.setdefault(info.storage_id, []).append(slot)
+        for storage, slots in made.items():
+            live.setdefault(storage, []).append(slots)
         for storage in specs[position].released:
-            for slot in live.pop(storage, []):
-                held[slot] = max(held.get(slot, k), k)
+            if live.get(storage):
+                for slot in live[storage].pop(0):
+                    held[slot] = max(held.get(slot, k), k)
         if k + 1 == len(flat) or step_of[k + 1] != step_of[k]:  # kept past the step: to its end
-            for slots in live.values():
-                for slot in slots:
+            for lifetimes in live.values():
+                for slot in (slot for slots in lifetimes for slot in slots):
                     held[slot] = max(held.get(slot, k), k)
             live.clear()
     return held
