@@ -1,0 +1,347 @@
+"""Training programs written the way newcomers write them, each around a pattern the replay was not built on.
+
+Each entry builds a small, self-contained training program — model, data, optimiser — and returns
+``(step, model)``: ``step()`` runs one training iteration. Together they cover what the other corpora
+do not: complex tensors through FFTs, activation checkpointing (its forward run again in the backward),
+gradient accumulation over micro-batches, sampling (reparameterisation, ``Categorical``, ``multinomial``,
+Gumbel-softmax, inverse-CDF ``searchsorted``), linear algebra (Cholesky solves), a second-order gradient
+penalty, a custom ``autograd.Function``, parametrizations (spectral and weight norm), channels-last
+convolutions with a fused optimiser, ``nn.TransformerEncoder`` with a padding mask, CTC, fp16 autocast
+with a ``GradScaler``, an EMA of the weights by ``_foreach_lerp_``, ``one_hot`` with its width read from
+the labels, hard-negative mining, ``bucketize`` and an embedding renormalised by ``max_norm``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Program = tuple[Callable[[], None], nn.Module]
+
+
+def _trainer(model: nn.Module, loss: Callable[[], torch.Tensor], opt: torch.optim.Optimizer | None = None
+             ) -> Callable[[], None]:
+    opt = opt or torch.optim.SGD(model.parameters(), lr=1e-2)
+
+    def step() -> None:
+        loss().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def fno_spectral() -> Program:
+    """A Fourier neural operator layer: complex weights on the lowest modes of an ``rfft2``."""
+    class Spectral(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weights = nn.Parameter(torch.randn(8, 8, 6, 6, dtype=torch.cfloat) * 0.1)
+            self.lift, self.proj = nn.Conv2d(1, 8, 1), nn.Conv2d(8, 1, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lift(x)
+            modes = torch.fft.rfft2(h)
+            out = torch.zeros_like(modes)
+            out[:, :, :6, :6] = torch.einsum("bixy,ioxy->boxy", modes[:, :, :6, :6], self.weights)
+            return self.proj(F.gelu(torch.fft.irfft2(out, s=h.shape[-2:]) + h))
+
+    model = Spectral()
+    x, y = torch.randn(4, 1, 24, 24), torch.randn(4, 1, 24, 24)
+    return _trainer(model, lambda: F.mse_loss(model(x), y), torch.optim.Adam(model.parameters(), 1e-3)), model
+
+
+def checkpointed_mlp() -> Program:
+    from torch.utils.checkpoint import checkpoint
+
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.LayerNorm(64)) for _ in range(3))
+    x, y = torch.randn(32, 64), torch.randn(32, 64)
+
+    def loss() -> torch.Tensor:
+        h = x
+        for block in blocks:
+            h = checkpoint(block, h, use_reentrant=False)
+        return F.mse_loss(h, y)
+
+    return _trainer(blocks, loss, torch.optim.AdamW(blocks.parameters(), 1e-3)), blocks
+
+
+def grad_accumulation() -> Program:
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    opt = torch.optim.Adam(model.parameters())
+
+    def step() -> None:
+        for _ in range(3):
+            x, y = torch.randn(8, 32), torch.randint(0, 4, (8,))
+            (F.cross_entropy(model(x), y) / 3).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, model
+
+
+def vae_reparameterised() -> Program:
+    encoder, decoder = nn.Linear(64, 16), nn.Linear(8, 64)
+    model = nn.ModuleList([encoder, decoder])
+    x = (torch.rand(16, 64) > 0.5).float()
+
+    def loss() -> torch.Tensor:
+        mu, logvar = encoder(x).chunk(2, -1)
+        z = mu + torch.randn_like(mu) * (0.5 * logvar).exp()
+        reconstruction = F.binary_cross_entropy_with_logits(decoder(z), x, reduction="sum")
+        return reconstruction - 0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp())
+
+    return _trainer(model, loss, torch.optim.Adam(model.parameters(), 1e-3)), model
+
+
+def policy_gradient() -> Program:
+    policy = nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 5))
+
+    def loss() -> torch.Tensor:
+        dist = torch.distributions.Categorical(logits=policy(torch.randn(20, 10)))
+        action = dist.sample()
+        reward = (action == 2).float() - 0.5
+        return -(dist.log_prob(action) * reward).mean() - 0.01 * dist.entropy().mean()
+
+    return _trainer(policy, loss), policy
+
+
+def multinomial_from_kept_probabilities() -> Program:
+    """``multinomial`` over a probability table the program keeps, and over its own softmax."""
+    lin = nn.Linear(50, 50)
+    table = torch.softmax(torch.randn(64, 50) * 3, -1)
+
+    def loss() -> torch.Tensor:
+        p = F.softmax(lin(torch.randn(64, 50)), -1)
+        picked = torch.multinomial(table, 4)
+        own = torch.multinomial(p.detach(), 3, replacement=False)
+        return -torch.log(p.gather(1, own)).mean() + p.gather(1, picked).mean() + F.binary_cross_entropy(p, table)
+
+    return _trainer(lin, loss), lin
+
+
+def gaussian_process_cholesky() -> Program:
+    features = nn.Linear(5, 8)
+    x, y = torch.randn(30, 5), torch.randn(30, 1)
+
+    def loss() -> torch.Tensor:
+        h = features(x)
+        factor = torch.linalg.cholesky(h @ h.T + 0.1 * torch.eye(30))
+        return 0.5 * (y * torch.cholesky_solve(y, factor)).sum() + torch.log(torch.diagonal(factor)).sum()
+
+    return _trainer(features, loss), features
+
+
+def sdpa_causal_dropout() -> Program:
+    qkv, out = nn.Linear(32, 96), nn.Linear(32, 32)
+    model = nn.ModuleList([qkv, out])
+    x = torch.randn(4, 16, 32)
+
+    def loss() -> torch.Tensor:
+        q, k, v = qkv(x).view(4, 16, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.1)
+        return out(attended.transpose(1, 2).reshape(4, 16, 32)).pow(2).mean()
+
+    return _trainer(model, loss), model
+
+
+def spectral_and_weight_norm() -> Program:
+    from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+    model = nn.Sequential(spectral_norm(nn.Linear(24, 24)), nn.ReLU(), weight_norm(nn.Linear(24, 3)))
+    x, y = torch.randn(16, 24), torch.randint(0, 3, (16,))
+    return _trainer(model, lambda: F.cross_entropy(model(x), y)), model
+
+
+def channels_last_fused_adam() -> Program:
+    model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 8, 3), nn.Flatten(),
+                          nn.Linear(8 * 16 * 16, 5)).to(memory_format=torch.channels_last)
+    x, y = torch.randn(8, 3, 20, 20).to(memory_format=torch.channels_last), torch.randint(0, 5, (8,))
+    opt = torch.optim.Adam(model.parameters(), 1e-3, fused=True)
+    return _trainer(model, lambda: F.cross_entropy(model(x), y), opt), model
+
+
+def transformer_encoder_padding() -> Program:
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.1)
+    encoder, head = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(32, 3)
+    model = nn.ModuleList([encoder, head])
+
+    def loss() -> torch.Tensor:
+        pad = torch.arange(14)[None] >= torch.randint(4, 15, (6, 1))
+        h = encoder(torch.randn(6, 14, 32), src_key_padding_mask=pad)
+        return F.cross_entropy(head(h[~pad]), torch.randint(0, 3, (int((~pad).sum()),)))
+
+    return _trainer(model, loss, torch.optim.AdamW(model.parameters(), 1e-3)), model
+
+
+def searchsorted_sampling() -> Program:
+    lin = nn.Linear(8, 16)
+
+    def loss() -> torch.Tensor:
+        w = F.softplus(lin(torch.randn(10, 8))) + 1e-3
+        cdf = torch.cumsum(w, -1)
+        idx = torch.searchsorted((cdf / cdf[:, -1:]).detach(), torch.rand(10, 6)).clamp(max=15)
+        return -torch.log(torch.gather(w / w.sum(-1, keepdim=True), 1, idx)).mean()
+
+    return _trainer(lin, loss), lin
+
+
+def embedding_max_norm() -> Program:
+    emb, head = nn.Embedding(100, 16, max_norm=1.0), nn.Linear(16, 2)
+    model = nn.ModuleList([emb, head])
+
+    def loss() -> torch.Tensor:
+        return F.cross_entropy(head(emb(torch.randint(0, 100, (32, 5))).mean(1)), torch.randint(0, 2, (32,)))
+
+    return _trainer(model, loss), model
+
+
+def ctc_bidirectional_lstm() -> Program:
+    lstm, head = nn.LSTM(20, 32, bidirectional=True), nn.Linear(64, 6)
+    model = nn.ModuleList([lstm, head])
+
+    def loss() -> torch.Tensor:
+        log_probs = head(lstm(torch.randn(30, 4, 20))[0]).log_softmax(-1)
+        lengths = torch.randint(3, 8, (4,))
+        targets = torch.randint(1, 6, (int(lengths.sum()),))
+        return F.ctc_loss(log_probs, targets, torch.full((4,), 30), lengths)
+
+    return _trainer(model, loss, torch.optim.Adam(model.parameters())), model
+
+
+def fp16_autocast_grad_scaler() -> Program:
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    opt, scaler = torch.optim.SGD(model.parameters(), 0.01), torch.amp.GradScaler("cpu")
+    x, y = torch.randn(16, 32), torch.randint(0, 4, (16,))
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    return step, model
+
+
+def one_hot_width_from_labels() -> Program:
+    lin = nn.Linear(12, 7)
+
+    def loss() -> torch.Tensor:
+        target = F.one_hot(torch.randint(0, 7, (40,))).float()  # as wide as the largest label drawn
+        return F.mse_loss(lin(torch.randn(40, 12))[:, :target.shape[1]], target)
+
+    return _trainer(lin, loss), lin
+
+
+def wgan_gradient_penalty() -> Program:
+    critic = nn.Sequential(nn.Linear(16, 32), nn.LeakyReLU(0.2), nn.Linear(32, 1))
+    opt = torch.optim.Adam(critic.parameters(), 1e-4)
+    real, fake = torch.randn(24, 16), torch.randn(24, 16)
+
+    def step() -> None:
+        a = torch.rand(24, 1)
+        mixed = (a * real + (1 - a) * fake).requires_grad_(True)
+        grad, = torch.autograd.grad(critic(mixed).sum(), mixed, create_graph=True)
+        penalty = ((grad.norm(2, dim=1) - 1) ** 2).mean()
+        (critic(fake).mean() - critic(real).mean() + 10 * penalty).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step, critic
+
+
+def custom_autograd_function() -> Program:
+    class Swish(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+            s = torch.sigmoid(x)
+            ctx.save_for_backward(x, s)
+            return x * s
+
+        @staticmethod
+        def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+            x, s = ctx.saved_tensors
+            return grad * (s * (1 + x * (1 - s)))
+
+    first, second = nn.Linear(20, 40), nn.Linear(40, 3)
+    model = nn.ModuleList([first, second])
+    x, y = torch.randn(32, 20), torch.randint(0, 3, (32,))
+    return _trainer(model, lambda: F.cross_entropy(second(Swish.apply(first(x))), y)), model
+
+
+def ema_of_the_weights() -> Program:
+    model = nn.Sequential(nn.Linear(32, 64), nn.SiLU(), nn.Linear(64, 32))
+    ema = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    x = torch.randn(16, 32)
+
+    def step() -> None:
+        F.mse_loss(model(x), x).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            torch._foreach_lerp_(ema, list(model.parameters()), 0.001)
+
+    return step, model
+
+
+def gumbel_hard_routing() -> Program:
+    gate, experts = nn.Linear(16, 4), nn.Linear(16, 64)
+    model = nn.ModuleList([gate, experts])
+    x = torch.randn(30, 16)
+
+    def loss() -> torch.Tensor:
+        weights = F.gumbel_softmax(gate(x), tau=0.5, hard=True)
+        return (experts(x).view(30, 4, 16) * weights[..., None]).sum(1).pow(2).mean()
+
+    return _trainer(model, loss), model
+
+
+def triplet_hard_mining() -> Program:
+    encoder = nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 8))
+    x, labels = torch.randn(40, 10), torch.randint(0, 5, (40,))
+
+    def loss() -> torch.Tensor:
+        e = F.normalize(encoder(x), dim=1)
+        distance, same = torch.cdist(e, e), labels[:, None] == labels[None]
+        hardest_positive, hardest_negative = (distance * same).argmax(1), (distance + same * 1e3).argmin(1)
+        return F.triplet_margin_loss(e, e[hardest_positive], e[hardest_negative], margin=0.2)
+
+    return _trainer(encoder, loss), encoder
+
+
+def focal_loss_label_smoothing() -> Program:
+    lin = nn.Linear(24, 9)
+    x, y = torch.randn(50, 24), torch.randint(0, 9, (50,))
+
+    def loss() -> torch.Tensor:
+        ce = F.cross_entropy(lin(x), y, reduction="none", label_smoothing=0.1)
+        return ((1 - torch.exp(-ce)) ** 2 * ce).mean()
+
+    return _trainer(lin, loss), lin
+
+
+def bucketized_feature() -> Program:
+    emb, head = nn.Embedding(11, 8), nn.Linear(8, 1)
+    model = nn.ModuleList([emb, head])
+    edges = torch.linspace(-2, 2, 10)
+
+    def loss() -> torch.Tensor:
+        v = torch.randn(64)
+        return F.mse_loss(head(emb(torch.bucketize(v, edges))).squeeze(1), v)
+
+    return _trainer(model, loss), model
+
+
+PROGRAMS = {f.__name__: f for f in (
+    fno_spectral, checkpointed_mlp, grad_accumulation, vae_reparameterised, policy_gradient,
+    multinomial_from_kept_probabilities, gaussian_process_cholesky, sdpa_causal_dropout, spectral_and_weight_norm,
+    channels_last_fused_adam, transformer_encoder_padding, searchsorted_sampling, embedding_max_norm,
+    ctc_bidirectional_lstm, fp16_autocast_grad_scaler, one_hot_width_from_labels, wgan_gradient_penalty,
+    custom_autograd_function, ema_of_the_weights, gumbel_hard_routing, triplet_hard_mining,
+    focal_loss_label_smoothing, bucketized_feature)}
