@@ -19,6 +19,7 @@ for an op implemented by others, the ops it is made of), under no grad as the re
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -56,7 +57,9 @@ def _dispatched(fn: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, A
     calls = _Calls()
     try:  # a tensor with no meta twin (sparse), no meta kernel, arguments the binding does not take: not chosen
         meta_args, meta_kwargs = _meta(list(args)), {key: _meta(value) for key, value in kwargs.items()}
-        with torch.no_grad(), calls:
+        # a trial: what it warns of (a deprecated overload the arguments happen to fit) is not the program's
+        with torch.no_grad(), calls, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             fn(*meta_args, **meta_kwargs)
     except Exception:  # noqa: BLE001 - see above
         return None
