@@ -65,6 +65,25 @@ def cobench(tmp_path: Path, calibration_cache: str):
     return run
 
 
+def replayed_op_by_op(step, bundle: Path, model=None):
+    """Capture ``step`` (two traced steps), generate its spec and run its replay once op by op: returns the
+    replayer and what failed in that dry run (op index → error)."""
+    import torch
+
+    from harness.traces.capture import capture
+    from workloads.trace_replay.records import RankRecord
+    from workloads.trace_replay.replay import Replayer
+    from workloads.trace_replay.spec import generate_spec
+
+    with capture(bundle, steps=2, warmup=1, baseline_steps=1, model=model, announce=False) as cap:
+        while not cap.done:
+            with cap.step():
+                step()
+    replayer = Replayer(RankRecord.from_json(generate_spec(bundle)["ranks"][0]), torch.device("cpu"), seed=3)
+    replayer.materialize()
+    return replayer, replayer.dry_run().errors
+
+
 def mlflow_runs(results_dir: Path, experiment: str = "cobench") -> list:
     """All runs in the sqlite store under ``results_dir`` (read with MLflow's own client)."""
     from mlflow.tracking import MlflowClient

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import replayed_op_by_op
 from torch import nn
 
 from harness.traces.capture import capture
@@ -217,15 +218,7 @@ FAMILIES = {f.__name__: f for f in (
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_data_dependent_ops_replay_with_the_captured_shapes(name: str, tmp_path: Path):
     torch.manual_seed(0)
-    step = FAMILIES[name]()
-    with capture(tmp_path, steps=2, warmup=1, baseline_steps=1, announce=False) as cap:
-        while not cap.done:
-            with cap.step():
-                step()
-    rank = RankRecord.from_json(generate_spec(tmp_path)["ranks"][0])
-    replayer = Replayer(rank, torch.device("cpu"), seed=3)
-    replayer.materialize()
-    errors = replayer.dry_run().errors
+    replayer, errors = replayed_op_by_op(FAMILIES[name](), tmp_path)
     assert errors == {}, errors
     assert replayer.divergent == {}, {replayer.ops[i].name: why for i, why in replayer.divergent.items()}
     for _ in range(2 * len(replayer.sequence)):  # the generated code, as timed: the same shapes, no failure

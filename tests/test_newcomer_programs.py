@@ -8,27 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import replayed_op_by_op
 from newcomer_programs import PROGRAMS
 
 from harness.traces.allocator_peaks import captured_step_peak_bytes, step_memory_peak_bytes
-from harness.traces.capture import capture
-from workloads.trace_replay.records import RankRecord
-from workloads.trace_replay.replay import Replayer
-from workloads.trace_replay.spec import generate_spec
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
 def test_a_newcomers_program_replays_every_op_with_its_memory(name: str, tmp_path: Path):
     torch.manual_seed(0)
     step, model = PROGRAMS[name]()
-    with capture(tmp_path, steps=2, warmup=1, baseline_steps=1, model=model, announce=False) as cap:
-        while not cap.done:
-            with cap.step():
-                step()
-    rank = RankRecord.from_json(generate_spec(tmp_path)["ranks"][0])
-    replayer = Replayer(rank, torch.device("cpu"), seed=3)
-    replayer.materialize()
-    errors = replayer.dry_run().errors
+    replayer, errors = replayed_op_by_op(step, tmp_path, model)
     assert errors == {}, {replayer.ops[i].name: str(why)[:300] for i, why in errors.items()}
     assert replayer.divergent == {}, {replayer.ops[i].name: why for i, why in replayer.divergent.items()}
     for _ in range(2 * len(replayer.sequence)):
