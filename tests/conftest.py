@@ -65,21 +65,28 @@ def cobench(tmp_path: Path, calibration_cache: str):
     return run
 
 
-def replayed_op_by_op(step, bundle: Path, model=None):
-    """Capture ``step`` (two traced steps), generate its spec and run its replay once op by op: returns the
-    replayer and what failed in that dry run (op index → error)."""
-    import torch
-
+def captured(step, bundle: Path, model=None) -> Path:
+    """Capture ``step`` into ``bundle`` as the corpus tests do: one warm-up, one timed step, two traced steps."""
     from harness.traces.capture import capture
-    from workloads.trace_replay.records import RankRecord
-    from workloads.trace_replay.replay import Replayer
-    from workloads.trace_replay.spec import generate_spec
 
     with capture(bundle, steps=2, warmup=1, baseline_steps=1, model=model, announce=False) as cap:
         while not cap.done:
             with cap.step():
                 step()
-    replayer = Replayer(RankRecord.from_json(generate_spec(bundle)["ranks"][0]), torch.device("cpu"), seed=3)
+    return bundle
+
+
+def replayed_op_by_op(step, bundle: Path, model=None):
+    """Capture ``step`` (:func:`captured`), generate its spec and run its replay once op by op: returns the
+    replayer and what failed in that dry run (op index → error)."""
+    import torch
+
+    from workloads.trace_replay.records import RankRecord
+    from workloads.trace_replay.replay import Replayer
+    from workloads.trace_replay.spec import generate_spec
+
+    replayer = Replayer(RankRecord.from_json(generate_spec(captured(step, bundle, model))["ranks"][0]),
+                        torch.device("cpu"), seed=3)
     replayer.materialize()
     return replayer, replayer.dry_run().errors
 

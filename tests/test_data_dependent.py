@@ -16,10 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import replayed_op_by_op
+from conftest import captured, replayed_op_by_op
 from torch import nn
 
-from harness.traces.capture import capture
 from workloads.trace_replay.records import RankRecord
 from workloads.trace_replay.replay import Replayer
 from workloads.trace_replay.spec import generate_spec
@@ -232,12 +231,7 @@ def test_a_replay_that_makes_other_shapes_is_named_and_not_valid(tmp_path: Path)
     from workloads.trace_replay.fidelity import unfaithful_reason
 
     torch.manual_seed(0)
-    step = bool_mask_rows()
-    with capture(tmp_path, steps=2, warmup=1, baseline_steps=1, announce=False) as cap:
-        while not cap.done:
-            with cap.step():
-                step()
-    rank = RankRecord.from_json(generate_spec(tmp_path)["ranks"][0])
+    rank = RankRecord.from_json(generate_spec(captured(bool_mask_rows(), tmp_path))["ranks"][0])
     replayer = Replayer(rank, torch.device("cpu"), seed=3)
     for op in replayer.ops:
         op.pins.clear()

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import clean_env, mlflow_runs, run_ranks
+from conftest import captured, clean_env, mlflow_runs, run_ranks
 from fidelity_corpus import PROGRAMS
 
 import harness.traces.judge as judge_module
@@ -581,11 +581,7 @@ def _replayed_and_captured_peaks(step: Any, model: torch.nn.Module, tmp_path: Pa
     from harness.traces.allocator_peaks import captured_step_peak_bytes
     from workloads.base import RunContext
 
-    bundle, cpu = tmp_path / "bundle", torch.device("cpu")
-    with capture(bundle, steps=2, warmup=1, baseline_steps=1, model=model, announce=False) as cap:
-        while not cap.done:
-            with cap.step():
-                step()
+    bundle, cpu = captured(step, tmp_path / "bundle", model), torch.device("cpu")
     ctx = RunContext(device=cpu, seed=0, work_dir=tmp_path, device_name=device_name(cpu), rank=0, world_size=1,
                      process_group=None)
     replay = judge_module.replay_workload_spec().factory.from_bundle(bundle, ctx)
