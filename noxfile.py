@@ -133,6 +133,15 @@ def accelerator(session: nox.Session) -> None:
                 *session.posargs, env=env, external=True)
 
 
+@nox.session(venv_backend="none")
+def corpus(session: nox.Session) -> None:
+    """Every program written as newcomers write them (tests/newcomer_programs.py), captured and replayed op by op
+    (1–2.5 min here); the tests run a fast subset of them."""
+    env = install(session, "test")
+    session.run(_bin("pytest"), "tests/test_newcomer_programs.py", "-m", "not wheelhouse", "-p", "no:cacheprovider",
+                *session.posargs, env=env, external=True)
+
+
 # The model zoo needs torchvision, and PyPI's torchvision imports only beside the torch it was built with:
 # no CPU build of torchvision matches the project's CPU torch on PyPI, so the zoo has an environment of its
 # own with the torch/torchvision pair that does (a CUDA build, which runs on the CPU too) and the FBGEMM/TorchRec
