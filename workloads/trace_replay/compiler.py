@@ -31,7 +31,7 @@ from workloads.trace_replay.ops import (
     tensor_info,
     waited,
 )
-from workloads.trace_replay.parse import is_tensor_ref
+from workloads.trace_replay.parse import is_tensor_ref, tensor_refs
 from workloads.trace_replay.policy import op_refusal
 from workloads.trace_replay.portable import PORTED, PortableAttention, lacks_kernel
 from workloads.trace_replay.records import OpRecord
@@ -176,7 +176,13 @@ class OpCompiler:
         if schema_args is not None and len(values) != len(schema_args):
             raise OpUnavailable(f"the trace passes {len(values)} inputs, the schema takes {len(schema_args)}")
         tensor_index = [-1]  # counts tensor inputs as the trace does (list elements included)
-        data = op.tensor_data
+        # an input the op returns a view of (``to`` that copies nothing, ``view``, an in-place op's self) keeps
+        # its slot: pinned, the op would hand its recorded values on as the output, and the tensor the step
+        # made would be freed there (a ``stack`` of indices, read through ``.to()``, which the sparse tensor
+        # built from them held to the step's end); its values are the ones its own readers pin
+        aliased = {ref[1] for ref in tensor_refs(op.outputs.values or []) if ref[1] != 0}
+        data = {key: value for key, value in op.tensor_data.items()
+                if not (ref := _tensor_input(values, types, int(key))) or ref[1] not in aliased}
         for i, (value, et_type) in enumerate(zip(values, types, strict=False)):
             arg = schema_args[i] if schema_args is not None else None
             arg_type = str(arg.type) if arg is not None else ""
@@ -269,3 +275,20 @@ class OpCompiler:
         if name not in table:
             raise OpUnavailable(f"collective {name} is not replayed yet (known: {', '.join(sorted(table))})")
         return table[name]
+
+
+def _tensor_input(values: list[Any], types: list[str], n: int) -> list | None:
+    """The ``n``-th tensor input as the trace counts them (a list's tensors each counted), if a reference."""
+    count = -1
+    for value, et_type in zip(values, types, strict=False):
+        if et_type.startswith("Tensor("):
+            count += 1
+            if count == n:
+                return value if is_tensor_ref(value) else None
+        elif et_type.startswith("GenericList[") and isinstance(value, list):
+            for item, item_type in zip(value, list_types(et_type), strict=False):
+                if item_type.startswith("Tensor("):
+                    count += 1
+                    if count == n:
+                        return item if is_tensor_ref(item) else None
+    return None
