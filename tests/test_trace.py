@@ -387,25 +387,6 @@ def test_a_trace_without_steps_is_refused(program_bundle: Path, tmp_path: Path):
         generate_spec(bundle)
 
 
-def test_sparse_gradients_are_refused_naming_the_op_that_made_them(tmp_path: Path):
-    """An embedding trained with sparse gradients makes tensors with no storage of their own (the trace
-    records their element size as 0); a replay lays tensors over storages, so the spec is refused at
-    generation with the op and what to do, not later as a malformed spec to "regenerate"."""
-    from harness.traces.capture import capture
-
-    bag, head = torch.nn.EmbeddingBag(100, 8, mode="sum", sparse=True), torch.nn.Linear(8, 1)
-    opt = torch.optim.SGD([*bag.parameters(), *head.parameters()], lr=0.1)
-    with capture(tmp_path / "b", steps=1, warmup=1, baseline_steps=1, announce=False) as cap:
-        while not cap.done:
-            with cap.step():
-                head(bag(torch.randint(0, 100, (12,)), torch.tensor([0, 5]))).sum().backward()
-                opt.step()
-                opt.zero_grad()
-    with pytest.raises(TraceError, match=r"aten::_embedding_bag_backward \(step 0\) makes a tensor with no storage"
-                                         r".*sparse=False"):
-        generate_spec(tmp_path / "b")
-
-
 def test_a_loop_that_stops_early_leaves_no_bundle(tmp_path: Path):
     from harness.traces.capture import capture
 

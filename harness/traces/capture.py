@@ -102,6 +102,10 @@ INDEX_OPS = (
     "aten::scatter", "aten::scatter_add_", "aten::index_add_", "aten::take", "aten::nll_loss_forward",
     "aten::nll_loss_backward", "aten::cross_entropy_loss", "aten::one_hot", "aten::bincount",
     "aten::repeat_interleave", "aten::searchsorted", "aten::masked_select", "aten::_unique2", "aten::segment_reduce",
+    # the indices a sparse gradient or tensor is made of: how many rows it stores once coalesced (SparseAdam's
+    # updates) follows them (workloads.trace_replay.sparse)
+    "aten::embedding_backward", "aten::embedding_sparse_backward", "aten::_embedding_bag_sparse_backward",
+    "aten::sparse_coo_tensor", "aten::_sparse_coo_tensor_unsafe", "aten::_sparse_coo_tensor_with_dims_and_tensors",
     # ops that carry index tensors whole (storage offset 0: see workloads.trace_replay.parse.recorded_tensor_data)
     "aten::split", "aten::split_with_sizes", "aten::narrow", "aten::slice", "aten::select", "aten::view",
     "aten::reshape", "aten::to", "aten::_to_copy", "aten::copy_", "aten::clone", "aten::cat", "aten::stack",

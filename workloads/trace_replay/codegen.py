@@ -213,7 +213,7 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
             if toggled:
                 lines.append("    grad(False)")
                 lines.extend(f"    keep.append(v[{slot}])" for _, slot in targets)
-            if op.fills or op.pins or op.lengths:
+            if op.fills or op.pins or op.lengths or op.counts:
                 lines.append(f"    fill({int(position)})")
         lines.extend(f"    v[{int(slot)}] = None" for slot in clears[j])
         if births is not None and births[j] is not None:  # inside the next gap: the program made them there

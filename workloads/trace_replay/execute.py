@@ -21,6 +21,7 @@ from workloads.trace_replay.bindings import cached_binding
 from workloads.trace_replay.codegen import HostSpeed, generate_step, seconds
 from workloads.trace_replay.ops import CompiledOp, describe, fit_length
 from workloads.trace_replay.plan import ReplayPlan
+from workloads.trace_replay.sparse import captured_counts, fit_count, layout_divergence
 from workloads.trace_replay.synthesis import Synthesis
 
 OVERRUNS_KEPT = 4096  # steps whose overrun a runner keeps
@@ -52,6 +53,7 @@ class StepRunner:
         self._bindings: dict[Any, Callable[..., Any] | None] = {}  # op and kinds of arguments → its binding
         self.errors: dict[int, str] = {}  # op index → why it did not run (compile, dry run or later)
         self.divergent: dict[int, str] = {}  # op index → how what it made differs from what the program made
+        self._counts = captured_counts(plan.specs, plan.sequence)  # sparse outputs' stored elements, by op
         self.call_s = 0.0  # the replay's own host time per op call inside the ledger's op window (:mod:`.host_cost`)
         self.outside_s = 0.0  # and outside it, per op: what its ledger spends out of the program's gaps
         # per step run, the latest OVERRUNS_KEPT: how far its own work ran past the program's host time (a long
@@ -130,7 +132,9 @@ class StepRunner:
         fused kernel's bookkeeping outputs (``_embedding_bag``'s offset2bag, a batch norm's saved
         statistics) take shapes its code path chooses, which its backward reads either way. A 1-D integer
         output of another length (an NMS keep list: how many boxes survive depends on the scores) is cut
-        or cycled to the captured length from then on (:attr:`CompiledOp.lengths`), like a mask's count."""
+        or cycled to the captured length from then on (:attr:`CompiledOp.lengths`), like a mask's count.
+        Every output: one the program made with no storage of its own must come out sparse (and one it made over
+        a storage strided), storing as many elements as the program's did where the trace says (:mod:`.sparse`)."""
         slot, info = (op.out_slots[0], op.out_infos[0]) if op.out_slots else (None, None)
         value = self.tensors.vals[slot] if slot is not None else None
         if (info is not None and isinstance(value, torch.Tensor) and value.dim() == 1 and len(info.shape) == 1
@@ -143,6 +147,19 @@ class StepRunner:
         if info is not None and isinstance(value, torch.Tensor) and tuple(value.shape) != info.shape:
             self.divergent.setdefault(op.index, f"made shape {list(value.shape)} where the program made "
                                                 f"{list(info.shape)}")
+        for slot, info in zip(op.out_slots, op.out_infos, strict=False):
+            if slot is None or info is None:
+                continue
+            value = self.tensors.vals[slot]
+            if why := layout_divergence(info.storageless, value):
+                self.divergent.setdefault(op.index, why)
+            elif info.storageless and isinstance(value, torch.Tensor) and value.layout == torch.sparse_coo \
+                    and not op.counts and (count := self._counts.get(op.index)) is not None \
+                    and value._nnz() != count:
+                # a sparse tensor whose count of stored elements its inputs' values decided (coalesce): the
+                # captured count, from its own elements, from then on
+                op.counts.append((slot, count))
+                self.tensors.vals[slot] = fit_count(value, count, self.tensors.generator)
 
     def _call_or_unalias(self, position: int) -> None:
         """Run an op; if it refuses inputs that overlap in memory, give its synthesised inputs storage of

@@ -36,7 +36,6 @@ from workloads.trace_replay.host_time import (
     place_host_gaps,
     step_op_counts,
 )
-from workloads.trace_replay.memory import laid_out_refs
 from workloads.trace_replay.parse import (
     BundleTrace,
     KinetoEvent,
@@ -46,6 +45,7 @@ from workloads.trace_replay.parse import (
     step_index,
     tensor_refs,
 )
+from workloads.trace_replay.sparse import refuse_unmade_sparse
 
 _THREAD_ROOT = "[pytorch|profiler|execution_trace|thread]"
 _PROCESS_ROOT = "[pytorch|profiler|execution_trace|process]"
@@ -277,21 +277,6 @@ def _captured_ops(trace: BundleTrace) -> list[dict[str, Any]]:
     return ops
 
 
-def _refuse_storageless(ops: list[dict[str, Any]], et_path: Any) -> None:
-    """Refuse a program whose replayed ops make or read a tensor with no storage of its own (the trace
-    records its element size as 0): a sparse tensor, or a wrapper such as ``torch.func``'s batched tensors.
-    A replay lays every tensor out over a storage; it would make other tensors than the program's."""
-    for op in ops:
-        for side, verb in (("inputs", "reads"), ("outputs", "makes")):
-            if any(ref[4] == 0 for ref, _, _ in laid_out_refs(op[side])):
-                raise TraceError(
-                    f"{et_path}: {op['name']} (step {op['step']}) {verb} a tensor with no storage of its own — a "
-                    f"sparse tensor (the gradient of nn.Embedding(sparse=True) or nn.EmbeddingBag(sparse=True), "
-                    f"torch.sparse inputs) or a wrapper such as torch.func's vmap/grad make them; a replay makes "
-                    f"strided tensors only, so it cannot reproduce this program: capture it with dense tensors "
-                    f"(sparse=False) and without torch.func transforms")
-
-
 def extract_rank(trace: BundleTrace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One rank's parsed bundle → (ops, steps), ops in execution order, as the spec holds them."""
     et_path = trace.path / ET_FILE
@@ -299,7 +284,7 @@ def extract_rank(trace: BundleTrace) -> tuple[list[dict[str, Any]], list[dict[st
         raise TraceError(f"{et_path}: no captured steps (no '{STEP_ANNOTATION}<i>' markers); capture with "
                          f"harness.traces.capture.capture() or `cobench trace capture`")
     ops = _captured_ops(trace)
-    _refuse_storageless(ops, et_path)
+    refuse_unmade_sparse(ops, et_path)
     steps = [{"index": step_index(e), "ts_us": e.ts, "traced_ms": e.dur / 1e3}
              for e in sorted(trace.kineto.steps, key=lambda e: e.ts)]
     if not ops:

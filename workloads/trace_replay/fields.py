@@ -308,6 +308,12 @@ class SpecFields:
         self.int_(ref[1], f"{where} (storage id)")
         offset = self.int_(ref[2], f"{where} (storage offset)", 0, MAX_ELEMENTS)
         self.int_(ref[3], f"{where} (element count)", 0)
+        if ref[4] == 0:  # no storage of its own: a sparse tensor the step makes, as the ET writes one
+            self.need(ref[1:] == [0, 0, 0, 0, ""], where, f"a tensor with no storage of its own is "
+                      f"[tensor id, 0, 0, 0, 0, ''], found {_show(ref)}")
+            for s in self.list_(shape if shape is not None else [], f"{where} (shape)"):
+                self.int_(s, f"{where} (shape)", 0, MAX_ELEMENTS)
+            return
         itemsize = self.int_(ref[4], f"{where} (element size)", 1, 16)
         self.need(itemsize in ITEMSIZES, where, f"element size {itemsize} is not 1, 2, 4, 8 or 16")
         self.str_(ref[5], f"{where} (device)")

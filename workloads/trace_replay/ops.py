@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from workloads.trace_replay.sparse import fit_count
 from workloads.trace_replay.tensors import fill_view
 
 # c10::ScalarType codes, as the execution trace writes dtype arguments.
@@ -92,9 +93,14 @@ class TensorInfo:
         return (self.tensor_id, self.shape, self.stride, self.dtype)
 
     @property
+    def storageless(self) -> bool:
+        """A tensor with no storage of its own (its element size 0): a sparse tensor (:mod:`.sparse`)."""
+        return self.itemsize == 0
+
+    @property
     def extent(self) -> int:
         """Elements of storage this view spans from its offset (0 when it is empty)."""
-        if any(s == 0 for s in self.shape):
+        if self.storageless or any(s == 0 for s in self.shape):
             return 0
         return 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride, strict=False))
 
@@ -146,6 +152,9 @@ class CompiledOp:
     # A 1-D integer output whose length its input's values decide (an NMS keep list): slot → the
     # captured length, which the replay's own output is cut or cycled to (:func:`fit_length`).
     lengths: list[tuple[int, int]] = field(default_factory=list)
+    # A sparse output whose count of stored elements its inputs' values decide (``coalesce``): slot → the
+    # captured count, which the replay's own output is fitted to (:func:`.sparse.fit_count`).
+    counts: list[tuple[int, int]] = field(default_factory=list)
     # What runs in its place where this device has no kernel for it (:mod:`.portable`), or None
     ported: str | None = None
     # torch's generated binding that calls it as it is called here, quicker than the boxed call
@@ -191,6 +200,8 @@ class CompiledOp:
             vals[slot].copy_(mask)
         for slot, length in self.lengths:
             vals[slot] = fit_length(vals[slot], length)
+        for slot, count in self.counts:
+            vals[slot] = fit_count(vals[slot], count, generator)
 
 
 def fit_length(index: torch.Tensor, length: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ from workloads.trace_bundle import TraceError
 from workloads.trace_replay.fields import SpecFields
 from workloads.trace_replay.memory import estimate_peak_bytes
 from workloads.trace_replay.policy import ALLOWED_NAMESPACES, refused_ops
+from workloads.trace_replay.sparse import refuse_unmade_sparse
 
 
 @dataclass
@@ -49,6 +50,8 @@ def check_spec(spec: dict[str, Any], path: str | Path, *, trust: bool = False,
     """
     path = Path(path)
     SpecFields(path).spec(spec)
+    for rank_spec in spec["ranks"]:
+        refuse_unmade_sparse(rank_spec["ops"], path)
     refused = refused_ops(spec)
     if refused and not trust:
         listed = "; ".join(f"{name}: {why}" for name, why in sorted(refused.items()))

@@ -227,5 +227,10 @@ class Synthesis:
     def stand_in(self, op: CompiledOp) -> None:
         """Outputs of the captured shapes for an op that could not run, so its consumers still run."""
         for slot, info in zip(op.out_slots, op.out_infos, strict=False):
-            if slot is not None and info is not None and self.vals[slot] is None:
+            if slot is not None and info is not None and self.vals[slot] is None and info.storageless:
+                # a sparse tensor storing nothing (:mod:`.sparse`)
+                self.vals[slot] = torch.sparse_coo_tensor(torch.empty((len(info.shape), 0), dtype=torch.int64),
+                                                          torch.empty(0, dtype=info.dtype), info.shape,
+                                                          device=self.device)
+            elif slot is not None and info is not None and self.vals[slot] is None:
                 self.vals[slot] = stand_in(info.shape, info.stride, info.offset, info.extent, info.dtype, self.device)
