@@ -7,10 +7,12 @@ a sparse optimiser (``SparseAdam``) and a graph's adjacency built each step (``t
 the ops that make them, which make sparse tensors as the program's did, from the replay's own inputs.
 
 How many elements such a tensor stores follows its inputs' values: a batch's distinct rows, after
-``coalesce``. The trace says how many the program's held where a later op of the step reads them
-(``_indices``, ``_values``, ``_nnz``); the op that made it then stores exactly that many on replay (its
-own first ones, or more rows not yet among its indices, their values its own cycled:
-:func:`fit_count`), like a keep list cut to its captured length. A sparse tensor a step reads but never
+``coalesce``. The capture records the indices such tensors are made of (``harness.traces.capture.INDEX_OPS``),
+which give the replay the program's count. Where they are not recorded, the trace still says how many the
+program's held where a later op of the step reads them (``_indices``, ``_values``, ``_nnz``); the op that
+made it then stores exactly that many on replay (its own first ones, or more rows not yet among its
+indices, their values its own cycled: :func:`fit_count`, tens to hundreds of µs a call on a CPU), like a
+keep list cut to its captured length. A sparse tensor a step reads but never
 makes (a ``torch.sparse`` input, an adjacency built once before training, a sparse gradient carried
 across steps) is refused at spec generation: a replay cannot make one up from a dense shape alone.
 """
