@@ -31,7 +31,7 @@ from workloads.trace_replay.ops import (
     tensor_info,
     waited,
 )
-from workloads.trace_replay.parse import is_tensor_ref, tensor_refs
+from workloads.trace_replay.parse import is_tensor_ref
 from workloads.trace_replay.policy import op_refusal
 from workloads.trace_replay.portable import PORTED, PortableAttention, lacks_kernel
 from workloads.trace_replay.records import OpRecord
@@ -176,13 +176,12 @@ class OpCompiler:
         if schema_args is not None and len(values) != len(schema_args):
             raise OpUnavailable(f"the trace passes {len(values)} inputs, the schema takes {len(schema_args)}")
         tensor_index = [-1]  # counts tensor inputs as the trace does (list elements included)
-        aliased = {ref[1] for ref in tensor_refs(op.outputs.values or []) if ref[1] != 0}  # storages it returns
         data = op.tensor_data
         for i, (value, et_type) in enumerate(zip(values, types, strict=False)):
             arg = schema_args[i] if schema_args is not None else None
             arg_type = str(arg.type) if arg is not None else ""
             converted, slots = self._convert(value, et_type, at(shapes, i), at(strides, i), arg_type,
-                                             tensor_index, data, aliased)
+                                             tensor_index, data)
             if arg is not None and arg.kwarg_only:
                 compiled.kwargs[arg.name] = converted
                 compiled.kwarg_slots.extend((arg.name, sub, slot) for sub, slot in slots)
@@ -191,14 +190,14 @@ class OpCompiler:
                 compiled.args.append(converted)
 
     def _convert(self, value: Any, et_type: str, shape: Any, stride: Any, arg_type: str,
-                 tensor_index: list[int], data: dict[str, str], aliased: set[int]) -> tuple[Any, list]:
+                 tensor_index: list[int], data: dict[str, str]) -> tuple[Any, list]:
         """A trace value → (call-template value, [(list index or −1, slot)])."""
         if et_type.startswith("Tensor("):
             tensor_index[0] += 1
             if not is_tensor_ref(value) or "nullptr" in et_type:
                 return None, []
             info = tensor_info(value, shape, stride, et_type)
-            pinned = self._pinned(info, data.get(str(tensor_index[0])), aliased)
+            pinned = self._pinned(info, data.get(str(tensor_index[0])))
             return (pinned, []) if pinned is not None else (None, [(-1, self._input_slot(info))])
         if et_type.startswith("GenericList["):
             types = list_types(et_type)
@@ -211,7 +210,7 @@ class OpCompiler:
                     tensor_index[0] += 1
                     if is_tensor_ref(item) and "nullptr" not in types[j]:  # an undefined tensor: None
                         info = tensor_info(item, at(shape, j), at(stride, j), types[j])
-                        pinned = self._pinned(info, data.get(str(tensor_index[0])), aliased)
+                        pinned = self._pinned(info, data.get(str(tensor_index[0])))
                         if pinned is not None:
                             template[j] = pinned
                         else:
@@ -234,18 +233,14 @@ class OpCompiler:
             return None, []
         return value, []
 
-    def _pinned(self, info: TensorInfo, data: str | None, aliased: set[int]) -> torch.Tensor | None:
+    def _pinned(self, info: TensorInfo, data: str | None) -> torch.Tensor | None:
         """The program's own values for an integer input the trace recorded, as a constant.
 
         Index tensors are often computed from data (``nonzero``, cumulative sums of lengths …); from
         synthetic inputs they would come out with other values or even other shapes. Feeding the
         recorded values keeps every lookup in range and every data-dependent shape as captured.
-        Not an input whose storage the op returns (``aliased``: a ``.to()`` that copies nothing, a
-        ``view``, an in-place op's self): pinned, the op would hand the constant on as its output, and the
-        tensor the step made would be freed there (a ``stack`` of indices read through ``.to()``, which the
-        sparse tensor built from them held to the step's end); it keeps its slot, and its readers pin.
         """
-        if data is None or info.dtype.is_floating_point or info.storage_id in aliased:
+        if data is None or info.dtype.is_floating_point:
             return None
         values = recorded_view(data, info.dtype, info.shape, info.stride)
         # clone: a tensor of its own, not a view of the buffer (ops like detach_ refuse views)
@@ -274,4 +269,3 @@ class OpCompiler:
         if name not in table:
             raise OpUnavailable(f"collective {name} is not replayed yet (known: {', '.join(sorted(table))})")
         return table[name]
-
