@@ -225,6 +225,33 @@ def test_data_dependent_ops_replay_with_the_captured_shapes(name: str, tmp_path:
     assert replayer.errors == {} and replayer.divergent == {}
 
 
+def test_labels_a_loss_reads_through_a_to_that_copies_nothing_are_the_programs(tmp_path: Path):
+    """CTC's targets, selected from padded labels by a mask and read through a ``.to()`` that copies nothing
+    (as ``Wav2Vec2ForCTC`` does), are recorded at the ``.to()`` only. The op hands its input on, so the replay
+    writes the recorded labels into the step's own tensor there: the loss reads the program's labels, never
+    the replay's selection of padding (-100, an index CTC reads out of bounds: Wav2Vec2's replay died of it
+    with exit -11), and the step holds the tensor the program held."""
+    head = nn.Linear(8, 6)
+
+    def loss() -> torch.Tensor:
+        frames = head(torch.randn(20, 2, 8)).log_softmax(-1)
+        labels = torch.randint(1, 6, (2, 7))
+        labels[1, torch.randint(2, 7, ()).item():] = -100
+        mask = labels >= 0
+        return F.ctc_loss(frames, labels.masked_select(mask), torch.full((2,), 20), mask.sum(-1))
+
+    torch.manual_seed(0)
+    replayer, errors = replayed_op_by_op(_train(head, loss), tmp_path)
+    assert errors == {} and replayer.divergent == {}
+    ctc = next(op for op in replayer.ops if op.name == "aten::_ctc_loss")
+    read: list[torch.Tensor] = []
+    forward = ctc.fn
+    ctc.fn = lambda *args, **kwargs: read.append(args[1].clone()) or forward(*args, **kwargs)
+    for _ in range(2):
+        replayer.dry_run()
+    assert read and all(bool(((targets >= 1) & (targets < 6)).all()) for targets in read), read
+
+
 def test_a_replay_that_makes_other_shapes_is_named_and_not_valid(tmp_path: Path):
     """Without the captured counts (pins dropped), the masks select other rows: the replay says which ops
     and why, and the verdict is not valid — never a quiet figure."""

@@ -106,8 +106,7 @@ def test_a_step_that_makes_sparse_tensors_replays_them_with_its_memory(name: str
     replayed = step_memory_peak_bytes(replayer.run_step, torch.device("cpu"), 2 * len(replayer.sequence))
     program = captured_step_peak_bytes(tmp_path, torch.device("cpu"))
     assert replayer.errors == {} and replayer.divergent == {} and replayer.nonfinite_tensors() == 0
-    if name != "adjacency_each_step":  # its stacked edge indices freed early: see docs/traces.md, Sparse tensors
-        assert abs(replayed - program) <= 0.10 * (replayer.static_bytes + program), (replayed, program)
+    assert abs(replayed - program) <= 0.10 * (replayer.static_bytes + program), (replayed, program)
     spec = generate_spec(tmp_path)  # and its spec is one a replay accepts from a file
     check_spec(json.loads(json.dumps(spec)), tmp_path / "spec.json")
 

@@ -148,6 +148,7 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
     """
     consts: list[Any] = []
     fns: list[Callable[..., Any]] = []
+    refills: list[Callable[[list[Any]], None]] = []
 
     def const(value: Any) -> str:
         if value is None or type(value) in (bool, int, str) or (type(value) is float and math.isfinite(value)):
@@ -194,6 +195,9 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
             # torch's own binding where it calls exactly this op, else the C++ op itself, not its Python wrapper
             fns.append(op.binding or getattr(op.fn, "_op", op.fn))
             call = f"f[{len(fns) - 1}]({', '.join(parts)})"
+            if op.refills:  # the replay's own work, before the spin: spent out of the program's gap
+                refills.append(op.refill)
+                lines.append(f"    rf[{len(refills) - 1}](v)")
             if ledger:
                 lines.append("    while (a := pc()) < d: pass")
             targets = [(n, int(slot)) for n, slot in enumerate(op.out_slots) if slot is not None]
@@ -220,7 +224,7 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
             lines.append(f"    born({int(births[j])})")
     if ledger:
         lines += ["    while pc() < d: pass", f"    return pc() - d - k * {taken!r}"]
-    namespace: dict[str, Any] = {"f": fns, "c": consts, "flat": flatten_tensors, "pc": clock, "h": speed,
+    namespace: dict[str, Any] = {"f": fns, "c": consts, "rf": refills, "flat": flatten_tensors, "pc": clock, "h": speed,
                                  "standin": stand_in, "fill": fill, "born": born,
                                  "grad": torch._C._set_grad_enabled, "keep": keep}
     exec(compile("\n".join([*lines, "    return 0.0"]), f"<cobench replay {name}>", "exec"), namespace)

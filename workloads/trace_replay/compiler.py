@@ -31,7 +31,7 @@ from workloads.trace_replay.ops import (
     tensor_info,
     waited,
 )
-from workloads.trace_replay.parse import is_tensor_ref
+from workloads.trace_replay.parse import is_tensor_ref, tensor_refs
 from workloads.trace_replay.policy import op_refusal
 from workloads.trace_replay.portable import PORTED, PortableAttention, lacks_kernel
 from workloads.trace_replay.records import OpRecord
@@ -177,11 +177,12 @@ class OpCompiler:
             raise OpUnavailable(f"the trace passes {len(values)} inputs, the schema takes {len(schema_args)}")
         tensor_index = [-1]  # counts tensor inputs as the trace does (list elements included)
         data = op.tensor_data
+        returned = {ref[1] for ref in tensor_refs(op.outputs.values or []) if ref[1] != 0}  # storages it hands on
         for i, (value, et_type) in enumerate(zip(values, types, strict=False)):
             arg = schema_args[i] if schema_args is not None else None
             arg_type = str(arg.type) if arg is not None else ""
             converted, slots = self._convert(value, et_type, at(shapes, i), at(strides, i), arg_type,
-                                             tensor_index, data)
+                                             tensor_index, data, returned, compiled.refills)
             if arg is not None and arg.kwarg_only:
                 compiled.kwargs[arg.name] = converted
                 compiled.kwarg_slots.extend((arg.name, sub, slot) for sub, slot in slots)
@@ -190,15 +191,31 @@ class OpCompiler:
                 compiled.args.append(converted)
 
     def _convert(self, value: Any, et_type: str, shape: Any, stride: Any, arg_type: str,
-                 tensor_index: list[int], data: dict[str, str]) -> tuple[Any, list]:
-        """A trace value → (call-template value, [(list index or −1, slot)])."""
+                 tensor_index: list[int], data: dict[str, str], returned: set[int],
+                 refills: list[tuple[int, torch.Tensor]]) -> tuple[Any, list]:
+        """A trace value → (call-template value, [(list index or −1, slot)]).
+
+        An integer tensor the trace recorded is the constant :meth:`_pinned` makes, except where the op hands
+        its storage on (``returned``: a ``.to()`` that copies nothing, a view, an in-place op's self): there
+        the constant would be what the op returns, and the tensor the step made would be freed at this op
+        where the program held it on (a ``stack`` of edge indices read through ``.to()`` and held by the
+        sparse adjacency made from it: the replayed step 15 % of its memory below the program's). Such an
+        input keeps its slot, and the recorded values are written into the slot's tensor before the call
+        (``refills``, :meth:`.ops.CompiledOp.refill`): what the op reads and hands on is the program's values.
+        """
         if et_type.startswith("Tensor("):
             tensor_index[0] += 1
             if not is_tensor_ref(value) or "nullptr" in et_type:
                 return None, []
             info = tensor_info(value, shape, stride, et_type)
             pinned = self._pinned(info, data.get(str(tensor_index[0])))
-            return (pinned, []) if pinned is not None else (None, [(-1, self._input_slot(info))])
+            if pinned is None:
+                return None, [(-1, self._input_slot(info))]
+            if info.storage_id in returned:
+                slot = self._input_slot(info)
+                refills.append((slot, pinned))
+                return None, [(-1, slot)]
+            return pinned, []
         if et_type.startswith("GenericList["):
             types = list_types(et_type)
             if any(t.startswith("Tensor(") for t in types):

@@ -155,6 +155,10 @@ class CompiledOp:
     # A sparse output whose count of stored elements its inputs' values decide (``coalesce``): slot → the
     # captured count, which the replay's own output is fitted to (:func:`.sparse.fit_count`).
     counts: list[tuple[int, int]] = field(default_factory=list)
+    # Integer inputs the trace recorded whose storage the op hands on (a ``.to()`` that copies nothing, a view,
+    # an in-place op's self): slot → the program's values, written into the slot's own tensor before the call
+    # (:meth:`refill`), so that the op returns the tensor the step made, holding what the program's held.
+    refills: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     # What runs in its place where this device has no kernel for it (:mod:`.portable`), or None
     ported: str | None = None
     # torch's generated binding that calls it as it is called here, quicker than the boxed call
@@ -163,8 +167,23 @@ class CompiledOp:
     bound: bool = False
 
     def call(self, vals: list[Any]) -> Any:
+        if self.refills:
+            self.refill(vals)
         args, kwargs = self.arguments(vals)
         return self.fn(*args, **kwargs)
+
+    def refill(self, vals: list[Any]) -> None:
+        """Write the program's values into the tensors :attr:`refills` names; where a slot's tensor cannot
+        hold them (another shape, elements sharing memory), a copy of the values takes its place."""
+        for slot, values in self.refills:
+            held = vals[slot]
+            if isinstance(held, torch.Tensor) and held.layout == torch.strided and held.shape == values.shape:
+                try:
+                    held.copy_(values)
+                    continue
+                except RuntimeError:  # an expanded tensor: one element in several places
+                    pass
+            vals[slot] = values.clone()
 
     def arguments(self, vals: list[Any]) -> tuple[list[Any], dict[str, Any]]:
         """Its positional and keyword arguments, their tensors taken from ``vals``."""
