@@ -8,7 +8,11 @@ Gumbel-softmax, inverse-CDF ``searchsorted``), linear algebra (Cholesky solves),
 penalty, a custom ``autograd.Function``, parametrizations (spectral and weight norm), channels-last
 convolutions with a fused optimiser, ``nn.TransformerEncoder`` with a padding mask, CTC, fp16 autocast
 with a ``GradScaler``, an EMA of the weights by ``_foreach_lerp_``, ``one_hot`` with its width read from
-the labels, hard-negative mining, ``bucketize`` and an embedding renormalised by ``max_norm``.
+the labels, hard-negative mining, ``bucketize``, an embedding renormalised by ``max_norm``, packed
+sequences through a GRU, max-unpooling by pooling's indices, a spatial transformer (``grid_sample``),
+``scatter_reduce`` pooling, gradient clipping with a one-cycle schedule, bfloat16 autocast, ``unfold``/``fold``
+with ``roll``, ``cummax``/``kthvalue``/stable-sort indices, a weighted ``EmbeddingBag`` with padding,
+``pad_sequence`` with an attention mask, ``eigh`` whitening and ``interpolate`` with ``pixel_shuffle``.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence, pad_sequence
 
 Program = tuple[Callable[[], None], nn.Module]
 
@@ -338,10 +343,198 @@ def bucketized_feature() -> Program:
     return _trainer(model, loss), model
 
 
+def packed_gru() -> Program:
+    """A GRU over ``pack_padded_sequence`` of random lengths (unsorted), the last valid output of each row."""
+    gru, head = nn.GRU(6, 12, batch_first=True), nn.Linear(12, 4)
+    model = nn.ModuleList([gru, head])
+
+    def loss() -> torch.Tensor:
+        lengths = torch.randint(2, 15, (5,))
+        x = torch.randn(5, 14, 6)
+        packed = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, h = gru(packed)
+        out, lens = pad_packed_sequence(out, batch_first=True)
+        last = out[torch.arange(5), lens - 1]
+        return F.cross_entropy(head(last), torch.randint(0, 4, (5,)))
+
+    return _trainer(model, loss), model
+
+
+def maxpool_unpool_autoencoder() -> Program:
+    """Max pooling's indices fed to ``MaxUnpool2d``."""
+    enc, dec = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 1, 3, padding=1)
+    pool, unpool = nn.MaxPool2d(2, return_indices=True), nn.MaxUnpool2d(2)
+    model = nn.ModuleList([enc, dec])
+    x = torch.randn(3, 1, 16, 16)
+
+    def loss() -> torch.Tensor:
+        h, idx = pool(F.relu(enc(x)))
+        return F.mse_loss(dec(unpool(h, idx)), x)
+
+    return _trainer(model, loss), model
+
+
+def spatial_transformer() -> Program:
+    """A spatial transformer: ``affine_grid`` from a localisation net, then ``grid_sample``."""
+    loc = nn.Sequential(nn.Flatten(), nn.Linear(144, 6))
+    head = nn.Sequential(nn.Flatten(), nn.Linear(144, 3))
+    model = nn.ModuleList([loc, head])
+
+    def loss() -> torch.Tensor:
+        x = torch.randn(4, 1, 12, 12)
+        theta = loc(x).view(-1, 2, 3) + torch.tensor([[1., 0, 0], [0, 1., 0]])
+        grid = F.affine_grid(theta, x.shape, align_corners=False)
+        return F.cross_entropy(head(F.grid_sample(x, grid, align_corners=False)), torch.randint(0, 3, (4,)))
+
+    return _trainer(model, loss), model
+
+
+def scatter_reduce_graph_pool() -> Program:
+    """Graph pooling by ``scatter_reduce("amax")`` and a mean by ``index_add_`` over random batch ids."""
+    lin, head = nn.Linear(8, 16), nn.Linear(16, 1)
+    model = nn.ModuleList([lin, head])
+
+    def loss() -> torch.Tensor:
+        nodes = torch.randn(60, 8)
+        graph = torch.randint(0, 6, (60,)).sort().values
+        h = F.relu(lin(nodes))
+        pooled = torch.zeros(6, 16).scatter_reduce(0, graph[:, None].expand(-1, 16), h, "amax", include_self=False)
+        mean = torch.zeros(6, 16).index_add_(0, graph, h) / torch.bincount(graph, minlength=6).clamp(min=1)[:, None]
+        return F.mse_loss(head(pooled + mean).squeeze(1), torch.randn(6))
+
+    return _trainer(model, loss), model
+
+
+def clip_grad_onecycle() -> Program:
+    """AdamW with ``clip_grad_norm_`` and a ``OneCycleLR`` stepped every step."""
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=10_000)
+    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+
+    def step() -> None:
+        F.cross_entropy(model(x), y).backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+
+    return step, model
+
+
+def bf16_autocast_cpu() -> Program:
+    """bfloat16 autocast on the CPU."""
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 14 * 14, 5))
+    x, y = torch.randn(4, 3, 16, 16), torch.randint(0, 5, (4,))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        F.cross_entropy(out.float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step, model
+
+
+def unfold_patches_roll() -> Program:
+    """Reflect padding, ``unfold`` into patches, ``roll``, ``fold`` back."""
+    proj = nn.Linear(3 * 16, 3 * 16)
+    x = torch.randn(2, 3, 16, 16)
+
+    def loss() -> torch.Tensor:
+        padded = F.pad(x, (2, 2, 2, 2), mode="reflect")
+        patches = F.unfold(padded, 4, stride=4)  # (2, 48, 25)
+        mixed = proj(torch.roll(patches, shifts=1, dims=2).transpose(1, 2)).transpose(1, 2)
+        back = F.fold(mixed, (20, 20), 4, stride=4)
+        return F.mse_loss(back[..., 2:-2, 2:-2], x.flip(-1))
+
+    return _trainer(proj, loss), proj
+
+
+def cummax_kthvalue_sort() -> Program:
+    """``cummax``'s indices gathered, ``kthvalue``, a stable sort's indices gathered."""
+    lin = nn.Linear(10, 10)
+
+    def loss() -> torch.Tensor:
+        h = lin(torch.randn(8, 10))
+        running, where = torch.cummax(h, dim=1)
+        kth = torch.kthvalue(h, 3, dim=1).values
+        order = torch.sort(h.detach(), dim=1, stable=True).indices
+        return (running.gather(1, where) - kth[:, None]).pow(2).mean() + h.gather(1, order[:, :4]).mean()
+
+    return _trainer(lin, loss), lin
+
+
+def embedding_bag_weighted_padding() -> Program:
+    """An ``EmbeddingBag`` with ``per_sample_weights`` and ``padding_idx``, offsets from random lengths."""
+    bag, head = nn.EmbeddingBag(50, 8, mode="sum", padding_idx=0), nn.Linear(8, 1)
+    model = nn.ModuleList([bag, head])
+
+    def loss() -> torch.Tensor:
+        lengths = torch.randint(1, 6, (12,))
+        ids = torch.randint(0, 50, (int(lengths.sum()),))
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
+        weights = torch.rand(ids.numel())
+        return head(bag(ids, offsets, per_sample_weights=weights)).pow(2).mean()
+
+    return _trainer(model, loss), model
+
+
+def pad_sequence_sdpa_mask() -> Program:
+    """``pad_sequence`` of random lengths, a boolean ``attn_mask`` to SDPA, ``masked_fill``."""
+    qkv, out = nn.Linear(16, 48), nn.Linear(16, 2)
+    model = nn.ModuleList([qkv, out])
+
+    def loss() -> torch.Tensor:
+        lengths = torch.randint(3, 11, (4,))
+        seqs = pad_sequence([torch.randn(int(n), 16) for n in lengths], batch_first=True)
+        keep = torch.arange(seqs.shape[1])[None, :] < lengths[:, None]
+        q, k, v = qkv(seqs).chunk(3, -1)
+        att = F.scaled_dot_product_attention(q, k, v, attn_mask=keep[:, None, :])
+        att = att.masked_fill(~keep[..., None], 0.0)
+        pooled = att.sum(1) / lengths[:, None]
+        return F.cross_entropy(out(pooled), torch.randint(0, 2, (4,)))
+
+    return _trainer(model, loss), model
+
+
+def eigh_whitening() -> Program:
+    """Whitening by ``linalg.eigh`` of a covariance computed every step."""
+    lin = nn.Linear(12, 12)
+
+    def loss() -> torch.Tensor:
+        h = lin(torch.randn(64, 12))
+        centred = h - h.mean(0)
+        cov = centred.T @ centred / 63 + 1e-3 * torch.eye(12)
+        vals, vecs = torch.linalg.eigh(cov)
+        white = centred @ vecs / vals.sqrt()
+        return (white.T @ white / 63 - torch.eye(12)).pow(2).mean() + h.pow(2).mean()
+
+    return _trainer(lin, loss), lin
+
+
+def interpolate_pixel_shuffle() -> Program:
+    """Bilinear and nearest ``interpolate``, ``pixel_shuffle``."""
+    down, up = nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.Conv2d(8, 12, 3, padding=1)
+    model = nn.ModuleList([down, up])
+    x = torch.randn(2, 3, 16, 16)
+
+    def loss() -> torch.Tensor:
+        h = F.interpolate(F.relu(down(x)), scale_factor=2, mode="bilinear", align_corners=False)
+        h = F.interpolate(h, size=(8, 8), mode="nearest")
+        return F.mse_loss(F.pixel_shuffle(up(h), 2), x)
+
+    return _trainer(model, loss), model
+
+
 PROGRAMS = {f.__name__: f for f in (
     fno_spectral, checkpointed_mlp, grad_accumulation, vae_reparameterised, policy_gradient,
     multinomial_from_kept_probabilities, gaussian_process_cholesky, sdpa_causal_dropout, spectral_and_weight_norm,
     channels_last_fused_adam, transformer_encoder_padding, searchsorted_sampling, embedding_max_norm,
     ctc_bidirectional_lstm, fp16_autocast_grad_scaler, one_hot_width_from_labels, wgan_gradient_penalty,
     custom_autograd_function, ema_of_the_weights, gumbel_hard_routing, triplet_hard_mining,
-    focal_loss_label_smoothing, bucketized_feature)}
+    focal_loss_label_smoothing, bucketized_feature, packed_gru, maxpool_unpool_autoencoder, spatial_transformer,
+    scatter_reduce_graph_pool, clip_grad_onecycle, bf16_autocast_cpu, unfold_patches_roll, cummax_kthvalue_sort,
+    embedding_bag_weighted_padding, pad_sequence_sdpa_mask, eigh_whitening, interpolate_pixel_shuffle)}
