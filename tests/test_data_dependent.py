@@ -230,7 +230,7 @@ def test_labels_a_loss_reads_through_a_to_that_copies_nothing_are_the_programs(t
     (as ``Wav2Vec2ForCTC`` does), are recorded at the ``.to()`` only. The op hands its input on, so the replay
     writes the recorded labels into the step's own tensor there: the loss reads the program's labels, never
     the replay's selection of padding (-100, an index CTC reads out of bounds: Wav2Vec2's replay died of it
-    with exit -11), and the step holds the tensor the program held."""
+    with exit -11)."""
     head = nn.Linear(8, 6)
 
     def loss() -> torch.Tensor:
