@@ -208,14 +208,8 @@ class OpCompiler:
             if not is_tensor_ref(value) or "nullptr" in et_type:
                 return None, []
             info = tensor_info(value, shape, stride, et_type)
-            pinned = self._pinned(info, data.get(str(tensor_index[0])))
-            if pinned is None:
-                return None, [(-1, self._input_slot(info))]
-            if info.storage_id in returned:
-                slot = self._input_slot(info)
-                refills.append((slot, pinned))
-                return None, [(-1, slot)]
-            return pinned, []
+            constant, slot = self._constant_or_slot(info, data.get(str(tensor_index[0])), returned, refills)
+            return constant, [] if slot is None else [(-1, slot)]
         if et_type.startswith("GenericList["):
             types = list_types(et_type)
             if any(t.startswith("Tensor(") for t in types):
@@ -227,11 +221,10 @@ class OpCompiler:
                     tensor_index[0] += 1
                     if is_tensor_ref(item) and "nullptr" not in types[j]:  # an undefined tensor: None
                         info = tensor_info(item, at(shape, j), at(stride, j), types[j])
-                        pinned = self._pinned(info, data.get(str(tensor_index[0])))
-                        if pinned is not None:
-                            template[j] = pinned
-                        else:
-                            slots.append((j, self._input_slot(info)))
+                        template[j], slot = self._constant_or_slot(info, data.get(str(tensor_index[0])), returned,
+                                                                   refills)
+                        if slot is not None:
+                            slots.append((j, slot))
                 return template, slots
             return list(value), []
         if et_type == "None" or value == "<None>":
@@ -249,6 +242,19 @@ class OpCompiler:
         if et_type in ("Object", "Generator"):
             return None, []
         return value, []
+
+    def _constant_or_slot(self, info: TensorInfo, data: str | None, returned: set[int],
+                          refills: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor | None, int | None]:
+        """A tensor input → (the constant the call holds, None), or (None, the slot it is read from); a recorded
+        one whose storage the op hands on is read from its slot, its values refilled there (:meth:`_convert`)."""
+        pinned = self._pinned(info, data)
+        if pinned is None:
+            return None, self._input_slot(info)
+        if info.storage_id in returned:
+            slot = self._input_slot(info)
+            refills.append((slot, pinned))
+            return None, slot
+        return pinned, None
 
     def _pinned(self, info: TensorInfo, data: str | None) -> torch.Tensor | None:
         """The program's own values for an integer input the trace recorded, as a constant.
