@@ -1,15 +1,15 @@
 """Side-by-side fidelity: the replay judged against its source program in the same process.
 
-Two processes of the same program, minutes apart, differ by up to 44 % in step time on a shared
-2-core VM, so a replay judged against a capture taken in another process measures the machine as
-much as the replay. Here the source and its replay run in one process, interleaved in rounds —
-source K steps, replay K steps, the order alternating every round — so machine drift lands on both
-sides alike. The figure is taken within rounds: the median over rounds of each round's ratio of the
-two sides' median steps, with a 95 % interval from a bootstrap drawing pairs of consecutive rounds,
-one in each order (so drift between rounds does not widen it). Short steps are timed in batches (a
-sample lasts at least 20 ms), and the judge adds rounds until the interval's half-width is within
-±2.5 % or its time budget (60 s by default) runs out: only then is the figure declared invalid, with
-the interval it reached. A replay that did not run every op as captured is never a valid verdict
+Two processes of the same program, minutes apart, differ by up to 44 % in step time on a shared 2-core VM,
+so a replay judged against a capture taken in another process measures the machine as much as the replay.
+Here the source and its replay run in one process, interleaved in rounds of K samples a side, taking turns a
+sample at a time (the order of each pair of turns, and of each round, the other way round to the one before)
+— so machine drift lands on both sides alike. The figure is taken within rounds: the median over rounds of
+each round's ratio of the two sides' median steps, with a 95 % interval from a bootstrap drawing pairs of
+consecutive rounds, one in each order (so drift between rounds does not widen it). Short steps are timed in
+batches (a sample lasts at least 20 ms), and the judge adds rounds until the interval's half-width is within
+±2.5 % or its time budget (60 s by default) runs out: only then is the figure declared invalid, with the
+interval it reached. A replay that did not run every op as captured is never a valid verdict
 either. The interleaved timing and its verdict are :mod:`harness.traces.side_by_side`; each side's
 memory peak, :mod:`harness.traces.allocator_peaks`.
 

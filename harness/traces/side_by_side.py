@@ -1,10 +1,10 @@
 """Two step functions timed side by side in one process, and the verdict on the ratio of their steps.
 
-The source and its replay run interleaved in rounds — source K samples, replay K samples, the order
-alternating every round — so machine drift lands on both sides alike (:func:`interleave`). The
-figure is taken within rounds, where both sides shared the machine's moment: the median over rounds
-of each round's ratio of the two sides' medians, with a 95 % interval from a bootstrap drawing pairs
-of consecutive rounds, one in each order (:func:`paired_ratio`). Rounds are added until the
+The source and its replay run interleaved in rounds of K samples a side, one sample a turn (source, replay,
+replay, source, ...; the next round starting with the replay), so machine drift lands on both sides alike
+(:func:`interleave`). The figure is taken within rounds, where both sides shared the machine's moment: the
+median over rounds of each round's ratio of the two sides' medians, with a 95 % interval from a bootstrap
+drawing pairs of consecutive rounds, one in each order (:func:`paired_ratio`). Rounds are added until the
 interval's half-width is within the target or the time budget runs out, and :class:`SideBySide` says
 whether the figure is a verdict and, when it is not, why. Each side's host time and op time are
 measured again while they are judged (:func:`host_time_probe`), so that the judgement says how much
@@ -46,6 +46,11 @@ TARGET_HALF_WIDTH_PCT = 2.5
 MIN_VALID_ROUNDS = 20
 MAX_ROUNDS = 400
 MIN_SAMPLE_MS = 20.0  # a sample times enough consecutive steps to last this long: timer and sync costs vanish
+# The sides take turns a sample at a time within a round, not K samples at a time: a VM's speed moves within the
+# quarter second a round of blocks lasts, and a side's block met another moment than the other side's. Over five
+# zoo programs, 60 rounds each way interleaved round by round in one process (2026-12-03, a noisy VM), the rounds'
+# ratios varied 5.0 … 8.4 % taking turns, 8.8 … 11.5 % in blocks, and the two figures differed by −1.4 … +0.7 %
+ALTERNATE = True
 BOOTSTRAP_SAMPLES = 2000
 PROBE_EVERY = 5  # each side's host and op time are measured again after the first round and every this many after
 PROBE_STEPS = TIMING_WARMUP + TIMING_MEASURED + PLAIN_SETTLE + PLAIN_MEASURED  # a side's steps in one probe
@@ -95,6 +100,7 @@ class SideBySide:
     replay_ms: list[list[float]]
     order: list[str]  # which side went first in each round
     batch: int = 1  # steps per timed sample
+    alternate: bool = ALTERNATE  # the sides took turns a sample at a time within a round (False: in blocks)
     target_half_width_pct: float = TARGET_HALF_WIDTH_PCT
     budget_s: float | None = None  # None: a fixed number of rounds
     elapsed_s: float = 0.0  # what the rounds took
@@ -293,8 +299,11 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
                budget_s: float | None = None, target_half_width_pct: float = TARGET_HALF_WIDTH_PCT,
                batch: int | None = None, agree: Callable[[Any], Any] | None = None,
                replay_shift_ms: list[float] | None = None,
-               prepare: dict[str, Callable[[], Any]] | None = None, host: HostProbe | None = None) -> SideBySide:
-    """Run both sides in alternating rounds of ``steps_per_round`` samples each, timed device-synchronised.
+               prepare: dict[str, Callable[[], Any]] | None = None, host: HostProbe | None = None,
+               alternate: bool = ALTERNATE) -> SideBySide:
+    """Run both sides in rounds of ``steps_per_round`` samples each, timed device-synchronised: the two sides
+    take turns a sample at a time, each pair of turns the other way round to the one before (``alternate``;
+    False: each side's samples in one block), and each round starts with the side the one before did not.
 
     A sample is ``batch`` consecutive steps timed together (default: as many as last
     :data:`MIN_SAMPLE_MS`, from the warm-up steps' times), so that short steps are not lost in the
@@ -342,14 +351,19 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
     def run_round() -> None:
         first, second = ("source", "replay") if len(order) % 2 == 0 else ("replay", "source")
         order.append(first)
-        for name in (first, second):
+        if alternate:  # one sample a turn, each pair's order the other way round: first second second first ...
+            turns = [name for i in range(steps_per_round) for name in ((first, second) if i % 2 == 0
+                                                                       else (second, first))]
+        else:
+            turns = [first] * steps_per_round + [second] * steps_per_round
+        samples: dict[str, list[float]] = {"source": [], "replay": []}
+        for name in turns:
             before = (prepare or {}).get(name)
-            samples = []
-            for _ in range(steps_per_round):
-                if before is not None:
-                    before()
-                samples.append(_timed(sides[name], device, batch))
-            times[name].append(samples)
+            if before is not None:
+                before()
+            samples[name].append(_timed(sides[name], device, batch))
+        for name in sides:
+            times[name].append(samples[name])
         if host is not None and (len(order) - 1) % PROBE_EVERY == 0:
             for name, measure in (("source", host.source), ("replay", host.replay)):
                 host_us, op_us = measure()
@@ -364,7 +378,7 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
             typical = statistics.median(times["source"][0] + times["replay"][0])
             steps_per_round = sized(typical, budget_s - (time.perf_counter() - started),
                                     max(rounds, MIN_VALID_ROUNDS) - 1)
-    side = SideBySide(times["source"], times["replay"], order, batch=batch, budget_s=budget_s,
+    side = SideBySide(times["source"], times["replay"], order, batch=batch, alternate=alternate, budget_s=budget_s,
                       target_half_width_pct=target_half_width_pct, replay_shift_ms=replay_shift_ms,
                       host=host, probed_us=probed_us)
     if steps_per_round < asked:
