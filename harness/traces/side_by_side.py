@@ -47,8 +47,8 @@ MIN_VALID_ROUNDS = 20
 MAX_ROUNDS = 400
 MIN_SAMPLE_MS = 20.0  # a sample times enough consecutive steps to last this long: timer and sync costs vanish
 # The sides take turns a sample at a time within a round, not K samples at a time: a VM's speed moves within the
-# quarter second a round of blocks lasts, and a side's block met another moment than the other side's. Over five
-# zoo programs, 60 rounds each way interleaved round by round in one process (2026-12-03, a noisy VM), the rounds'
+# fraction of a second a round of blocks lasts, and a side's block met another moment than the other side's. Over
+# five zoo programs, 60 rounds each way interleaved round by round in one process (2026-12-03, a noisy VM), the rounds'
 # ratios varied 5.0 … 8.4 % taking turns, 8.8 … 11.5 % in blocks, and the two figures differed by −1.4 … +0.7 %
 ALTERNATE = True
 BOOTSTRAP_SAMPLES = 2000
