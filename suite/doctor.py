@@ -320,10 +320,9 @@ def eb_kernel(device: torch.device, compiler: str | None, measure: bool) -> str:
             name = fast_kernels.kernel_name(device)
         return {"cpp": "cpp kernels", "compiled": "the tensor program under torch.compile"}.get(
             name, "the tensor program, eager (slower)") + " (with >1 rank)"
-    from torch.utils.cpp_extension import get_default_build_root, is_ninja_available
+    from torch.utils.cpp_extension import is_ninja_available
 
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    built = next(root.glob("**/cobench_eb_kernels/*.so"), None)
+    built = next(fast_kernels.build_directory().glob("*.so"), None)
     if built is not None:
         return f"cpp kernels, built: {built} (with >1 rank)"
     if compiler and is_ninja_available():

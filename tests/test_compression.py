@@ -7,7 +7,9 @@ comparison is ``error <= bound`` with no tolerance.
 from __future__ import annotations
 
 import math
+import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -493,3 +495,31 @@ def test_ordinary_embeddings_take_the_fast_path():
     assert_within_bound(x, decoded, block_bounds(x, "rel", 1e-2))
     assert c.stats.exact_path_blocks == 0 and c.stats.bound_violations == 0
     assert c.stats.compression_ratio > 3.9  # 7-bit codes + 8-byte header per 64 floats: 4.0
+
+
+def test_a_build_killed_midway_does_not_block_the_next_one(tmp_path):
+    """PyTorch marks a build of the C++ kernels in progress with a ``lock`` file that only the building process
+    removes: one killed mid-build (Ctrl-C, a timeout, a restart) left every later run waiting on it forever, in
+    silence. A later process clears it, says so, and gets its kernels."""
+    import shutil
+    import subprocess
+
+    from workloads.dlrm.error_bounded import fast_kernels
+
+    assert fast_kernels.cpu_kernels() is not None
+    cache = tmp_path / "extensions"
+    built = fast_kernels.build_directory()
+    folder = cache / built.name
+    shutil.copytree(built, folder, ignore=shutil.ignore_patterns("lock"))  # built already: no compile needed
+    (folder / "lock").touch()  # what a build killed midway leaves
+    program = ("import logging; logging.basicConfig()\n"
+               "from workloads.dlrm.error_bounded import fast_kernels\n"
+               "kernels = fast_kernels.cpu_kernels()\n"
+               "print('built' if kernels is not None else 'none', fast_kernels.build_directory())\n")
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(cache)}
+    done = subprocess.run([sys.executable, "-c", program], env=env, cwd=Path(__file__).parents[1],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["built", str(folder)]
+    assert f"removing {folder / 'lock'}" in done.stderr and "ended before the build did" in done.stderr
+    assert not (folder / "lock").exists()

@@ -30,16 +30,22 @@ A block that fails the check (float32 rounding dominates: a nearly constant bloc
 range that overflows) is re-encoded by the exact float64 path; a non-finite one travels as NaN.
 
 On CPU the path runs as a C++ kernel (``fast_kernels.cpp``, built once with the toolchain PyTorch
-uses, cached under ``TORCH_EXTENSIONS_DIR``); elsewhere, or when that build fails (stated in a
-warning: no compiler, no ninja), as the tensor program below, which computes the same bytes
-(``tests/test_compression.py`` compares them) and runs under ``torch.compile`` on CUDA.
+uses, cached under ``TORCH_EXTENSIONS_DIR``: :func:`build_directory`); elsewhere, or when that
+build fails (stated in a warning: no compiler, no ninja), as the tensor program below, which
+computes the same bytes (``tests/test_compression.py`` compares them) and runs under
+``torch.compile`` on CUDA.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import logging
 import math
+import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +55,7 @@ logger = logging.getLogger(__name__)
 
 HEADER_BYTES = 8
 _SOURCE = Path(__file__).with_name("fast_kernels.cpp")
+_NAME = "cobench_eb_kernels"
 STATUS_SENT, STATUS_EXACT_PATH, STATUS_NONFINITE = 0, 1, 2
 
 
@@ -63,14 +70,46 @@ def float32_below(values: torch.Tensor) -> torch.Tensor:
     return torch.where(above, torch.nextafter(rounded, torch.zeros_like(rounded)), rounded)
 
 
+def build_directory() -> Path:
+    """Where the C++ kernels are built and cached: under ``TORCH_EXTENSIONS_DIR`` (or PyTorch's default root for
+    extensions), one folder per torch version and Python, so that two torch builds sharing a cache never load
+    each other's library."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    return root / f"{_NAME}-torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
+
+
+@contextlib.contextmanager
+def _building(directory: Path) -> Iterator[None]:
+    """Hold the build of ``directory`` for this process, clearing a lock a killed build left behind.
+
+    PyTorch marks a build in progress with a ``lock`` file that only the building process removes: when that
+    process is killed mid-build (Ctrl-C, a CI timeout, a machine restart), every later ``load`` of the folder
+    waits for it forever, in silence. Here every build of the kernels first takes an flock(2) on a file beside
+    the folder, which the kernel releases when its holder dies: whoever holds it is the only builder alive, so a
+    ``lock`` file found then is stale, and goes (with a warning saying so)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory.with_name(directory.name + ".flock"), "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a build running in another process: wait for it to end
+        stale = directory / "lock"
+        if stale.exists():
+            logger.warning("error-bounded codec: removing %s, left by a build of the C++ kernels whose process "
+                           "ended before the build did", stale)
+            stale.unlink(missing_ok=True)
+        yield
+
+
 @functools.cache
 def cpu_kernels() -> Any | None:
     """The compiled C++ kernels, or None (with a warning saying why) when they cannot be built."""
     try:
         from torch.utils.cpp_extension import load
 
-        return load(name="cobench_eb_kernels", sources=[str(_SOURCE)], extra_cflags=["-O3", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
+        directory = build_directory()
+        with _building(directory):
+            return load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O3", "-fopenmp"],
+                        extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
     except Exception as err:  # noqa: BLE001 - any build failure means: use the tensor program
         logger.warning("error-bounded codec: the C++ kernels could not be built (%s: %s); encoding with the "
                        "tensor program instead (same bytes, slower on CPU)", type(err).__name__,
