@@ -470,6 +470,43 @@ def test_a_program_of_long_steps_takes_fewer_samples_a_round_so_that_enough_roun
     assert side_by_side_module.samples_within_budget(5, 24.0, 12.0, 60.0, 20, probed=True) == 5  # short steps
 
 
+def test_the_host_time_probes_leave_a_long_step_program_enough_of_its_budget_for_a_verdict(monkeypatch):
+    """612 ms steps (Faster R-CNN on this VM), a 60 s budget, both sides measured again under the profiler while
+    judged (13 steps a side a probe, ~24 s a probe): probed every 5 rounds, 2 probes took most of the budget and 10
+    rounds were all that fit, no verdict. The probes after the first take at most a quarter of the budget, so
+    the judgement probes once, reaches 20 rounds inside its 60 s and gives a verdict."""
+    clock = FakeClock()
+    monkeypatch.setattr(side_by_side_module.time, "perf_counter", clock)
+    noise = random.Random(7)
+    probes = {"source": 0, "replay": 0}
+
+    def work(ms: float) -> Callable[[], None]:
+        def step() -> None:
+            clock.now += 1e-3 * ms * (1 + noise.uniform(-0.01, 0.01))
+        return step
+
+    def measured(side: str, ms: float) -> Callable[[], tuple[list[float], list[float]]]:
+        def measure() -> tuple[list[float], list[float]]:
+            probes[side] += 1
+            clock.now += 1e-3 * side_by_side_module.PROBE_STEPS * 1.3 * ms
+            return [5e3] * 4, [(ms - 5.0) * 1e3] * 4
+        return measure
+
+    host = HostProbe(measured("source", 612.0), measured("replay", 618.0), capture_ms=5.0, spun_ms=1.0)
+    side = interleave(work(612.0), work(618.0), torch.device("cpu"), rounds=10, steps_per_round=5, warmup=2,
+                      budget_s=60.0, host=host)
+    assert probes == {"source": 1, "replay": 1}
+    assert len(side.order) >= side_by_side_module.MIN_VALID_ROUNDS and side.elapsed_s <= 60.0
+    assert side.fidelity_valid, side.invalid_reason
+    assert side.time_error_ci_low_pct < 1.0 < side.time_error_ci_high_pct
+    # the schedule: every 5 rounds while the probes fit a quarter of the budget, further apart, then the first only
+    every = side_by_side_module.probe_every
+    assert every(25.0, 60.0, 20) == 5  # 1 s a probe: all 4 fit
+    assert every(150.0, 60.0, 20) == 7  # 5.9 s a probe: 2 more fit in 15 s (after rounds 8 and 15)
+    assert every(612.0, 60.0, 20) == side_by_side_module.MAX_ROUNDS  # 24 s a probe: the first only
+    assert every(612.0, 600.0, 20) == 5  # a budget of 10 minutes holds them all
+
+
 
 
 def test_samples_a_round_are_sized_again_from_the_first_rounds_own_steps(monkeypatch):

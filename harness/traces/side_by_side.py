@@ -55,6 +55,10 @@ BOOTSTRAP_SAMPLES = 2000
 PROBE_EVERY = 5  # each side's host and op time are measured again after the first round and every this many after
 PROBE_STEPS = TIMING_WARMUP + TIMING_MEASURED + PLAIN_SETTLE + PLAIN_MEASURED  # a side's steps in one probe
 PROBE_SLOWDOWN = 1.5  # a probe's steps under the profiler, against plain ones (allowed for, not measured)
+# Within a budget the probes after the first take at most this share of it: they are the judgement's diagnosis,
+# the rounds its verdict. Probed every PROBE_EVERY rounds, a program of 612 ms steps (Faster R-CNN on this VM) set
+# ~48 s of its 60 aside for 2 probes and ran 10 rounds, too few for a verdict; one of 150 ms steps (ResNet-18), ~23 s.
+PROBE_SHARE = 0.25
 # A probe in which a step's host time or its time inside the ops came out at zero (the profiler's cost, estimated
 # against the plain steps, took all of it: the machine's load moved between the profiled and the plain steps)
 # measured nothing; it is taken again, at most this many times in all, and left out if none holds together.
@@ -318,8 +322,9 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
     carried state back as it was made: the replay workload's ``restore_values``; once a round, ViT's
     replay ran its later samples of a round up to twice as slow, its values sunk into subnormal floats).
     ``host``: measures each side's host time and op time again after the first round and every
-    :data:`PROBE_EVERY` rounds after it, inside the budget (on every rank alike: the steps may hold
-    collectives), so that the figure can be set against the host time the program had while judged.
+    :data:`PROBE_EVERY` rounds after it (further apart where the budget is short for the steps:
+    :func:`probe_every`), inside the budget (on every rank alike: the steps may hold collectives), so that
+    the figure can be set against the host time the program had while judged.
     """
     agree = agree or (lambda value: value)
     if rounds < 2 or steps_per_round < 1 or warmup < 0:
@@ -337,12 +342,15 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
         batch = agree(max(1, min(1000, math.ceil(MIN_SAMPLE_MS / max(typical, 1e-3)))))
     asked = steps_per_round
 
+    planned = max(rounds, MIN_VALID_ROUNDS)
+    every = PROBE_EVERY if budget_s is None else agree(probe_every(typical, budget_s, planned))
+
     def sized(step_ms: float, left_s: float, rounds_left: int) -> int:
         return agree(samples_within_budget(asked, batch * step_ms, step_ms, left_s, rounds_left,
-                                           probed=host is not None))
+                                           probed=host is not None, every=every))
 
     if budget_s is not None:
-        steps_per_round = sized(typical, budget_s, max(rounds, MIN_VALID_ROUNDS))
+        steps_per_round = sized(typical, budget_s, planned)
     times: dict[str, list[list[float]]] = {"source": [], "replay": []}
     order: list[str] = []
     probed_us: dict[str, list[float]] = {f"{side}_{part}": [] for side in sides for part in ("host", "op")}
@@ -364,7 +372,7 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
             samples[name].append(_timed(sides[name], device, batch))
         for name in sides:
             times[name].append(samples[name])
-        if host is not None and (len(order) - 1) % PROBE_EVERY == 0:
+        if host is not None and (len(order) - 1) % every == 0:
             for name, measure in (("source", host.source), ("replay", host.replay)):
                 host_us, op_us = measure()
                 probed_us[f"{name}_host"].extend(host_us)
@@ -376,8 +384,8 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
             # sized again from the first round's own samples: the warm-up steps right after a capture can run
             # slow (EfficientNet's 223 ms against its 62 ms step) and leave fewer samples a round than fit
             typical = statistics.median(times["source"][0] + times["replay"][0])
-            steps_per_round = sized(typical, budget_s - (time.perf_counter() - started),
-                                    max(rounds, MIN_VALID_ROUNDS) - 1)
+            every = agree(probe_every(typical, budget_s, planned))
+            steps_per_round = sized(typical, budget_s - (time.perf_counter() - started), planned - 1)
     side = SideBySide(times["source"], times["replay"], order, batch=batch, alternate=alternate, budget_s=budget_s,
                       target_half_width_pct=target_half_width_pct, replay_shift_ms=replay_shift_ms,
                       host=host, probed_us=probed_us)
@@ -412,14 +420,28 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
     return side
 
 
+def probe_every(step_ms: float, budget_s: float, rounds: int) -> int:
+    """How many rounds apart the host-time probes go in a judgement of ``rounds`` rounds of ``step_ms`` steps
+    within ``budget_s``: every :data:`PROBE_EVERY`, or further apart where the probes after the first would take
+    more than :data:`PROBE_SHARE` of the budget (only the first, after the first round, when even one more
+    would)."""
+    probe_s = 2 * PROBE_STEPS * PROBE_SLOWDOWN * step_ms / 1e3
+    more = math.floor(PROBE_SHARE * budget_s / max(probe_s, 1e-9))  # probes after the first that fit the share
+    if (rounds - 1) // PROBE_EVERY <= more:
+        return PROBE_EVERY
+    if more < 1:
+        return MAX_ROUNDS
+    return max(PROBE_EVERY, (rounds - 1) // (more + 1) + 1)  # the closest that leaves ``more`` after the first
+
+
 def samples_within_budget(asked: int, sample_ms: float, step_ms: float, budget_s: float, rounds: int, *,
-                          probed: bool) -> int:
+                          probed: bool, every: int = PROBE_EVERY) -> int:
     """Samples of each side a round, at most ``asked``, such that ``rounds`` rounds (and their host-time probes,
-    where ``probed``: one after the first round and every :data:`PROBE_EVERY` after it) fit in ``budget_s``; at
-    least one. A verdict needs :data:`MIN_VALID_ROUNDS` rounds, and the bootstrap draws rounds, not samples: a
-    program whose step lasts 290 ms (Faster R-CNN on this VM) ran 12 rounds of 5 samples and their probes in
-    60 s, its interval within ±1.2 % but on too few rounds for a verdict."""
-    probes = (1 + (rounds - 1) // PROBE_EVERY) if probed else 0
+    where ``probed``: one after the first round and every ``every`` rounds after it: :func:`probe_every`) fit in
+    ``budget_s``; at least one. A verdict needs :data:`MIN_VALID_ROUNDS` rounds, and the bootstrap draws rounds,
+    not samples: a program whose step lasts 290 ms (Faster R-CNN on this VM) ran 12 rounds of 5 samples and their
+    probes in 60 s, its interval within ±1.2 % but on too few rounds for a verdict."""
+    probes = (1 + (rounds - 1) // every) if probed else 0
     left_ms = 1e3 * budget_s - probes * 2 * PROBE_STEPS * PROBE_SLOWDOWN * step_ms
     fits = math.floor(left_ms / (rounds * 2 * max(sample_ms, 1e-6)))
     return max(1, min(asked, fits))
