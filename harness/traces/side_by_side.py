@@ -420,13 +420,18 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
     return side
 
 
+def probe_ms(step_ms: float) -> float:
+    """What one host-time probe is allowed to take: both sides' :data:`PROBE_STEPS` steps under the profiler."""
+    return 2 * PROBE_STEPS * PROBE_SLOWDOWN * step_ms
+
+
 def probe_every(step_ms: float, budget_s: float, rounds: int) -> int:
     """How many rounds apart the host-time probes go in a judgement of ``rounds`` rounds of ``step_ms`` steps
     within ``budget_s``: every :data:`PROBE_EVERY`, or further apart where the probes after the first would take
     more than :data:`PROBE_SHARE` of the budget (only the first, after the first round, when even one more
     would)."""
-    probe_s = 2 * PROBE_STEPS * PROBE_SLOWDOWN * step_ms / 1e3
-    more = math.floor(PROBE_SHARE * budget_s / max(probe_s, 1e-9))  # probes after the first that fit the share
+    # probes after the first that fit the share
+    more = math.floor(1e3 * PROBE_SHARE * budget_s / max(probe_ms(step_ms), 1e-9))
     if (rounds - 1) // PROBE_EVERY <= more:
         return PROBE_EVERY
     if more < 1:
@@ -442,7 +447,7 @@ def samples_within_budget(asked: int, sample_ms: float, step_ms: float, budget_s
     not samples: a program whose step lasts 290 ms (Faster R-CNN on this VM) ran 12 rounds of 5 samples and their
     probes in 60 s, its interval within ±1.2 % but on too few rounds for a verdict."""
     probes = (1 + (rounds - 1) // every) if probed else 0
-    left_ms = 1e3 * budget_s - probes * 2 * PROBE_STEPS * PROBE_SLOWDOWN * step_ms
+    left_ms = 1e3 * budget_s - probes * probe_ms(step_ms)
     fits = math.floor(left_ms / (rounds * 2 * max(sample_ms, 1e-6)))
     return max(1, min(asked, fits))
 
