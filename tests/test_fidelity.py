@@ -530,6 +530,63 @@ def test_samples_a_round_are_sized_again_from_the_first_rounds_own_steps(monkeyp
     assert [len(r) for r in side.source_ms[:3]] == [3, 5, 5] and all(len(r) == 5 for r in side.replay_ms[1:])
     assert not side.notes  # every later round took what was asked for
     assert side.fidelity_valid and side.batch == 1
+def test_a_sample_is_sized_again_when_the_first_round_shows_shorter_steps_than_the_warm_up(monkeypatch):
+    """Right after a capture TorchRec's two ranks ran their warm-up steps past 20 ms where their step then took
+    12.5 ms: each sample timed one step, and samples varied 21 % within a round. Warm-up steps of 40 ms, then 5 ms:
+    the first round shows the steps a sample should hold (4: 20 ms), is taken as one more warm-up, and every
+    round counted times samples of 4 steps."""
+    clock = FakeClock()
+    monkeypatch.setattr(side_by_side_module.time, "perf_counter", clock)
+    noise = random.Random(11)
+
+    def work(slow_steps: int) -> Callable[[], None]:
+        calls = [0]
+
+        def step() -> None:
+            calls[0] += 1
+            clock.now += 1e-3 * (40.0 if calls[0] <= slow_steps else 5.0) * (1 + noise.uniform(-0.01, 0.01))
+        return step
+
+    side = interleave(work(2), work(2), torch.device("cpu"), rounds=10, steps_per_round=3, warmup=2, budget_s=None)
+    assert side.batch == 4 and len(side.order) == len(side.source_ms) == 10
+    assert all(4.9 < t < 5.1 for r in side.source_ms + side.replay_ms for t in r)  # no 40 ms step counted
+    assert side.metrics()["judgement_batch_steps"] == 4
+    # a batch the caller fixed stays what it is
+    fixed = interleave(work(2), work(2), torch.device("cpu"), rounds=4, steps_per_round=3, warmup=2, batch=1,
+                       budget_s=None)
+    assert fixed.batch == 1 and len(fixed.order) == 4
+
+
+def test_the_host_time_probes_stay_within_their_share_of_a_judgement_that_adds_rounds(monkeypatch):
+    """Short noisy steps add rounds far beyond the 20 planned, a probe due every 5 of them: TorchRec's two ranks
+    (12.5 ms steps) ran 186 rounds and 37 probes, ~21 s of a 60 s budget. Probes of 1.5 s beside rounds of
+    0.2 s would take most of the budget; past the first, they take at most a quarter of it, and the rounds the
+    rest."""
+    clock = FakeClock()
+    monkeypatch.setattr(side_by_side_module.time, "perf_counter", clock)
+    noise = random.Random(13)
+    probes = []
+
+    def work(ms: float) -> Callable[[], None]:
+        def step() -> None:
+            clock.now += 1e-3 * ms * (1 + noise.uniform(-0.6, 0.6))
+        return step
+
+    def measured() -> tuple[list[float], list[float]]:
+        probes.append(clock.now)
+        clock.now += 0.75
+        return [1e3] * 4, [4e3] * 4
+
+    host = HostProbe(measured, measured, capture_ms=1.0, spun_ms=0.5)
+    side = interleave(work(5.0), work(5.0), torch.device("cpu"), rounds=10, steps_per_round=5, warmup=2,
+                      budget_s=60.0, host=host)
+    probe_s = 1.5 * len(probes) / 2
+    assert side.probe_s == pytest.approx(probe_s) and side.metrics()["judgement_probe_s"] == pytest.approx(probe_s)
+    assert len(side.order) > 100 and side.elapsed_s <= 60.0
+    assert probe_s - 1.5 <= 0.25 * 60.0  # past the first, a quarter of the budget
+    assert len(probes) / 2 < len(side.order) / 5 / 2  # fewer than half of those due every 5 rounds
+
+
 @pytest.mark.parametrize("name", sorted(PROGRAMS))
 def test_corpus_program_replays_completely_judged_side_by_side(name: str, tmp_path: Path):
     """Every program of the corpus: every op replays; the side-by-side figure is reported with its interval."""

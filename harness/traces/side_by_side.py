@@ -108,6 +108,7 @@ class SideBySide:
     target_half_width_pct: float = TARGET_HALF_WIDTH_PCT
     budget_s: float | None = None  # None: a fixed number of rounds
     elapsed_s: float = 0.0  # what the rounds took
+    probe_s: float = 0.0  # what the host-time probes took of that
     budget_exhausted: bool = False
     # bootstrap draws of how much a replay step would move were the capture's host time and the replay's
     # own call cost measured again (ms; see capture_shift_draws): the interval covers them too
@@ -229,6 +230,7 @@ class SideBySide:
             "judgement_rounds": float(len(self.order)),
             "judgement_batch_steps": float(self.batch),
             "judgement_elapsed_s": self.elapsed_s,
+            "judgement_probe_s": self.probe_s,
             "capture_half_width_pct": self.capture_half_width_pct,
             **({"judgement_budget_s": self.budget_s} if self.budget_s is not None else {}),
             **({"capture_host_ms": self.host.capture_ms, "spent_host_ms": self.host.spent_ms,
@@ -338,8 +340,9 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
         for _ in range(warmup):
             warm_ms.append(_timed(step, device, 1))
     typical = statistics.median(warm_ms[len(warm_ms) // 4:]) if warm_ms else MIN_SAMPLE_MS
+    auto_batch = batch is None
     if batch is None:
-        batch = agree(max(1, min(1000, math.ceil(MIN_SAMPLE_MS / max(typical, 1e-3)))))
+        batch = agree(steps_a_sample(typical))
     asked = steps_per_round
 
     planned = max(rounds, MIN_VALID_ROUNDS)
@@ -355,6 +358,30 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
     order: list[str] = []
     probed_us: dict[str, list[float]] = {f"{side}_{part}": [] for side in sides for part in ("host", "op")}
     started = time.perf_counter()
+    # the probes' time after the first and in all, the last one's, how many were taken, the round after which the
+    # next is due
+    probing = {"s": 0.0, "all": 0.0, "last": 0.0, "taken": 0, "next": 1}
+
+    def probe() -> None:
+        """Both sides' host and op time measured again, if one is due after this round and, past the first, one
+        more as long as the last keeps the probes after the first within :data:`PROBE_SHARE` of the budget (a
+        judgement that adds rounds beyond those planned would otherwise spend ever more of it on them)."""
+        if host is None or len(order) < probing["next"]:
+            return
+        probing["next"] = len(order) + every
+        if probing["taken"] and budget_s is not None and \
+                not agree(probing["s"] + probing["last"] <= PROBE_SHARE * budget_s):
+            return
+        began = time.perf_counter()
+        for name, measure in (("source", host.source), ("replay", host.replay)):
+            host_us, op_us = measure()
+            probed_us[f"{name}_host"].extend(host_us)
+            probed_us[f"{name}_op"].extend(op_us)
+        took = probing["last"] = time.perf_counter() - began
+        probing["all"] += took
+        if probing["taken"]:
+            probing["s"] += took
+        probing["taken"] += 1
 
     def run_round() -> None:
         first, second = ("source", "replay") if len(order) % 2 == 0 else ("replay", "source")
@@ -372,20 +399,30 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
             samples[name].append(_timed(sides[name], device, batch))
         for name in sides:
             times[name].append(samples[name])
-        if host is not None and (len(order) - 1) % every == 0:
-            for name, measure in (("source", host.source), ("replay", host.replay)):
-                host_us, op_us = measure()
-                probed_us[f"{name}_host"].extend(host_us)
-                probed_us[f"{name}_op"].extend(op_us)
+        probe()
 
-    for r in range(rounds):
+    sizing = True
+    while len(order) < rounds:
         run_round()
-        if r == 0 and budget_s is not None:
-            # sized again from the first round's own samples: the warm-up steps right after a capture can run
-            # slow (EfficientNet's 223 ms against its 62 ms step) and leave fewer samples a round than fit
-            typical = statistics.median(times["source"][0] + times["replay"][0])
+        if not sizing:
+            continue
+        sizing = False
+        # sized again from the first round's own samples: the warm-up steps right after a capture can run slow
+        # (EfficientNet's 223 ms against its 62 ms step; TorchRec's two ranks past 20 ms against their 12.5 ms) and
+        # leave fewer samples a round than fit, or samples of fewer steps than last MIN_SAMPLE_MS
+        typical = statistics.median(times["source"][0] + times["replay"][0])
+        if auto_batch and agree(steps_a_sample(typical) if not 0.75 * MIN_SAMPLE_MS <= batch * typical
+                                <= 2 * MIN_SAMPLE_MS else batch) != batch:
+            # that round, its samples of another length, was one more warm-up: the rounds start again (its probe
+            # stands)
+            batch = agree(steps_a_sample(typical))
+            for name in sides:
+                times[name].clear()
+            order.clear()
+        if budget_s is not None:
             every = agree(probe_every(typical, budget_s, planned))
-            steps_per_round = sized(typical, budget_s - (time.perf_counter() - started), planned - 1)
+            steps_per_round = sized(typical, budget_s - (time.perf_counter() - started), planned - len(order))
+        probing["next"] = len(order) + every  # as many rounds after the first probe as apart
     side = SideBySide(times["source"], times["replay"], order, batch=batch, alternate=alternate, budget_s=budget_s,
                       target_half_width_pct=target_half_width_pct, replay_shift_ms=replay_shift_ms,
                       host=host, probed_us=probed_us)
@@ -394,7 +431,7 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
                           f"{asked}: {MIN_VALID_ROUNDS} rounds of "
                           f"{asked} ({typical:.0f} ms steps), with their host-time probes, would not fit the "
                           f"{budget_s:.0f} s budget")
-    side.elapsed_s = time.perf_counter() - started
+    side.elapsed_s, side.probe_s = time.perf_counter() - started, probing["all"]
     side.summarise(seed)
     while budget_s is not None:
         per_round = side.elapsed_s / len(order)
@@ -415,9 +452,14 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
             break
         for _ in range(more):
             run_round()
-        side.elapsed_s = time.perf_counter() - started
+        side.elapsed_s, side.probe_s = time.perf_counter() - started, probing["all"]
         side.summarise(seed)
     return side
+
+
+def steps_a_sample(step_ms: float) -> int:
+    """How many consecutive steps of ``step_ms`` a sample times: as many as last :data:`MIN_SAMPLE_MS` (1 … 1000)."""
+    return max(1, min(1000, math.ceil(MIN_SAMPLE_MS / max(step_ms, 1e-3))))
 
 
 def probe_ms(step_ms: float) -> float:
