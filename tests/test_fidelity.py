@@ -530,6 +530,8 @@ def test_samples_a_round_are_sized_again_from_the_first_rounds_own_steps(monkeyp
     assert [len(r) for r in side.source_ms[:3]] == [3, 5, 5] and all(len(r) == 5 for r in side.replay_ms[1:])
     assert not side.notes  # every later round took what was asked for
     assert side.fidelity_valid and side.batch == 1
+
+
 def test_a_sample_is_sized_again_when_the_first_round_shows_shorter_steps_than_the_warm_up(monkeypatch):
     """Right after a capture TorchRec's two ranks ran their warm-up steps past 20 ms where their step then took
     12.5 ms: each sample timed one step, and samples varied 21 % within a round. Warm-up steps of 40 ms, then 5 ms:
@@ -559,7 +561,7 @@ def test_a_sample_is_sized_again_when_the_first_round_shows_shorter_steps_than_t
 
 def test_the_host_time_probes_stay_within_their_share_of_a_judgement_that_adds_rounds(monkeypatch):
     """Short noisy steps add rounds far beyond the 20 planned, a probe due every 5 of them: TorchRec's two ranks
-    (12.5 ms steps) ran 186 rounds and 37 probes, ~21 s of a 60 s budget. Probes of 1.5 s beside rounds of
+    (12.5 ms steps) ran 186 rounds and 34 probes in a 60 s budget. Probes of 1.5 s beside rounds of
     0.2 s would take most of the budget; past the first, they take at most a quarter of it, and the rounds the
     rest."""
     clock = FakeClock()

@@ -411,11 +411,12 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
         # (EfficientNet's 223 ms against its 62 ms step; TorchRec's two ranks past 20 ms against their 12.5 ms) and
         # leave fewer samples a round than fit, or samples of fewer steps than last MIN_SAMPLE_MS
         typical = statistics.median(times["source"][0] + times["replay"][0])
-        if auto_batch and agree(steps_a_sample(typical) if not 0.75 * MIN_SAMPLE_MS <= batch * typical
-                                <= 2 * MIN_SAMPLE_MS else batch) != batch:
+        wanted = agree(steps_a_sample(typical) if auto_batch and not 0.75 * MIN_SAMPLE_MS <= batch * typical
+                       <= 2 * MIN_SAMPLE_MS else batch)
+        if wanted != batch:
             # that round, its samples of another length, was one more warm-up: the rounds start again (its probe
             # stands)
-            batch = agree(steps_a_sample(typical))
+            batch = wanted
             for name in sides:
                 times[name].clear()
             order.clear()
