@@ -365,6 +365,38 @@ def test_ranks_take_a_probe_again_as_rank_0_does():
     print(f"tries taken together: {tries}")
 
 
+def _resizing_rank(rank: int, store: str, results) -> None:
+    import torch.distributed as dist
+
+    from harness.traces.judge import _rank0_value
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        calls = []
+
+        def step() -> None:  # a collective in every step; rank 0's warm-up steps slow, as after a capture
+            calls.append(1)
+            time.sleep(0.03 if rank == 0 and len(calls) <= 4 else 0.004)
+            dist.all_reduce(torch.ones(4))
+
+        side = interleave(step, step, torch.device("cpu"), rounds=4, steps_per_round=2, warmup=2, budget_s=3.0,
+                          agree=_rank0_value(None))
+        results.put({"rank": rank, "calls": len(calls), "batch": side.batch, "rounds": len(side.order)})
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_size_their_samples_again_as_rank_0_does():
+    """Two gloo ranks whose steps hold a collective, the warm-up steps slow: the first round calls for samples
+    of more steps, and both ranks drop it and time the same number of steps a sample, rounds and steps (a rank
+    that went its own way would wait for the other forever)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        got, codes = run_ranks(_resizing_rank, f"{tmp}/store", timeout=120)
+    assert codes == [0, 0]
+    assert got[0]["batch"] == got[1]["batch"] > 1 and got[0]["rounds"] == got[1]["rounds"] >= 4
+    assert got[0]["calls"] == got[1]["calls"]
+
+
 def test_the_interval_holds_its_figure_even_when_every_draw_is_the_figure():
     """One pair of rounds: every bootstrap draw is the figure itself, moved by the capture's draws (here all
     zero); rounding must not leave the figure outside its own interval (it did, by the last bit, in about one
