@@ -358,30 +358,25 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
     order: list[str] = []
     probed_us: dict[str, list[float]] = {f"{side}_{part}": [] for side in sides for part in ("host", "op")}
     started = time.perf_counter()
-    # the probes' time after the first and in all, the last one's, how many were taken, the round after which the
-    # next is due
-    probing = {"s": 0.0, "all": 0.0, "last": 0.0, "taken": 0, "next": 1}
+    probes_s: list[float] = []  # what each host-time probe took
+    due = 1  # the round after which the next probe falls due
 
     def probe() -> None:
         """Both sides' host and op time measured again, if one is due after this round and, past the first, one
         more as long as the last keeps the probes after the first within :data:`PROBE_SHARE` of the budget (a
         judgement that adds rounds beyond those planned would otherwise spend ever more of it on them)."""
-        if host is None or len(order) < probing["next"]:
+        nonlocal due
+        if host is None or len(order) < due:
             return
-        probing["next"] = len(order) + every
-        if probing["taken"] and budget_s is not None and \
-                not agree(probing["s"] + probing["last"] <= PROBE_SHARE * budget_s):
+        due = len(order) + every
+        if probes_s and budget_s is not None and not agree(sum(probes_s[1:]) + probes_s[-1] <= PROBE_SHARE * budget_s):
             return
         began = time.perf_counter()
         for name, measure in (("source", host.source), ("replay", host.replay)):
             host_us, op_us = measure()
             probed_us[f"{name}_host"].extend(host_us)
             probed_us[f"{name}_op"].extend(op_us)
-        took = probing["last"] = time.perf_counter() - began
-        probing["all"] += took
-        if probing["taken"]:
-            probing["s"] += took
-        probing["taken"] += 1
+        probes_s.append(time.perf_counter() - began)
 
     def run_round() -> None:
         first, second = ("source", "replay") if len(order) % 2 == 0 else ("replay", "source")
@@ -401,29 +396,25 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
             times[name].append(samples[name])
         probe()
 
-    sizing = True
+    run_round()
+    # sized again from the first round's own samples: the warm-up steps right after a capture can run slow
+    # (EfficientNet's 223 ms against its 62 ms step; TorchRec's two ranks past 20 ms against their 12.5 ms) and leave
+    # fewer samples a round than fit, or samples of fewer steps than last MIN_SAMPLE_MS
+    typical = statistics.median(times["source"][0] + times["replay"][0])
+    wanted = agree(steps_a_sample(typical) if auto_batch and not 0.75 * MIN_SAMPLE_MS <= batch * typical
+                   <= 2 * MIN_SAMPLE_MS else batch)
+    if wanted != batch:
+        # that round, its samples of another length, was one more warm-up: the rounds start again (its probe stands)
+        batch = wanted
+        for name in sides:
+            times[name].clear()
+        order.clear()
+    if budget_s is not None:
+        every = agree(probe_every(typical, budget_s, planned))
+        steps_per_round = sized(typical, budget_s - (time.perf_counter() - started), planned - len(order))
+    due = len(order) + every  # as many rounds after the first probe as apart
     while len(order) < rounds:
         run_round()
-        if not sizing:
-            continue
-        sizing = False
-        # sized again from the first round's own samples: the warm-up steps right after a capture can run slow
-        # (EfficientNet's 223 ms against its 62 ms step; TorchRec's two ranks past 20 ms against their 12.5 ms) and
-        # leave fewer samples a round than fit, or samples of fewer steps than last MIN_SAMPLE_MS
-        typical = statistics.median(times["source"][0] + times["replay"][0])
-        wanted = agree(steps_a_sample(typical) if auto_batch and not 0.75 * MIN_SAMPLE_MS <= batch * typical
-                       <= 2 * MIN_SAMPLE_MS else batch)
-        if wanted != batch:
-            # that round, its samples of another length, was one more warm-up: the rounds start again (its probe
-            # stands)
-            batch = wanted
-            for name in sides:
-                times[name].clear()
-            order.clear()
-        if budget_s is not None:
-            every = agree(probe_every(typical, budget_s, planned))
-            steps_per_round = sized(typical, budget_s - (time.perf_counter() - started), planned - len(order))
-        probing["next"] = len(order) + every  # as many rounds after the first probe as apart
     side = SideBySide(times["source"], times["replay"], order, batch=batch, alternate=alternate, budget_s=budget_s,
                       target_half_width_pct=target_half_width_pct, replay_shift_ms=replay_shift_ms,
                       host=host, probed_us=probed_us)
@@ -432,7 +423,7 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
                           f"{asked}: {MIN_VALID_ROUNDS} rounds of "
                           f"{asked} ({typical:.0f} ms steps), with their host-time probes, would not fit the "
                           f"{budget_s:.0f} s budget")
-    side.elapsed_s, side.probe_s = time.perf_counter() - started, probing["all"]
+    side.elapsed_s, side.probe_s = time.perf_counter() - started, sum(probes_s)
     side.summarise(seed)
     while budget_s is not None:
         per_round = side.elapsed_s / len(order)
@@ -453,7 +444,7 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
             break
         for _ in range(more):
             run_round()
-        side.elapsed_s, side.probe_s = time.perf_counter() - started, probing["all"]
+        side.elapsed_s, side.probe_s = time.perf_counter() - started, sum(probes_s)
         side.summarise(seed)
     return side
 
