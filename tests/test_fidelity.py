@@ -447,6 +447,31 @@ def test_the_captures_host_time_is_resampled_a_round_at_a_time():
     assert by_round == pytest.approx(eight, rel=0.25) and by_round > 1.3 * one_by_one
 
 
+def test_a_verdict_held_open_by_the_capture_names_which_measurement_moves_it():
+    """A replay of 1,000 ops a step whose capture's host time is known closely but whose call cost per op is not:
+    the reason and the metrics say the call cost moves the figure, not the host time, and the parts add up
+    draw by draw to what the interval resamples."""
+    from types import SimpleNamespace
+
+    from harness.traces.side_by_side import capture_shift_draws, capture_shift_parts
+
+    rng = random.Random(3)
+    replayer = SimpleNamespace(host_gaps=True, gap_samples_us=[4000.0 + rng.uniform(-20, 20) for _ in range(32)],
+                               call_samples_s=[6e-6 * (1 + rng.uniform(-0.5, 0.5)) for _ in range(24)],
+                               autograd_samples_s=[], sequence=[[0] * 1000], grad_ops_per_step=0.0, call_s=6e-6)
+    parts = capture_shift_parts(replayer)
+    assert [sum(d) for d in zip(*parts.values(), strict=True)] == pytest.approx(capture_shift_draws(replayer))
+    steady = [[10.0 * (1 + 0.01 * ((i + j) % 3 - 1)) for j in range(5)] for i in range(40)]
+    side = SideBySide(steady, [[t * 1.02 for t in r] for r in steady], ["source", "replay"] * 20,
+                      replay_shift_ms=capture_shift_draws(replayer), replay_shift_parts_ms=parts).summarise()
+    metrics = side.metrics()
+    assert metrics["capture_calls_half_width_pct"] > 5 * metrics["capture_host_half_width_pct"] > 0
+    assert metrics["capture_autograd_half_width_pct"] == 0.0
+    assert not side.fidelity_valid
+    assert f"(the host time ±{metrics['capture_host_half_width_pct']:.1f}, the call cost " \
+           f"±{metrics['capture_calls_half_width_pct']:.1f})" in side.invalid_reason
+
+
 def test_the_judge_adds_rounds_until_the_interval_is_narrow_or_the_budget_is_spent(monkeypatch):
     """A replay 3 % slower, both sides with ±30 % noise of their own: the judge adds rounds until the interval
     is within ±2.5 %, inside its budget. With ±60 % noise and a budget too small for that it stops when the

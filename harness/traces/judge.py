@@ -58,7 +58,7 @@ from harness.traces.capture import capture, prepare_source
 from harness.traces.side_by_side import (
     HostProbe,
     SideBySide,
-    capture_shift_draws,
+    capture_shift_parts,
     cv_pct,
     host_time_probe,
     interleave,
@@ -100,7 +100,7 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
         agree = _rank0_value(ctx.process_group) if ctx.distributed else None
         side = interleave(source_step, replay.step, ctx.device, rounds=rounds, steps_per_round=steps_per_round,
                           warmup=warmup, seed=ctx.seed, budget_s=budget_s, agree=agree,
-                          replay_shift_ms=capture_shift_draws(getattr(replay, "replayer", None), seed=ctx.seed),
+                          replay_shift_parts_ms=capture_shift_parts(getattr(replay, "replayer", None), seed=ctx.seed),
                           prepare={"replay": replay.restore_values} if hasattr(replay, "restore_values") else None,
                           host=_host_probe(source_step, replay, ctx.device, agree))
         rank_dir = rank_dirs(bundle)[min(ctx.rank, len(rank_dirs(bundle)) - 1)]
@@ -187,8 +187,8 @@ def _fidelity_record(replay_record: dict[str, Any], side: SideBySide, source_pea
     if captured_peak is not None:  # for reference: the capture's own copies included
         record["metrics"]["captured_step_peak_mb"] = captured_peak / 2**20
     record["judgement"] = "side_by_side"
-    record["side_by_side"] = {k: v for k, v in asdict(side).items()
-                              if k not in ("source_ms", "replay_ms", "replay_shift_ms", "host")}
+    drawn = ("source_ms", "replay_ms", "replay_shift_ms", "replay_shift_parts_ms", "host")
+    record["side_by_side"] = {k: v for k, v in asdict(side).items() if k not in drawn}
     record["side_by_side"]["source_ms"], record["side_by_side"]["replay_ms"] = side.source_ms, side.replay_ms
     record["cross_process_against_capture"] = cross  # for reference: what the old judgement said
     return record

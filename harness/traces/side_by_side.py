@@ -114,6 +114,9 @@ class SideBySide:
     # own call cost measured again (ms; see capture_shift_draws): the interval covers them too
     replay_shift_ms: list[float] | None = None
     capture_half_width_pct: float = 0.0  # that alone, as a half-width of the figure
+    # those draws part by part (capture_shift_parts: host, calls, autograd), and each part's half-width alone
+    replay_shift_parts_ms: dict[str, list[float]] | None = None
+    capture_parts_half_width_pct: dict[str, float] = field(default_factory=dict)
     host: HostProbe | None = None
     # per side, its host time and op time per step measured while judged (µs; HostProbe), and their medians (ms)
     probed_us: dict[str, list[float]] = field(default_factory=dict)
@@ -166,9 +169,9 @@ class SideBySide:
         self.time_error_signed_pct = 100.0 * (self.ratio - 1.0)
         self.time_error_pct = abs(self.time_error_signed_pct)
         if self.replay_shift_ms:
-            shifts = sorted(100.0 * d / self.replay_step_ms for d in self.replay_shift_ms)
-            last = len(shifts) - 1
-            self.capture_half_width_pct = (shifts[int(0.975 * last)] - shifts[int(0.025 * last)]) / 2
+            self.capture_half_width_pct = _shift_half_width_pct(self.replay_shift_ms, self.replay_step_ms)
+        self.capture_parts_half_width_pct = {part: _shift_half_width_pct(draws, self.replay_step_ms)
+                                             for part, draws in (self.replay_shift_parts_ms or {}).items()}
         self.ratio_ci = (low, high)
         self.time_error_ci_low_pct, self.time_error_ci_high_pct = 100.0 * (low - 1.0), 100.0 * (high - 1.0)
         if moved is not None:
@@ -205,7 +208,8 @@ class SideBySide:
             reasons.append(f"the 95 % interval is ±{shown} % (> ±{self.target_half_width_pct:g} %)"
                            f"{spent}: the source's round medians vary {self.source_round_cv_pct:.1f} %"
                            + (f", and re-measuring the capture's host time and the replay's call cost alone moves "
-                              f"it ±{self.capture_half_width_pct:.1f} %" if self.replay_shift_ms else "")
+                              f"it ±{self.capture_half_width_pct:.1f} %{self._capture_parts()}" if self.replay_shift_ms
+                              else "")
                            + (f", and the program's host time while judged stood {abs(self.host_shift_pct):.1f} % of "
                               f"its step {'below' if self.host_shift_pct > 0 else 'above'} the capture's (the interval "
                               f"covers a capture at either moment)" if moved is not None else "")
@@ -213,6 +217,12 @@ class SideBySide:
         self.fidelity_valid = not reasons
         self.invalid_reason = "; ".join(reasons)
         return self
+
+    def _capture_parts(self) -> str:
+        """Each part of the capture's spread alone, for the reason (empty without them)."""
+        names = {"host": "the host time", "calls": "the call cost", "autograd": "the autograd bookkeeping"}
+        shown = [f"{names[part]} ±{pct:.1f}" for part, pct in self.capture_parts_half_width_pct.items() if pct > 0]
+        return f" ({', '.join(shown)})" if shown else ""
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -232,6 +242,7 @@ class SideBySide:
             "judgement_elapsed_s": self.elapsed_s,
             "judgement_probe_s": self.probe_s,
             "capture_half_width_pct": self.capture_half_width_pct,
+            **{f"capture_{part}_half_width_pct": pct for part, pct in self.capture_parts_half_width_pct.items()},
             **({"judgement_budget_s": self.budget_s} if self.budget_s is not None else {}),
             **({"capture_host_ms": self.host.capture_ms, "spent_host_ms": self.host.spent_ms,
                 "spent_autograd_ms": self.host.autograd_ms * self.host.scale()}
@@ -243,6 +254,13 @@ class SideBySide:
                 "judged_host_samples": float(len(self.probed_us["source_host"]))}
                if self.host is not None and self.probed_ms else {}),
         }
+
+
+def _shift_half_width_pct(draws_ms: list[float], step_ms: float) -> float:
+    """Half the width of the 95 % interval of ``draws_ms``, in % of ``step_ms``."""
+    shifts = sorted(100.0 * d / step_ms for d in draws_ms)
+    last = len(shifts) - 1
+    return (shifts[int(0.975 * last)] - shifts[int(0.025 * last)]) / 2
 
 
 def round_ratios(source_ms: list[list[float]], replay_ms: list[list[float]]) -> list[list[float]]:
@@ -305,6 +323,7 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
                budget_s: float | None = None, target_half_width_pct: float = TARGET_HALF_WIDTH_PCT,
                batch: int | None = None, agree: Callable[[Any], Any] | None = None,
                replay_shift_ms: list[float] | None = None,
+               replay_shift_parts_ms: dict[str, list[float]] | None = None,
                prepare: dict[str, Callable[[], Any]] | None = None, host: HostProbe | None = None,
                alternate: bool = ALTERNATE) -> SideBySide:
     """Run both sides in rounds of ``steps_per_round`` samples each, timed device-synchronised: the two sides
@@ -319,7 +338,9 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
     ``steps_per_round`` samples as let :data:`MIN_VALID_ROUNDS` rounds fit the budget
     (:func:`samples_within_budget`: from the warm-up steps, then again from the first round's). ``agree``: under
     torchrun, returns rank 0's value of what it is given, so that every rank runs the same batch and
-    rounds (the steps hold collectives). ``replay_shift_ms``: see :func:`capture_shift_draws`.
+    rounds (the steps hold collectives). ``replay_shift_ms``: see :func:`capture_shift_draws`;
+    ``replay_shift_parts_ms``: the same part by part (:func:`capture_shift_parts`), summed where
+    ``replay_shift_ms`` is not given.
     ``prepare``: side name → called before each of that side's samples, untimed (the replay puts its
     carried state back as it was made: the replay workload's ``restore_values``; once a round, ViT's
     replay ran its later samples of a round up to twice as slow, its values sunk into subnormal floats).
@@ -415,8 +436,11 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
     due = len(order) + every  # as many rounds after the first probe as apart
     while len(order) < rounds:
         run_round()
+    if replay_shift_ms is None:
+        replay_shift_ms = shift_total(replay_shift_parts_ms)
     side = SideBySide(times["source"], times["replay"], order, batch=batch, alternate=alternate, budget_s=budget_s,
                       target_half_width_pct=target_half_width_pct, replay_shift_ms=replay_shift_ms,
+                      replay_shift_parts_ms=replay_shift_parts_ms,
                       host=host, probed_us=probed_us)
     if steps_per_round < asked:
         side.notes.append(f"{steps_per_round} sample{'s' if steps_per_round > 1 else ''} of each side a round, not "
@@ -502,13 +526,26 @@ def capture_shift_draws(replayer: Any, *, seed: int = 0, samples: int = BOOTSTRA
     A replay spends the program's host time per step, measured once at capture (the median of the
     Kineto-alone steps), less its own cost per op call and plus the autograd bookkeeping per op it does
     not do, both measured once at setup (medians of its calibration steps). Two judgements of one
-    program differ mostly by these medians. Each draw resamples every set of measurements: the median
-    gap moves the step by as much; the median call cost the other way, once per op; the bookkeeping
-    once per op the program recorded autograd history through. None when the replay spends no host
-    gaps. The capture's host times are resampled a round at a time (its :data:`TIMING_MEASURED` steps in
-    a row), not step by step: a round's steps share its moment and its plain steps. Over twelve captures
-    (six of llama, six of DLRM, each brought to one speed), the interval of the median host time was
-    0.75–1.95 times as wide resampled by round as step by step (median 1.42).
+    program differ mostly by these medians. Each draw resamples every set of measurements
+    (:func:`capture_shift_parts`, summed draw by draw). None when the replay spends no host gaps.
+    """
+    return shift_total(capture_shift_parts(replayer, seed=seed, samples=samples))
+
+
+def shift_total(parts: dict[str, list[float]] | None) -> list[float] | None:
+    """The draws of :func:`capture_shift_parts` summed draw by draw (None for None)."""
+    return None if parts is None else [sum(draw) for draw in zip(*parts.values(), strict=True)]
+
+
+def capture_shift_parts(replayer: Any, *, seed: int = 0, samples: int = BOOTSTRAP_SAMPLES
+                        ) -> dict[str, list[float]] | None:
+    """:func:`capture_shift_draws` part by part (ms, ``samples`` draws each, the k-th of each drawn together):
+    ``host``, the median gap moving the step by as much; ``calls``, the median call cost the other way, once
+    per op; ``autograd``, the bookkeeping once per op the program recorded autograd history through. The
+    capture's host times are resampled a round at a time (its :data:`TIMING_MEASURED` steps in a row), not
+    step by step: a round's steps share its moment and its plain steps. Over twelve captures (six of llama,
+    six of DLRM, each brought to one speed), the interval of the median host time was 0.75–1.95 times as wide
+    resampled by round as step by step (median 1.42). None when the replay spends no host gaps.
     """
     if replayer is None or not getattr(replayer, "host_gaps", False):
         return None
@@ -524,12 +561,14 @@ def capture_shift_draws(replayer: Any, *, seed: int = 0, samples: int = BOOTSTRA
         if len(gaps) % TIMING_MEASURED == 0 and len(gaps) > TIMING_MEASURED else [[g] for g in gaps]
     rng = random.Random(seed + 1)
     gap_draws = round_median_draws(rounds, rng, samples) if len(gaps) > 1 else [gap] * samples
-    draws = []
+    parts: dict[str, list[float]] = {"host": [], "calls": [], "autograd": []}
     for g in gap_draws:
         c = statistics.median(rng.choices(calls, k=len(calls))) if len(calls) > 1 else call
         a = statistics.median(rng.choices(books, k=len(books))) if len(books) > 1 else book
-        draws.append((g - gap - ops * 1e6 * (c - call) + grad_ops * 1e6 * (a - book)) / 1e3)
-    return draws
+        parts["host"].append((g - gap) / 1e3)
+        parts["calls"].append(-ops * 1e3 * (c - call))
+        parts["autograd"].append(grad_ops * 1e3 * (a - book))
+    return parts
 
 
 def host_time_probe(step: Callable[[], Any], device: torch.device, replayed: set[str],
