@@ -117,7 +117,7 @@ def test_capture_writes_a_bundle_with_uninstrumented_step_times(program_bundle: 
     assert et["schema"].startswith("1.1.1-chakra")
 
 
-def _uneven_host_program(out: Path) -> tuple[int, float]:
+def _uneven_host_program(out: Path, host_rounds_s: float = 0.0) -> tuple[int, float]:
     """A program whose own Python time between its ops varies 15-fold from step to step; its capture's host-time
     rounds and what they leave of the median's interval (% of a plain step)."""
     import random
@@ -137,7 +137,7 @@ def _uneven_host_program(out: Path) -> tuple[int, float]:
                 pass
         y.backward()
 
-    with capture(out, steps=1, warmup=1, baseline_steps=3, announce=False) as cap:
+    with capture(out, steps=1, warmup=1, baseline_steps=3, announce=False, host_rounds_s=host_rounds_s) as cap:
         while not cap.done:
             with cap.step():
                 step()
@@ -146,8 +146,9 @@ def _uneven_host_program(out: Path) -> tuple[int, float]:
 
 def test_a_capture_adds_host_time_rounds_until_it_knows_the_programs_host_time(tmp_path: Path, monkeypatch):
     """A capture measures the program's host time in rounds, adding rounds after the eighth while the 95 %
-    interval of the median is wider than ±1 % of the program's step (up to 32): what a judgement resamples
-    the capture by, and the bundle's record of the host time, rest on all of them."""
+    interval of the median is wider than ±1 % of the program's step (up to 32, and past those up to 96 while
+    the rounds take at most the seconds it is given for them): what a judgement resamples the capture by, and
+    the bundle's record of the host time, rest on all of them."""
     rounds, half_width = _uneven_host_program(tmp_path / "uneven")
     assert host_time.TIMING_ROUNDS < rounds <= host_time.MAX_TIMING_ROUNDS, rounds
     assert half_width <= host_time.HOST_TARGET_PCT or rounds == host_time.MAX_TIMING_ROUNDS, (rounds, half_width)
@@ -164,6 +165,13 @@ def test_a_capture_adds_host_time_rounds_until_it_knows_the_programs_host_time(t
     monkeypatch.setattr("harness.traces.capture.HOST_TARGET_PCT", 0.0)
     monkeypatch.setattr("harness.traces.capture.MAX_TIMING_TRACE_BYTES", 1)
     assert _uneven_host_program(tmp_path / "large")[0] == host_time.TIMING_ROUNDS
+    # past the most rounds a capture runs for any program, more only while they are quick
+    monkeypatch.setattr("harness.traces.capture.MAX_TIMING_TRACE_BYTES", 2**40)
+    monkeypatch.setattr("harness.traces.capture.MAX_TIMING_ROUNDS", 10)
+    monkeypatch.setattr("harness.traces.capture.QUICK_TIMING_ROUNDS", 13)
+    assert _uneven_host_program(tmp_path / "quick", host_rounds_s=60.0)[0] == 13
+    assert _uneven_host_program(tmp_path / "slow", host_rounds_s=1e-3)[0] == 10
+    assert _uneven_host_program(tmp_path / "plain")[0] == 10  # none past those unless given the time
     # the interval itself: rounds that agree leave none; fewer than two rounds cannot tell
     assert host_time.host_time_half_width_pct([[100.0] * 4] * 8, 1000.0) == 0.0
     assert host_time.host_time_half_width_pct([[100.0, 300.0]], 1000.0) == math.inf

@@ -75,6 +75,7 @@ from workloads.trace_replay.host_time import (
     MAX_TIMING_TRACE_BYTES,
     PLAIN_MEASURED,
     PLAIN_SETTLE,
+    QUICK_TIMING_ROUNDS,
     SETTLE_ROUNDS,
     TIMING_MEASURED,
     TIMING_ROUNDS,
@@ -202,7 +203,7 @@ class Capture:
     """Drives the phases of a capture; use :meth:`step` around each step of the loop."""
 
     def __init__(self, out_dir: Path, steps: int, warmup: int, baseline_steps: int, device: torch.device,
-                 model: torch.nn.Module | None = None):
+                 model: torch.nn.Module | None = None, host_rounds_s: float = 0.0):
         if steps < 1 or baseline_steps < 1 or warmup < 0:
             raise ValueError(
                 f"capture needs steps >= 1 and baseline_steps >= 1 and warmup >= 0; got steps={steps}, "
@@ -223,6 +224,8 @@ class Capture:
         self.timing_rounds = TIMING_ROUNDS  # host-time rounds to run: more while the host time is not yet known
         self.round_host_us: list[list[float]] = []  # each finished round's host time per measured step (µs)
         self.host_half_width_pct = math.inf  # what those rounds leave of the median's interval (% of a plain step)
+        self._rounds_began: float | None = None  # when the first measured host-time round started (perf_counter)
+        self.host_rounds_s = host_rounds_s  # what the rounds may take in all to run past MAX_TIMING_ROUNDS
         self._round_trace: KinetoTrace | None = None  # the running round's Kineto-alone steps
         self._timing_bytes = 0  # what the rounds' Kineto-alone traces come to, exported
         self._profiler: profile | None = None
@@ -295,6 +298,8 @@ class Capture:
             self._timing_profiler = profile(activities=profiler_activities(self.device))
             self._timing_profiler.start()
         synchronize(self.device)
+        if in_timing and self._rounds_began is None:
+            self._rounds_began = time.perf_counter()
         spin_before = spin_ns(readings=1) if measured_kineto else 0.0  # outside the step's annotation and time
         started = time.perf_counter()
         if traced:
@@ -361,10 +366,12 @@ class Capture:
         """After a round's plain steps: its host time per measured step (the profiler's cost taken against
         those plain steps, every op's time left out), and one more round while the rounds so far leave the
         median host time wider than ±:data:`HOST_TARGET_PCT` of the baseline's plain step, up to
-        :data:`MAX_TIMING_ROUNDS` and while one more round's trace keeps them within
+        :data:`MAX_TIMING_ROUNDS` (past those, up to :data:`QUICK_TIMING_ROUNDS` while one more keeps the rounds
+        within ``host_rounds_s`` seconds) and while one more round's trace keeps them within
         :data:`MAX_TIMING_TRACE_BYTES`. Under torchrun a round is added on every rank where any rank asks for
-        one (the steps hold collectives). The bundle's extraction measures the same host time again
-        against the ops its spec replays, and brings it to one host speed."""
+        one (the steps hold collectives; every rank takes part in that decision at each round's end, whatever its
+        own limits say). The bundle's extraction measures the same host time again against the ops its spec
+        replays, and brings it to one host speed."""
         gaps: dict[int, float] = {}
         if self._round_trace is not None:
             plain_us = 1e6 * statistics.median(self.timing_plain_times_s[-PLAIN_MEASURED:])
@@ -374,14 +381,24 @@ class Capture:
             self._round_trace = None
         self.round_host_us.append([gaps[k] for k in sorted(gaps)])  # on every rank alike, read or not
         rounds = len(self.round_host_us)
-        if rounds < self.timing_rounds or self.timing_rounds >= MAX_TIMING_ROUNDS or \
-                self._timing_bytes * (rounds + 1) / rounds > MAX_TIMING_TRACE_BYTES:
+        if rounds < self.timing_rounds:
             return
-        self.host_half_width_pct = host_time_half_width_pct(self.round_host_us,
-                                                            1e6 * statistics.median(self.plain_times_s))
-        more = self.host_half_width_pct > HOST_TARGET_PCT
+        more = self._room_for_a_round(rounds)
+        if more:
+            self.host_half_width_pct = host_time_half_width_pct(self.round_host_us,
+                                                                1e6 * statistics.median(self.plain_times_s))
+            more = self.host_half_width_pct > HOST_TARGET_PCT
         if any(gather_to_all(more)) if dist.is_available() and dist.is_initialized() else more:
             self.timing_rounds += 1
+
+    def _room_for_a_round(self, rounds: int) -> bool:
+        """Whether one more host-time round keeps the rounds within their limits (:meth:`_settle_rounds`)."""
+        if self._timing_bytes * (rounds + 1) / rounds > MAX_TIMING_TRACE_BYTES:
+            return False
+        if rounds < MAX_TIMING_ROUNDS:
+            return True
+        took = time.perf_counter() - (self._rounds_began or time.perf_counter())
+        return rounds < QUICK_TIMING_ROUNDS and took * (rounds + 1) / rounds <= self.host_rounds_s
 
     def _stop_timing_profiler(self, keep: bool = True) -> None:
         """End a round's Kineto-alone block; its trace joins the others (one time base per process) unless
@@ -468,12 +485,15 @@ def capture(
     source_run_id: str = "",
     model: torch.nn.Module | None = None,
     announce: bool = True,
+    host_rounds_s: float = 0.0,
 ) -> Iterator[Capture]:
     """Capture a trace bundle of the steps marked with ``cap.step()``; see the module docstring.
 
     ``model``: your root module, to name module scopes by their path (``layers.0.attention``).
     ``announce``: when done, rank 0 prints where the bundle is, the overhead and the next command
-    (stderr), as ``cobench trace capture`` does.
+    (stderr), as ``cobench trace capture`` does. ``host_rounds_s``: past the 32 host-time rounds any capture may
+    run while the program's host time is not yet known within ±1 % of its step, more (up to 96) while all of them
+    take at most this many seconds (a judgement gives half its budget).
 
     Raises :class:`TraceError` when the loop ends before a traced step completed.
     """
@@ -481,7 +501,7 @@ def capture(
     rank = dist.get_rank() if dist.is_initialized() else 0
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     target = bundle_dir(Path(out_dir), rank, world_size)
-    cap = Capture(target, steps, warmup, baseline_steps, device, model)
+    cap = Capture(target, steps, warmup, baseline_steps, device, model, host_rounds_s)
     started = time.perf_counter()
     try:
         yield cap
@@ -542,12 +562,15 @@ class SourceWorkload:
     platform: Platform
     cfg: CobenchConfig
 
-    def capture(self, out_dir: Path, *, steps: int, warmup: int, baseline_steps: int, announce: bool = True) -> Path:
-        """Capture this rank's bundle into ``out_dir``; returns the rank's bundle folder."""
+    def capture(self, out_dir: Path, *, steps: int, warmup: int, baseline_steps: int, announce: bool = True,
+                host_rounds_s: float = 0.0) -> Path:
+        """Capture this rank's bundle into ``out_dir``; returns the rank's bundle folder (``host_rounds_s``: see
+        :func:`capture`)."""
         config = OmegaConf.to_container(OmegaConf.structured(self.cfg.workload), resolve=True)
         with capture(out_dir, steps=steps, warmup=warmup, baseline_steps=baseline_steps, device=self.ctx.device,
                      config={"workload": config, "platform": self.platform.name, "seed": self.cfg.seed},
-                     source=self.cfg.workload.name, model=self.workload.root_module(), announce=announce) as cap:
+                     source=self.cfg.workload.name, model=self.workload.root_module(), announce=announce,
+                     host_rounds_s=host_rounds_s) as cap:
             hold = getattr(self.workload, "hold_batch", None)
             try:
                 while not cap.done:

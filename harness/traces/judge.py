@@ -71,6 +71,7 @@ MEMORY_STEPS = 8  # each side's peak memory: the most of this many of its own st
 
 FIDELITY_FILE = "fidelity.json"
 DEFAULT_BUDGET_S = 60.0  # the side-by-side rounds' time budget, by default
+CAPTURE_HOST_SHARE = 0.5  # of that budget, what its capture may spend on host-time rounds past the usual most
 
 
 def replay_workload_spec() -> WorkloadSpec:
@@ -128,6 +129,13 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
     if ctx.rank == 0:
         write_atomic(ctx.work_dir / FIDELITY_FILE, json.dumps(record, indent=2))
     return record
+
+
+def capture_host_s(budget_s: float | None) -> float:
+    """What a judgement's capture may spend in all on host-time rounds past the 32 any capture may run: half the
+    judgement's budget (none without one). The replay spends the host time they measure, and what is left of
+    their median's uncertainty moves its figure as much (``capture_host_half_width_pct``)."""
+    return CAPTURE_HOST_SHARE * budget_s if budget_s else 0.0
 
 
 def _host_probe(source_step: Callable[[], Any], replay: Any, device: torch.device,
@@ -222,7 +230,7 @@ def judge(step: Callable[[], Any], out_dir: str | Path, *, device: torch.device 
     device = torch.device(device) if device is not None else torch.device("cpu")
     out_dir = Path(out_dir)
     with capture(out_dir, steps=capture_steps, warmup=warmup, baseline_steps=baseline_steps, device=device,
-                 source=source, model=model, announce=False) as cap:
+                 source=source, model=model, announce=False, host_rounds_s=capture_host_s(budget_s)) as cap:
         while not cap.done:
             with cap.step():
                 step()
@@ -280,7 +288,8 @@ def judge_benchmark(cfg: CobenchConfig, *, benchmark: str | None = None, rounds:
         torch.distributed.barrier()
     status, reason = STATUS_FINISHED, None
     try:
-        source.capture(bundle, steps=capture_steps, warmup=warmup, baseline_steps=baseline_steps, announce=False)
+        source.capture(bundle, steps=capture_steps, warmup=warmup, baseline_steps=baseline_steps, announce=False,
+                       host_rounds_s=capture_host_s(budget_s))
         if ctx.distributed:
             torch.distributed.barrier()  # every rank's bundle is written
         # A workload whose op shapes follow its data held its traced batch through the capture, and the replay

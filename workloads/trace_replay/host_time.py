@@ -40,6 +40,11 @@ TIMING_MEASURED = 4  # Kineto-alone steps of a round measured: the host-gap esti
 # left it at ±2.4 % of the step on GPT-2 and ±3.7 % on ViT, whose judgements then could not come within ±2.5 %
 # however many rounds they ran.
 MAX_TIMING_ROUNDS = 32
+# ... and past those, up to QUICK_TIMING_ROUNDS while all the rounds take at most the seconds the capture is given
+# for them (a judgement gives its capture half its budget): a short step's rounds are cheap, and 32 of them left
+# the host time of llama's and DLRM's 5–10 ms steps moving a judgement's figure ±1.9 and ±2.1 % (re-measured:
+# capture_host_half_width_pct), most of the ±2.5 % a verdict allows
+QUICK_TIMING_ROUNDS = 96
 HOST_TARGET_PCT = 1.0
 HOST_DRAWS = 1000  # bootstrap draws for that interval
 # ... and while the rounds' Kineto-alone trace (the bundle's kineto_timing.json, held in memory until it is
