@@ -71,7 +71,7 @@ MEMORY_STEPS = 8  # each side's peak memory: the most of this many of its own st
 
 FIDELITY_FILE = "fidelity.json"
 DEFAULT_BUDGET_S = 60.0  # the side-by-side rounds' time budget, by default
-CAPTURE_HOST_SHARE = 0.5  # of that budget, what its capture may spend on host-time rounds past the usual most
+CAPTURE_HOST_SHARE = 0.5  # of that budget, what its capture may spend on host-time rounds past MAX_TIMING_ROUNDS
 
 
 def replay_workload_spec() -> WorkloadSpec:
