@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from workloads.trace_replay.ops import CompiledOp, flatten_tensors
+from workloads.trace_replay.ops import CompiledOp, flatten_tensors, wait_all
 
 
 def seconds(gap_us: Any) -> float:
@@ -110,6 +110,24 @@ def taken_back(gaps_s: Sequence[float], tail_s: float, cost_s: float) -> list[fl
     return taken
 
 
+def wait_points(ops: Sequence[CompiledOp], positions: Sequence[int]) -> dict[int, int]:
+    """For each collective the step launches (:attr:`.ops.CompiledOp.launches`), by its place in ``positions``,
+    the place of the first op after it that reads or writes one of its buffers, before which the step waits
+    for it (``len(positions)``: none does; the step waits at its end)."""
+    waits: dict[int, int] = {}
+    for j, position in enumerate(positions):
+        op = ops[position]
+        if not op.launches or op.error is not None:
+            continue
+        buffers = {slot for *_, slot in [*op.arg_slots, *op.kwarg_slots]}
+        waits[j] = next((i for i in range(j + 1, len(positions))
+                         if buffers & ({slot for *_, slot in [*ops[positions[i]].arg_slots,
+                                                                *ops[positions[i]].kwarg_slots]}
+                                       | {slot for slot in ops[positions[i]].out_slots if slot is not None})),
+                        len(positions))
+    return waits
+
+
 def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: Sequence[list[int]],
                   gaps_s: Sequence[float] | None, tail_s: float, *, call_s: float = 0.0, outside_s: float = 0.0,
                   births: Sequence[int | None] | None = None, grad: Sequence[bool] | None = None,
@@ -142,7 +160,10 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
     replayer's autograd calibration compares: the same code, grad mode on and off); None: every op
     without grad, as the replay runs. Those ops' outputs are appended to ``keep`` then, so that the
     history they record is torn down when the caller clears it, not inside the step: the program tears
-    its down in the backward, whose host time the capture measures apart. ``speed``: every gap the ledger
+    its down in the backward, whose host time the capture measures apart. A collective is launched where the
+    program launched it and waited for before the first op that reads or writes its buffers
+    (:func:`wait_points`), the wait added to the ledger's moment: the gap before that op is the program's host
+    time after its own wait ended (:func:`.host_time.waited_part`). ``speed``: every gap the ledger
     spends is multiplied by its ``scale``, read once a step (:class:`HostSpeed`); None: the gaps as given.
     ``clock``: the ledger's clock.
     """
@@ -164,6 +185,15 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
 
     ledger = gaps_s is not None
     lines = ["def step(v):"]
+    waits = wait_points(ops, positions)
+    pending: dict[int, list[int]] = {}  # a position in the step → the collectives waited for before its op
+    for j, at in waits.items():
+        pending.setdefault(at, []).append(j)
+
+    def wait(at: int) -> None:  # before the op at ``at`` (len(positions): the step's end), its gap spent after
+        for j in pending.get(at, []):
+            lines.append(f"    d += wt(w{j})" if ledger else f"    wt(w{j})")
+            lines.append(f"    w{j} = None")
     taken = 0.0  # what the gaps give up beforehand: the ledger's moments move earlier by it, its lateness does not
     if ledger:
         take = taken_back(gaps_s, tail_s, call_s + outside_s)
@@ -174,6 +204,7 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
     ran = 0
     for j, position in enumerate(positions):
         op = ops[position]
+        wait(j)
         toggled = grad is not None and grad[j] and op.error is None
         if toggled:
             lines.append(f"    grad({bool(grad_on)!r})")
@@ -201,7 +232,9 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
             if ledger:
                 lines.append("    while (a := pc()) < d: pass")
             targets = [(n, int(slot)) for n, slot in enumerate(op.out_slots) if slot is not None]
-            if op.single_output and targets:
+            if j in waits:
+                lines.append(f"    w{j} = {call}")
+            elif op.single_output and targets:
                 lines.append(f"    v[{targets[0][1]}] = {call}")
             elif targets:
                 lines.append(f"    r = flat({call})")
@@ -222,10 +255,17 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
         lines.extend(f"    v[{int(slot)}] = None" for slot in clears[j])
         if births is not None and births[j] is not None:  # inside the next gap: the program made them there
             lines.append(f"    born({int(births[j])})")
+    wait(len(positions))
     if ledger:
         lines += ["    while pc() < d: pass", f"    return pc() - d - k * {taken!r}"]
+
+    def waited(works: list[Any] | None) -> float:
+        began = clock()
+        wait_all(works)
+        return clock() - began
+
     namespace: dict[str, Any] = {"f": fns, "c": consts, "rf": refills, "flat": flatten_tensors, "pc": clock, "h": speed,
-                                 "standin": stand_in, "fill": fill, "born": born,
+                                 "standin": stand_in, "fill": fill, "born": born, "wt": waited,
                                  "grad": torch._C._set_grad_enabled, "keep": keep}
     exec(compile("\n".join([*lines, "    return 0.0"]), f"<cobench replay {name}>", "exec"), namespace)
     return namespace["step"], ran

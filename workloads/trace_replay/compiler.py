@@ -116,6 +116,7 @@ class OpCompiler:
             self._compile_outputs(op, compiled)
             if op.name.startswith("c10d::"):
                 compiled.fn = self._collective(op.name)
+                compiled.launches = True
                 self._compile_args(op, compiled, schema_args=None)
                 compiled.out_slots = []  # collectives write into their (input) buffers in place
             elif op.name.startswith("_c10d_functional::") and op.name != "_c10d_functional::wait_tensor":
@@ -270,24 +271,29 @@ class OpCompiler:
         return None if values is None else values.clone().to(self.device)
 
     def _collective(self, name: str) -> Callable[..., Any]:
-        """The ``torch.distributed`` call for a captured ``c10d::`` op (its process-group arguments dropped)."""
+        """The ``torch.distributed`` call for a captured ``c10d::`` op (its process-group arguments dropped),
+        launched without waiting: it returns the list of its works, which the step waits for where it first
+        uses what they make (:func:`.codegen.generate_step`; :meth:`.ops.CompiledOp.call` waits at once)."""
         if not dist.is_initialized():
             raise OpUnavailable(f"{name} needs a process group: replay under torchrun with the captured world size")
         group = self.group
         table: dict[str, Callable[..., Any]] = {
-            "c10d::allreduce_": lambda tensors, *_: [dist.all_reduce(t, group=group) for t in tensors],
-            "c10d::_allgather_base_": lambda out, inp, *_: dist.all_gather_into_tensor(out, inp, group=group),
+            "c10d::allreduce_": lambda tensors, *_: [dist.all_reduce(t, group=group, async_op=True) for t in tensors],
+            "c10d::_allgather_base_": lambda out, inp, *_: [
+                dist.all_gather_into_tensor(out, inp, group=group, async_op=True)],
             "c10d::allgather_into_tensor_coalesced_": lambda outs, ins, *_: [
-                dist.all_gather_into_tensor(o, i, group=group) for o, i in zip(outs, ins, strict=False)],
-            "c10d::_reduce_scatter_base_": lambda out, inp, *_: dist.reduce_scatter_tensor(out, inp, group=group),
+                dist.all_gather_into_tensor(o, i, group=group, async_op=True) for o, i in zip(outs, ins, strict=False)],
+            "c10d::_reduce_scatter_base_": lambda out, inp, *_: [
+                dist.reduce_scatter_tensor(out, inp, group=group, async_op=True)],
             "c10d::reduce_scatter_tensor_coalesced_": lambda outs, ins, *_: [
-                dist.reduce_scatter_tensor(o, i, group=group) for o, i in zip(outs, ins, strict=False)],
-            "c10d::alltoall_base_": lambda out, inp, _pg, out_splits, in_splits, *_: dist.all_to_all_single(
-                out, inp, list(out_splits) or None, list(in_splits) or None, group=group),
-            "c10d::alltoall_": lambda outs, ins, *_: dist.all_to_all(list(outs), list(ins), group=group),
+                dist.reduce_scatter_tensor(o, i, group=group, async_op=True) for o, i in zip(outs, ins, strict=False)],
+            "c10d::alltoall_base_": lambda out, inp, _pg, out_splits, in_splits, *_: [dist.all_to_all_single(
+                out, inp, list(out_splits) or None, list(in_splits) or None, group=group, async_op=True)],
+            "c10d::alltoall_": lambda outs, ins, *_: [dist.all_to_all(list(outs), list(ins), group=group,
+                                                                      async_op=True)],
             "c10d::broadcast_": lambda tensors, _pg, root, *_: [
-                dist.broadcast(t, src=int(root), group=group) for t in tensors],
-            "c10d::barrier": lambda *_: dist.barrier(group=group),
+                dist.broadcast(t, src=int(root), group=group, async_op=True) for t in tensors],
+            "c10d::barrier": lambda *_: [dist.barrier(group=group, async_op=True)],
         }
         if name not in table:
             raise OpUnavailable(f"collective {name} is not replayed yet (known: {', '.join(sorted(table))})")

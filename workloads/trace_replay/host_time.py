@@ -164,11 +164,34 @@ def step_op_counts(trace: KinetoTrace, names: set[str] | None = None) -> dict[in
 COLLECTIVE = re.compile(r"^(c10d|_c10d_functional|c10d_functional)::")
 # A collective's own communication, on its backend's worker thread: gloo's ``gloo:all_to_all`` and kin. A program
 # that launches a collective and waits for it later (TorchRec's awaitables, DDP's bucketed all-reduce) shows
-# the wait on its own thread as time outside any op; the replay runs each collective to its end inside the op.
-# That time is the collective's, not the program's host time: TorchRec's DLRM on two ranks spent 1.9 ms of a
-# 4.6 ms step (the median, each rank) inside gloo's all-to-alls and outside every op, which the capture had
-# counted as host time and the replay then spent as well as waiting.
+# the wait on its own thread as time outside any op. That time is the collective's, not the program's host
+# time: TorchRec's DLRM on two ranks spent 1.9 ms of a 4.6 ms step (the median, each rank) inside gloo's
+# all-to-alls and outside every op, which the capture had counted as host time and the replay then spent as
+# well as waiting. Only the part of a communication the program waited for counts so (:func:`waited_part`):
+# the replay launches each collective where the program did and waits for it where the step first uses
+# what it made (:func:`.codegen.generate_step`), so the program's host time and ops while it ran overlap it
+# there too.
 COMMUNICATION = re.compile(r"^gloo:")
+
+
+def waited_part(communication: KinetoEvent, op_starts: list[float], ends_so_far: list[float]) -> KinetoEvent | None:
+    """The part of a collective's ``communication`` its program waited for: from the end of the last op
+    (on any thread) that ended before it did, or its own start if later, to its end; None where an op was
+    running when it ended (the program was not waiting). ``op_starts``: every op event's start, in order;
+    ``ends_so_far[i]``: the latest end among the first i + 1 of them. What the program ran between that op
+    and its wait counts as waiting too (the trace does not show where it called ``wait()``).
+
+    Counted whole, an exchange took the program's host time beside it out of the capture, and the replay ran
+    it to its end where launched: a DDP program whose buckets are all-reduced as its backward goes on read
+    +19.2 % [+12.5, +22.1] slow side by side on two gloo ranks, and −1.3 % [−3.2, +2.8] launched and waited
+    for as now (one judgement each, 2026-12-04)."""
+    end = communication.ts + communication.dur
+    i = bisect.bisect_left(op_starts, end) - 1
+    latest = ends_so_far[i] if i >= 0 else -math.inf
+    if latest >= end:
+        return None
+    begin = max(communication.ts, latest)
+    return communication._replace(ts=begin, dur=end - begin)
 
 
 def replayed_op_time(timing: KinetoTrace, plain_us: dict[int | None, float],
@@ -191,11 +214,17 @@ def _op_time(splits: dict[int, _StepSplit]) -> dict[int, float]:
 
 
 def _by_start(timing: KinetoTrace) -> list[KinetoEvent]:
-    """The trace's op events and its collectives' communication (:data:`COMMUNICATION`), in the order they
-    started (parents before their children: the longer first)."""
-    events = [e for e in timing.events
-              if e.cat == "cpu_op" or e.cat == "user_annotation" and COMMUNICATION.match(e.name)]
-    return sorted(events, key=lambda e: (e.ts, -e.dur))
+    """The trace's op events and the parts of its collectives' communication (:data:`COMMUNICATION`) the
+    program waited for (:func:`waited_part`), in the order they started (parents before their children:
+    the longer first)."""
+    ops = sorted((e for e in timing.events if e.cat == "cpu_op"), key=lambda e: (e.ts, -e.dur))
+    starts, ends, latest = [e.ts for e in ops], [], -math.inf
+    for e in ops:
+        latest = max(latest, e.ts + e.dur)
+        ends.append(latest)
+    waits = [part for e in timing.events if e.cat == "user_annotation" and COMMUNICATION.match(e.name)
+             if (part := waited_part(e, starts, ends)) is not None]
+    return sorted(ops + waits, key=lambda e: (e.ts, -e.dur))
 
 
 class _StepWalk(NamedTuple):

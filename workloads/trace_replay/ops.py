@@ -165,11 +165,16 @@ class CompiledOp:
     # (:func:`.bindings.python_binding`); None: the boxed call. ``bound``: looked for already.
     binding: Callable[..., Any] | None = None
     bound: bool = False
+    # a collective launched without waiting: ``fn`` returns its works (the generated steps wait for them where
+    # the step first uses its buffers; :meth:`call`, run op by op, at once)
+    launches: bool = False
 
     def call(self, vals: list[Any]) -> Any:
         if self.refills:
             self.refill(vals)
         args, kwargs = self.arguments(vals)
+        if self.launches:
+            return wait_all(self.fn(*args, **kwargs))
         return self.fn(*args, **kwargs)
 
     def refill(self, vals: list[Any]) -> None:
@@ -240,6 +245,13 @@ def flatten_tensors(result: Any) -> list[Any]:
             out.extend(flatten_tensors(item) if isinstance(item, (tuple, list)) else [item])
         return out
     return [result]
+
+
+def wait_all(works: list[Any] | None) -> None:
+    """Wait for each of a launched collective's works (None: nothing to wait for)."""
+    for work in works or ():
+        if work is not None:
+            work.wait()
 
 
 def describe(err: Exception) -> str:
