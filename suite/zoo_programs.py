@@ -233,6 +233,22 @@ def torchrec_dlrm() -> Program:
     return step, model
 
 
+def gpt2_ddp() -> Program:
+    """GPT-2 data-parallel over the ranks with PyTorch's DistributedDataParallel (gloo) at its default buckets:
+    each bucket's gradients all-reduced as the backward makes them, waited for at its end."""
+    from torch.nn.parallel import DistributedDataParallel
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=4000, n_embd=192, n_layer=4, n_head=4, n_positions=128)
+    model = DistributedDataParallel(GPT2LMHeadModel(config).train())
+
+    def loss() -> torch.Tensor:
+        ids = _tokens(4, 48, config.vocab_size)
+        return model(input_ids=ids, labels=ids).loss
+
+    return _trainer(model, loss), model
+
+
 # -- other libraries ----------------------------------------------------------------------------------------
 def pyg_gcn() -> Program:
     """A two-layer GCN (PyTorch Geometric) on a random graph, trained on a boolean node mask."""
@@ -291,6 +307,8 @@ ZOO: dict[str, ZooProgram] = {p.name: p for p in (
     ZooProgram("efficientnet_b0", "timm", ("timm",), efficientnet_b0, "EfficientNet-B0"),
     ZooProgram("torchrec_dlrm", "torchrec", ("torchrec", "fbgemm_gpu"), torchrec_dlrm,
                "TorchRec DLRM, tables sharded over 2 ranks (gloo)", world_size=2),
+    ZooProgram("gpt2_ddp", "torch.distributed", ("transformers",), gpt2_ddp,
+               "GPT-2 data-parallel over 2 ranks (DDP, gloo)", world_size=2),
     ZooProgram("pyg_gcn", "torch_geometric", ("torch_geometric",), pyg_gcn, "GCN on a random graph"),
     ZooProgram("diffusers_unet", "diffusers", ("diffusers",), diffusers_unet, "UNet2D, DDPM noise loss"),
 )}
