@@ -735,16 +735,21 @@ exit_probe(0)
 """
 
 
-def test_a_replay_runs_its_ops_while_a_collective_it_launched_exchanges(tmp_path: Path):
-    """DDP all-reduces each bucket of gradients as the backward makes them and waits for them all at its end.
-    Its replay on two gloo ranks does the same: ops run on the step's thread while an all-reduce it launched
-    is exchanging on gloo's (run to its end where launched, a DDP program of this kind read +19.2 % slow)."""
+def _on_two_ranks(script: str, tmp_path: Path) -> None:
+    """Run ``script`` on two gloo ranks under torchrun, its folder ``tmp_path`` (its first argument too)."""
     worker = tmp_path / "worker.py"
-    worker.write_text(TWO_RANK_DDP)
+    worker.write_text(script)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
                            str(worker), str(tmp_path)], capture_output=True, text=True, timeout=600,
                           env=clean_env() | {"PYTHONPATH": str(Path.cwd())}, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_a_replay_runs_its_ops_while_a_collective_it_launched_exchanges(tmp_path: Path):
+    """DDP all-reduces each bucket of gradients as the backward makes them and waits for them all at its end.
+    Its replay on two gloo ranks does the same: ops run on the step's thread while an all-reduce it launched
+    is exchanging on gloo's (run to its end where launched, a DDP program of this kind read +19.2 % slow)."""
+    _on_two_ranks(TWO_RANK_DDP, tmp_path)
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert seen["errors"] == 0 and seen["exchanges"] >= 3, seen
@@ -755,12 +760,7 @@ def test_a_replay_runs_its_ops_while_a_collective_it_launched_exchanges(tmp_path
 def test_a_rank_waiting_for_another_inside_an_asynchronous_collective_has_no_host_time_for_it(tmp_path: Path):
     """Two real gloo ranks: rank 1 spends 20 ms of host time before each all-to-all, which rank 0 launches at
     once and waits for; rank 0's host time is its own, not rank 1's (it read ~20 ms as host time before)."""
-    worker = tmp_path / "worker.py"
-    worker.write_text(TWO_RANK_WAIT)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-                           str(worker), str(tmp_path)], capture_output=True, text=True, timeout=300,
-                          env=clean_env() | {"PYTHONPATH": str(Path.cwd())}, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _on_two_ranks(TWO_RANK_WAIT, tmp_path)
     waits, works = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert waits["communication"] == ["gloo:all_to_all"] and len(waits["host_ms"]) == 4
     assert statistics.median(works["host_ms"]) > 15.0, works  # rank 1's spin is its host time

@@ -184,7 +184,7 @@ def waited_part(communication: KinetoEvent, op_starts: list[float], ends_so_far:
     Counted whole, an exchange took the program's host time beside it out of the capture, and the replay ran
     it to its end where launched: a DDP program whose buckets are all-reduced as its backward goes on read
     +19.2 % [+12.5, +22.1] slow side by side on two gloo ranks, and −1.3 % [−3.2, +2.8] launched and waited
-    for as now (one judgement each, 2026-12-04)."""
+    for as here (one judgement each, 2026-12-04)."""
     end = communication.ts + communication.dur
     i = bisect.bisect_left(op_starts, end) - 1
     latest = ends_so_far[i] if i >= 0 else -math.inf
