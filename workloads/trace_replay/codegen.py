@@ -114,18 +114,14 @@ def wait_points(ops: Sequence[CompiledOp], positions: Sequence[int]) -> dict[int
     """For each collective the step launches (:attr:`.ops.CompiledOp.launches`), by its place in ``positions``,
     the place of the first op after it that reads or writes one of its buffers, before which the step waits
     for it (``len(positions)``: none does; the step waits at its end)."""
-    waits: dict[int, int] = {}
-    for j, position in enumerate(positions):
-        op = ops[position]
-        if not op.launches or op.error is not None:
-            continue
-        buffers = {slot for *_, slot in [*op.arg_slots, *op.kwarg_slots]}
-        waits[j] = next((i for i in range(j + 1, len(positions))
-                         if buffers & ({slot for *_, slot in [*ops[positions[i]].arg_slots,
-                                                                *ops[positions[i]].kwarg_slots]}
-                                       | {slot for slot in ops[positions[i]].out_slots if slot is not None})),
-                        len(positions))
-    return waits
+    launched = [j for j, p in enumerate(positions) if ops[p].launches and ops[p].error is None]
+    if not launched:
+        return {}
+    read = [{slot for *_, slot in [*ops[p].arg_slots, *ops[p].kwarg_slots]} for p in positions]
+    touched = [slots | {slot for slot in ops[p].out_slots if slot is not None}
+               for slots, p in zip(read, positions, strict=True)]
+    return {j: next((i for i in range(j + 1, len(positions)) if read[j] & touched[i]), len(positions))
+            for j in launched}
 
 
 def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: Sequence[list[int]],
