@@ -164,6 +164,16 @@ def test_what_a_composite_kept_whole_held_is_checked_and_counted_before_any_run(
         check_spec(spec, program_spec)
 
 
+@pytest.mark.parametrize("value", [0, -2, 1.5, "3", True])
+def test_where_a_collective_was_waited_for_must_be_a_count_of_ops_after_it(program_spec: Path, value: object):
+    spec = json.loads(program_spec.read_text())
+    spec["ranks"][0]["ops"][1]["waited_after_ops"] = value
+    with pytest.raises(TraceError, match=r"ops\[1\]\.waited_after_ops"):
+        check_spec(spec, program_spec)
+    spec["ranks"][0]["ops"][1]["waited_after_ops"] = 3
+    check_spec(spec, program_spec)
+
+
 @pytest.mark.parametrize("field", ["name", "schema", "str_argument", "int_argument", "gap", "tensor_id", "scope",
                                    "category", "step", "repeat", "tensor_data_key", "list_argument"])
 def test_nothing_in_a_spec_is_executed(program_spec: Path, tmp_path: Path, monkeypatch, field: str):

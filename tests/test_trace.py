@@ -24,7 +24,13 @@ from workloads.trace_replay import host_time
 from workloads.trace_replay.extract import ancestors
 from workloads.trace_replay.fidelity import compute_fidelity, unrepresentative_reason
 from workloads.trace_replay.host_cost import settled_excess
-from workloads.trace_replay.host_time import gap_shape, kineto_host_gaps, place_host_gaps, replayed_op_time
+from workloads.trace_replay.host_time import (
+    gap_shape,
+    kineto_host_gaps,
+    mark_waits,
+    place_host_gaps,
+    replayed_op_time,
+)
 from workloads.trace_replay.parse import KinetoEvent, KinetoTrace, Node, kineto_trace, repair_nesting
 from workloads.trace_replay.records import RankRecord, SpecRecord
 from workloads.trace_replay.replay import Replayer
@@ -593,7 +599,7 @@ def test_host_time_beside_a_collectives_communication_counts_where_the_program_d
     (10 µs) while thread 9's exchange runs 15–55, waits until it ends, and runs relu at 70 (20 µs). Host time:
     5 before the launch, 15 before mul (5 of them under the exchange), 15 after the exchange until relu, 10
     after relu: 45 µs (35 where the whole exchange counted). An exchange that ends inside an op was not
-    waited for at all."""
+    waited for at all. Where it was, the replay waits for it before the op the program ran on with."""
     def event(name: str, ts: float, dur: float, tid: int, cat: str = "cpu_op") -> dict:
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
 
@@ -614,14 +620,28 @@ def test_host_time_beside_a_collectives_communication_counts_where_the_program_d
     assert kineto_host_gaps(trace(1028), {None: 100.0}, replayed) == {0: pytest.approx(65.0)}
     assert gap_shape(trace(1028), {None: 100.0}, replayed, names) == pytest.approx([5.0, 15.0, 35.0, 10.0])
 
+    # where the program stood waiting for it: before relu, two ops on (mul ran beside the exchange)
+    def waits(exchange_end: float, extra: list[dict] = ()) -> list[int | None]:
+        ops = [{"name": name, "step": 0, "ts_us": ts} for name, ts in zip(names, (1005, 1025, 1070), strict=True)]
+        steps = [{"index": 0, "ts_us": 1000, "traced_ms": 0.1}]
+        timed = trace(exchange_end)
+        mark_waits(ops, steps, KinetoTrace([*timed.events, *(kineto_trace({"traceEvents": list(extra)},
+                                                                         Path("t.json")).events)], []))
+        return [op.get("waited_after_ops") for op in ops]
+
+    assert waits(1055) == [2, None, None]
+    assert waits(1028) == [None, None, None]  # an op ran as it ended: the program was not waiting
+    # an exchange the step's collectives do not pair with (another one of gloo's): not told which is whose
+    assert waits(1055, [event("gloo:all_reduce", 1040, 5, 9, "user_annotation")]) == [None, None, None]
+
 
 def test_a_step_waits_for_a_collective_before_the_first_op_that_uses_its_buffers():
     """A generated step launches a collective where the program did and waits for it before the first op that
-    reads or writes one of its buffers (or at the step's end where none does); the wait moves the ledger's
-    moment, so the gap before that op is spent after it. On a clock that moves only as the ops, the wait
-    and the spins move it: the exchange ends 50 µs after its launch, an op between (reading no buffer)
-    takes 10, and the op reading the buffer starts 50 + its gap (5) after the launch, not 5 after the op
-    between."""
+    reads or writes one of its buffers (or at the step's end where none does), or before an earlier op where
+    the program stood waiting for it; the wait moves the ledger's moment, so the gap before that op is spent
+    after it. On a clock that moves only as the ops, the wait and the spins move it: the exchange ends 50 µs
+    after its launch, an op between (reading no buffer) takes 10, and the op reading the buffer starts 50 +
+    its gap (5) after the launch, not 5 after the op between."""
     from workloads.trace_replay.codegen import generate_step, wait_points
     from workloads.trace_replay.ops import CompiledOp
 
@@ -656,6 +676,19 @@ def test_a_step_waits_for_a_collective_before_the_first_op_that_uses_its_buffers
     fn([None] * 5)
     assert started[1] - started[0] == pytest.approx(15 * us, abs=0.5 * us)  # the op between: not held back
     assert started[2] - started[0] == pytest.approx(55 * us, abs=0.5 * us)  # the wait, then its own gap
+
+    # a collective the program stood waiting for before the op between (launched with async_op=False):
+    # waited for there, the op between held back by the exchange as the program's was
+    ops[0].waited_after = 1
+    assert wait_points(ops, [0, 1, 2]) == {0: 1} and wait_points(ops, [0, 2]) == {0: 1}
+    ops[0].waited_after = 5  # past the first use: the first use
+    assert wait_points(ops, [0, 1, 2]) == {0: 2}
+    ops[0].waited_after = 1
+    fn, _ = generate_step(ops, [0, 1, 2], [[], [], []], [0.0, 5 * us, 5 * us], 0.0, stand_in=lambda i: None,
+                          fill=lambda i: None, name="stood", clock=clock)
+    fn([None] * 5)
+    assert started[1] - started[0] == pytest.approx(55 * us, abs=0.5 * us)
+    assert started[2] - started[1] == pytest.approx(15 * us, abs=0.5 * us)
 
 
 TWO_RANK_WAIT = """
@@ -701,12 +734,14 @@ torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(384, 384), torch.nn.GELU()) for _ in range(6)])
 ddp = DistributedDataParallel(model, bucket_cap_mb=0.5)  # buckets all-reduced while the backward goes on
 opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-x = torch.randn(64, 384)
+x, stats = torch.randn(64, 384), torch.randn(256, 1024)
 
 def step():
+    dist.all_reduce(stats)  # waited for where launched, though the step reads it only at its end
     opt.zero_grad(set_to_none=True)
     ddp(x).square().mean().backward()
     opt.step()
+    stats.mul_(0.5)
 
 with capture(f"{out}/bundle", steps=1, warmup=2, baseline_steps=4, announce=False) as cap:
     while not cap.done:
@@ -725,12 +760,20 @@ with profile(activities=[ProfilerActivity.CPU]) as prof:
     for _ in range(3):
         replayer.run_step()
 events = [e for e in prof.events() if e.time_range.end > e.time_range.start]
-exchanges = [e for e in events if e.name.startswith("gloo:all_reduce")]
+exchanges = sorted((e for e in events if e.name.startswith("gloo:all_reduce")), key=lambda e: e.time_range.start)
 ops = [e for e in events if e.name.startswith("aten::") and e.thread != exchanges[0].thread] if exchanges else []
-beside = [e.name for e in ops if any(e.time_range.start > x.time_range.start and e.time_range.end < x.time_range.end
-                                     for x in exchanges)]
+launched = [op for op in spec["ranks"][rank]["ops"] if op["name"].startswith("c10d::")]
+
+def beside(among):  # the ops that began and ended inside one of these exchanges
+    return [e.name for e in ops if any(e.time_range.start > x.time_range.start and e.time_range.end < x.time_range.end
+                                       for x in among)]
+
+each = len(launched)  # a step's exchanges: the statistic's first (gloo runs them in the order launched)
 with open(f"{out}/rank{rank}.json", "w") as f:
-    json.dump({"errors": len(errors), "exchanges": len(exchanges), "beside": beside}, f)
+    json.dump({"errors": len(errors), "exchanges": len(exchanges), "per_step": each,
+               "stood": launched[0].get("waited_after_ops"),
+               "beside_statistic": beside(exchanges[::each]),
+               "beside_buckets": beside([x for k, x in enumerate(exchanges) if k % each])}, f)
 exit_probe(0)
 """
 
@@ -748,12 +791,17 @@ def _on_two_ranks(script: str, tmp_path: Path) -> None:
 def test_a_replay_runs_its_ops_while_a_collective_it_launched_exchanges(tmp_path: Path):
     """DDP all-reduces each bucket of gradients as the backward makes them and waits for them all at its end.
     Its replay on two gloo ranks does the same: ops run on the step's thread while an all-reduce it launched
-    is exchanging on gloo's (run to its end where launched, a DDP program of this kind read +19.2 % slow)."""
+    is exchanging on gloo's (run to its end where launched, a DDP program of this kind read +19.2 % slow).
+    The statistic the step all-reduces first, without ``async_op``, the program stood waiting for before its
+    next op: the replay waits there too, though the step reads it only at its end (waited for at that first
+    use, the whole forward and backward had run inside its exchange)."""
     _on_two_ranks(TWO_RANK_DDP, tmp_path)
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert seen["errors"] == 0 and seen["exchanges"] >= 3, seen
-        assert seen["beside"], seen  # ops that began and ended inside an exchange
+        assert seen["errors"] == 0 and seen["per_step"] >= 3 and seen["exchanges"] == 3 * seen["per_step"], seen
+        assert seen["stood"] == 1, seen  # waited for before the next op
+        assert seen["beside_statistic"] == [], seen
+        assert seen["beside_buckets"], seen  # ops that began and ended inside a bucket's exchange
 
 
 @pytest.mark.alone  # its figures are wall-clock waits between two processes on the machine's two cores

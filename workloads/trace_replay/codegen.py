@@ -113,15 +113,20 @@ def taken_back(gaps_s: Sequence[float], tail_s: float, cost_s: float) -> list[fl
 def wait_points(ops: Sequence[CompiledOp], positions: Sequence[int]) -> dict[int, int]:
     """For each collective the step launches (:attr:`.ops.CompiledOp.launches`), by its place in ``positions``,
     the place of the first op after it that reads or writes one of its buffers, before which the step waits
-    for it (``len(positions)``: none does; the step waits at its end)."""
+    for it (``len(positions)``: none does; the step waits at its end), or earlier where the program stood
+    waiting for it there (:attr:`.ops.CompiledOp.waited_after`)."""
     launched = [j for j, p in enumerate(positions) if ops[p].launches and ops[p].error is None]
     if not launched:
         return {}
     read = [{slot for *_, slot in [*ops[p].arg_slots, *ops[p].kwarg_slots]} for p in positions]
     touched = [slots | {slot for slot in ops[p].out_slots if slot is not None}
                for slots, p in zip(read, positions, strict=True)]
-    return {j: next((i for i in range(j + 1, len(positions)) if read[j] & touched[i]), len(positions))
-            for j in launched}
+    waits = {}
+    for j in launched:
+        at = next((i for i in range(j + 1, len(positions)) if read[j] & touched[i]), len(positions))
+        stood = ops[positions[j]].waited_after
+        waits[j] = at if stood is None else min(at, j + stood)
+    return waits
 
 
 def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: Sequence[list[int]],

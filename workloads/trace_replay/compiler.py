@@ -116,7 +116,7 @@ class OpCompiler:
             self._compile_outputs(op, compiled)
             if op.name.startswith("c10d::"):
                 compiled.fn = self._collective(op.name)
-                compiled.launches = True
+                compiled.launches, compiled.waited_after = True, op.waited_after_ops
                 self._compile_args(op, compiled, schema_args=None)
                 compiled.out_slots = []  # collectives write into their (input) buffers in place
             elif op.name.startswith("_c10d_functional::") and op.name != "_c10d_functional::wait_tensor":

@@ -194,6 +194,40 @@ def waited_part(communication: KinetoEvent, op_starts: list[float], ends_so_far:
     return communication._replace(ts=begin, dur=end - begin)
 
 
+def mark_waits(ops: list[dict[str, Any]], steps: list[dict[str, Any]], trace: KinetoTrace) -> None:
+    """``waited_after_ops`` on each collective (``c10d::``) a traced step launched and then waited for before
+    running anything else: the program's step was idle, no op on any thread, when the collective's
+    communication ended (:func:`waited_part`), and ran on from the op that began first after it; the figure
+    counts the ops from the collective to that one in the step (to the step's end where none began after it).
+    A program that launches with ``async_op=False`` waits so (a statistic all-reduced before the backward);
+    a replay waiting only where the step first uses the collective's buffers (:func:`.codegen.wait_points`)
+    ran the whole forward and backward of such a program beside the exchange. Where an op was running as the
+    exchange ended (DDP's buckets beside the backward), nothing is marked: the program did not stand waiting.
+    The step's collectives are paired with its communication events in the order they began (gloo runs them
+    in the order they were launched); a step whose counts differ is left unmarked."""
+    events = sorted((e for e in trace.events if e.cat == "cpu_op"), key=lambda e: e.ts)
+    starts, ends, latest = [e.ts for e in events], [], -math.inf
+    for e in events:
+        latest = max(latest, e.ts + e.dur)
+        ends.append(latest)
+    exchanges = sorted((e for e in trace.events if e.cat == "user_annotation" and COMMUNICATION.match(e.name)),
+                       key=lambda e: e.ts)
+    for step in steps:
+        members = [op for op in ops if op["step"] == step["index"]]  # in the spec's order: the replay's
+        launched = [i for i, op in enumerate(members) if op["name"].startswith("c10d::")]
+        begin, end = step["ts_us"], step["ts_us"] + 1e3 * step["traced_ms"]
+        mine = [e for e in exchanges if begin <= e.ts < end]
+        if not launched or len(mine) != len(launched):
+            continue
+        for i, exchange in zip(launched, mine, strict=True):
+            if members[i]["ts_us"] is None or waited_part(exchange, starts, ends) is None:
+                continue
+            over = exchange.ts + exchange.dur
+            after = next((k for k in range(i + 1, len(members))
+                          if members[k]["ts_us"] is not None and members[k]["ts_us"] >= over), len(members))
+            members[i]["waited_after_ops"] = after - i
+
+
 def replayed_op_time(timing: KinetoTrace, plain_us: dict[int | None, float],
                      replayed: Callable[[str], bool] | None = None) -> dict[int, float]:
     """The time inside the replayed ops in each annotated step (step index → µs), the profiler's cost

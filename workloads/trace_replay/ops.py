@@ -168,6 +168,9 @@ class CompiledOp:
     # a collective launched without waiting: ``fn`` returns its works (the generated steps wait for them where
     # the step first uses its buffers; :meth:`call`, run op by op, at once)
     launches: bool = False
+    # ... and waited for before the op this many later in its step, where the program stood waiting for it
+    # (:attr:`.records.OpRecord.waited_after_ops`; None: at the first use alone)
+    waited_after: int | None = None
 
     def call(self, vals: list[Any]) -> Any:
         if self.refills:

@@ -50,6 +50,9 @@ class OpRecord:
     born: list[int] = field(default_factory=list)  # storages it made right after it, outside any op
     grad: bool = False  # the program recorded autograd history through it (a forward op under grad mode)
     held_bytes: int = 0  # a composite kept whole: what it made inside and still held at its return (allocations)
+    # a collective the program stood waiting for: the op it ran on with, this many ops later in its step
+    # (host_time.mark_waits; None: not seen waiting, waited for where the step first uses its buffers)
+    waited_after_ops: int | None = None
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> OpRecord:
@@ -58,7 +61,8 @@ class OpRecord:
                    dict(raw.get("tensor_range") or {}), dict(raw.get("tensor_data") or {}), raw.get("dur_us"),
                    float(raw.get("gap_us") or 0.0), list(raw.get("scopes", [])), list(raw.get("deps", [])),
                    list(raw.get("allocated", [])), list(raw.get("released", [])),
-                   list(raw.get("born", [])), raw.get("grad") is True, int(raw.get("held_bytes", 0)))
+                   list(raw.get("born", [])), raw.get("grad") is True, int(raw.get("held_bytes", 0)),
+                   None if raw.get("waited_after_ops") is None else int(raw["waited_after_ops"]))
 
 
 @dataclass(frozen=True)

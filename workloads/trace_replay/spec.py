@@ -18,6 +18,7 @@ from typing import Any
 
 from workloads.trace_bundle import VALUES_FILE, BundleMeta, TraceError, rank_dirs, read_json
 from workloads.trace_replay.extract import add_dependencies, extract_rank
+from workloads.trace_replay.host_time import mark_waits
 from workloads.trace_replay.parse import read_bundle
 
 SPEC_SCHEMA = "cobench-generated-spec/1"
@@ -89,6 +90,7 @@ def _rank_entry(rank_dir: Path, options: GenerateOptions, full_step: bool) -> tu
     if not ops:
         raise TraceError(f"{rank_dir}: the selection {options} keeps no operators (of {original_count})")
     add_dependencies(ops)
+    mark_waits(ops, steps, trace.kineto)  # over the ops kept: the replay's own steps
     if options.obfuscate:  # the program's names and its data go; shapes, ranges and timings stay
         for op in ops:
             op["scopes"] = [_obfuscated(s) for s in op["scopes"]]
