@@ -517,12 +517,22 @@ def at_one_speed(host_us: dict[int, float], meta: BundleMeta) -> HostSpeedNorm:
     llama varied 8.7 % (coefficient of variation of their medians) where they varied 14.7 % as measured,
     and six of DLRM 8.3 % where 13.9 %. Bundles without a spin around each step: the samples as measured,
     against the rounds' median spin (``timing_spin_ns``)."""
-    pairs = meta.timing_step_spin_ns
-    if not host_us or not all(k < len(pairs) and len(pairs[k]) == 2 and min(pairs[k]) > 0 for k in host_us):
+    normalised = steps_at_one_speed(host_us, meta.timing_step_spin_ns)
+    if normalised is None:
         rounds = meta.timing_spin_ns
         return HostSpeedNorm(list(host_us.values()), statistics.median(rounds) if rounds else 0.0, None)
+    return normalised
+
+
+def steps_at_one_speed(host_us: dict[int, float], step_spin_ns: Sequence[Sequence[float]]) -> HostSpeedNorm | None:
+    """:func:`at_one_speed` from the spin read right before and after each step (``step_spin_ns``, by the
+    step's index in ``host_us``); None where a step has no such pair. The capture brings each round's host
+    times so as it goes, to decide on more rounds by the figures its spec will hold."""
+    if not host_us or not all(k < len(step_spin_ns) and len(step_spin_ns[k]) == 2 and min(step_spin_ns[k]) > 0
+                              for k in host_us):
+        return None
     steps = sorted(host_us)
-    samples, around = [host_us[k] for k in steps], [pairs[k] for k in steps]
+    samples, around = [host_us[k] for k in steps], [step_spin_ns[k] for k in steps]
     spins = [math.sqrt(p[0] * p[1]) for p in around]
     reference = statistics.median(spins)
     elasticity = host_speed_elasticity(samples, around)
