@@ -515,8 +515,9 @@ def at_one_speed(host_us: dict[int, float], meta: BundleMeta) -> HostSpeedNorm:
     (1 where it cannot tell). A capture whose host changed speed between rounds (the spin at 76 ns in some
     and 130 in others) otherwise measures the mix it happened to get: brought to one speed, six captures of
     llama varied 8.7 % (coefficient of variation of their medians) where they varied 14.7 % as measured,
-    and six of DLRM 8.3 % where 13.9 %. Bundles without a spin around each step: the samples as measured,
-    against the rounds' median spin (``timing_spin_ns``)."""
+    and six of DLRM 8.3 % where 13.9 % (the captures of 2026-12-04 read the other way, each program's
+    medians varying less as measured: docs/traces.md, host time). Bundles without a spin around each step:
+    the samples as measured, against the rounds' median spin (``timing_spin_ns``)."""
     normalised = steps_at_one_speed(host_us, meta.timing_step_spin_ns)
     if normalised is None:
         rounds = meta.timing_spin_ns
