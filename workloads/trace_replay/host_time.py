@@ -205,11 +205,7 @@ def mark_waits(ops: list[dict[str, Any]], steps: list[dict[str, Any]], trace: Ki
     exchange ended (DDP's buckets beside the backward), nothing is marked: the program did not stand waiting.
     The step's collectives are paired with its communication events in the order they began (gloo runs them
     in the order they were launched); a step whose counts differ is left unmarked."""
-    events = sorted((e for e in trace.events if e.cat == "cpu_op"), key=lambda e: e.ts)
-    starts, ends, latest = [e.ts for e in events], [], -math.inf
-    for e in events:
-        latest = max(latest, e.ts + e.dur)
-        ends.append(latest)
+    _, starts, ends = _op_spans(trace)
     exchanges = sorted((e for e in trace.events if e.cat == "user_annotation" and COMMUNICATION.match(e.name)),
                        key=lambda e: e.ts)
     for step in steps:
@@ -247,15 +243,22 @@ def _op_time(splits: dict[int, _StepSplit]) -> dict[int, float]:
     return {k: max(0.0, s.walk.busy - s.walk.nested * s.per_event - s.waiting) for k, s in splits.items()}
 
 
+def _op_spans(trace: KinetoTrace) -> tuple[list[KinetoEvent], list[float], list[float]]:
+    """The trace's op events in the order they started (parents before their children: the longer first), their
+    starts, and for each the latest end among it and those before it: :func:`waited_part`'s inputs."""
+    ops = sorted((e for e in trace.events if e.cat == "cpu_op"), key=lambda e: (e.ts, -e.dur))
+    ends, latest = [], -math.inf
+    for e in ops:
+        latest = max(latest, e.ts + e.dur)
+        ends.append(latest)
+    return ops, [e.ts for e in ops], ends
+
+
 def _by_start(timing: KinetoTrace) -> list[KinetoEvent]:
     """The trace's op events and the parts of its collectives' communication (:data:`COMMUNICATION`) the
     program waited for (:func:`waited_part`), in the order they started (parents before their children:
     the longer first)."""
-    ops = sorted((e for e in timing.events if e.cat == "cpu_op"), key=lambda e: (e.ts, -e.dur))
-    starts, ends, latest = [e.ts for e in ops], [], -math.inf
-    for e in ops:
-        latest = max(latest, e.ts + e.dur)
-        ends.append(latest)
+    ops, starts, ends = _op_spans(timing)
     waits = [part for e in timing.events if e.cat == "user_annotation" and COMMUNICATION.match(e.name)
              if (part := waited_part(e, starts, ends)) is not None]
     return sorted(ops + waits, key=lambda e: (e.ts, -e.dur))
