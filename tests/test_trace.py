@@ -615,10 +615,10 @@ def test_host_time_beside_a_collectives_communication_counts_where_the_program_d
     def event(name: str, ts: float, dur: float, tid: int, cat: str = "cpu_op") -> dict:
         return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid}
 
-    def trace(exchange_end: float) -> KinetoTrace:
+    def trace(exchange_end: float, launch_us: float = 5.0) -> KinetoTrace:
         return kineto_trace({"traceEvents": [
             event("cobench_step#0", 1000, 100, 7, "user_annotation"),
-            event("c10d::alltoall_base_", 1005, 5, 7),
+            event("c10d::alltoall_base_", 1005, launch_us, 7),
             event("gloo:all_to_all", 1015, exchange_end - 1015, 9, "user_annotation"),
             event("aten::mul", 1025, 10, 7),
             event("aten::relu", 1070, 20, 7),
@@ -633,16 +633,19 @@ def test_host_time_beside_a_collectives_communication_counts_where_the_program_d
     assert gap_shape(trace(1028), {None: 100.0}, replayed, names) == pytest.approx([5.0, 15.0, 35.0, 10.0])
 
     # where the program stood waiting for it: before relu, two ops on (mul ran beside the exchange)
-    def waits(exchange_end: float, extra: list[dict] = ()) -> list[int | None]:
-        ops = [{"name": name, "step": 0, "ts_us": ts} for name, ts in zip(names, (1005, 1025, 1070), strict=True)]
+    def waits(exchange_end: float, extra: list[dict] = (), launch_us: float = 5.0) -> list[int | None]:
+        ops = [{"name": name, "step": 0, "ts_us": ts, "dur_us": dur}
+               for name, ts, dur in zip(names, (1005, 1025, 1070), (launch_us, 10, 20), strict=True)]
         steps = [{"index": 0, "ts_us": 1000, "traced_ms": 0.1}]
-        timed = trace(exchange_end)
+        timed = trace(exchange_end, launch_us)
         mark_waits(ops, steps, KinetoTrace([*timed.events, *(kineto_trace({"traceEvents": list(extra)},
                                                                          Path("t.json")).events)], []))
         return [op.get("waited_after_ops") for op in ops]
 
     assert waits(1055) == [2, None, None]
     assert waits(1028) == [None, None, None]  # an op ran as it ended: the program was not waiting
+    # it ended before its own launch returned (the launch held up until 1024): before the next op
+    assert waits(1020, launch_us=19.0) == [1, None, None]
     # an exchange the step's collectives do not pair with (another one of gloo's): not told which is whose
     assert waits(1055, [event("gloo:all_reduce", 1040, 5, 9, "user_annotation")]) == [None, None, None]
 

@@ -202,7 +202,8 @@ def mark_waits(ops: list[dict[str, Any]], steps: list[dict[str, Any]], trace: Ki
     A program that launches with ``async_op=False`` waits so (a statistic all-reduced before the backward);
     a replay waiting only where the step first uses the collective's buffers (:func:`.codegen.wait_points`)
     ran the whole forward and backward of such a program beside the exchange. Where an op was running as the
-    exchange ended (DDP's buckets beside the backward), nothing is marked: the program did not stand waiting.
+    exchange ended (DDP's buckets beside the backward), nothing is marked: the program did not stand waiting;
+    unless that op was the collective's own launch, before whose return it ended: nothing ran beside it.
     The step's collectives are paired with its communication events in the order they began (gloo runs them
     in the order they were launched); a step whose counts differ is left unmarked."""
     _, starts, ends = _op_spans(trace)
@@ -216,9 +217,13 @@ def mark_waits(ops: list[dict[str, Any]], steps: list[dict[str, Any]], trace: Ki
         if not launched or len(mine) != len(launched):
             continue
         for i, exchange in zip(launched, mine, strict=True):
-            if members[i]["ts_us"] is None or waited_part(exchange, starts, ends) is None:
+            if members[i]["ts_us"] is None:
                 continue
             over = exchange.ts + exchange.dur
+            # over before its own launch returned (a late rank's exchange, its peer waiting): nothing ran beside it
+            inside_launch = over <= members[i]["ts_us"] + (members[i]["dur_us"] or 0.0)
+            if not inside_launch and waited_part(exchange, starts, ends) is None:
+                continue
             after = next((k for k in range(i + 1, len(members))
                           if members[k]["ts_us"] is not None and members[k]["ts_us"] >= over), len(members))
             members[i]["waited_after_ops"] = after - i
