@@ -182,6 +182,9 @@ METRIC_DEFINITIONS: dict[str, tuple[str, str]] = {
                                    "slowest rank's timed seconds, olympic mean over repetitions"),
     "mfu": ("fraction", "achieved FLOP/s ÷ (peak FLOP/s per device × world size), the peak for the dtype the matmuls "
                         "run in (tag `peak_flops_source`)"),
+    "peak_flops": ("FLOP/s", "the peak per device MFU is taken against (tag `peak_flops_source`: declared, table or "
+                             "measured_gemm, the best of square GEMMs on this device, measured once more at the "
+                             "run's end where the MFU came out above what the platform credibly reaches)"),
     "peak_memory_mb": ("MiB", "largest over repetitions and ranks: the allocator's peak on accelerators, "
                               "the process RSS peak on CPU"),
     "loss": ("as the workload's loss", "the last finite training loss of repetition 0 (rank 0)"),

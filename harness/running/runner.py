@@ -257,7 +257,8 @@ def run_benchmark(
         if watch is not None:
             watch.stop()
     if watch is None or watch.claim():
-        _finish(result, tracker, repetitions, [], peak, STATUS_FINISHED, None, derived, runner=cfg.runner)
+        _finish(result, tracker, repetitions, [], peak, STATUS_FINISHED, None, derived, runner=cfg.runner,
+                peak_again=lambda: platform.peak_flops_measured_again(opened.workload.compute_dtype))
     return result
 
 
@@ -316,13 +317,25 @@ def _finish(
     derived: Callable[[dict[str, float]], dict[str, float]] | None = None,
     *,
     runner: RunnerConfig,
+    peak_again: Callable[[], PeakFlops] | None = None,
 ) -> None:
     """Compute metrics from whatever was measured, write them locally, close the MLflow run (before
-    its artifacts are uploaded, the slow part)."""
+    its artifacts are uploaded, the slow part). ``peak_again``: measures the peak once more, for a run
+    whose MFU came out above what its platform credibly reaches."""
     result.status, result.error = status, reason
     measured = repetitions + ([unfinished] if unfinished and unfinished[0].step_times_s else [])
+    peak_tags: dict[str, str] = {}
     if measured:
         result.metrics = benchmark_metrics(measured, result.throughput_unit, peak.value if peak else None)
+        if peak is not None and peak_again is not None and result.metrics.get("mfu", 0.0) > peak.mfu_ceiling:
+            # A measured peak is a lower bound: taken while other work held the cores (OpenMP threads that
+            # lose their core stall every GEMM thread at its barrier) it read a sixth of the CPU's, and a
+            # tiny llama run's 16 % MFU read 105 %. The run itself says so: the peak is measured again, now.
+            peak = peak_again()
+            peak_tags = peak.tags()
+            result.metrics = benchmark_metrics(measured, result.throughput_unit, peak.value)
+        if peak is not None and peak.value:
+            result.metrics["peak_flops"] = peak.value
         result.losses = list(measured[0][0].losses)  # the trajectory users (and qualify) compare
     if derived is not None and status == STATUS_FINISHED:
         result.metrics.update(derived(result.metrics))
@@ -337,7 +350,7 @@ def _finish(
     first = measured[0][0] if measured else None
     record = {"status": status, "error": reason, "metrics": result.metrics, "losses": result.losses,
               "quality_history": [[n, q] for n, q in first.quality_history] if first else [],
-              "noise": result.noise, "mfu_doubt": result.mfu_doubt}
+              "noise": result.noise, "mfu_doubt": result.mfu_doubt, **({"peak_tags": peak_tags} if peak_tags else {})}
     write_and_publish(result, tracker, record)
 
 
@@ -402,6 +415,8 @@ def publish(tracker: Tracker, run_dir: Path) -> None:
         tracker.set_tags(run_id, {"noisy": "1", "noise_reason": record["noise"]})
     if record.get("mfu_doubt"):
         tracker.set_tags(run_id, {"mfu_suspect": "1", "mfu_suspect_reason": record["mfu_doubt"]})
+    if record.get("peak_tags"):  # the peak measured again at the run's end: the conditions of the figure used
+        tracker.set_tags(run_id, record["peak_tags"])
     if record.get("losses"):
         tracker.log_series(run_id, "train_loss", record["losses"], timestamp_ms=at_ms)
     for samples_count, quality in record.get("quality_history", []):
