@@ -986,6 +986,43 @@ def test_an_excess_is_added_as_far_as_its_rounds_agree_on_it():
     assert settled_excess([[5 * us], [6 * us]]) == 0.0 and settled_excess([]) == 0.0  # too few rounds to tell
 
 
+def test_a_calibration_adds_rounds_while_its_figure_moves_the_step_more_than_one_percent():
+    from workloads.trace_replay.host_cost import FIXED_ROUNDS, Rounds, median_half_width
+
+    us = 1e-6
+    spread = [x * us for x in (5, 9, 6, 12, 7, 10)]  # per op call: its median known to about ±2 µs
+    wide = Rounds(least=4, step_us=1e4, budget_s=10.0)  # 100 calls in a 10 ms step: ±2 % of it
+    assert wide.more(3, 0.1, [], 100)  # fewer than the least: one more, whatever they read
+    assert wide.more(4, 0.1, spread, 100)
+    assert not wide.more(4, 9.0, spread, 100)  # a fifth round would take the rounds past their 10 s
+    assert not wide.more(4, 0.1, [7 * us] * 6, 100)  # known to ±0 µs: enough
+    assert not Rounds(least=4, step_us=1e6, budget_s=10.0).more(4, 0.1, spread, 100)  # a 1 s step: ±0.02 %
+    assert not wide.more(96, 0.1, spread, 100)  # 96 rounds at most
+    assert FIXED_ROUNDS.more(23, 0.1, spread, 100) and not FIXED_ROUNDS.more(24, 0.1, spread, 100)  # no budget
+    assert median_half_width([1.0]) == math.inf and median_half_width([2.0] * 5) == 0.0
+
+
+def test_a_replay_given_time_calibrates_until_its_call_cost_is_known_to_its_step(tmp_path: Path):
+    """Given seconds for it, the replay's call-cost calibration runs past its 24 rounds while their median moves
+    the program's step more than ±1 % (a step taken as 1 µs here, which no calibration can reach), within them."""
+    import time
+
+    from workloads.trace_replay.host_cost import Rounds
+
+    spec = _host_bound_spec(tmp_path, size=256, host_s=0.002, baseline_steps=4)
+    replayer = Replayer(RankRecord.from_json(spec["ranks"][0]), torch.device("cpu"), host_gaps=True)
+    replayer.materialize()
+    replayer.dry_run()
+    started = time.perf_counter()
+    replayer.calibrate_host_cost(lambda: None)
+    fixed_s = time.perf_counter() - started
+    assert replayer.calibration_rounds["calls"] == 24
+    replayer.calibrate_host_cost(lambda: None, Rounds(step_us=1.0, budget_s=2 * fixed_s))
+    assert 24 < replayer.calibration_rounds["calls"] <= 96, replayer.calibration_rounds
+    steps = len(replayer.sequence)
+    assert len(replayer.call_samples_s) == replayer.calibration_rounds["calls"] * steps
+
+
 def test_the_replay_sets_its_op_time_against_the_programs_without_the_profilers_cost(tmp_path: Path):
     """The capture records the program's time inside its ops, the profiler's cost taken out
     (``program_op_us``); the replay's calibration measures its own the same way, and the ratio of the two

@@ -72,6 +72,7 @@ MEMORY_STEPS = 8  # each side's peak memory: the most of this many of its own st
 FIDELITY_FILE = "fidelity.json"
 DEFAULT_BUDGET_S = 60.0  # the side-by-side rounds' time budget, by default
 CAPTURE_HOST_SHARE = 0.5  # of that budget, what its capture may spend on host-time rounds past MAX_TIMING_ROUNDS
+CALIBRATION_SHARE = 0.25  # ... and each of the replay's calibrations on rounds past its 24 (workload.calibration_s)
 
 
 def replay_workload_spec() -> WorkloadSpec:
@@ -95,7 +96,10 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
     through the capture; its memory is then judged on its captured steps.
     """
     spec = replay_workload_spec()
-    replay = spec.factory.from_bundle(bundle, ctx, **(replay_options or {}))
+    # the replay's calibrations are measurements its figure rests on, as the capture's host time is: given
+    # time to narrow them as the capture is
+    options = {"calibration_s": CALIBRATION_SHARE * budget_s if budget_s else 0.0, **(replay_options or {})}
+    replay = spec.factory.from_bundle(bundle, ctx, **options)
     replay.setup()
     try:
         agree = _rank0_value(ctx.process_group) if ctx.distributed else None

@@ -26,6 +26,9 @@ class GeneratedConfig:
     trust_spec: bool = False
     # Refuse a spec whose tensors need more than this at their peak; 0: what the device has available.
     memory_limit_mb: float = 0.0
+    # Seconds each of the replay's own calibrations (its cost per op call, the autograd bookkeeping it spends)
+    # may take in all to add rounds past 24 while its figure moves the step more than ±1 %; 0: 24 rounds.
+    calibration_s: float = 0.0
 
 
 __all__ = ["GeneratedConfig"]

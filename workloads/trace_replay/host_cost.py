@@ -15,26 +15,76 @@ such op — and spends it as host time before each.
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from workloads.trace_replay.execute import StepRunner
-from workloads.trace_replay.host_time import COLLECTIVE, kineto_host_gaps, profiled_steps, replayed_op_time
+from workloads.trace_replay.host_time import (
+    COLLECTIVE,
+    HOST_TARGET_PCT,
+    QUICK_TIMING_ROUNDS,
+    kineto_host_gaps,
+    profiled_steps,
+    replayed_op_time,
+)
 
 MIN_SAMPLE_MS = 20.0  # a sample runs a short step this long, as the side-by-side judgement's samples do
 MAX_REPEATS = 50
+CALIBRATION_ROUNDS = 24  # a calibration's rounds at least
+MEDIAN_DRAWS = 200  # bootstrap draws for the interval that decides on one more round
 
 
-def measure_call_cost(runner: StepRunner, synchronize: Callable[[], None], rounds: int = 24, *,
-                      process_group: Any = None) -> tuple[list[float], list[float], list[float]]:
+@dataclass(frozen=True)
+class Rounds:
+    """How many rounds a calibration runs: ``least``, then, given the program's step (``step_us``) and seconds
+    for them (``budget_s``), more while its median per step is known worse than ±:data:`HOST_TARGET_PCT` of the
+    step, up to :data:`QUICK_TIMING_ROUNDS` while one more keeps all its rounds within ``budget_s``: as a
+    capture adds host-time rounds. At 24 rounds the call cost alone moved a judgement of TorchRec's DLRM
+    ±1.4 … 2.2 % and llama's autograd bookkeeping ±1.9 %, most of the ±2.5 % a verdict allows."""
+
+    least: int = CALIBRATION_ROUNDS
+    step_us: float = 0.0
+    budget_s: float = 0.0
+
+    def more(self, done: int, took_s: float, samples_s: list[float], per_step: float) -> bool:
+        """Whether one more round is wanted after ``done`` rounds that took ``took_s`` in all, their
+        ``samples_s`` a figure ``per_step`` times a step (ops per step)."""
+        if done < self.least:
+            return True
+        if done >= QUICK_TIMING_ROUNDS or not (self.budget_s > 0 and self.step_us > 0 and per_step > 0):
+            return False
+        if took_s * (done + 1) / done > self.budget_s:
+            return False
+        return 100.0 * 1e6 * per_step * median_half_width(samples_s) / self.step_us > HOST_TARGET_PCT
+
+
+FIXED_ROUNDS = Rounds()  # 24 rounds, no more
+
+
+def median_half_width(samples: list[float], seed: int = 0) -> float:
+    """Half the width of the 95 % bootstrap interval of the median of ``samples`` (each drawn alone, as a
+    judgement resamples them: :func:`harness.traces.side_by_side.capture_shift_parts`); infinite for fewer
+    than two."""
+    if len(samples) < 2:
+        return math.inf
+    rng = random.Random(seed)
+    draws = sorted(statistics.median(rng.choices(samples, k=len(samples))) for _ in range(MEDIAN_DRAWS))
+    last = len(draws) - 1
+    return (draws[math.ceil(0.975 * last)] - draws[int(0.025 * last)]) / 2
+
+
+def measure_call_cost(runner: StepRunner, synchronize: Callable[[], None], rounds: Rounds = FIXED_ROUNDS, *,
+                      process_group: Any = None) -> tuple[list[float], list[float], list[float], int]:
     """The replay's own host time per op inside its ledger's op window, and outside it, one figure each per
-    measured sample (seconds), and the time inside its ops (collectives left out) per step, one figure per
+    measured sample (seconds), the time inside its ops (collectives left out) per step, one figure per
     round (µs: the mean over the steps, the profiler's cost taken out as the capture takes it out of the
-    program's: :func:`.host_time.replayed_op_time`).
+    program's: :func:`.host_time.replayed_op_time`), and how many rounds ran.
 
     The program's host gaps were measured from its Kineto trace as the time outside its ops, the
     profiler's cost taken out (:func:`.host_time.kineto_host_gaps`); the replay's own time outside its
@@ -50,7 +100,7 @@ def measure_call_cost(runner: StepRunner, synchronize: Callable[[], None], round
     left the replay's host time 2–15 % above the program's when judged, its stores and releases costing
     more then than when measured.)
 
-    As the capture does: ``rounds`` rounds of profiled steps then plain ones, each block after a
+    As the capture does: rounds of profiled steps then plain ones (as many as ``rounds`` says), each block after a
     pass that settles it (the profiler's buffers; the caches after it stops), each profiled sample
     set against the plain sample of its own round; the median over every sample of every round. (All
     profiled steps after all plain ones, the figure moved 3.7 … 8.3 µs per op between calibrations of
@@ -75,15 +125,25 @@ def measure_call_cost(runner: StepRunner, synchronize: Callable[[], None], round
         synchronize()
         repeats.append(max(1, min(MAX_REPEATS, math.ceil(MIN_SAMPLE_MS / max(1e3 * (time.perf_counter() - started),
                                                                                1e-3)))))
-    if torch.distributed.is_initialized() and any(COLLECTIVE.match(op.name) for op in runner.plan.ops):
-        agreed = torch.tensor(repeats, dtype=torch.int64, device=runner.tensors.device)  # nccl: on the device
+    lockstep = torch.distributed.is_initialized() and any(COLLECTIVE.match(op.name) for op in runner.plan.ops)
+
+    def agreed_max(values: list[int]) -> list[int]:
+        """The largest of each value over the ranks, where the steps hold collectives (run as often on each)."""
+        if not lockstep:
+            return values
+        agreed = torch.tensor(values, dtype=torch.int64, device=runner.tensors.device)  # nccl: on the device
         torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MAX, group=process_group)
-        repeats = [int(r) for r in agreed]
+        return [int(v) for v in agreed]
+
+    repeats = agreed_max(repeats)
     per_op: list[float] = []
     outside: list[float] = []
     op_us: list[float] = []
     names = {op.name for op in runner.plan.ops}
-    for _ in range(rounds):
+    calls_per_step = statistics.fmean(max(1, len(step)) for step in runner.plan.sequence) if steps else 0.0
+    began, done = time.perf_counter(), 0
+    while agreed_max([int(rounds.more(done, time.perf_counter() - began, per_op, calls_per_step))])[0]:
+        done += 1
         # each block from the carried state as it was made: a step run over and over drifts (its values
         # sink into subnormal floats; ViT's ran twice as slow after some 25 runs), within a round too
         runner.tensors.restore_values()
@@ -108,7 +168,7 @@ def measure_call_cost(runner: StepRunner, synchronize: Callable[[], None], round
         if steps and len(inside) == steps:
             op_us.append(statistics.fmean(inside[k] / repeats[k] for k in inside))
     runner.tensors.restore_values()
-    return [1e-6 * v for v in per_op], [1e-6 * v for v in outside], op_us
+    return [1e-6 * v for v in per_op], [1e-6 * v for v in outside], op_us, done
 
 
 def measure_gap_excess(runner: StepRunner, synchronize: Callable[[], None], rounds: int = 8) -> list[list[float]]:
@@ -226,9 +286,9 @@ def _grad_leaves(runner: StepRunner) -> list[torch.Tensor]:
 
 
 def measure_autograd_cost(runner: StepRunner, synchronize: Callable[[], None],
-                          rounds: int = 24) -> tuple[list[float], str | None]:
+                          rounds: Rounds = FIXED_ROUNDS) -> tuple[list[float], str | None, int]:
     """The autograd bookkeeping per op the program recorded history through, one figure per sample
-    (seconds), and why there is none where the steps could not run with grad mode on.
+    (seconds), why there is none where the steps could not run with grad mode on, and how many rounds ran.
 
     Each step's generated code up to its last such op (the forward: the rest of the step does not
     change with grad mode, and would only add its own spread to the difference) runs with grad mode
@@ -245,7 +305,7 @@ def measure_autograd_cost(runner: StepRunner, synchronize: Callable[[], None],
     grads = [[runner.plan.specs[p].grad for p in runner.plan.sequence[k]] for k in range(steps)]
     counts = [sum(g) for g in grads]
     if not any(counts):
-        return [], None
+        return [], None, 0
     ends = [max((j + 1 for j, g in enumerate(gs) if g), default=0) for gs in grads]
     keep: list[Any] = []  # the ops' outputs, and with them their history, until a run's time is taken
     variants = {grad: [runner.generated_step(k, grad_on=grad, keep=keep, upto=ends[k])[0] for k in range(steps)]
@@ -273,13 +333,16 @@ def measure_autograd_cost(runner: StepRunner, synchronize: Callable[[], None],
                 leaf.requires_grad_(False)
 
     samples: list[float] = []
+    r = 0
     try:
         repeats = []
         for k in range(steps):
             if counts[k]:
                 timed(k, True)  # settles it, and finds a step that cannot run with grad
             repeats.append(max(1, min(MAX_REPEATS, math.ceil(MIN_SAMPLE_MS / max(1e3 * timed(k, False), 1e-3)))))
-        for r in range(rounds):
+        grad_per_step = statistics.fmean(counts)
+        began = time.perf_counter()
+        while rounds.more(r, time.perf_counter() - began, samples, grad_per_step):
             runner.tensors.restore_values()  # a step run over and over drifts (denormal values run slower)
             for k in range(steps):
                 if counts[k]:
@@ -288,8 +351,9 @@ def measure_autograd_cost(runner: StepRunner, synchronize: Callable[[], None],
                         for grad in ((True, False) if (r + i) % 2 else (False, True)):
                             took[grad] += timed(k, grad)
                     samples.append((took[True] - took[False]) / (repeats[k] * counts[k]))
+            r += 1
     except Exception as err:  # noqa: BLE001 - reported with the figure, which stays unmeasured
-        return [], f"{type(err).__name__}: {str(err)[:300]}"
+        return [], f"{type(err).__name__}: {str(err)[:300]}", r
     finally:
         runner.tensors.restore_values()
-    return samples, None
+    return samples, None, r

@@ -27,6 +27,8 @@ import torch
 from workloads.trace_replay.dataflow import External
 from workloads.trace_replay.execute import ReplayStats, StepRunner
 from workloads.trace_replay.host_cost import (
+    FIXED_ROUNDS,
+    Rounds,
     measure_autograd_cost,
     measure_call_cost,
     measure_gap_excess,
@@ -68,6 +70,7 @@ class Replayer:
         self.gap_excess_samples_s: list[float] = []  # the call cost's excess between gaps (measure_gap_excess)
         self.gap_excess_applied_s = 0.0  # what of it was added to the call cost (settled_excess)
         self.autograd_unmeasured: str | None = None  # why the autograd bookkeeping was not measured
+        self.calibration_rounds: dict[str, int] = {}  # calibration → the rounds it ran (calibrate_host_cost)
 
     @property
     def ops(self) -> list[CompiledOp]:
@@ -148,7 +151,7 @@ class Replayer:
         """One pass over every step with each op timed alone (synchronised): op index → seconds."""
         return self.runner.time_ops(synchronize)
 
-    def calibrate_host_cost(self, synchronize: Callable[[], None], rounds: int = 24) -> float:
+    def calibrate_host_cost(self, synchronize: Callable[[], None], rounds: Rounds = FIXED_ROUNDS) -> float:
         """Measure the replay's own host time per op call inside its ledger's op window (seconds; the median
         of :func:`.host_cost.measure_call_cost`'s figures), which the host gaps it spends then leave out, and
         the autograd bookkeeping per op it does not do (:func:`.host_cost.measure_autograd_cost`), which they
@@ -157,18 +160,20 @@ class Replayer:
         with the ops back to back and then set to what it is as the steps run, between their gaps: whatever
         host time the steps take beyond what they mean to spend (:func:`.host_cost.measure_gap_excess`), as
         far as its rounds agree on it (:func:`.host_cost.settled_excess`), is added to it, so that the gaps
-        leave that out too."""
+        leave that out too. ``rounds``: how many rounds each of the two measurements runs."""
         if not self.host_gaps:
             return 0.0
-        self.call_samples_s, self.outside_samples_s, self.op_samples_us = measure_call_cost(
-            self.runner, synchronize, rounds, process_group=self.process_group)  # a judgement resamples the first
+        # a judgement resamples the call cost
+        self.call_samples_s, self.outside_samples_s, self.op_samples_us, self.calibration_rounds["calls"] = \
+            measure_call_cost(self.runner, synchronize, rounds, process_group=self.process_group)
         self.runner.call_s = statistics.median(self.call_samples_s) if self.call_samples_s else 0.0
         self.runner.outside_s = statistics.median(self.outside_samples_s) if self.outside_samples_s else 0.0
         if any(COLLECTIVE.match(op.name) for op in self.plan.ops):
             # its variants would have to run in lockstep on every rank; the program's bookkeeping is not spent
             self.autograd_unmeasured = "not measured on steps that hold collectives"
         else:
-            self.autograd_samples_s, self.autograd_unmeasured = measure_autograd_cost(self.runner, synchronize)
+            self.autograd_samples_s, self.autograd_unmeasured, self.calibration_rounds["autograd"] = \
+                measure_autograd_cost(self.runner, synchronize, rounds)
         self.runner.autograd_s = max(0.0, statistics.median(self.autograd_samples_s)) if self.autograd_samples_s \
             else 0.0
         self.runner.regenerate()  # with the measured costs

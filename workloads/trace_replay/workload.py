@@ -24,6 +24,7 @@ from workloads.device import max_memory_allocated
 from workloads.trace_bundle import TraceError, rank_dirs, read_meta
 from workloads.trace_replay.config import GeneratedConfig
 from workloads.trace_replay.fidelity import FIDELITY_FILE, compute_fidelity, nonfinite_note
+from workloads.trace_replay.host_cost import Rounds
 from workloads.trace_replay.memory import available_memory_bytes
 from workloads.trace_replay.probe import find_crashing_ops
 from workloads.trace_replay.records import SpecRecord
@@ -51,6 +52,9 @@ class GeneratedWorkload(WorkloadBase):
         if not config.spec:
             raise invalid_config("spec", "required: the spec file from `cobench trace generate BUNDLE`")
         self.config, self.ctx = config, ctx
+        if not config.calibration_s >= 0:
+            raise invalid_config("calibration_s", f"{config.calibration_s} is not a number of seconds >= 0 "
+                                                  f"(0: the calibrations' 24 rounds alone)")
         if config.memory_limit_mb < 0:
             raise invalid_config("memory_limit_mb",
                                  f"{config.memory_limit_mb} is negative (0: the device's available memory)")
@@ -122,7 +126,10 @@ class GeneratedWorkload(WorkloadBase):
             self.replayer.exclude(find_crashing_ops(self.config.spec, self.rank_index, trust=self.config.trust_spec))
         self.replayer.materialize()
         self.replayer.dry_run()
-        self.replayer.calibrate_host_cost(self._synchronize)
+        times = self.spec.source.step_times_ms[min(self.rank_index, len(self.spec.source.step_times_ms) - 1)] \
+            if self.spec.source.step_times_ms else []
+        self.replayer.calibrate_host_cost(self._synchronize, Rounds(step_us=1e3 * statistics.median(times) if times
+                                                                    else 0.0, budget_s=self.config.calibration_s))
         self.replayer.restore_values()  # measured steps start where the program was
 
     def restore_values(self) -> None:
@@ -188,6 +195,8 @@ class GeneratedWorkload(WorkloadBase):
             record["metrics"]["replay_host_us_per_op"] = 1e6 * self.replayer.call_s
             record["metrics"]["replay_autograd_us_per_op"] = 1e6 * self.replayer.autograd_s
             record["metrics"]["replay_outside_us_per_op"] = 1e6 * self.replayer.runner.outside_s
+            for name, ran in self.replayer.calibration_rounds.items():  # calls, autograd
+                record["metrics"][f"replay_{name}_calibration_rounds"] = float(ran)
             if self.replayer.gap_excess_samples_s:  # what the call cost gained between gaps over back to back
                 record["metrics"]["replay_gap_excess_us_per_op"] = \
                     1e6 * statistics.median(self.replayer.gap_excess_samples_s)
