@@ -615,6 +615,13 @@ def test_a_sample_is_sized_again_when_the_first_round_shows_shorter_steps_than_t
     fixed = interleave(work(2), work(2), torch.device("cpu"), rounds=4, steps_per_round=3, warmup=2, batch=1,
                        budget_s=None)
     assert fixed.batch == 1 and len(fixed.order) == 4
+    # every timed sample starts with the ranks together (a barrier, untimed): none before the warm-up steps
+    together, stepped = [], []
+    synced = interleave(lambda: stepped.append(len(together)), work(0), torch.device("cpu"), rounds=4,
+                        steps_per_round=3, warmup=2, batch=1, budget_s=None,
+                        start_together=lambda: together.append(clock.now))
+    assert len(together) == 4 * 2 * 3 == sum(len(r) for r in synced.source_ms + synced.replay_ms)
+    assert stepped[:2] == [0, 0] and stepped[2] >= 1  # the warm-up ran unsynced, the samples after a barrier
 
 
 def test_the_host_time_probes_stay_within_their_share_of_a_judgement_that_adds_rounds(monkeypatch):

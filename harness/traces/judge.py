@@ -107,7 +107,9 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
                           warmup=warmup, seed=ctx.seed, budget_s=budget_s, agree=agree,
                           replay_shift_parts_ms=capture_shift_parts(getattr(replay, "replayer", None), seed=ctx.seed),
                           prepare={"replay": replay.restore_values} if hasattr(replay, "restore_values") else None,
-                          host=_host_probe(source_step, replay, ctx.device, agree))
+                          host=_host_probe(source_step, replay, ctx.device, agree),
+                          start_together=(lambda: torch.distributed.barrier(group=ctx.process_group))
+                          if ctx.distributed else None)
         rank_dir = rank_dirs(bundle)[min(ctx.rank, len(rank_dirs(bundle)) - 1)]
         # Each captured step at least once, and never fewer than MEMORY_STEPS: a program whose steps differ
         # by chance (LayerDrop skipping a layer, a data-dependent branch) peaks on its largest step, which

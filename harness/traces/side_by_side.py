@@ -325,7 +325,7 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
                replay_shift_ms: list[float] | None = None,
                replay_shift_parts_ms: dict[str, list[float]] | None = None,
                prepare: dict[str, Callable[[], Any]] | None = None, host: HostProbe | None = None,
-               alternate: bool = ALTERNATE) -> SideBySide:
+               alternate: bool = ALTERNATE, start_together: Callable[[], Any] | None = None) -> SideBySide:
     """Run both sides in rounds of ``steps_per_round`` samples each, timed device-synchronised: the two sides
     take turns a sample at a time, each pair of turns the other way round to the one before (``alternate``;
     False: each side's samples in one block), and each round starts with the side the one before did not.
@@ -347,7 +347,9 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
     ``host``: measures each side's host time and op time again after the first round and every
     :data:`PROBE_EVERY` rounds after it (further apart where the budget is short for the steps:
     :func:`probe_every`), inside the budget (on every rank alike: the steps may hold collectives), so that
-    the figure can be set against the host time the program had while judged.
+    the figure can be set against the host time the program had while judged. ``start_together``: under
+    torchrun, a barrier over the ranks, called before each sample, untimed: every rank starts a sample
+    together, and none inherits the ranks' skew from the sample before (the other side's, as often as not).
     """
     agree = agree or (lambda value: value)
     if rounds < 2 or steps_per_round < 1 or warmup < 0:
@@ -412,6 +414,8 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
             before = (prepare or {}).get(name)
             if before is not None:
                 before()
+            if start_together is not None:
+                start_together()
             samples[name].append(_timed(sides[name], device, batch))
         for name in sides:
             times[name].append(samples[name])
