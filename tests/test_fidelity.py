@@ -615,13 +615,26 @@ def test_a_sample_is_sized_again_when_the_first_round_shows_shorter_steps_than_t
     fixed = interleave(work(2), work(2), torch.device("cpu"), rounds=4, steps_per_round=3, warmup=2, batch=1,
                        budget_s=None)
     assert fixed.batch == 1 and len(fixed.order) == 4
-    # every timed sample starts with the ranks together (a barrier, untimed): none before the warm-up steps
+
+
+def test_every_timed_sample_starts_with_the_ranks_together(monkeypatch):
+    """Under torchrun a barrier before each sample, untimed: no sample inherits the ranks' skew from the one
+    before. None before the warm-up steps; one before each of the rounds' samples, of either side."""
+    clock = FakeClock()
+    monkeypatch.setattr(side_by_side_module.time, "perf_counter", clock)
     together, stepped = [], []
-    synced = interleave(lambda: stepped.append(len(together)), work(0), torch.device("cpu"), rounds=4,
-                        steps_per_round=3, warmup=2, batch=1, budget_s=None,
-                        start_together=lambda: together.append(clock.now))
-    assert len(together) == 4 * 2 * 3 == sum(len(r) for r in synced.source_ms + synced.replay_ms)
-    assert stepped[:2] == [0, 0] and stepped[2] >= 1  # the warm-up ran unsynced, the samples after a barrier
+
+    def source() -> None:
+        stepped.append(len(together))
+        clock.now += 5e-3
+
+    def replay() -> None:
+        clock.now += 5e-3
+
+    side = interleave(source, replay, torch.device("cpu"), rounds=4, steps_per_round=3, warmup=2, batch=1,
+                      budget_s=None, start_together=lambda: together.append(clock.now))
+    assert len(together) == 4 * 2 * 3 == sum(len(r) for r in side.source_ms + side.replay_ms)
+    assert stepped[:2] == [0, 0] and stepped[2] >= 1  # the warm-up ran unsynced, the first sample after a barrier
 
 
 def test_the_host_time_probes_stay_within_their_share_of_a_judgement_that_adds_rounds(monkeypatch):

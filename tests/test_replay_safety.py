@@ -146,6 +146,11 @@ def test_a_spec_too_big_for_the_device_is_refused_with_both_figures(program_spec
     proc = _run("run", "workload=generated", f"workload.spec={big}", *REPLAY, f"results_dir={tmp_path / 'res'}",
                 cwd=tmp_path)
     assert proc.returncode == 2 and "4,194,304 MiB" in proc.stderr, proc.stderr[-2000:]
+    # the seconds its calibrations may take: a number >= 0, refused before anything runs
+    proc = _run("run", "workload=generated", f"workload.spec={program_spec}", "workload.calibration_s=-1", *REPLAY,
+                f"results_dir={tmp_path / 'res2'}", cwd=tmp_path)
+    assert proc.returncode == 2 and "workload.calibration_s" in proc.stderr and ">= 0" in proc.stderr, \
+        proc.stderr[-2000:]
 
 
 def test_what_a_composite_kept_whole_held_is_checked_and_counted_before_any_run(program_spec: Path):
