@@ -29,9 +29,11 @@ from workloads.trace_replay.host_time import (
     COLLECTIVE,
     HOST_TARGET_PCT,
     QUICK_TIMING_ROUNDS,
+    half_width,
     kineto_host_gaps,
     profiled_steps,
     replayed_op_time,
+    round_median_draws,
 )
 
 MIN_SAMPLE_MS = 20.0  # a sample runs a short step this long, as the side-by-side judgement's samples do
@@ -73,10 +75,7 @@ def median_half_width(samples: list[float], seed: int = 0) -> float:
     than two."""
     if len(samples) < 2:
         return math.inf
-    rng = random.Random(seed)
-    draws = sorted(statistics.median(rng.choices(samples, k=len(samples))) for _ in range(MEDIAN_DRAWS))
-    last = len(draws) - 1
-    return (draws[math.ceil(0.975 * last)] - draws[int(0.025 * last)]) / 2
+    return half_width(round_median_draws([[x] for x in samples], random.Random(seed), MEDIAN_DRAWS))
 
 
 def measure_call_cost(runner: StepRunner, synchronize: Callable[[], None], rounds: Rounds = FIXED_ROUNDS, *,

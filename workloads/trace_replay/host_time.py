@@ -111,9 +111,14 @@ def host_time_half_width_pct(rounds_us: Sequence[Sequence[float]], step_us: floa
     steps, µs), as a percentage of ``step_us``; infinite with fewer than two rounds or no step time."""
     if len([r for r in rounds_us if r]) < 2 or not step_us > 0:
         return math.inf
-    draws = sorted(round_median_draws([r for r in rounds_us if r], random.Random(seed), samples))
-    last = len(draws) - 1
-    return 100.0 * (draws[math.ceil(0.975 * last)] - draws[int(0.025 * last)]) / 2 / step_us
+    return 100.0 * half_width(round_median_draws([r for r in rounds_us if r], random.Random(seed), samples)) / step_us
+
+
+def half_width(draws: Sequence[float]) -> float:
+    """Half the width of the 95 % interval of bootstrap ``draws`` (at least one)."""
+    ordered = sorted(draws)
+    last = len(ordered) - 1
+    return (ordered[math.ceil(0.975 * last)] - ordered[int(0.025 * last)]) / 2
 
 
 def kineto_host_gaps(timing: KinetoTrace, plain_us: dict[int | None, float],
