@@ -811,12 +811,14 @@ def test_a_replay_runs_its_ops_while_a_collective_it_launched_exchanges(tmp_path
     next op: the replay waits there too, though the step reads it only at its end (waited for at that first
     use, the whole forward and backward had run inside its exchange)."""
     _on_two_ranks(TWO_RANK_DDP, tmp_path)
-    for rank in (0, 1):
-        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for seen in ranks:
         assert seen["errors"] == 0 and seen["per_step"] >= 3 and seen["exchanges"] == 3 * seen["per_step"], seen
         assert seen["stood"] == 1, seen  # waited for before the next op
         assert seen["beside_statistic"] == [], seen
-        assert seen["beside_buckets"], seen  # ops that began and ended inside a bucket's exchange
+    # ops that began and ended inside a bucket's exchange: on a rank whose peer was already waiting for a bucket
+    # the exchange can be over as it starts (under load, on one rank in a full test run), so on either rank
+    assert any(seen["beside_buckets"] for seen in ranks), ranks
 
 
 @pytest.mark.alone  # its figures are wall-clock waits between two processes on the machine's two cores
