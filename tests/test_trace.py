@@ -666,12 +666,26 @@ def test_a_step_waits_for_a_collective_before_the_first_op_that_uses_its_buffers
         now[0] += 0.1 * us
         return now[0]
 
+    wake = [0.0]  # how long after its exchange ends a wait returns
+
     class Exchange:  # a launched collective's work: done 50 µs after its launch
         def __init__(self) -> None:
             self.done = now[0] + 50 * us
+            self.future = torch.futures.Future()
+
+        def is_completed(self) -> bool:
+            return now[0] >= self.done
+
+        def get_future(self) -> torch.futures.Future:
+            return self.future
 
         def wait(self) -> None:
+            blocked = now[0] < self.done
             now[0] = max(now[0], self.done)
+            if not self.future.done():
+                self.future.set_result(None)  # its callbacks run here, at the exchange's end
+            if blocked:
+                now[0] += wake[0]
 
     def op(i: int, reads: list[int], launches: bool = False) -> CompiledOp:
         def fn(*_: object) -> object:
@@ -704,6 +718,17 @@ def test_a_step_waits_for_a_collective_before_the_first_op_that_uses_its_buffers
     fn([None] * 5)
     assert started[1] - started[0] == pytest.approx(55 * us, abs=0.5 * us)
     assert started[2] - started[1] == pytest.approx(15 * us, abs=0.5 * us)
+
+    # the wait returns 20 µs after its exchange ended: the program's own wake-up is inside its gap after its
+    # wait, which the replay spends after its wait, so that wake-up is not spent twice: an op after a gap of
+    # 5 µs starts 20 after the exchange's end (the wake-up, not 25), one after a gap of 30, 30 after it (not 50)
+    wake[0] = 20 * us
+    fn([None] * 5)
+    assert started[1] - started[0] == pytest.approx(70 * us, abs=0.5 * us)
+    fn, _ = generate_step(ops, [0, 1, 2], [[], [], []], [0.0, 30 * us, 5 * us], 0.0, stand_in=lambda i: None,
+                          fill=lambda i: None, name="woken", clock=clock)
+    fn([None] * 5)
+    assert started[1] - started[0] == pytest.approx(80 * us, abs=0.5 * us)
 
 
 TWO_RANK_WAIT = """

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from workloads.trace_replay.ops import CompiledOp, flatten_tensors, wait_all
+from workloads.trace_replay.ops import CompiledOp, flatten_tensors, wait_for
 
 
 def seconds(gap_us: Any) -> float:
@@ -163,8 +163,9 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
     history they record is torn down when the caller clears it, not inside the step: the program tears
     its down in the backward, whose host time the capture measures apart. A collective is launched where the
     program launched it and waited for before the first op that reads or writes its buffers
-    (:func:`wait_points`), the wait added to the ledger's moment: the gap before that op is the program's host
-    time after its own wait ended (:func:`.host_time.waited_part`). ``speed``: every gap the ledger
+    (:func:`wait_points`), the wait until the exchange ended added to the ledger's moment
+    (:func:`.ops.wait_for`): the gap before that op is the program's host time after the exchange it waited for
+    ended (:func:`.host_time.waited_part`), its own wake-up included. ``speed``: every gap the ledger
     spends is multiplied by its ``scale``, read once a step (:class:`HostSpeed`); None: the gaps as given.
     ``clock``: the ledger's clock.
     """
@@ -260,13 +261,9 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
     if ledger:
         lines += ["    while pc() < d: pass", f"    return pc() - d - k * {taken!r}"]
 
-    def waited(works: list[Any] | None) -> float:
-        began = clock()
-        wait_all(works)
-        return clock() - began
-
     namespace: dict[str, Any] = {"f": fns, "c": consts, "rf": refills, "flat": flatten_tensors, "pc": clock, "h": speed,
-                                 "standin": stand_in, "fill": fill, "born": born, "wt": waited,
-                                 "grad": torch._C._set_grad_enabled, "keep": keep}
+                                 "standin": stand_in, "fill": fill, "born": born,
+                                 "wt": lambda works: wait_for(works, clock), "grad": torch._C._set_grad_enabled,
+                                 "keep": keep}
     exec(compile("\n".join([*lines, "    return 0.0"]), f"<cobench replay {name}>", "exec"), namespace)
     return namespace["step"], ran

@@ -257,6 +257,34 @@ def wait_all(works: list[Any] | None) -> None:
             work.wait()
 
 
+def wait_for(works: list[Any] | None, clock: Callable[[], float]) -> float:
+    """Wait for each of a launched collective's works, as :func:`wait_all`; the seconds on ``clock`` from the call
+    until the last of them completed, as its future's callback saw it (on the backend's worker thread), not until
+    the wait returned: this thread's wake-up after an exchange is left out. The capture counts the program's own
+    wake-up as host time after its wait (the waited part of an exchange ends with it:
+    :func:`.host_time.waited_part`), which the replay spends after its wait; counted in the wait too, each wake-up
+    would be spent twice. Where that moment is not known, the wait counts until it returned: a work already done
+    when called, one without a future (gloo's reduce-scatter has none), one whose future had not
+    completed when its wait returned (a device's collective, which a wait only orders on its stream)."""
+    began = clock()
+    done: list[float] = []
+    pending, unknown = 0, False
+    for work in works or ():
+        if work is not None and not work.is_completed():
+            try:
+                future = work.get_future()
+            except RuntimeError:  # "Work::getFuture not implemented"
+                unknown = True
+                continue
+            future.add_done_callback(lambda _future: done.append(clock()))
+            pending += 1
+    wait_all(works)
+    ended = clock()
+    if unknown or pending == 0 or len(done) < pending:
+        return ended - began
+    return min(max(max(done), began), ended) - began
+
+
 def describe(err: Exception) -> str:
     return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
 
