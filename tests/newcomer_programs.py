@@ -3,9 +3,9 @@
 Each entry builds a small, self-contained training program — model, data, optimiser — and returns
 ``(step, model)``: ``step()`` runs one training iteration. Together they cover what the other corpora
 do not: complex tensors through FFTs, activation checkpointing (its forward run again in the backward),
-gradient accumulation over micro-batches, sampling (reparameterisation, ``Categorical``, ``multinomial``,
-Gumbel-softmax, inverse-CDF ``searchsorted``), linear algebra (Cholesky solves), a second-order gradient
-penalty, a custom ``autograd.Function``, parametrizations (spectral and weight norm), channels-last
+gradient accumulation over micro-batches, sampling (reparameterisation, a Normal's KL, ``Categorical``,
+``multinomial``, Gumbel-softmax, inverse-CDF ``searchsorted``), linear algebra (Cholesky solves), a second-order
+gradient penalty, a custom ``autograd.Function``, parametrizations (spectral and weight norm), channels-last
 convolutions with a fused optimiser, ``nn.TransformerEncoder`` with a padding mask, CTC, fp16 autocast
 with a ``GradScaler``, an EMA of the weights by ``_foreach_lerp_``, ``one_hot`` with its width read from
 the labels, hard-negative mining, ``bucketize``, an embedding renormalised by ``max_norm``, packed
@@ -112,6 +112,25 @@ def policy_gradient() -> Program:
         return -(dist.log_prob(action) * reward).mean() - 0.01 * dist.entropy().mean()
 
     return _trainer(policy, loss), policy
+
+
+def normal_kl_categorical_actions() -> Program:
+    """A Normal's ``rsample`` and its KL to a prior, then a ``Categorical`` over many actions sampled and scored
+    by ``log_prob`` (the sampled actions broadcast against the logits, one column gathered)."""
+    encoder, head = nn.Linear(10, 8), nn.Linear(4, 32)
+    model = nn.ModuleList([encoder, head])
+
+    def loss() -> torch.Tensor:
+        h = encoder(torch.randn(64, 10))
+        q = torch.distributions.Normal(h[:, :4], h[:, 4:].clamp(-3, 3).exp())
+        z = q.rsample()
+        prior = torch.distributions.Normal(torch.zeros_like(z), torch.ones_like(z))
+        kl = torch.distributions.kl_divergence(q, prior).sum(1)
+        actions = torch.distributions.Categorical(logits=head(z))
+        taken = actions.sample()
+        return (kl - actions.log_prob(taken) * z.sum(1).detach()).mean() - 0.01 * actions.entropy().mean()
+
+    return _trainer(model, loss), model
 
 
 def multinomial_from_kept_probabilities() -> Program:
@@ -531,8 +550,9 @@ def interpolate_pixel_shuffle() -> Program:
 
 PROGRAMS = {f.__name__: f for f in (
     fno_spectral, checkpointed_mlp, grad_accumulation, vae_reparameterised, policy_gradient,
-    multinomial_from_kept_probabilities, gaussian_process_cholesky, sdpa_causal_dropout, spectral_and_weight_norm,
-    channels_last_fused_adam, transformer_encoder_padding, searchsorted_sampling, embedding_max_norm,
+    normal_kl_categorical_actions, multinomial_from_kept_probabilities, gaussian_process_cholesky, sdpa_causal_dropout,
+    spectral_and_weight_norm, channels_last_fused_adam, transformer_encoder_padding, searchsorted_sampling,
+    embedding_max_norm,
     ctc_bidirectional_lstm, fp16_autocast_grad_scaler, one_hot_width_from_labels, wgan_gradient_penalty,
     custom_autograd_function, ema_of_the_weights, gumbel_hard_routing, triplet_hard_mining,
     focal_loss_label_smoothing, bucketized_feature, packed_gru, maxpool_unpool_autoencoder, spatial_transformer,

@@ -13,11 +13,11 @@ from newcomer_programs import PROGRAMS
 
 from harness.traces.allocator_peaks import captured_step_peak_bytes, step_memory_peak_bytes
 
-# in the tests: the three whose replay held other memory than the program, the one whose replay carried infinities
-# (scatter_reduce's indices not recorded), and two cheap patterns besides; the rest under `nox -s corpus` (the mark
-# `corpus`)
+# in the tests: the four whose replay held other memory than the program (the last: a Categorical's sampled actions,
+# broadcast against its logits, refilled as a dense copy), the one whose replay carried infinities (scatter_reduce's
+# indices not recorded), and two cheap patterns besides; the rest under `nox -s corpus` (the mark `corpus`)
 FAST = {"channels_last_fused_adam", "gaussian_process_cholesky", "sdpa_causal_dropout", "one_hot_width_from_labels",
-        "custom_autograd_function", "scatter_reduce_graph_pool"}
+        "custom_autograd_function", "scatter_reduce_graph_pool", "normal_kl_categorical_actions"}
 
 
 @pytest.mark.parametrize("name", [name if name in FAST else pytest.param(name, marks=pytest.mark.corpus)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from workloads.trace_replay.sparse import fit_count
-from workloads.trace_replay.tensors import fill_view
+from workloads.trace_replay.tensors import broadcast_index, fill_view
 
 # c10::ScalarType codes, as the execution trace writes dtype arguments.
 SCALAR_TYPES = {
@@ -181,15 +181,23 @@ class CompiledOp:
         return self.fn(*args, **kwargs)
 
     def refill(self, vals: list[Any]) -> None:
-        """Write the program's values into the tensors :attr:`refills` names; where a slot's tensor cannot
-        hold them (another shape, elements sharing memory), a copy of the values takes its place."""
+        """Write the program's values into the tensors :attr:`refills` names; an expanded tensor (one element
+        in several places) gets them in the memory it shows, once each, as the program's view held them in
+        its own smaller base. Where a slot's tensor cannot hold them (another shape, elements sharing memory
+        otherwise), a copy of the values takes its place."""
         for slot, values in self.refills:
             held = vals[slot]
             if isinstance(held, torch.Tensor) and held.layout == torch.strided and held.shape == values.shape:
                 try:
                     held.copy_(values)
                     continue
-                except RuntimeError:  # an expanded tensor: one element in several places
+                except RuntimeError:  # elements sharing memory
+                    pass
+                try:
+                    keep = broadcast_index(held)
+                    held[keep].copy_(values[keep])
+                    continue
+                except RuntimeError:  # sharing it otherwise than by broadcasting
                     pass
             vals[slot] = values.clone()
 
