@@ -12,7 +12,16 @@ the labels, hard-negative mining, ``bucketize``, an embedding renormalised by ``
 sequences through a GRU, max-unpooling by pooling's indices, a spatial transformer (``grid_sample``),
 ``scatter_reduce`` pooling, gradient clipping with a one-cycle schedule, bfloat16 autocast, ``unfold``/``fold``
 with ``roll``, ``cummax``/``kthvalue``/stable-sort indices, a weighted ``EmbeddingBag`` with padding,
-``pad_sequence`` with an attention mask, ``eigh`` whitening and ``interpolate`` with ``pixel_shuffle``.
+``pad_sequence`` with an attention mask, ``eigh`` whitening, ``interpolate`` with ``pixel_shuffle``; and
+vector quantisation (``cdist``, ``argmin``, ``bincount``), ragged splits by ``tolist()`` lengths, segment means by
+``unique``, ``masked_scatter``, pruning hooks beside an orthogonal parametrization, position ids from a mask's
+``cumsum`` with ``ignore_index``, sorting by length and back, a sparse adjacency built each step, ``topk`` through
+``take_along_dim`` with ``quantile``, batched ``linalg.solve`` and ``qr``, a causal ``TransformerDecoder``, rows by
+``nonzero`` with ``index_copy``, sparse embedding gradients under ``SparseAdam``, attention with a float mask and
+per-head weights, a max-mode ``EmbeddingBag``, 3-D convolutions, transposed convolutions with group and instance
+norm, ``LBFGS`` with a line search, ``stft``/``istft``, a branch on ``loss.item()``, ``index_put`` accumulating into
+a grid, hashed feature crosses, stacked bidirectional RNNs and a projected LSTM, sliding-window scans, a
+Hessian-vector product, ``take``/``put_`` and ``scatter_reduce("amax")``, and InfoNCE.
 """
 
 from __future__ import annotations
@@ -548,6 +557,406 @@ def interpolate_pixel_shuffle() -> Program:
     return _trainer(model, loss), model
 
 
+def vq_codebook_straight_through() -> Program:
+    """Vector quantisation: ``cdist`` to a codebook, ``argmin`` codes gathered, their use counted by ``bincount``,
+    the straight-through estimator."""
+    encoder, decoder = nn.Linear(32, 16), nn.Linear(16, 32)
+    model = nn.ModuleDict({"encoder": encoder, "decoder": decoder})
+    model.register_parameter("book", nn.Parameter(torch.randn(64, 16)))
+
+    def loss() -> torch.Tensor:
+        x = torch.randn(128, 32)
+        z = encoder(x)
+        codes = torch.cdist(z, model.book).argmin(1)
+        q = model.book[codes]
+        usage = torch.bincount(codes, minlength=64).float()
+        through = z + (q - z).detach()
+        return F.mse_loss(decoder(through), x) + F.mse_loss(q, z.detach()) + 0.25 * F.mse_loss(z, q.detach()) \
+            + 1e-3 * usage.std()
+
+    return _trainer(model, loss), model
+
+
+def ragged_split_by_lengths() -> Program:
+    """Rows split into ragged groups by lengths read with ``tolist()``, each group max-pooled."""
+    lin = nn.Linear(8, 8)
+
+    def loss() -> torch.Tensor:
+        lengths = torch.randint(1, 10, (12,))
+        parts = torch.split(lin(torch.randn(int(lengths.sum()), 8)), lengths.tolist())
+        return torch.stack([p.max(0).values for p in parts]).pow(2).mean()
+
+    return _trainer(lin, loss), lin
+
+
+def segment_means_by_unique() -> Program:
+    """Segment means: ``unique`` with its inverse and counts, ``index_add_``, ``repeat_interleave`` by the counts."""
+    lin = nn.Linear(6, 6)
+
+    def loss() -> torch.Tensor:
+        ids = torch.randint(0, 20, (200,))
+        x = lin(torch.randn(200, 6))
+        kept, inverse, counts = torch.unique(ids, return_inverse=True, return_counts=True)
+        means = torch.zeros(len(kept), 6).index_add_(0, inverse, x) / counts.unsqueeze(1)
+        return (means.repeat_interleave(counts, 0) - x.sort(0).values).pow(2).mean()
+
+    return _trainer(lin, loss), lin
+
+
+def masked_scatter_index_fill() -> Program:
+    """``masked_scatter`` of as many values as a mask holds, ``index_fill`` of two columns."""
+    lin = nn.Linear(10, 10)
+
+    def loss() -> torch.Tensor:
+        x = torch.randn(50, 10)
+        mask = x > 0.5
+        y = lin(x).masked_scatter(mask, torch.randn(int(mask.sum())))
+        return y.index_fill(1, torch.tensor([0, 3]), 0.0).pow(2).mean()
+
+    return _trainer(lin, loss), lin
+
+
+def pruned_and_orthogonal() -> Program:
+    """A layer pruned by ``prune.l1_unstructured`` (its mask applied by a forward pre-hook) beside an
+    ``orthogonal`` parametrization."""
+    from torch.nn.utils import prune
+    from torch.nn.utils.parametrizations import orthogonal
+
+    model = nn.Sequential(nn.Linear(12, 12), nn.ReLU(), nn.Linear(12, 4))
+    prune.l1_unstructured(model[2], "weight", amount=0.4)
+    orthogonal(model[0])
+
+    def loss() -> torch.Tensor:
+        return F.cross_entropy(model(torch.randn(16, 12)), torch.randint(0, 4, (16,)))
+
+    return _trainer(model, loss), model
+
+
+def positions_from_attention_mask() -> Program:
+    """Position ids from the attention mask's ``cumsum`` (as Hugging Face models make them), padding labelled
+    ``-100`` and left out by ``ignore_index``."""
+    tokens_in, positions, head = nn.Embedding(50, 16), nn.Embedding(32, 16), nn.Linear(16, 50)
+    model = nn.ModuleList([tokens_in, positions, head])
+
+    def loss() -> torch.Tensor:
+        tokens = torch.randint(0, 50, (4, 32))
+        attention = (torch.rand(4, 32) > 0.2).long()
+        position_ids = (attention.cumsum(-1) - 1).clamp(min=0) * attention
+        labels = tokens.masked_fill(attention == 0, -100)
+        logits = head(tokens_in(tokens) + positions(position_ids))
+        return F.cross_entropy(logits.view(-1, 50), labels.view(-1), ignore_index=-100)
+
+    return _trainer(model, loss), model
+
+
+def sort_by_length_and_back() -> Program:
+    """Rows sorted by random lengths with ``argsort``, through an LSTM, put back by the inverse permutation."""
+    rnn = nn.LSTM(6, 8, batch_first=True)
+
+    def loss() -> torch.Tensor:
+        order = torch.randint(1, 8, (10,)).argsort(descending=True)
+        out, (h, _) = rnn(torch.randn(10, 7, 6).index_select(0, order))
+        return h[-1].index_select(0, order.argsort()).pow(2).mean() + out.mean()
+
+    return _trainer(rnn, loss), rnn
+
+
+def sparse_adjacency_gcn() -> Program:
+    """A graph convolution by ``torch.sparse.mm`` with a degree-normalised ``sparse_coo_tensor`` built each step
+    from random edges."""
+    lin = nn.Linear(16, 16)
+
+    def loss() -> torch.Tensor:
+        src, dst = torch.randint(0, 40, (160,)), torch.randint(0, 40, (160,))
+        degree = torch.bincount(dst, minlength=40).float().clamp(min=1)
+        adjacency = torch.sparse_coo_tensor(torch.stack([dst, src]), 1.0 / degree[dst], (40, 40))
+        return torch.sparse.mm(adjacency, lin(torch.randn(40, 16))).relu().sum(1).var()
+
+    return _trainer(lin, loss), lin
+
+
+def topk_take_along_quantile() -> Program:
+    """``topk`` indices through ``take_along_dim``, a ``quantile`` threshold for ``where``, a ``histc``."""
+    lin = nn.Linear(20, 20)
+
+    def loss() -> torch.Tensor:
+        y = lin(torch.randn(30, 20))
+        top = torch.take_along_dim(y, y.topk(5, dim=1).indices, dim=1)
+        q = torch.quantile(y.detach(), 0.9, dim=1, keepdim=True)
+        counts = torch.histc(y.detach(), bins=10)
+        return (top - q).pow(2).mean() + y.where(y > q, torch.zeros(())).mean() + 1e-4 * counts.max()
+
+    return _trainer(lin, loss), lin
+
+
+def batched_solve_and_qr() -> Program:
+    """A batched ``linalg.solve`` and the ``linalg.qr`` of a weight, both differentiated."""
+    lin = nn.Linear(6, 6)
+
+    def loss() -> torch.Tensor:
+        a = torch.randn(8, 6, 6) + 6 * torch.eye(6)
+        x = torch.linalg.solve(a, lin(torch.randn(8, 6)).unsqueeze(-1))
+        _, r = torch.linalg.qr(lin.weight)
+        return x.pow(2).mean() + 1e-3 * r.diagonal().abs().log().sum()
+
+    return _trainer(lin, loss), lin
+
+
+def transformer_decoder_causal() -> Program:
+    """``nn.TransformerDecoder`` with a causal target mask and a random memory padding mask."""
+    model = nn.TransformerDecoder(nn.TransformerDecoderLayer(32, 4, 64, batch_first=True, dropout=0.1), 2)
+
+    def loss() -> torch.Tensor:
+        padding = torch.rand(4, 9) < 0.2
+        padding[:, 0] = False
+        out = model(torch.randn(4, 12, 32), torch.randn(4, 9, 32),
+                    tgt_mask=nn.Transformer.generate_square_subsequent_mask(12), tgt_is_causal=True,
+                    memory_key_padding_mask=padding)
+        return out.pow(2).mean()
+
+    return _trainer(model, loss), model
+
+
+def nonzero_rows_index_copy() -> Program:
+    """Rows chosen by ``nonzero``, ``index_select`` and ``index_copy`` back, then ``masked_select``."""
+    lin = nn.Linear(5, 5)
+
+    def loss() -> torch.Tensor:
+        x = torch.randn(60, 5)
+        rows = torch.nonzero(x[:, 0] > 0).squeeze(1)
+        y = lin(x)
+        out = torch.zeros_like(y).index_copy(0, rows, y.index_select(0, rows) * 2)
+        kept = torch.masked_select(out, out.abs() > 0.1)
+        return kept.pow(2).mean() if kept.numel() else out.sum()
+
+    return _trainer(lin, loss), lin
+
+
+def sparse_embedding_sparse_adam() -> Program:
+    """An ``nn.Embedding(sparse=True)`` trained by ``SparseAdam`` beside a dense head trained by ``Adam``."""
+    embedding, head = nn.Embedding(100, 8, sparse=True), nn.Linear(8, 1)
+    model = nn.ModuleList([embedding, head])
+    sparse_opt = torch.optim.SparseAdam(embedding.parameters(), lr=1e-2)
+    dense_opt = torch.optim.Adam(head.parameters(), lr=1e-2)
+
+    def step() -> None:
+        head(embedding(torch.randint(0, 100, (32, 5))).mean(1)).pow(2).mean().backward()
+        sparse_opt.step()
+        dense_opt.step()
+        sparse_opt.zero_grad()
+        dense_opt.zero_grad()
+
+    return step, model
+
+
+def attention_float_mask_weights() -> Program:
+    """``nn.MultiheadAttention`` with a float ``-inf`` mask and its per-head weights returned."""
+    attention = nn.MultiheadAttention(16, 4, batch_first=True, dropout=0.1)
+
+    def loss() -> torch.Tensor:
+        x = torch.randn(3, 10, 16)
+        mask = torch.zeros(10, 10).masked_fill(torch.rand(10, 10) < 0.3, float("-inf"))
+        mask.fill_diagonal_(0.0)
+        out, weights = attention(x, x, x, attn_mask=mask, need_weights=True, average_attn_weights=False)
+        return out.pow(2).mean() + weights.mean()
+
+    return _trainer(attention, loss), attention
+
+
+def embedding_bag_max_last_offset() -> Program:
+    """An ``EmbeddingBag`` in ``max`` mode with ``include_last_offset``, bags of random lengths."""
+    bag = nn.EmbeddingBag(60, 8, mode="max", include_last_offset=True)
+
+    def loss() -> torch.Tensor:
+        lengths = torch.randint(1, 6, (10,))
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        return bag(torch.randint(0, 60, (int(lengths.sum()),)), offsets).pow(2).mean()
+
+    return _trainer(bag, loss), bag
+
+
+def conv3d_clip_classifier() -> Program:
+    """Video clips through ``Conv3d``, ``BatchNorm3d`` and ``AdaptiveAvgPool3d``, trained by Adam."""
+    model = nn.Sequential(nn.Conv3d(3, 6, 3, padding=1), nn.BatchNorm3d(6), nn.ReLU(), nn.AdaptiveAvgPool3d(1),
+                          nn.Flatten(), nn.Linear(6, 5))
+
+    def loss() -> torch.Tensor:
+        return F.cross_entropy(model(torch.randn(2, 3, 4, 12, 12)), torch.randint(0, 5, (2,)))
+
+    return _trainer(model, loss, torch.optim.Adam(model.parameters(), 1e-3)), model
+
+
+def transposed_conv_group_norm() -> Program:
+    """``ConvTranspose2d`` with ``output_padding``, ``GroupNorm``, ``PReLU``, a circular-padded conv,
+    ``InstanceNorm2d`` and ``Mish``."""
+    model = nn.Sequential(nn.ConvTranspose2d(4, 8, 3, stride=2, padding=1, output_padding=1), nn.GroupNorm(2, 8),
+                          nn.PReLU(), nn.Conv2d(8, 4, 3, padding=1, padding_mode="circular"), nn.InstanceNorm2d(4),
+                          nn.Mish())
+
+    def loss() -> torch.Tensor:
+        return F.smooth_l1_loss(model(torch.randn(2, 4, 7, 7)), torch.randn(2, 4, 14, 14))
+
+    return _trainer(model, loss), model
+
+
+def lbfgs_line_search() -> Program:
+    """``LBFGS`` with a strong-Wolfe line search: the closure runs as often as the search asks."""
+    model = nn.Linear(6, 1)
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4, line_search_fn="strong_wolfe")
+    x, y = torch.randn(40, 6), torch.randn(40, 1)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        return loss
+
+    return (lambda: opt.step(closure)), model
+
+
+def stft_istft_enhancer() -> Program:
+    """Speech enhancement: ``stft``, ``view_as_real``, a conv, ``view_as_complex``, ``istft``."""
+    conv = nn.Conv1d(2, 2, 3, padding=1)
+    window = torch.hann_window(64)
+
+    def loss() -> torch.Tensor:
+        wave = torch.randn(2, 400)
+        spec = torch.stft(wave, 64, hop_length=16, window=window, return_complex=True)
+        enhanced = conv(torch.view_as_real(spec).permute(0, 3, 1, 2).flatten(2)).view(2, 2, 33, -1)
+        back = torch.istft(torch.view_as_complex(enhanced.permute(0, 2, 3, 1).contiguous()), 64, hop_length=16,
+                           window=window, length=400)
+        return F.l1_loss(back, wave)
+
+    return _trainer(conv, loss), conv
+
+
+def regulariser_on_loss_item() -> Program:
+    """A weight penalty added only when ``loss.item()`` is above 1: steps of two shapes."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def loss() -> torch.Tensor:
+        value = F.mse_loss(model(torch.randn(16, 8)), torch.randn(16, 1))
+        if value.item() > 1.0:
+            value = value + 1e-3 * sum(p.pow(2).sum() for p in model.parameters())
+        return value
+
+    return _trainer(model, loss), model
+
+
+def accumulated_grid_index_put() -> Program:
+    """Weights accumulated into a grid by ``index_put`` with two index tensors, then ``grid[torch.where(...)]``."""
+    lin = nn.Linear(4, 4)
+
+    def loss() -> torch.Tensor:
+        rows, cols = torch.randint(0, 8, (50,)), torch.randint(0, 8, (50,))
+        grid = torch.zeros(8, 8).index_put((rows, cols), lin(torch.randn(50, 4)).sum(1), accumulate=True)
+        return grid.pow(2).mean() + 1e-2 * grid[torch.where(grid > 0)].sum()
+
+    return _trainer(lin, loss), lin
+
+
+def hashed_feature_crosses() -> Program:
+    """Embedding ids made by hashing large raw ids (a multiply, a modulo, a ``bitwise_xor`` cross)."""
+    embedding = nn.Embedding(97, 8)
+
+    def loss() -> torch.Tensor:
+        raw = torch.randint(0, 2**30, (32, 4))
+        cross = torch.bitwise_xor(raw[:, 0], raw[:, 1]) % 97
+        return (embedding((raw * 2654435761) % 97).sum(1) * embedding(cross)).sum(1).pow(2).mean()
+
+    return _trainer(embedding, loss), embedding
+
+
+def stacked_bidirectional_rnns() -> Program:
+    """A two-layer bidirectional ReLU ``RNN`` with dropout, then an ``LSTM`` with ``proj_size``."""
+    rnn = nn.RNN(5, 6, num_layers=2, nonlinearity="relu", bidirectional=True, dropout=0.2, batch_first=True)
+    lstm = nn.LSTM(12, 8, proj_size=4, batch_first=True)
+    model = nn.ModuleList([rnn, lstm])
+
+    def loss() -> torch.Tensor:
+        out, (_, c) = lstm(rnn(torch.randn(3, 9, 5))[0])
+        return out.pow(2).mean() + c.abs().mean()
+
+    return _trainer(model, loss), model
+
+
+def sliding_windows_scans() -> Program:
+    """``Tensor.unfold`` windows, ``diff``, ``flip``, ``rot90``, ``trapezoid``, ``logcumsumexp``, ``cumprod``."""
+    lin = nn.Linear(5, 3)
+
+    def loss() -> torch.Tensor:
+        y = lin(torch.randn(4, 30).unfold(1, 5, 2))
+        d = torch.diff(y, dim=1)
+        turned = torch.rot90(y, 1, [1, 2])[:, :, :d.shape[1]].transpose(1, 2)
+        return (torch.flip(d, [1]) * turned).mean() + torch.trapezoid(y.abs(), dim=1).mean() \
+            + torch.logcumsumexp(y, 1).mean() + y.cumprod(1).mean()
+
+    return _trainer(lin, loss), lin
+
+
+def hessian_vector_penalty() -> Program:
+    """A Hessian-vector product by double backward (``autograd.grad`` twice, ``create_graph``) as a penalty."""
+    model = nn.Sequential(nn.Linear(6, 6), nn.Softplus(), nn.Linear(6, 1))
+
+    def loss() -> torch.Tensor:
+        value = model(torch.randn(10, 6)).pow(2).mean()
+        params = list(model.parameters())
+        grads = torch.autograd.grad(value, params, create_graph=True)
+        directions = [torch.randn_like(p) for p in params]
+        products = torch.autograd.grad(sum((g * v).sum() for g, v in zip(grads, directions, strict=True)), params,
+                                       create_graph=True)
+        return value + 1e-3 * sum(h.pow(2).sum() for h in products)
+
+    return _trainer(model, loss), model
+
+
+def take_put_scatter_amax() -> Program:
+    """Flat ``take`` and ``put_`` with ``accumulate``, ``scatter_reduce("amax")`` without the target's own values."""
+    lin = nn.Linear(6, 6)
+
+    def loss() -> torch.Tensor:
+        y = lin(torch.randn(10, 6))
+        flat = torch.randint(0, 60, (15,))
+        taken = torch.take(y, flat)
+        put = y.detach().clone().put_(flat, taken.detach(), accumulate=True)
+        groups = torch.randint(0, 4, (10, 6))
+        peaks = torch.zeros(4, 6).scatter_reduce(0, groups, y, reduce="amax", include_self=False)
+        return taken.pow(2).mean() + peaks.mean() + 1e-3 * put.mean()
+
+    return _trainer(lin, loss), lin
+
+
+def contrastive_info_nce() -> Program:
+    """InfoNCE over two noisy views: ``normalize``, a similarity matrix, ``cosine_similarity`` by broadcasting,
+    ``pairwise_distance``."""
+    encoder = nn.Sequential(nn.Linear(12, 16), nn.GELU(approximate="tanh"), nn.Linear(16, 8))
+
+    def loss() -> torch.Tensor:
+        a = torch.randn(24, 12)
+        za, zb = F.normalize(encoder(a), dim=1), F.normalize(encoder(a + 0.1 * torch.randn(24, 12)), dim=1)
+        similarity = F.cosine_similarity(za.unsqueeze(1), zb.unsqueeze(0), dim=-1)
+        return F.cross_entropy(za @ zb.T / 0.1, torch.arange(24)) + F.pairwise_distance(za, zb).mean() \
+            + similarity.diagonal().mean()
+
+    return _trainer(encoder, loss), encoder
+
+
+def truncated_bptt_hidden_state() -> Program:
+    """A word-level LSTM language model whose hidden state is carried to the next batch, detached (truncated
+    backpropagation through time, as PyTorch's word_language_model example trains)."""
+    embedding, lstm, head = nn.Embedding(40, 16), nn.LSTM(16, 16, batch_first=True), nn.Linear(16, 40)
+    model = nn.ModuleList([embedding, lstm, head])
+    hidden: list[tuple[torch.Tensor, torch.Tensor] | None] = [None]
+
+    def loss() -> torch.Tensor:
+        tokens = torch.randint(0, 40, (4, 13))
+        out, state = lstm(embedding(tokens[:, :-1]), hidden[0])
+        hidden[0] = (state[0].detach(), state[1].detach())
+        return F.cross_entropy(head(out).flatten(0, 1), tokens[:, 1:].flatten())
+
+    return _trainer(model, loss), model
+
+
 PROGRAMS = {f.__name__: f for f in (
     fno_spectral, checkpointed_mlp, grad_accumulation, vae_reparameterised, policy_gradient,
     normal_kl_categorical_actions, multinomial_from_kept_probabilities, gaussian_process_cholesky, sdpa_causal_dropout,
@@ -557,4 +966,12 @@ PROGRAMS = {f.__name__: f for f in (
     custom_autograd_function, ema_of_the_weights, gumbel_hard_routing, triplet_hard_mining,
     focal_loss_label_smoothing, bucketized_feature, packed_gru, maxpool_unpool_autoencoder, spatial_transformer,
     scatter_reduce_graph_pool, clip_grad_onecycle, bf16_autocast_cpu, unfold_patches_roll, cummax_kthvalue_sort,
-    embedding_bag_weighted_padding, pad_sequence_sdpa_mask, eigh_whitening, interpolate_pixel_shuffle)}
+    embedding_bag_weighted_padding, pad_sequence_sdpa_mask, eigh_whitening, interpolate_pixel_shuffle,
+    vq_codebook_straight_through, ragged_split_by_lengths, segment_means_by_unique, masked_scatter_index_fill,
+    pruned_and_orthogonal, positions_from_attention_mask, sort_by_length_and_back, sparse_adjacency_gcn,
+    topk_take_along_quantile, batched_solve_and_qr, transformer_decoder_causal, nonzero_rows_index_copy,
+    sparse_embedding_sparse_adam, attention_float_mask_weights, embedding_bag_max_last_offset, conv3d_clip_classifier,
+    transposed_conv_group_norm, lbfgs_line_search, stft_istft_enhancer, regulariser_on_loss_item,
+    accumulated_grid_index_put, hashed_feature_crosses, stacked_bidirectional_rnns, sliding_windows_scans,
+    hessian_vector_penalty, take_put_scatter_amax, contrastive_info_nce,
+    truncated_bptt_hidden_state)}

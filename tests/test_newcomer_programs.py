@@ -1,6 +1,7 @@
 """Programs written the way newcomers write them (:mod:`newcomer_programs`) capture and replay whole: every op
-runs and makes the program's shapes, the carried state stays finite, and a replayed step holds what the
-program's held at its peak, as the judge reckons it (within 10 % of the program's whole memory)."""
+runs and makes the program's shapes, the carried state stays finite, a replayed step holds what the
+program's held at its peak, as the judge reckons it (within 10 % of the program's whole memory), and each
+step runs again on its own."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from harness.traces.allocator_peaks import captured_step_peak_bytes, step_memory
 
 # in the tests: the four whose replay held other memory than the program (the last: a Categorical's sampled actions,
 # broadcast against its logits, refilled as a dense copy), the one whose replay carried infinities (scatter_reduce's
-# indices not recorded), and two cheap patterns besides; the rest under `nox -s corpus` (the mark `corpus`)
+# indices not recorded), a step handed what the step before made (its hidden state), and two cheap patterns besides;
+# the rest under `nox -s corpus` (the mark `corpus`)
 FAST = {"channels_last_fused_adam", "gaussian_process_cholesky", "sdpa_causal_dropout", "one_hot_width_from_labels",
-        "custom_autograd_function", "scatter_reduce_graph_pool", "normal_kl_categorical_actions"}
+        "custom_autograd_function", "scatter_reduce_graph_pool", "normal_kl_categorical_actions",
+        "truncated_bptt_hidden_state"}
 
 
 @pytest.mark.parametrize("name", [name if name in FAST else pytest.param(name, marks=pytest.mark.corpus)
@@ -34,3 +37,7 @@ def test_a_newcomers_program_replays_every_op_with_its_memory(name: str, tmp_pat
     captured = captured_step_peak_bytes(tmp_path, torch.device("cpu"))
     assert replayer.errors == {} and replayer.nonfinite_tensors() == 0
     assert abs(replayed - captured) <= 0.10 * (replayer.static_bytes + captured), (replayed, captured)
+    # each step runs again on its own, as the replay's calibrations run it, what an earlier step handed it kept
+    for k in range(len(replayer.sequence)):
+        for _ in range(2):
+            replayer.runner.generated_step(k)[0](replayer.runner.tensors.vals)

@@ -3,9 +3,10 @@
 A slot is freed after its last use, or later where the program held it longer: for a storage the
 spec saw allocated (``allocated``, from the allocator's events), after the op that the program
 freed it after (``released``), or at the end of its step when the program kept it past the step.
-Other slots (and every slot of a spec without that record) are freed at last use. Tensors read
-before any op writes them live across steps; those the program made between ops (``born``) are
-made again in each step and freed as the program freed them.
+Other slots (and every slot of a spec without that record) are freed at last use. Tensors a step
+reads before any op of it writes them (made before the capture, or by an earlier step) live across
+steps; those the program made between ops (``born``) are made again in each step and freed as the
+program freed them.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ def plan_clears(sequence: list[list[int]], ops: list[CompiledOp], specs: list[Op
                 born_slots: set[int]) -> list[list[int]]:
     """Per position of the flattened sequence: the slots to free after it runs."""
     flat = [p for step in sequence for p in step]
-    carried = set(externals) - born_slots  # read before written: live across steps and cycles
+    # read before written: live across steps and cycles, as is what one step hands the next
+    carried = (set(externals) | _handed_on(sequence, ops, inputs)) - born_slots
     last_use: dict[int, int] = {}
     for k, position in enumerate(flat):
         for use in inputs[position]:
@@ -36,6 +38,19 @@ def plan_clears(sequence: list[list[int]], ops: list[CompiledOp], specs: list[Op
             clears[max(k, held.get(slot, k))].append(slot)
     _born_lifetimes(sequence, flat, specs, inputs, births, clears)
     return clears
+
+
+def _handed_on(sequence: list[list[int]], ops: list[CompiledOp], inputs: list[list[InputUse]]) -> set[int]:
+    """The slots a step reads before it writes them: what an earlier step made and handed on (an optimiser's
+    history made anew each step, as LBFGS keeps it; a hidden state carried to the next batch). Freed at its last
+    read, a step could not run again before the one that makes it (the calibrations run a step over and over)."""
+    handed: set[int] = set()
+    for step in sequence:
+        written: set[int] = set()
+        for position in step:
+            handed.update(use.slot for use in inputs[position] if use.slot not in written)
+            written.update(slot for slot in ops[position].out_slots if slot is not None)
+    return handed
 
 
 def _born_lifetimes(sequence: list[list[int]], flat: list[int], specs: list[OpRecord], inputs: list[list[InputUse]],
