@@ -240,6 +240,11 @@ class OpCompiler:
             return MEMORY_FORMATS[int(value)], []
         if et_type == "Double" and isinstance(value, str):
             return float(value), []
+        if et_type.startswith("Complex"):
+            # the execution trace records a complex scalar's type, not its value ("<ComplexDouble>": the backward
+            # of torch.polar, of angle); one of unit magnitude costs the op what the program's did and keeps the
+            # values it makes as large as their inputs
+            return (complex(value) if isinstance(value, (int, float, complex)) else complex(1.0, 0.0)), []
         if et_type in ("Object", "Generator"):
             return None, []
         return value, []

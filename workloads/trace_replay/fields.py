@@ -359,7 +359,8 @@ class SpecFields:
         elif expected == "str":
             ok = type(value) is str
         elif expected == "scalar":
-            ok = type(value) in (int, float, bool) or (type(value) is str and _is_float(value))
+            ok = type(value) in (int, float, bool) or (type(value) is str and _is_float(value)) \
+                or (et_type.startswith("Complex") and value == f"<{et_type}>")  # a complex one: its type alone
         else:
             ok = True  # Device, Generator, Layout ...: converted or dropped by the replay
         self.need(ok, where, f"the schema takes '{arg_type}', the spec gives {_show(value)} ({et_type})")
