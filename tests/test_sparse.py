@@ -212,3 +212,21 @@ def test_a_torch_func_program_is_refused_naming_the_op(tmp_path: Path):
 
     with pytest.raises(TraceError, match="no storage of its own.*torch.func"):
         generate_spec(captured(step, tmp_path))
+
+
+def test_a_compressed_sparse_layout_is_refused_before_it_is_traced(tmp_path: Path):
+    """A CSR matrix made each step: the execution-trace observer asks it for strides it has not, and the process
+    died of a segmentation fault a few ops later. The capture's first warm-up step finds it and says what to do;
+    the same program with its matrix in COO layout captures and replays."""
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+
+    def step(layout: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        dense = torch.randn(30, 30) * (torch.rand(30, 30) < 0.1)
+        (layout(dense) @ lin(torch.randn(30, 8))).pow(2).mean().backward()
+        lin.zero_grad()
+
+    with pytest.raises(TraceError, match=r"sparse tensor of layout torch.sparse_csr .*COO layout"):
+        captured(lambda: step(torch.Tensor.to_sparse_csr), tmp_path / "csr")
+    replayer, errors = replayed_op_by_op(lambda: step(torch.Tensor.to_sparse), tmp_path / "coo")
+    assert errors == {} and replayer.divergent == {}

@@ -46,6 +46,8 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.profiler import ExecutionTraceObserver, ProfilerActivity, profile, record_function
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from harness.config import CobenchConfig, results_root
 from harness.distributed import broadcast_from_main, env_dist_info, gather_to_all
@@ -123,6 +125,28 @@ INDEX_OPS = (
 
 
 _ROUND = TIMING_WARMUP + TIMING_MEASURED + PLAIN_SETTLE + PLAIN_MEASURED  # steps of a host-time round
+# Layouts the execution-trace observer cannot record: it asks every tensor for its strides, which these have not
+# ("Sparse CSR tensors do not have strides"), and the process then died of a segmentation fault inside the
+# program's next op (torch 2.13, a CSR matrix times a dense one). The first warm-up step looks for them.
+UNTRACEABLE_LAYOUTS = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+class _UntraceableLayouts(TorchDispatchMode):
+    """Under it, the first op that reads or makes a tensor of an :data:`UNTRACEABLE_LAYOUTS` layout is kept in
+    :attr:`found` (its name and the layout); the ops themselves run unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: tuple[str, torch.layout] | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if self.found is None:
+            for value in tree_flatten((args, kwargs, out))[0]:
+                if isinstance(value, torch.Tensor) and value.layout in UNTRACEABLE_LAYOUTS:
+                    self.found = (str(func.overloadpacket), value.layout)
+                    break
+        return out
 # The capture's last step, untimed, records what the step's floating tensors hold: a program's state moves
 # as it trains (an optimiser's second moments fill in as batches reach more embedding rows), so the replay
 # puts back the state of the most trained step the capture saw, the nearest to the program's later steps
@@ -319,6 +343,17 @@ class Capture:
         elif measured_kineto:
             with record_function(f"{STEP_ANNOTATION}{timing_index}"):
                 yield
+        elif self.step_index == 0 and self.warmup:  # untimed: what the trace could not record is found before it
+            layouts = _UntraceableLayouts()
+            with torch.compiler.set_stance("force_eager"), layouts:
+                yield
+            if layouts.found is not None:
+                op, layout = layouts.found
+                raise TraceError(
+                    f"capture into {self.out_dir}: the step holds a sparse tensor of layout {layout} (first in "
+                    f"{op}), which PyTorch's execution-trace observer cannot record (it takes every tensor's "
+                    f"strides, and the process crashed after it); keep sparse matrices in COO layout "
+                    f"(`.to_sparse()`, which the replay runs) or dense while capturing")
         else:
             yield
         synchronize(self.device)
