@@ -238,6 +238,7 @@ class SpecFields:
         for d, dep in enumerate(self.list_(op.get("deps", []), f"{where}.deps")):
             self.int_(dep, f"{where}.deps[{d}]")
         self.int_(op.get("held_bytes", 0), f"{where}.held_bytes", 0)  # made after it (a composite kept whole)
+        self.int_(op.get("transient_bytes", 0), f"{where}.transient_bytes", 0)  # and its peak inside above that
         if op.get("waited_after_ops") is not None:  # a collective waited for that many ops on
             self.int_(op["waited_after_ops"], f"{where}.waited_after_ops", 1)
         for key in ("allocated", "released", "born"):  # storage ids (lifetimes)

@@ -22,7 +22,8 @@ from workloads.trace_replay.ops import at, list_types
 def estimate_peak_bytes(rank_spec: dict[str, Any]) -> int:
     """Peak bytes of the replay's tensors: each storage sized from its widest view, live from the first
     op that touches it to the last (storages read before any op writes them live throughout), and what a
-    composite op kept whole held at its return (``held_bytes``), live to its step's end."""
+    composite op kept whole held at its return (``held_bytes``), live to its step's end, with its peak inside it
+    above that (``transient_bytes``) beside it as it returns."""
     size: dict[int, int] = {}
     first: dict[int, int] = {}
     last: dict[int, int] = {}
@@ -42,6 +43,9 @@ def estimate_peak_bytes(rank_spec: dict[str, Any]) -> int:
             freed = step_end[op.get("step")] + 1
             events[position] = events.get(position, 0) + held
             events[freed] = events.get(freed, 0) - held
+        if transient := op.get("transient_bytes"):  # and its peak inside above that, beside it for an instant
+            events[position] = events.get(position, 0) + transient
+            events[position + 0.5] = events.get(position + 0.5, 0) - transient
     for sid, nbytes in size.items():
         events[first[sid]] = events.get(first[sid], 0) + nbytes
         events[last[sid] + 1] = events.get(last[sid] + 1, 0) - nbytes

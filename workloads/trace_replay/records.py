@@ -53,6 +53,7 @@ class OpRecord:
     # a collective the program stood waiting for: the op it ran on with, this many ops later in its step
     # (host_time.mark_waits; None: not seen waiting, waited for where the step first uses its buffers)
     waited_after_ops: int | None = None
+    transient_bytes: int = 0  # a composite kept whole: its peak inside it above what it held at its return
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> OpRecord:
@@ -62,7 +63,8 @@ class OpRecord:
                    float(raw.get("gap_us") or 0.0), list(raw.get("scopes", [])), list(raw.get("deps", [])),
                    list(raw.get("allocated", [])), list(raw.get("released", [])),
                    list(raw.get("born", [])), raw.get("grad") is True, int(raw.get("held_bytes", 0)),
-                   None if raw.get("waited_after_ops") is None else int(raw["waited_after_ops"]))
+                   None if raw.get("waited_after_ops") is None else int(raw["waited_after_ops"]),
+                   int(raw.get("transient_bytes", 0)))
 
 
 @dataclass(frozen=True)

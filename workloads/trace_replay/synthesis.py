@@ -172,6 +172,12 @@ class Synthesis:
             for start, _, dtype, views in layout:
                 for slot, info in views:
                     self.vals[slot] = typed[dtype].as_strided(info.shape, info.stride, start + info.offset)
+        # the op's workspace at its peak inside it, beside all it held then, made and let go at once: the replay's
+        # op ran without grad and freed each time step's gates as it went, so its own peak stayed below the
+        # program's; what the buffers above laid out beyond ``held`` counts toward it
+        transient = self.plan.specs[self._flat[k]].transient_bytes
+        if transient and (scratch := held + transient - template.numel()) > 0:
+            torch.empty(scratch, dtype=torch.uint8, device=self.device)
 
     def _freed_after(self, slot: int, k: int) -> float:
         """The flat position after which the replay frees ``slot``, made at flat position ``k`` (inf: never)."""
