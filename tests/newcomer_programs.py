@@ -21,11 +21,21 @@ vector quantisation (``cdist``, ``argmin``, ``bincount``), ragged splits by ``to
 per-head weights, a max-mode ``EmbeddingBag``, 3-D convolutions, transposed convolutions with group and instance
 norm, ``LBFGS`` with a line search, ``stft``/``istft``, a branch on ``loss.item()``, ``index_put`` accumulating into
 a grid, hashed feature crosses, stacked bidirectional RNNs and a projected LSTM, sliding-window scans, a
-Hessian-vector product, ``take``/``put_`` and ``scatter_reduce("amax")``, and InfoNCE.
+Hessian-vector product, ``take``/``put_`` and ``scatter_reduce("amax")``, InfoNCE, a hidden state carried across
+batches; and an adaptive softmax over clusters, Dirichlet/Beta samples and a mixture, the full ``nn.Transformer``,
+an ``LSTMCell`` decoder with teacher forcing, ``unique`` over rows, ``index_reduce``, a private ``Generator``, mixup
+and CutMix, a GRU over a random crop, fake quantisation, five more optimisers, a plateau scheduler, dead units
+re-initialised by a mask, ``svdvals``/``lstsq``/``slogdet``/``matrix_exp``, complex tensors by ``polar``, NaN
+targets masked, float64 with dropout variants, a medley of losses, ``Bilinear`` with pixel and channel shuffles,
+``cdist``/``pdist``, an optimiser by ``_foreach_`` ops, ``functional_call``, double DQN, PPO, a tanh-squashed
+policy, gradient and module hooks, unsorted packed sequences, grouped-query attention, ``tril_indices``,
+``argwhere``, parameters as one vector, Gaussian NLL with a triplet distance, attention over other key widths,
+weight clipping, volumetric ``grid_sample``, frequency-scaled embedding gradients, and ``torch.compile``.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import torch
@@ -957,6 +967,584 @@ def truncated_bptt_hidden_state() -> Program:
     return _trainer(model, loss), model
 
 
+def adaptive_log_softmax_clusters() -> Program:
+    """``nn.AdaptiveLogSoftmaxWithLoss`` over 200 classes in three clusters: each target's cluster found by a mask,
+    its rows by ``nonzero``, its position within the cluster gathered."""
+    proj = nn.Linear(16, 32)
+    head = nn.AdaptiveLogSoftmaxWithLoss(32, 200, cutoffs=[20, 80], div_value=2.0)
+    model = nn.ModuleList([proj, head])
+
+    def loss() -> torch.Tensor:
+        return head(proj(torch.randn(64, 16)), torch.randint(0, 200, (64,))).loss
+
+    return _trainer(model, loss), model
+
+
+def dirichlet_beta_mixture() -> Program:
+    """Reparameterised ``Dirichlet`` and ``Beta`` samples (gamma sampling) and a ``MixtureSameFamily``'s log-density."""
+    lin = nn.Linear(6, 8)
+
+    def loss() -> torch.Tensor:
+        h = F.softplus(lin(torch.randn(16, 6))) + 0.1
+        dirichlet = torch.distributions.Dirichlet(h[:, :4])
+        beta = torch.distributions.Beta(h[:, 4], h[:, 5])
+        mixture = torch.distributions.MixtureSameFamily(torch.distributions.Categorical(logits=h[:, 6:8]),
+                                                        torch.distributions.Normal(h[:, 6:8], torch.ones(16, 2)))
+        return -(dirichlet.rsample().log().mean() + beta.rsample().mean() + mixture.log_prob(torch.randn(16)).mean())
+
+    return _trainer(lin, loss), lin
+
+
+def full_transformer_masks() -> Program:
+    """``nn.Transformer`` (encoder and decoder) with a causal target mask and a padding mask drawn each step."""
+    transformer = nn.Transformer(d_model=16, nhead=2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=32,
+                                 batch_first=True, dropout=0.1)
+    out = nn.Linear(16, 10)
+    model = nn.ModuleList([transformer, out])
+
+    def loss() -> torch.Tensor:
+        pad = torch.rand(4, 7) < 0.2
+        pad[:, 0] = False
+        y = transformer(torch.randn(4, 7, 16), torch.randn(4, 5, 16),
+                        tgt_mask=nn.Transformer.generate_square_subsequent_mask(5), src_key_padding_mask=pad,
+                        memory_key_padding_mask=pad, tgt_is_causal=True)
+        return F.cross_entropy(out(y).flatten(0, 1), torch.randint(0, 10, (20,)))
+
+    return _trainer(model, loss), model
+
+
+def lstm_cell_teacher_forcing() -> Program:
+    """A decoder unrolled by hand with ``nn.LSTMCell``, fed the target or its own ``argmax`` by a coin per row."""
+    embedding, cell, head = nn.Embedding(12, 8), nn.LSTMCell(8, 16), nn.Linear(16, 12)
+    model = nn.ModuleList([embedding, cell, head])
+
+    def loss() -> torch.Tensor:
+        target = torch.randint(0, 12, (4, 6))
+        h = c = torch.zeros(4, 16)
+        token, total = target[:, 0], torch.zeros(())
+        for t in range(1, 6):
+            h, c = cell(embedding(token), (h, c))
+            logits = head(h)
+            total = total + F.cross_entropy(logits, target[:, t])
+            token = torch.where(torch.rand(4) < 0.5, target[:, t], logits.argmax(-1))
+        return total / 5
+
+    return _trainer(model, loss), model
+
+
+def unique_rows_with_counts() -> Program:
+    """``torch.unique`` over rows (``dim=0``) with inverse indices and counts, each row weighted by its count."""
+    lin = nn.Linear(3, 4)
+
+    def loss() -> torch.Tensor:
+        rows = torch.randint(0, 3, (40, 3)).float()
+        unique, inverse, counts = torch.unique(rows, dim=0, return_inverse=True, return_counts=True)
+        return (lin(unique)[inverse] / counts[inverse].unsqueeze(1)).pow(2).mean()
+
+    return _trainer(lin, loss), lin
+
+
+def index_reduce_mean() -> Program:
+    """Rows pooled into random groups by ``index_reduce(..., "mean", include_self=False)``."""
+    lin = nn.Linear(5, 5)
+
+    def loss() -> torch.Tensor:
+        pooled = torch.zeros(6, 5).index_reduce(0, torch.randint(0, 6, (30,)), lin(torch.randn(30, 5)), "mean",
+                                                include_self=False)
+        return pooled.pow(2).sum()
+
+    return _trainer(lin, loss), lin
+
+
+def private_generator_noise() -> Program:
+    """Inputs and noise drawn from a ``torch.Generator`` of the program's own, not the global one."""
+    lin = nn.Linear(8, 8)
+    generator = torch.Generator().manual_seed(3)
+
+    def loss() -> torch.Tensor:
+        x = torch.randn(10, 8, generator=generator)
+        return (lin(x + 0.1 * torch.rand(10, 8, generator=generator)) - x).pow(2).mean()
+
+    return _trainer(lin, loss), lin
+
+
+def randperm_mixup() -> Program:
+    """Mixup: a batch blended with a ``randperm`` of itself by a ``Beta`` draw, both targets' losses weighted."""
+    net = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 4))
+    beta = torch.distributions.Beta(torch.tensor(0.4), torch.tensor(0.4))
+
+    def loss() -> torch.Tensor:
+        x, y = torch.randn(32, 10), torch.randint(0, 4, (32,))
+        lam, perm = beta.sample(), torch.randperm(32)
+        out = net(lam * x + (1 - lam) * x[perm])
+        return lam * F.cross_entropy(out, y) + (1 - lam) * F.cross_entropy(out, y[perm])
+
+    return _trainer(net, loss), net
+
+
+def cutmix_item_slices() -> Program:
+    """CutMix: a box whose corners are read with ``tolist()``/``item()`` pasted from a permuted batch by slicing."""
+    net = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 5))
+
+    def loss() -> torch.Tensor:
+        x, y = torch.randn(8, 3, 16, 16), torch.randint(0, 5, (8,))
+        cx, cy = torch.randint(0, 16, (2,)).tolist()
+        w = int(torch.randint(2, 8, ()).item())
+        x1, x2, y1, y2 = max(cx - w, 0), min(cx + w, 16), max(cy - w, 0), min(cy + w, 16)
+        perm = torch.randperm(8)
+        x[:, :, y1:y2, x1:x2] = x[perm, :, y1:y2, x1:x2]
+        lam = 1 - (x2 - x1) * (y2 - y1) / 256
+        out = net(x)
+        return lam * F.cross_entropy(out, y) + (1 - lam) * F.cross_entropy(out, y[perm])
+
+    return _trainer(net, loss), net
+
+
+def gru_on_a_random_crop() -> Program:
+    """A GRU over the first ``n`` steps of a sequence, ``n`` drawn each step and read with ``item()``."""
+    gru = nn.GRU(4, 8, batch_first=True)
+
+    def loss() -> torch.Tensor:
+        n = int(torch.randint(3, 12, ()).item())
+        out, _ = gru(torch.randn(6, 12, 4)[:, :n])
+        return out[:, -1].pow(2).mean()
+
+    return _trainer(gru, loss), gru
+
+
+def fake_quant_aware_training() -> Program:
+    """Quantisation-aware training: per-channel fake-quantised weights, a learnable per-tensor scale and zero point."""
+    model = nn.Module()
+    model.lin = nn.Linear(8, 8)
+    model.scale, model.zero_point = nn.Parameter(torch.tensor([0.05])), nn.Parameter(torch.tensor([0.0]))
+
+    def loss() -> torch.Tensor:
+        w = torch.fake_quantize_per_channel_affine(model.lin.weight, torch.full((8,), 0.02),
+                                                   torch.zeros(8, dtype=torch.int32), 0, -128, 127)
+        x = torch._fake_quantize_learnable_per_tensor_affine(torch.randn(5, 8), model.scale, model.zero_point, 0, 255,
+                                                             1.0)
+        return F.linear(x, w, model.lin.bias).pow(2).mean()
+
+    return _trainer(model, loss), model
+
+
+def several_optimisers() -> Program:
+    """One model, five optimisers over its parts: ``Rprop``, ``NAdam``, ``Adagrad``, centred ``RMSprop`` with
+    momentum, ``AdamW`` with ``amsgrad``."""
+    layers = [nn.Linear(6, 6) for _ in range(4)] + [nn.Linear(6, 2)]
+    model = nn.Sequential(*layers)
+    opts = [torch.optim.Rprop(layers[0].parameters(), lr=1e-3), torch.optim.NAdam(layers[1].parameters(), lr=1e-3),
+            torch.optim.Adagrad(layers[2].parameters()),
+            torch.optim.RMSprop(layers[3].parameters(), momentum=0.9, centered=True),
+            torch.optim.AdamW(layers[4].parameters(), amsgrad=True)]
+
+    def step() -> None:
+        model(torch.randn(8, 6)).pow(2).mean().backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+    return step, model
+
+
+def plateau_scheduler_on_item() -> Program:
+    """Gradients clipped by value, ``ReduceLROnPlateau`` stepped on ``loss.item()``."""
+    lin = nn.Linear(4, 1)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=1)
+
+    def step() -> None:
+        value = (lin(torch.randn(16, 4)) - 1).pow(2).mean()
+        value.backward()
+        torch.nn.utils.clip_grad_value_(lin.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        scheduler.step(value.item())
+
+    return step, lin
+
+
+def dead_units_reinitialised() -> Program:
+    """Hidden units that fired on under 30 % of the batch get fresh weights, chosen by a boolean mask, after the
+    step; the optimiser made anew each step."""
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+
+    def step() -> None:
+        h = net[1](net[0](torch.randn(32, 8)))
+        net[2](h).pow(2).mean().backward()
+        torch.optim.SGD(net.parameters(), lr=1e-2).step()
+        net.zero_grad()
+        with torch.no_grad():
+            dead = (h > 0).float().mean(0) < 0.3
+            net[0].weight[dead] = torch.randn(int(dead.sum()), 8) * 0.1
+            net[0].bias[dead] = 0.1
+
+    return step, net
+
+
+def svdvals_lstsq_slogdet_expm() -> Program:
+    """Batched ``svdvals``, ``lstsq``, ``slogdet`` and ``matrix_exp``, all differentiated."""
+    lin = nn.Linear(4, 4)
+
+    def loss() -> torch.Tensor:
+        m = lin(torch.randn(3, 4, 4)) + 3 * torch.eye(4)
+        solution = torch.linalg.lstsq(m, torch.randn(3, 4, 2)).solution
+        _, logdet = torch.linalg.slogdet(m @ m.mT + torch.eye(4))
+        return (torch.linalg.svdvals(m) - 3).pow(2).mean() + 1e-2 * solution.pow(2).mean() + 1e-2 * logdet.mean() \
+            + torch.linalg.matrix_exp(0.1 * m).mean()
+
+    return _trainer(lin, loss), lin
+
+
+def complex_polar_view_as_real() -> Program:
+    """Complex tensors made by ``torch.polar`` and ``view_as_complex``, read back by ``view_as_real`` and ``angle``
+    (their backward multiplies by complex scalars)."""
+    lin = nn.Linear(8, 8)
+
+    def loss() -> torch.Tensor:
+        x = lin(torch.randn(4, 8))
+        z = torch.polar(x.abs() + 1e-3, x) * torch.view_as_complex(torch.randn(4, 8, 2))
+        return torch.view_as_real(z).pow(2).mean() + z.angle().mean()
+
+    return _trainer(lin, loss), lin
+
+
+def nan_masked_regression() -> Program:
+    """Targets with missing values (NaN) left out of the loss by an ``isfinite`` mask and ``nan_to_num``."""
+    lin = nn.Linear(6, 6)
+
+    def loss() -> torch.Tensor:
+        target = torch.randn(20, 6)
+        target[torch.rand(20, 6) < 0.3] = float("nan")
+        ok = torch.isfinite(target)
+        diff = (lin(torch.randn(20, 6)) - torch.nan_to_num(target)) * ok
+        return diff.pow(2).sum() / ok.sum().clamp(min=1)
+
+    return _trainer(lin, loss), lin
+
+
+def float64_dropout_variants() -> Program:
+    """A float64 network with ``Dropout2d`` and ``AlphaDropout``."""
+    net = nn.Sequential(nn.Conv2d(2, 4, 3), nn.Dropout2d(0.2), nn.Flatten(), nn.AlphaDropout(0.1),
+                        nn.Linear(4 * 6 * 6, 3)).double()
+
+    def loss() -> torch.Tensor:
+        return F.cross_entropy(net(torch.randn(5, 2, 8, 8, dtype=torch.float64)), torch.randint(0, 3, (5,)))
+
+    return _trainer(net, loss), net
+
+
+def losses_medley() -> Program:
+    """Huber, KL divergence between log-probabilities, Poisson NLL, multi-label soft margin, cosine embedding and
+    margin ranking losses, summed."""
+    lin = nn.Linear(6, 6)
+
+    def loss() -> torch.Tensor:
+        y, t = lin(torch.randn(10, 6)), torch.randn(10, 6)
+        return (F.huber_loss(y, t)
+                + F.kl_div(F.log_softmax(y, 1), F.log_softmax(t, 1), log_target=True, reduction="batchmean")
+                + F.poisson_nll_loss(y, t.abs()) + F.multilabel_soft_margin_loss(y, (t > 0).float())
+                + F.cosine_embedding_loss(y, t, torch.randint(0, 2, (10,)) * 2 - 1)
+                + F.margin_ranking_loss(y[:, 0], y[:, 1], torch.sign(t[:, 0])))
+
+    return _trainer(lin, loss), lin
+
+
+def bilinear_unshuffle_channel_shuffle() -> Program:
+    """``nn.Bilinear``, ``pixel_unshuffle`` and ``channel_shuffle``."""
+    bilinear, conv = nn.Bilinear(4, 4, 3), nn.Conv2d(16, 8, 1)
+    model = nn.ModuleList([bilinear, conv])
+
+    def loss() -> torch.Tensor:
+        y = F.channel_shuffle(conv(F.pixel_unshuffle(torch.randn(2, 4, 8, 8), 2)), 2)
+        return bilinear(torch.randn(6, 4), torch.randn(6, 4)).sum() + y.pow(2).mean()
+
+    return _trainer(model, loss), model
+
+
+def cdist_l1_and_pdist() -> Program:
+    """``cdist`` with ``p=1`` and ``pdist``, differentiated."""
+    lin = nn.Linear(5, 5)
+
+    def loss() -> torch.Tensor:
+        x = lin(torch.randn(12, 5))
+        return torch.cdist(x, torch.randn(7, 5), p=1).mean() + torch.pdist(x).mean()
+
+    return _trainer(lin, loss), lin
+
+
+def foreach_momentum_by_hand() -> Program:
+    """An optimiser written by hand with ``_foreach_`` ops: momentum, the gradients' norms, a step scaled by the
+    largest read with ``float()``."""
+    net = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 1))
+    params = list(net.parameters())
+    buffers = [torch.zeros_like(p) for p in params]
+
+    def step() -> None:
+        net(torch.randn(8, 6)).pow(2).mean().backward()
+        grads = [p.grad for p in params]
+        with torch.no_grad():
+            torch._foreach_mul_(buffers, 0.9)
+            torch._foreach_add_(buffers, grads)
+            scale = 1.0 / max(1.0, float(torch.stack(torch._foreach_norm(grads)).max()))
+            torch._foreach_add_(params, buffers, alpha=-1e-2 * scale)
+        for p in params:
+            p.grad = None
+
+    return step, net
+
+
+def functional_call_symmetrised() -> Program:
+    """``torch.func.functional_call`` with a weight made symmetric each step in place of the module's own."""
+    net = nn.Linear(6, 6)
+
+    def loss() -> torch.Tensor:
+        weights = {"weight": 0.5 * (net.weight + net.weight.T), "bias": net.bias}
+        return torch.func.functional_call(net, weights, (torch.randn(4, 6),)).pow(2).mean()
+
+    return _trainer(net, loss), net
+
+
+def dqn_target_network() -> Program:
+    """Double DQN: the online network's ``argmax`` picks the next action, a Polyak-averaged target network values
+    it under ``no_grad``, the taken actions' values ``gather``-ed; episodes ending at random."""
+    q = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 4))
+    target = copy.deepcopy(q)
+    opt = torch.optim.Adam(q.parameters(), lr=1e-3)
+
+    def step() -> None:
+        s, a, r, s2 = torch.randn(32, 8), torch.randint(0, 4, (32,)), torch.randn(32), torch.randn(32, 8)
+        done = torch.rand(32) < 0.1
+        with torch.no_grad():
+            y = r + 0.99 * target(s2).gather(1, q(s2).argmax(1, keepdim=True)).squeeze(1) * (~done)
+        opt.zero_grad()
+        F.smooth_l1_loss(q(s).gather(1, a.unsqueeze(1)).squeeze(1), y).backward()
+        opt.step()
+        with torch.no_grad():
+            for p, t in zip(q.parameters(), target.parameters(), strict=True):
+                t.mul_(0.995).add_(p, alpha=0.005)
+
+    return step, nn.ModuleList([q, target])
+
+
+def ppo_minibatch_epochs() -> Program:
+    """PPO: old log-probabilities under ``no_grad``, normalised advantages, two epochs over ``randperm`` minibatches
+    with the clipped ratio and an entropy bonus, gradients clipped by norm: four optimiser steps a step."""
+    pi = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    opt = torch.optim.Adam(pi.parameters(), lr=1e-3)
+
+    def step() -> None:
+        obs, act, adv = torch.randn(64, 6), torch.randint(0, 3, (64,)), torch.randn(64)
+        with torch.no_grad():
+            old = torch.distributions.Categorical(logits=pi(obs)).log_prob(act)
+        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+        for _ in range(2):
+            for idx in torch.randperm(64).split(16):
+                dist = torch.distributions.Categorical(logits=pi(obs[idx]))
+                ratio = (dist.log_prob(act[idx]) - old[idx]).exp()
+                clipped = torch.min(ratio * adv[idx], ratio.clamp(0.8, 1.2) * adv[idx])
+                opt.zero_grad()
+                (-clipped.mean() - 0.01 * dist.entropy().mean()).backward()
+                nn.utils.clip_grad_norm_(pi.parameters(), 0.5)
+                opt.step()
+
+    return step, pi
+
+
+def sac_tanh_gaussian() -> Program:
+    """A soft actor-critic policy: a Normal squashed by a ``TanhTransform`` in a ``TransformedDistribution``."""
+    net = nn.Sequential(nn.Linear(5, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def loss() -> torch.Tensor:
+        mu, log_std = net(torch.randn(32, 5)).chunk(2, -1)
+        dist = torch.distributions.TransformedDistribution(torch.distributions.Normal(mu, log_std.clamp(-5, 2).exp()),
+                                                           [torch.distributions.TanhTransform(cache_size=1)])
+        a = dist.rsample()
+        return (0.2 * dist.log_prob(a).sum(-1) - a.pow(2).sum(-1)).mean()
+
+    return _trainer(net, loss), net
+
+
+def grad_hooks_and_retain_graph() -> Program:
+    """Tensor hooks that clamp and scale gradients, two backward passes over one graph (``retain_graph``)."""
+    lin1, lin2 = nn.Linear(6, 6), nn.Linear(6, 1)
+    model = nn.ModuleList([lin1, lin2])
+    lin1.weight.register_hook(lambda g: g.clamp(-0.1, 0.1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+
+    def step() -> None:
+        h = torch.tanh(lin1(torch.randn(8, 6)))
+        h.register_hook(lambda g: g * 0.5)
+        out = lin2(h)
+        out.pow(2).mean().backward(retain_graph=True)
+        out.abs().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step, model
+
+
+def module_hooks() -> Program:
+    """A full backward hook that keeps each gradient's norm, a forward hook that replaces a module's output."""
+    net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+    norms: list[torch.Tensor] = []
+    net[0].register_full_backward_hook(lambda _m, _gi, go: norms.append(go[0].norm()))
+    net[2].register_forward_hook(lambda _m, _i, out: out * 2)
+
+    def loss() -> torch.Tensor:
+        del norms[:-10]
+        return net(torch.randn(7, 6)).pow(2).mean()
+
+    return _trainer(net, loss), net
+
+
+def packed_bilstm_unsorted() -> Program:
+    """A bidirectional LSTM over sequences packed unsorted (``enforce_sorted=False``), padded back to a fixed
+    ``total_length``."""
+    lstm = nn.LSTM(4, 6, batch_first=True, bidirectional=True)
+
+    def loss() -> torch.Tensor:
+        lengths = torch.randint(1, 10, (5,))
+        packed = pack_padded_sequence(torch.randn(5, 10, 4), lengths, batch_first=True, enforce_sorted=False)
+        out, _ = pad_packed_sequence(lstm(packed)[0], batch_first=True, total_length=10)
+        return out.pow(2).sum() / lengths.sum()
+
+    return _trainer(lstm, loss), lstm
+
+
+def sdpa_grouped_query() -> Program:
+    """Grouped-query attention: four query heads over two key/value heads, ``enable_gqa`` with a causal mask."""
+    q_proj, kv_proj = nn.Linear(16, 16), nn.Linear(16, 16)
+    model = nn.ModuleList([q_proj, kv_proj])
+
+    def loss() -> torch.Tensor:
+        x = torch.randn(2, 6, 16)
+        q = q_proj(x).view(2, 6, 4, 4).transpose(1, 2)
+        k, v = kv_proj(x).view(2, 6, 2, 8).transpose(1, 2).chunk(2, dim=-1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True).pow(2).mean()
+
+    return _trainer(model, loss), model
+
+
+def tril_indices_pairwise() -> Program:
+    """Pairwise dot products of embeddings, the lower triangle taken by ``tril_indices`` (DLRM's interaction)."""
+    embedding = nn.Embedding(50, 8)
+
+    def loss() -> torch.Tensor:
+        e = embedding(torch.randint(0, 50, (16, 5)))
+        rows, cols = torch.tril_indices(5, 5, offset=-1)
+        return torch.bmm(e, e.transpose(1, 2))[:, rows, cols].pow(2).mean()
+
+    return _trainer(embedding, loss), embedding
+
+
+def argwhere_and_where() -> Program:
+    """Elements picked by ``argwhere`` and by one-argument ``torch.where``, read by advanced indexing."""
+    lin = nn.Linear(4, 4)
+
+    def loss() -> torch.Tensor:
+        y = lin(torch.randn(20, 4))
+        picked = torch.argwhere(y > 0.5)
+        rows, cols = torch.where(y < -0.5)
+        return y[picked[:, 0], picked[:, 1]].sum() - y[rows, cols].sum()
+
+    return _trainer(lin, loss), lin
+
+
+def parameters_as_one_vector() -> Program:
+    """A normalised gradient step on all parameters at once, through ``parameters_to_vector`` and back."""
+    net = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 1))
+
+    def step() -> None:
+        net(torch.randn(10, 5)).pow(2).mean().backward()
+        with torch.no_grad():
+            flat = nn.utils.parameters_to_vector(net.parameters())
+            grad = torch.cat([p.grad.flatten() for p in net.parameters()])
+            nn.utils.vector_to_parameters(flat - 1e-2 * grad / (grad.norm() + 1e-6), net.parameters())
+        net.zero_grad()
+
+    return step, net
+
+
+def gaussian_nll_and_triplet_distance() -> Program:
+    """A Gaussian NLL with a predicted variance, a triplet loss with a cosine distance given as a function."""
+    lin = nn.Linear(6, 8)
+
+    def loss() -> torch.Tensor:
+        out = lin(torch.randn(12, 6))
+        return F.gaussian_nll_loss(out[:, :4], torch.randn(12, 4), F.softplus(out[:, 4:]) + 1e-3) \
+            + F.triplet_margin_with_distance_loss(out[:4], out[4:8], out[8:],
+                                                  distance_function=lambda x, y: 1 - F.cosine_similarity(x, y))
+
+    return _trainer(lin, loss), lin
+
+
+def attention_other_key_value_widths() -> Program:
+    """``nn.MultiheadAttention`` whose keys and values have widths of their own (``kdim``, ``vdim``), no weights
+    returned."""
+    mha = nn.MultiheadAttention(8, 2, kdim=6, vdim=5, batch_first=True)
+
+    def loss() -> torch.Tensor:
+        out, _ = mha(torch.randn(3, 4, 8), torch.randn(3, 7, 6), torch.randn(3, 7, 5), need_weights=False)
+        return out.pow(2).mean()
+
+    return _trainer(mha, loss), mha
+
+
+def wgan_weight_clipping() -> Program:
+    """The original WGAN critic: RMSprop, then every parameter clamped in place through ``.data``."""
+    critic = nn.Sequential(nn.Linear(4, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    opt = torch.optim.RMSprop(critic.parameters(), lr=5e-5)
+
+    def step() -> None:
+        (critic(torch.randn(16, 4) + 1).mean() - critic(torch.randn(16, 4)).mean()).backward()
+        opt.step()
+        opt.zero_grad()
+        for p in critic.parameters():
+            p.data.clamp_(-0.01, 0.01)
+
+    return step, critic
+
+
+def volumetric_grid_sample() -> Program:
+    """``grid_sample`` over a 3-D volume at random points, an antialiased downsampling, a ``diagonal`` read."""
+    conv = nn.Conv3d(1, 2, 3, padding=1)
+
+    def loss() -> torch.Tensor:
+        v = conv(torch.randn(2, 1, 6, 8, 8))
+        sampled = F.grid_sample(v, torch.rand(2, 4, 4, 4, 3) * 2 - 1, align_corners=False)
+        small = F.interpolate(v.flatten(1, 2), scale_factor=0.5, mode="bilinear", antialias=True)
+        return sampled.pow(2).mean() + small.mean() + v.diagonal(dim1=-2, dim2=-1).mean()
+
+    return _trainer(conv, loss), conv
+
+
+def embedding_grad_by_frequency_and_mean_bag() -> Program:
+    """An embedding whose gradient is scaled by each id's frequency in the batch, and a mean-mode ``EmbeddingBag``
+    over bags of random lengths (offsets from a ``cumsum``)."""
+    embedding, bag = nn.Embedding(30, 6, scale_grad_by_freq=True), nn.EmbeddingBag(30, 6, mode="mean")
+    model = nn.ModuleList([embedding, bag])
+
+    def loss() -> torch.Tensor:
+        lengths = torch.randint(1, 5, (8,))
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)[:-1]])
+        pooled = bag(torch.randint(0, 30, (int(lengths.sum()),)), offsets)
+        return embedding(torch.randint(0, 30, (8, 3))).sum(1).mul(pooled).mean()
+
+    return _trainer(model, loss), model
+
+
+def compiled_mlp() -> Program:
+    """A model wrapped in ``torch.compile`` (Inductor, C++ on the CPU) and trained through the compiled module."""
+    net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1))
+    compiled = torch.compile(net)
+
+    def loss() -> torch.Tensor:
+        return compiled(torch.randn(32, 8)).pow(2).mean()
+
+    return _trainer(net, loss), net
+
+
 PROGRAMS = {f.__name__: f for f in (
     fno_spectral, checkpointed_mlp, grad_accumulation, vae_reparameterised, policy_gradient,
     normal_kl_categorical_actions, multinomial_from_kept_probabilities, gaussian_process_cholesky, sdpa_causal_dropout,
@@ -974,4 +1562,14 @@ PROGRAMS = {f.__name__: f for f in (
     transposed_conv_group_norm, lbfgs_line_search, stft_istft_enhancer, regulariser_on_loss_item,
     accumulated_grid_index_put, hashed_feature_crosses, stacked_bidirectional_rnns, sliding_windows_scans,
     hessian_vector_penalty, take_put_scatter_amax, contrastive_info_nce,
-    truncated_bptt_hidden_state)}
+    truncated_bptt_hidden_state,
+    adaptive_log_softmax_clusters, dirichlet_beta_mixture, full_transformer_masks, lstm_cell_teacher_forcing,
+    unique_rows_with_counts, index_reduce_mean, private_generator_noise, randperm_mixup, cutmix_item_slices,
+    gru_on_a_random_crop, fake_quant_aware_training, several_optimisers, plateau_scheduler_on_item,
+    dead_units_reinitialised, svdvals_lstsq_slogdet_expm, complex_polar_view_as_real, nan_masked_regression,
+    float64_dropout_variants, losses_medley, bilinear_unshuffle_channel_shuffle, cdist_l1_and_pdist,
+    foreach_momentum_by_hand, functional_call_symmetrised,
+    dqn_target_network, ppo_minibatch_epochs, sac_tanh_gaussian, grad_hooks_and_retain_graph, module_hooks,
+    packed_bilstm_unsorted, sdpa_grouped_query, tril_indices_pairwise, argwhere_and_where, parameters_as_one_vector,
+    gaussian_nll_and_triplet_distance, attention_other_key_value_widths, wgan_weight_clipping, volumetric_grid_sample,
+    embedding_grad_by_frequency_and_mean_bag, compiled_mlp)}
