@@ -216,7 +216,7 @@ def test_a_torch_func_program_is_refused_naming_the_op(tmp_path: Path):
 
 def test_a_compressed_sparse_layout_is_refused_before_it_is_traced(tmp_path: Path):
     """A CSR matrix made each step: the execution-trace observer asks it for strides it has not, and the process
-    died of a segmentation fault a few ops later. The capture's first warm-up step finds it and says what to do;
+    died of a segmentation fault a few ops later. The capture's last warm-up step finds it and says what to do;
     the same program with its matrix in COO layout captures and replays."""
     torch.manual_seed(0)
     lin = nn.Linear(8, 8)

@@ -131,7 +131,7 @@ INDEX_OPS = (
 _ROUND = TIMING_WARMUP + TIMING_MEASURED + PLAIN_SETTLE + PLAIN_MEASURED  # steps of a host-time round
 # Layouts the execution-trace observer cannot record: it asks every tensor for its strides, which these have not
 # ("Sparse CSR tensors do not have strides"), and the process then died of a segmentation fault inside the
-# program's next op (torch 2.13, a CSR matrix times a dense one). The first warm-up step looks for them.
+# program's next op (torch 2.13, a CSR matrix times a dense one). The last warm-up step looks for them.
 UNTRACEABLE_LAYOUTS = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
 
 
@@ -347,7 +347,7 @@ class Capture:
         elif measured_kineto:
             with record_function(f"{STEP_ANNOTATION}{timing_index}"):
                 yield
-        elif self.step_index == 0 and self.warmup:  # untimed: what the trace could not record is found before it
+        elif self.step_index == self.warmup - 1:  # the last warm-up step (a compiled program compiled in the first)
             layouts = _UntraceableLayouts()
             with torch.compiler.set_stance("force_eager"), layouts:
                 yield
