@@ -136,7 +136,7 @@ def accelerator(session: nox.Session) -> None:
 @nox.session(venv_backend="none")
 def corpus(session: nox.Session) -> None:
     """Every program written as newcomers write them (tests/newcomer_programs.py), captured and replayed op by op
-    (2 min here); the tests run a fast subset of them."""
+    (7 min here); the tests run a fast subset of them."""
     env = install(session, "test")
     session.run(_bin("pytest"), "tests/test_newcomer_programs.py", "-m", "not wheelhouse", "-p", "no:cacheprovider",
                 *session.posargs, env=env, external=True)
