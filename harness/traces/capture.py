@@ -129,6 +129,15 @@ INDEX_OPS = (
 
 
 _ROUND = TIMING_WARMUP + TIMING_MEASURED + PLAIN_SETTLE + PLAIN_MEASURED  # steps of a host-time round
+# The capture's last step, untimed, records what the step's floating tensors hold: a program's state moves
+# as it trains (an optimiser's second moments fill in as batches reach more embedding rows), so the replay
+# puts back the state of the most trained step the capture saw, the nearest to the program's later steps
+VALUE_STEPS = 1
+# Traced steps whose ops a step differ from the host-time rounds' steps by more than UNREPRESENTATIVE_PCT are
+# not the program's typical steps (Wav2Vec2's layer drop: 3 traced steps of 774 ops where its steps ran 941 at
+# the mean, in one of its captures in the zoo's run of 2026-11-30 15:13): the capture traces twice as many
+# steps again in their place, at most this many times (3 steps, then 6, 12 and 24)
+MAX_TRACED_AGAIN = 3
 # Layouts the execution-trace observer cannot record: it asks every tensor for its strides, which these have not
 # ("Sparse CSR tensors do not have strides"), and the process then died of a segmentation fault inside the
 # program's next op (torch 2.13, a CSR matrix times a dense one). The last warm-up step looks for them.
@@ -151,15 +160,6 @@ class _UntraceableLayouts(TorchDispatchMode):
                     self.found = (str(func.overloadpacket), value.layout)
                     break
         return out
-# The capture's last step, untimed, records what the step's floating tensors hold: a program's state moves
-# as it trains (an optimiser's second moments fill in as batches reach more embedding rows), so the replay
-# puts back the state of the most trained step the capture saw, the nearest to the program's later steps
-VALUE_STEPS = 1
-# Traced steps whose ops a step differ from the host-time rounds' steps by more than UNREPRESENTATIVE_PCT are
-# not the program's typical steps (Wav2Vec2's layer drop: 3 traced steps of 774 ops where its steps ran 941 at
-# the mean, in one of its captures in the zoo's run of 2026-11-30 15:13): the capture traces twice as many
-# steps again in their place, at most this many times (3 steps, then 6, 12 and 24)
-MAX_TRACED_AGAIN = 3
 
 
 def _data_ops() -> list[str]:
