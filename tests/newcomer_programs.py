@@ -22,7 +22,8 @@ per-head weights, a max-mode ``EmbeddingBag``, 3-D convolutions, transposed conv
 norm, ``LBFGS`` with a line search, ``stft``/``istft``, a branch on ``loss.item()``, ``index_put`` accumulating into
 a grid, hashed feature crosses, stacked bidirectional RNNs and a projected LSTM, sliding-window scans, a
 Hessian-vector product, ``take``/``put_`` and ``scatter_reduce("amax")``, InfoNCE, a hidden state carried across
-batches; and an adaptive softmax over clusters, Dirichlet/Beta samples and a mixture, the full ``nn.Transformer``,
+batches; and an adaptive softmax over clusters, a bias per class within its cluster by ``index_select``,
+Dirichlet/Beta samples and a mixture, the full ``nn.Transformer``,
 an ``LSTMCell`` decoder with teacher forcing, ``unique`` over rows, ``index_reduce``, a private ``Generator``, mixup
 and CutMix, a GRU over a random crop, fake quantisation, five more optimisers, a plateau scheduler, dead units
 re-initialised by a mask, ``svdvals``/``lstsq``/``slogdet``/``matrix_exp``, complex tensors by ``polar``, NaN
@@ -980,6 +981,24 @@ def adaptive_log_softmax_clusters() -> Program:
     return _trainer(model, loss), model
 
 
+def cluster_bias_index_select() -> Program:
+    """A logit's bias and temperature per class within its cluster, looked up by ``index_select`` at each label's
+    position in the cluster (the labels of one cluster found by a mask)."""
+    lin = nn.Linear(16, 1)
+    bias, temperature = nn.Parameter(torch.zeros(60)), nn.Parameter(torch.ones(60))
+    model = nn.ParameterList([bias, temperature, lin.weight, lin.bias])
+
+    def loss() -> torch.Tensor:
+        labels = torch.randint(0, 100, (64,))
+        keep = labels >= 40
+        local = labels[keep] - 40
+        logits = lin(torch.randn(64, 16))[keep].squeeze(1)
+        logits = logits * temperature.index_select(0, local) + bias.index_select(0, local)
+        return F.binary_cross_entropy_with_logits(logits, (local % 2).float())
+
+    return _trainer(model, loss), model
+
+
 def dirichlet_beta_mixture() -> Program:
     """Reparameterised ``Dirichlet`` and ``Beta`` samples (gamma sampling) and a ``MixtureSameFamily``'s log-density."""
     lin = nn.Linear(6, 8)
@@ -1563,7 +1582,8 @@ PROGRAMS = {f.__name__: f for f in (
     accumulated_grid_index_put, hashed_feature_crosses, stacked_bidirectional_rnns, sliding_windows_scans,
     hessian_vector_penalty, take_put_scatter_amax, contrastive_info_nce,
     truncated_bptt_hidden_state,
-    adaptive_log_softmax_clusters, dirichlet_beta_mixture, full_transformer_masks, lstm_cell_teacher_forcing,
+    adaptive_log_softmax_clusters, cluster_bias_index_select, dirichlet_beta_mixture, full_transformer_masks,
+    lstm_cell_teacher_forcing,
     unique_rows_with_counts, index_reduce_mean, private_generator_noise, randperm_mixup, cutmix_item_slices,
     gru_on_a_random_crop, fake_quant_aware_training, several_optimisers, plateau_scheduler_on_item,
     dead_units_reinitialised, svdvals_lstsq_slogdet_expm, complex_polar_view_as_real, nan_masked_regression,

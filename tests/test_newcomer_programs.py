@@ -16,13 +16,14 @@ from harness.traces.allocator_peaks import captured_step_peak_bytes, step_memory
 
 # in the tests: the four whose replay held other memory than the program (the last: a Categorical's sampled actions,
 # broadcast against its logits, refilled as a dense copy), the one whose replay carried infinities (scatter_reduce's
-# indices not recorded), a step handed what the step before made (its hidden state), a complex scalar the trace
-# records by its type alone, a GRU whose peak was inside it, a backward handed an index its forward read, and two
-# cheap patterns besides; the rest under `nox -s corpus` (the mark `corpus`)
+# indices not recorded), a step handed what the step before made (its hidden state), a complex scalar the trace records
+# by its type alone, a GRU whose peak was inside it, two backwards handed an index their forward read (one recorded for
+# it, one whose slot gets the recorded values), and two cheap patterns besides; the rest under `nox -s corpus` (the
+# mark `corpus`)
 FAST = {"channels_last_fused_adam", "gaussian_process_cholesky", "sdpa_causal_dropout", "one_hot_width_from_labels",
         "custom_autograd_function", "scatter_reduce_graph_pool", "normal_kl_categorical_actions",
         "truncated_bptt_hidden_state", "complex_polar_view_as_real", "gru_on_a_random_crop",
-        "adaptive_log_softmax_clusters"}
+        "adaptive_log_softmax_clusters", "cluster_bias_index_select"}
 
 
 @pytest.mark.parametrize("name", [name if name in FAST else pytest.param(name, marks=pytest.mark.corpus)

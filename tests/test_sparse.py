@@ -123,8 +123,11 @@ def test_a_coalesced_gradient_stores_the_captured_count_of_rows(tmp_path: Path):
     assert exact.dry_run().errors == {} and exact.divergent == {}
     assert not any(op.counts for op in exact.ops)
 
-    for op in spec["ranks"][0]["ops"]:  # the indices the gradient is made of, and made again of, unrecorded
-        if op["name"] in ("aten::embedding_backward", "aten::_sparse_coo_tensor_unsafe", "aten::sparse_coo_tensor"):
+    # the indices the lookup read, the gradient is made of, and made again of, unrecorded (else the lookup's
+    # recorded values are written into the step's indices for the backward to read: the program's count again)
+    for op in spec["ranks"][0]["ops"]:
+        if op["name"] in ("aten::embedding", "aten::embedding_backward", "aten::_sparse_coo_tensor_unsafe",
+                          "aten::sparse_coo_tensor"):
             op["tensor_data"] = {}
     rank = RankRecord.from_json(spec["ranks"][0])
     fitted = Replayer(rank, torch.device("cpu"), seed=3)

@@ -115,7 +115,8 @@ INDEX_OPS = (
     # backward ops handed the index their forward read: made by the replay's own ops from made-up inputs, it holds
     # other values (an adaptive softmax's targets within a cluster, from targets drawn with randint: 88 into 60)
     "aten::gather_backward", "aten::multi_margin_loss_backward", "aten::multilabel_margin_loss_backward",
-    "aten::_unsafe_index", "aten::_unsafe_index_put",
+    "aten::_unsafe_index", "aten::_unsafe_index_put", "aten::_unsafe_masked_index",
+    "aten::_unsafe_masked_index_put_accumulate", "aten::put", "aten::embedding_renorm",
     "aten::repeat_interleave", "aten::searchsorted", "aten::masked_select", "aten::_unique2", "aten::segment_reduce",
     # the indices a sparse gradient or tensor is made of: how many rows it stores once coalesced (SparseAdam's
     # updates) follows them (workloads.trace_replay.sparse)

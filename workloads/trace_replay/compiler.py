@@ -183,7 +183,7 @@ class OpCompiler:
             arg = schema_args[i] if schema_args is not None else None
             arg_type = str(arg.type) if arg is not None else ""
             converted, slots = self._convert(value, et_type, at(shapes, i), at(strides, i), arg_type,
-                                             tensor_index, data, returned, compiled.refills)
+                                             tensor_index, data, returned, compiled)
             if arg is not None and arg.kwarg_only:
                 compiled.kwargs[arg.name] = converted
                 compiled.kwarg_slots.extend((arg.name, sub, slot) for sub, slot in slots)
@@ -193,7 +193,7 @@ class OpCompiler:
 
     def _convert(self, value: Any, et_type: str, shape: Any, stride: Any, arg_type: str,
                  tensor_index: list[int], data: dict[str, str], returned: set[int],
-                 refills: list[tuple[int, torch.Tensor]]) -> tuple[Any, list]:
+                 compiled: CompiledOp) -> tuple[Any, list]:
         """A trace value → (call-template value, [(list index or −1, slot)]).
 
         An integer tensor the trace recorded is the constant :meth:`_pinned` makes, except where the op hands
@@ -209,7 +209,7 @@ class OpCompiler:
             if not is_tensor_ref(value) or "nullptr" in et_type:
                 return None, []
             info = tensor_info(value, shape, stride, et_type)
-            constant, slot = self._constant_or_slot(info, data.get(str(tensor_index[0])), returned, refills)
+            constant, slot = self._constant_or_slot(info, data.get(str(tensor_index[0])), returned, compiled)
             return constant, [] if slot is None else [(-1, slot)]
         if et_type.startswith("GenericList["):
             types = list_types(et_type)
@@ -223,7 +223,7 @@ class OpCompiler:
                     if is_tensor_ref(item) and "nullptr" not in types[j]:  # an undefined tensor: None
                         info = tensor_info(item, at(shape, j), at(stride, j), types[j])
                         template[j], slot = self._constant_or_slot(info, data.get(str(tensor_index[0])), returned,
-                                                                   refills)
+                                                                   compiled)
                         if slot is not None:
                             slots.append((j, slot))
                 return template, slots
@@ -250,16 +250,22 @@ class OpCompiler:
         return value, []
 
     def _constant_or_slot(self, info: TensorInfo, data: str | None, returned: set[int],
-                          refills: list[tuple[int, torch.Tensor]]) -> tuple[torch.Tensor | None, int | None]:
+                          compiled: CompiledOp) -> tuple[torch.Tensor | None, int | None]:
         """A tensor input → (the constant the call holds, None), or (None, the slot it is read from); a recorded
-        one whose storage the op hands on is read from its slot, its values refilled there (:meth:`_convert`)."""
+        one whose storage the op hands on is read from its slot, its values refilled there (:meth:`_convert`).
+        A constant whose tensor has a slot already is kept in :attr:`.ops.CompiledOp.pinned`."""
         pinned = self._pinned(info, data)
         if pinned is None:
             return None, self._input_slot(info)
         if info.storage_id in returned:
             slot = self._input_slot(info)
-            refills.append((slot, pinned))
+            compiled.refills.append((slot, pinned))
             return None, slot
+        known = self.slots.get(info.key)
+        if known is None and self._backward:
+            known = self._made.get(self._placement(info))
+        if known is not None:
+            compiled.pinned.append((known, pinned))
         return pinned, None
 
     def _pinned(self, info: TensorInfo, data: str | None) -> torch.Tensor | None:

@@ -159,6 +159,10 @@ class CompiledOp:
     # an in-place op's self): slot → the program's values, written into the slot's own tensor before the call
     # (:meth:`refill`), so that the op returns the tensor the step made, holding what the program's held.
     refills: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # Integer inputs passed as the recorded constant whose tensor the step also holds in a slot (one an earlier
+    # op made or read): slot → the program's values. Where a later op reads that slot, they are refilled there
+    # (:func:`.dataflow.refill_pinned_reads`).
+    pinned: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     # What runs in its place where this device has no kernel for it (:mod:`.portable`), or None
     ported: str | None = None
     # torch's generated binding that calls it as it is called here, quicker than the boxed call

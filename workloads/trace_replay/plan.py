@@ -25,6 +25,7 @@ from workloads.trace_replay.dataflow import (
     find_uninitialised_fills,
     find_wrapped_numbers,
     op_inputs,
+    refill_pinned_reads,
 )
 from workloads.trace_replay.liveness import plan_clears
 from workloads.trace_replay.masks import find_mask_pins
@@ -70,6 +71,7 @@ def plan_replay(specs: list[OpRecord], device: torch.device, generator: torch.Ge
     births, born_slots = find_births(sequence, specs, inputs, externals)
     find_uninitialised_fills(ops, specs, inputs)
     external_masks = find_mask_pins(sequence, ops, specs, slots, externals, generator, device)
+    refill_pinned_reads(sequence, ops)
     wrapped = find_wrapped_numbers(ops, inputs, externals)
     clears = plan_clears(sequence, ops, specs, inputs, externals, births, born_slots)
     return ReplayPlan(specs, ops, slots, sequence, inputs, externals, constraints, births, born_slots,
