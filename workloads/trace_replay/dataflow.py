@@ -90,8 +90,8 @@ def refill_pinned_reads(sequence: list[list[int]], ops: list[CompiledOp]) -> int
     of the step reads the same tensor from its slot, the recorded values are written into the slot before the
     first op's call (its :attr:`~.ops.CompiledOp.refills`): every reader then sees the program's values. The
     replay's own ops made that tensor from inputs it made up, or from a mask with the captured count of True at
-    other positions (:mod:`.masks`): an adaptive softmax's targets within a cluster came out of range (−14 into
-    60 rows), which ``index_select`` read as recorded and its backward from the slot, out of bounds. Returns how
+    other positions (:mod:`.masks`): labels' positions within their cluster came out of range (−14 into 60
+    rows), which ``index_select`` read as recorded and its backward from the slot, out of bounds. Returns how
     many refills were added."""
     added = 0
     for step in sequence:

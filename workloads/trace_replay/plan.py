@@ -2,7 +2,8 @@
 
 :func:`plan_replay` runs the planning passes in order — compile each op (:mod:`.compiler`), lay out
 the step sequence, find what every op reads and what the replay must make itself
-(:mod:`.dataflow`), give shape-deciding masks their captured counts (:mod:`.masks`), and decide
+(:mod:`.dataflow`), give shape-deciding masks their captured counts (:mod:`.masks`), write the recorded
+values of an integer tensor into it where a later op reads it (:func:`.dataflow.refill_pinned_reads`), and decide
 when each tensor is freed (:mod:`.liveness`) — and returns the result as one :class:`ReplayPlan`,
 which the synthesis and the step runner read.
 """
