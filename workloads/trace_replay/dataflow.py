@@ -85,15 +85,13 @@ def op_inputs(spec: OpRecord, slots: dict[tuple, int]) -> list[InputUse]:
     return found
 
 
-def refill_pinned_reads(sequence: list[list[int]], ops: list[CompiledOp]) -> int:
+def refill_pinned_reads(sequence: list[list[int]], ops: list[CompiledOp]) -> None:
     """Where an op reads an integer tensor as the recorded constant (:attr:`.ops.CompiledOp.pinned`) and a later op
     of the step reads the same tensor from its slot, the recorded values are written into the slot before the
     first op's call (its :attr:`~.ops.CompiledOp.refills`): every reader then sees the program's values. The
     replay's own ops made that tensor from inputs it made up, or from a mask with the captured count of True at
     other positions (:mod:`.masks`): labels' positions within their cluster came out of range (−14 into 60
-    rows), which ``index_select`` read as recorded and its backward from the slot, out of bounds. Returns how
-    many refills were added."""
-    added = 0
+    rows), which ``index_select`` read as recorded and its backward from the slot, out of bounds."""
     for step in sequence:
         last: dict[int, tuple[int, torch.Tensor]] = {}  # slot → (op index, values) of its latest constant read
         for position in step:
@@ -105,10 +103,8 @@ def refill_pinned_reads(sequence: list[list[int]], ops: list[CompiledOp]) -> int
                 reader = ops[pinned[0]]
                 if not any(s == slot and v is pinned[1] for s, v in reader.refills):
                     reader.refills.append((slot, pinned[1]))
-                    added += 1
             for slot, values in op.pinned:
                 last[slot] = (position, values)
-    return added
 
 
 def find_externals(sequence: list[list[int]], ops: list[CompiledOp], specs: list[OpRecord],
