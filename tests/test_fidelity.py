@@ -27,7 +27,7 @@ from fidelity_corpus import PROGRAMS
 import harness.traces.judge as judge_module
 import harness.traces.side_by_side as side_by_side_module
 from harness.config import compose_config, to_run_config
-from harness.traces.allocator_peaks import step_memory_peak_bytes
+from harness.traces.allocator_peaks import step_memory_peak_bytes, traced_step_peaks
 from harness.traces.capture import capture
 from harness.traces.judge import judge
 from harness.traces.side_by_side import HostProbe, SideBySide, host_time_probe, interleave
@@ -881,6 +881,55 @@ def test_a_replayed_step_peaks_where_its_program_did(program: Any, tmp_path: Pat
     step, model = program()
     replayed, captured, _ = _replayed_and_captured_peaks(step, model, tmp_path)
     assert abs(replayed - captured) <= 0.02 * captured, (replayed, captured)
+
+
+def test_a_captured_step_peak_leaves_out_the_observers_copies_of_integer_inputs(tmp_path: Path):
+    """``index_select``'s backward on a 2-D table hands ``scatter_add_`` its index expanded over the rows' width
+    (stride 0); recording that input's values and range, the execution-trace observer copies it whole, an
+    allocation at the traced steps' peak that the program does not make. The captured peak is the program's
+    (the traced steps run again under the memory profiler alone): the replay holds what it holds."""
+    from workloads.trace_bundle import read_meta
+
+    torch.manual_seed(0)
+    table = torch.nn.Parameter(torch.randn(100, 16))
+    opt = torch.optim.SGD([table], lr=1e-2)
+
+    def step() -> None:
+        table.index_select(0, torch.randint(0, 100, (300,))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    replayed, captured_peak, _ = _replayed_and_captured_peaks(step, torch.nn.ParameterList([table]), tmp_path)
+    assert abs(replayed - captured_peak) <= 0.02 * captured_peak, (replayed, captured_peak)
+    bundle = tmp_path / "bundle"
+    traced = traced_step_peaks(bundle, torch.device("cpu"))
+    assert min(traced) > 1.5 * captured_peak, (traced, read_meta(bundle).step_peak_bytes)  # the copy: 300 × 16 × 8 B
+
+
+def test_the_steps_run_again_for_their_memory_draw_what_the_traced_steps_drew(tmp_path: Path):
+    """Each traced step draws its batch's length at random; run again for its memory peak, it draws the same
+    (the generators' states put back), so each peak is its traced step's."""
+    from workloads.trace_bundle import read_meta
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(32, 64)
+    opt = torch.optim.SGD(lin.parameters(), lr=1e-2)
+    lengths: list[int] = []
+
+    def step() -> None:
+        lengths.append(int(torch.randint(50, 2000, ()).item()))
+        lin(torch.randn(lengths[-1], 32)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    with capture(tmp_path, steps=3, warmup=1, baseline_steps=1, model=lin, announce=False) as cap:
+        while not cap.done:
+            with cap.step():
+                step()
+    memory, traced = read_meta(tmp_path).step_peak_bytes, traced_step_peaks(tmp_path, torch.device("cpu"))
+    assert len(memory) == len(traced) == 3 and len(set(memory)) == 3, (memory, traced)
+    assert memory == pytest.approx(traced, rel=0.01), (memory, traced)
+    assert lengths[-4:-1] == lengths[2:5]  # the three before the last (the value step's) were run again
 
 
 def test_a_step_peak_does_not_climb_with_blocks_freed_on_a_thread_the_profiler_does_not_follow():

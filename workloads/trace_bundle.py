@@ -83,6 +83,10 @@ class BundleMeta:
     # how many times the steps were traced again after the host-time rounds: the traced ones ran ops a step
     # unlike the program's steps (harness.traces.capture.MAX_TRACED_AGAIN)
     traced_again: int = 0
+    # each traced step's memory peak (bytes beyond what it started with), run again after the traced steps with
+    # the same random draws under the memory profiler alone (the observer's own copies left out); empty: not
+    # recorded (harness.traces.allocator_peaks.captured_step_peak_bytes)
+    step_peak_bytes: list[int] = field(default_factory=list)
     schema: str = META_SCHEMA
 
     @property
@@ -112,6 +116,7 @@ class BundleMeta:
             "timing_spin_ns": self.timing_spin_ns,
             "timing_step_spin_ns": self.timing_step_spin_ns,
             "traced_again": self.traced_again,
+            "step_peak_bytes": self.step_peak_bytes,
         }
 
 
@@ -178,6 +183,7 @@ def read_meta(bundle: Path) -> BundleMeta:
             timing_spin_ns=[float(t) for t in raw.get("timing_spin_ns", [])],
             timing_step_spin_ns=[[float(t) for t in pair] for pair in raw.get("timing_step_spin_ns", [])],
             traced_again=int(raw.get("traced_again", 0) or 0),
+            step_peak_bytes=[int(b) for b in raw.get("step_peak_bytes", [])],
         )
     except (KeyError, TypeError, ValueError) as err:
         raise TraceError(f"{path}: malformed metadata ({type(err).__name__}: {err})") from None

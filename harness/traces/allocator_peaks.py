@@ -1,11 +1,12 @@
 """How much memory one training step holds at its peak, read from the profiler's allocator events:
-of a callable's steps run here, or of the steps a trace bundle's capture recorded."""
+of a callable's steps run here, or of the steps a trace bundle's capture traced."""
 
 from __future__ import annotations
 
 import json
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function, supported_activities
 
 from harness.platform import synchronize
-from workloads.trace_bundle import KINETO_FILE, STEP_ANNOTATION, read_json
+from workloads.trace_bundle import KINETO_FILE, STEP_ANNOTATION, read_json, read_meta
 
 # c10::DeviceType codes, as the profiler's memory events name devices (others: any non-CPU event)
 _C10_DEVICE_TYPES = {"cpu": 0, "cuda": 1, "xpu": 12, "mps": 13, "privateuseone": 20}
@@ -47,11 +48,72 @@ def _step_peaks(events: list, device: torch.device, annotation: str) -> list[flo
 
 
 def captured_step_peak_bytes(rank_dir: Path, device: torch.device) -> int | None:
-    """The most memory one captured step held beyond what it started with, from the capture's own allocator
-    events (its Kineto trace); None when the bundle has none."""
-    peaks = _step_peaks(read_json(rank_dir / KINETO_FILE, "Kineto trace").get("traceEvents", []), device,
-                        STEP_ANNOTATION)
-    return int(max(peaks)) if peaks else None
+    """The most memory one captured step held beyond what it started with; None when the bundle records none.
+
+    The capture runs its traced steps once more after them, each with the random draws it had, under the
+    memory profiler alone (``step_peak_bytes`` in its metadata): under the execution-trace observer, the
+    copies it makes of integer inputs to record their values and ranges are allocations too (the index the
+    backward of ``index_select`` on a 100 × 16 table hands ``index_add_`` and ``scatter_add_``, expanded over
+    the rows' width, 300 × 16 × 8 bytes: 47,224 bytes at the traced steps' peak against the program's 21,604).
+    A bundle without that figure: the traced steps' own allocator events (its Kineto trace)."""
+    peaks = read_meta(rank_dir).step_peak_bytes or traced_step_peaks(rank_dir, device)
+    return max(peaks) if peaks else None
+
+
+def traced_step_peaks(rank_dir: Path, device: torch.device) -> list[int]:
+    """Each traced step's peak (bytes) as its own allocator events show it, in the bundle's Kineto trace: the
+    execution-trace observer's copies included."""
+    return [int(peak) for peak in _step_peaks(read_json(rank_dir / KINETO_FILE, "Kineto trace").get(
+        "traceEvents", []), device, STEP_ANNOTATION)]
+
+
+class StepPeaks:
+    """Each step's memory peak over a block of steps profiled together, each step marked on its own: what
+    :func:`step_memory_peak_bytes` measures, for steps a caller runs one at a time (a capture's loop).
+
+        peaks = StepPeaks(device)
+        peaks.start()
+        for ...:
+            with peaks.step():
+                train_step()
+        print(peaks.stop())   # bytes, one figure a step
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._profiler: profile | None = None
+
+    def start(self) -> None:
+        activities = [ProfilerActivity.CPU]
+        if self.device.type == "cuda" and ProfilerActivity.CUDA in supported_activities():
+            activities.append(ProfilerActivity.CUDA)
+        synchronize(self.device)
+        self._profiler = profile(activities=activities, profile_memory=True)
+        self._profiler.start()
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        with record_function(MEMORY_STEP):
+            yield
+            synchronize(self.device)
+
+    def stop(self) -> list[int]:
+        """The peak of each marked step that allocated anything (bytes), in order; the profiler ends."""
+        if self._profiler is None:
+            return []
+        self._profiler.stop()
+        with tempfile.TemporaryDirectory(prefix="cobench-memory-") as tmp:
+            path = Path(tmp) / "trace.json"
+            self._profiler.export_chrome_trace(str(path))
+            events = json.loads(path.read_text()).get("traceEvents", [])
+        self._profiler = None
+        return [int(peak) for peak in _step_peaks(events, self.device, MEMORY_STEP)]
+
+    def abandon(self) -> None:
+        """End the profiler without reading it (the loop failed)."""
+        if self._profiler is not None:
+            self._profiler.stop()
+            self._profiler = None
 
 
 def step_memory_peak_bytes(step: Callable[[], Any], device: torch.device, steps: int = 1) -> int:
@@ -66,17 +128,13 @@ def step_memory_peak_bytes(step: Callable[[], Any], device: torch.device, steps:
     worker's, finishing an asynchronous collective), so over several steps it climbs (TorchRec's DLRM:
     142 KiB a step, 142 to 351 KiB over 8 steps from one block of 8 to the next).
     """
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda" and ProfilerActivity.CUDA in supported_activities():
-        activities.append(ProfilerActivity.CUDA)
-    synchronize(device)
-    with profile(activities=activities, profile_memory=True) as prof:
+    peaks = StepPeaks(device)
+    peaks.start()
+    try:
         for _ in range(steps):
-            with record_function(MEMORY_STEP):
+            with peaks.step():
                 step()
-                synchronize(device)
-    with tempfile.TemporaryDirectory(prefix="cobench-memory-") as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text()).get("traceEvents", [])
-    return int(max(_step_peaks(events, device, MEMORY_STEP), default=0.0))
+    except BaseException:
+        peaks.abandon()
+        raise
+    return max(peaks.stop(), default=0)

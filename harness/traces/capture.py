@@ -18,8 +18,10 @@ settle, 3 measured), so the profiler's cost is taken against the plain steps of 
 baseline, rounds added after the eighth while the median host time is not yet known within ±1 % of the
 step; where the traced steps ran more or fewer ops a step than those rounds' steps (a program whose steps
 differ by chance: a layer dropped at random), twice as many steps are traced again in their place, up to
-:data:`MAX_TRACED_AGAIN` times (each twice the last); the last step (not timed) records what the step's
-floating tensors hold (:mod:`harness.traces.capture_values`).
+:data:`MAX_TRACED_AGAIN` times (each twice the last); the last block traced runs again, each step with the
+random draws it had, under the memory profiler alone, for its peak without the observer's own copies
+(:func:`harness.traces.allocator_peaks.captured_step_peak_bytes`); the last step (not timed) records what the
+step's floating tensors hold (:mod:`harness.traces.capture_values`).
 A registered workload whose op shapes follow its data (seqrec's length buckets) holds its batch from the
 traced step on (``hold_batch``), so those steps run the traced step's shapes. The
 bundle (see :mod:`workloads.trace_bundle`) is written when the ``with`` block ends. Under
@@ -32,6 +34,7 @@ import json
 import math
 import os
 import platform as pyplatform
+import random
 import shutil
 import statistics
 import sys
@@ -55,6 +58,7 @@ from harness.platform import Platform, device_name, host_allocator_in_effect, sy
 from harness.recording.fingerprint import git_state, library_versions
 from harness.running.loop import MemoryMeter, seed_everything
 from harness.running.runner import join_process_group, open_workload
+from harness.traces.allocator_peaks import StepPeaks
 from harness.traces.capture_values import ValueProfile
 from workloads import discover
 from workloads.base import RunContext, Workload
@@ -229,6 +233,41 @@ class _ModuleScopes:
             self.stack.pop().__exit__(None, None, None)
 
 
+@dataclass(frozen=True)
+class _Draws:
+    """The states of the random generators a step draws from: torch's on the CPU and on the step's device,
+    Python's and NumPy's global ones (where NumPy is loaded). Put back before a step, the step draws what a
+    step started from there drew: a program's random shapes (a crop's length, a mask's count) come out alike."""
+
+    cpu: torch.Tensor
+    device_type: str
+    device: torch.Tensor | None
+    python: Any
+    numpy: Any
+
+    @classmethod
+    def now(cls, device: torch.device) -> _Draws:
+        module = _rng_module(device)
+        numpy = sys.modules.get("numpy")
+        return cls(torch.random.get_rng_state(), device.type, module.get_rng_state() if module else None,
+                   random.getstate(), numpy.random.get_state() if numpy is not None else None)
+
+    def restore(self) -> None:
+        torch.random.set_rng_state(self.cpu)
+        if self.device is not None and (module := _rng_module(torch.device(self.device_type))) is not None:
+            module.set_rng_state(self.device)
+        random.setstate(self.python)
+        if self.numpy is not None and (numpy := sys.modules.get("numpy")) is not None:
+            numpy.random.set_state(self.numpy)
+
+
+def _rng_module(device: torch.device) -> Any:
+    """The torch module of ``device``'s own generator (``torch.cuda`` ...), or None on the CPU or where it has none."""
+    module = getattr(torch, device.type, None) if device.type != "cpu" else None
+    return module if module is not None and hasattr(module, "get_rng_state") and hasattr(module, "set_rng_state") \
+        else None
+
+
 class Capture:
     """Drives the phases of a capture; use :meth:`step` around each step of the loop."""
 
@@ -268,6 +307,10 @@ class Capture:
         self.timing_ops: list[int] = []  # ops each measured Kineto-alone step ran (the top-most op events)
         self.timing_op_names: set[str] = set()  # the ops those steps ran, by name
         self.again_blocks: list[int] = []  # the steps of each block traced again after the rounds (_check_traced)
+        self._traced_draws: list[_Draws] = []  # the random generators' states before each traced step
+        self._peaks = StepPeaks(device)
+        self.step_peak_bytes: list[int] = []  # each traced step's memory peak, run again without the observer
+        self._draws_after: _Draws | None = None  # the generators' states when those steps began
 
     @property
     def timing_steps(self) -> int:
@@ -278,7 +321,12 @@ class Capture:
     def total_steps(self) -> int:
         """Steps the loop runs; it grows while the host-time rounds are added (:meth:`_settle_rounds`)."""
         return self.warmup + self.baseline_steps + self.steps + (SETTLE_ROUNDS + self.timing_rounds) * _ROUND + \
-            sum(self.again_blocks) + VALUE_STEPS
+            sum(self.again_blocks) + self.memory_steps + VALUE_STEPS
+
+    @property
+    def memory_steps(self) -> int:
+        """Steps run again for their memory peak after the last block traced: one for each of its steps."""
+        return self.again_blocks[-1] if self.again_blocks else self.steps
 
     @property
     def tracing(self) -> bool:
@@ -316,17 +364,28 @@ class Capture:
         in_rounds = index >= self.steps and round_ < self.timing_rounds
         in_timing = in_rounds and round_ >= 0
         profile_values = self.step_index == self.total_steps - 1
+        memory_index = self.step_index - (self.total_steps - VALUE_STEPS - self.memory_steps)
+        in_memory = 0 <= memory_index < self.memory_steps
         kineto = in_rounds and at < TIMING_WARMUP + TIMING_MEASURED
         measured_kineto = kineto and in_timing and at >= TIMING_WARMUP
         measured_plain = in_timing and at >= _ROUND - PLAIN_MEASURED
         timing_index = round_ * TIMING_MEASURED + at - TIMING_WARMUP
         timed = self.warmup <= self.step_index < self.warmup + self.baseline_steps or traced
         if traced and self._profiler is None:
+            self._traced_draws = []
             if traced_again:  # in place of the steps traced before
                 self.traced_times_s = []
                 (self.out_dir / ET_FILE).unlink(missing_ok=True)
                 shutil.rmtree(self.out_dir / ET_RESOURCES, ignore_errors=True)
             self._start_profiler()
+        if traced:
+            self._traced_draws.append(_Draws.now(self.device))
+        if in_memory:
+            if memory_index == 0:
+                self._draws_after = _Draws.now(self.device)
+                self._peaks.start()
+            if memory_index < len(self._traced_draws):  # the traced step's own draws: its shapes
+                self._traced_draws[memory_index].restore()
         if kineto and self._timing_profiler is None:
             self._timing_profiler = profile(activities=profiler_activities(self.device))
             self._timing_profiler.start()
@@ -347,6 +406,9 @@ class Capture:
             self.values = held.entries
         elif measured_kineto:
             with record_function(f"{STEP_ANNOTATION}{timing_index}"):
+                yield
+        elif in_memory:
+            with self._peaks.step():
                 yield
         elif self.step_index == self.warmup - 1:  # the last warm-up step (a compiled program compiled in the first)
             layouts = _UntraceableLayouts()
@@ -373,6 +435,10 @@ class Capture:
         if timed and not traced:
             self.memory.sample()
         self.step_index += 1
+        if in_memory and memory_index == self.memory_steps - 1:
+            self.step_peak_bytes = self._peaks.stop()
+            if self._draws_after is not None:
+                self._draws_after.restore()  # the program draws on as if these steps had not run
         if traced and trace_index == block - 1:
             self._stop_profiler()
             if traced_again:
@@ -514,6 +580,7 @@ class Capture:
 
     def abandon(self) -> None:
         """Stop an unfinished profiler (the loop failed); leaves no meta.json, so no bundle."""
+        self._peaks.abandon()
         if self._timing_profiler is not None:
             self._timing_profiler.stop()
             self._timing_profiler = None
@@ -571,7 +638,7 @@ def capture(
             f"capture into {target}: the loop ran {cap.step_index} step(s), but a bundle needs "
             f"{cap.total_steps} (warm-up {warmup}, timed baseline {baseline_steps}, traced {steps}, "
             f"host-time rounds {SETTLE_ROUNDS} + {cap.timing_rounds} x {_ROUND}, traced again "
-            f"{sum(cap.again_blocks)}, value profile {VALUE_STEPS}); "
+            f"{sum(cap.again_blocks)}, memory {cap.memory_steps}, value profile {VALUE_STEPS}); "
             f"loop until `cap.done`"
         )
     meta = BundleMeta(
@@ -591,6 +658,7 @@ def capture(
         timing_spin_ns=cap.timing_spin_ns,
         timing_step_spin_ns=cap.timing_step_spin_ns,
         traced_again=cap.traced_again,
+        step_peak_bytes=cap.step_peak_bytes,
     )
     if cap.values is not None:
         (target / VALUES_FILE).write_text(json.dumps(cap.values))

@@ -115,12 +115,12 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
         # by chance (LayerDrop skipping a layer, a data-dependent branch) peaks on its largest step, which
         # a few of its own steps can all miss (Wav2Vec2: 7.1 MB in ~1 step of 5, 12.3 MB otherwise).
         memory_steps = max(len(read_meta(rank_dir).traced_step_times_s), MEMORY_STEPS)
-        # Each side's peak over that many of its own steps, measured alike. Not the captured
-        # steps' own allocator events: under the execution-trace observer, the copies it makes of integer
-        # inputs (recorded data, value ranges) are allocations too — a GCN's edge indices added 83 % there.
-        # Except for a workload that holds its traced batch (its op shapes follow its data): its captured
-        # steps' peak (its own steps over fresh batches had its data pipeline's next ones made beside them:
-        # seqrec 10.8 MB where its captured steps held 6.8).
+        # Each side's peak over that many of its own steps, measured alike: the program as it goes on, not only
+        # the few steps the capture traced (a program peaks on its largest step). Except for a workload that
+        # holds its traced batch (its op shapes follow its data): its captured steps' peak (its own steps over
+        # fresh batches had its data pipeline's next ones made beside them: seqrec 10.8 MB where its captured
+        # steps held 6.8), run again without the execution-trace observer, whose copies of integer inputs
+        # are allocations too (captured_step_peak_bytes).
         captured_peak = captured_step_peak_bytes(rank_dir, ctx.device)
         if hold_batch is not None and captured_peak is not None:
             source_peak = captured_peak
@@ -198,7 +198,7 @@ def _fidelity_record(replay_record: dict[str, Any], side: SideBySide, source_pea
         "memory_error_pct": 100.0 * (replay_peak - source_peak) / (static + source_peak)
         if static + source_peak > 0 else math.nan,
     })
-    if captured_peak is not None:  # for reference: the capture's own copies included
+    if captured_peak is not None:  # for reference: the traced steps' own (captured_step_peak_bytes)
         record["metrics"]["captured_step_peak_mb"] = captured_peak / 2**20
     record["judgement"] = "side_by_side"
     drawn = ("source_ms", "replay_ms", "replay_shift_ms", "replay_shift_parts_ms", "host")
