@@ -31,7 +31,9 @@ targets masked, float64 with dropout variants, a medley of losses, ``Bilinear`` 
 ``cdist``/``pdist``, an optimiser by ``_foreach_`` ops, ``functional_call``, double DQN, PPO, a tanh-squashed
 policy, gradient and module hooks, unsorted packed sequences, grouped-query attention, ``tril_indices``,
 ``argwhere``, parameters as one vector, Gaussian NLL with a triplet distance, attention over other key widths,
-weight clipping, volumetric ``grid_sample``, frequency-scaled embedding gradients, and ``torch.compile``.
+weight clipping, volumetric ``grid_sample``, frequency-scaled embedding gradients, ``torch.compile``; and experts
+with a capacity (places by ``cumsum``, dispatch by ``einsum``), scheduled sampling feeding a decoder its own
+``argmax``, and MAE's random masking by ``argsort`` and ``gather``.
 """
 
 from __future__ import annotations
@@ -1564,6 +1566,87 @@ def compiled_mlp() -> Program:
     return _trainer(net, loss), net
 
 
+def capacity_moe_dispatch() -> Program:
+    """Switch/GShard-style experts with a capacity: each token's place within its expert from a ``cumsum`` over
+    one-hot routing, tokens past the capacity dropped, dispatch and combine by ``einsum`` over a dense
+    [tokens, experts, capacity] tensor, and the load-balancing loss."""
+    experts, d, capacity = 4, 16, 10
+    router = nn.Linear(d, experts)
+    w1 = nn.Parameter(torch.randn(experts, d, 32) * 0.1)
+    w2 = nn.Parameter(torch.randn(experts, 32, d) * 0.1)
+    model = nn.ModuleList([router])
+    model.w1, model.w2 = w1, w2
+
+    def loss() -> torch.Tensor:
+        x = torch.randn(48, d)
+        probs = router(x).softmax(-1)
+        gate, expert = probs.max(-1)
+        onehot = F.one_hot(expert, experts)
+        position = (onehot.cumsum(0) - 1) * onehot
+        keep = (position < capacity) & onehot.bool()
+        dispatch = F.one_hot(position.clamp(max=capacity - 1), capacity) * keep.unsqueeze(-1)
+        dispatch = dispatch.float()
+        routed = torch.einsum("tec,td->ecd", dispatch, x)
+        out = torch.einsum("ecf,efd->ecd", F.gelu(torch.einsum("ecd,edf->ecf", routed, w1)), w2)
+        combined = torch.einsum("tec,ecd->td", dispatch * gate[:, None, None], out)
+        balance = experts * (onehot.float().mean(0) * probs.mean(0)).sum()
+        return (combined - x).pow(2).mean() + 0.01 * balance
+
+    return _trainer(model, loss), model
+
+
+def scheduled_sampling_decoder() -> Program:
+    """A GRU decoder trained with scheduled sampling: at each step, with some probability, the next input is the
+    model's own ``argmax`` prediction looked up in the embedding instead of the target token."""
+    vocab, d = 30, 16
+    emb, cell, head = nn.Embedding(vocab, d), nn.GRUCell(d, d), nn.Linear(d, vocab)
+    model = nn.ModuleList([emb, cell, head])
+
+    def loss() -> torch.Tensor:
+        targets = torch.randint(1, vocab, (6, 8))
+        h = torch.zeros(6, d)
+        token = torch.zeros(6, dtype=torch.long)
+        total = torch.zeros(())
+        for t in range(8):
+            h = cell(emb(token), h)
+            logits = head(h)
+            total = total + F.cross_entropy(logits, targets[:, t])
+            own = logits.argmax(-1)
+            use_own = torch.rand(6) < 0.3
+            token = torch.where(use_own, own, targets[:, t])
+        return total / 8
+
+    return _trainer(model, loss), model
+
+
+def mae_random_masking() -> Program:
+    """MAE-style random masking: patches shuffled by ``argsort`` of noise, the kept ones ``gather``ed, an encoder
+    over them, mask tokens appended and unshuffled by ``gather`` with the inverse permutation, loss on the masked
+    patches only."""
+    n, length, d, keep = 4, 16, 24, 5
+    enc = nn.TransformerEncoderLayer(d, 2, 48, dropout=0.0, batch_first=True)
+    dec, mask_token = nn.Linear(d, d), nn.Parameter(torch.zeros(1, 1, d))
+    model = nn.ModuleList([enc, dec])
+    model.mask_token = mask_token
+
+    def loss() -> torch.Tensor:
+        x = torch.randn(n, length, d)
+        ids_shuffle = torch.argsort(torch.rand(n, length), dim=1)
+        ids_restore = torch.argsort(ids_shuffle, dim=1)
+        ids_keep = ids_shuffle[:, :keep]
+        kept = torch.gather(x, 1, ids_keep.unsqueeze(-1).repeat(1, 1, d))
+        latent = enc(kept)
+        full = torch.cat([latent, mask_token.repeat(n, length - keep, 1)], dim=1)
+        full = torch.gather(full, 1, ids_restore.unsqueeze(-1).repeat(1, 1, d))
+        mask = torch.ones(n, length)
+        mask[:, :keep] = 0
+        mask = torch.gather(mask, 1, ids_restore)
+        per_patch = (dec(full) - x).pow(2).mean(-1)
+        return (per_patch * mask).sum() / mask.sum()
+
+    return _trainer(model, loss), model
+
+
 PROGRAMS = {f.__name__: f for f in (
     fno_spectral, checkpointed_mlp, grad_accumulation, vae_reparameterised, policy_gradient,
     normal_kl_categorical_actions, multinomial_from_kept_probabilities, gaussian_process_cholesky, sdpa_causal_dropout,
@@ -1592,4 +1675,5 @@ PROGRAMS = {f.__name__: f for f in (
     dqn_target_network, ppo_minibatch_epochs, sac_tanh_gaussian, grad_hooks_and_retain_graph, module_hooks,
     packed_bilstm_unsorted, sdpa_grouped_query, tril_indices_pairwise, argwhere_and_where, parameters_as_one_vector,
     gaussian_nll_and_triplet_distance, attention_other_key_value_widths, wgan_weight_clipping, volumetric_grid_sample,
-    embedding_grad_by_frequency_and_mean_bag, compiled_mlp)}
+    embedding_grad_by_frequency_and_mean_bag, compiled_mlp, capacity_moe_dispatch, scheduled_sampling_decoder,
+    mae_random_masking)}
