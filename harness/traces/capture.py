@@ -437,8 +437,7 @@ class Capture:
         self.step_index += 1
         if in_memory and memory_index == self.memory_steps - 1:
             self.step_peak_bytes = self._peaks.stop()
-            if self._draws_after is not None:
-                self._draws_after.restore()  # the program draws on as if these steps had not run
+            self.end_memory_steps()
         if traced and trace_index == block - 1:
             self._stop_profiler()
             if traced_again:
@@ -578,9 +577,17 @@ class Capture:
         self._observer.unregister_callback()
         self._profiler = None
 
+    def end_memory_steps(self) -> None:
+        """After the steps run again for their memory, or where the loop ended among them (no figure then): the
+        memory profiler ends and the program draws on as if those steps had not run."""
+        self._peaks.abandon()
+        if self._draws_after is not None:
+            self._draws_after.restore()
+            self._draws_after = None
+
     def abandon(self) -> None:
         """Stop an unfinished profiler (the loop failed); leaves no meta.json, so no bundle."""
-        self._peaks.abandon()
+        self.end_memory_steps()
         if self._timing_profiler is not None:
             self._timing_profiler.stop()
             self._timing_profiler = None
@@ -633,6 +640,7 @@ def capture(
         raise
     cap._stop_profiler()
     cap.write_timing_trace()  # also when the loop ended inside the timing phase
+    cap.end_memory_steps()  # ... or inside the steps run again for their memory
     if not cap.traced_times_s or not cap.plain_times_s:
         raise TraceError(
             f"capture into {target}: the loop ran {cap.step_index} step(s), but a bundle needs "
