@@ -37,6 +37,19 @@ def synchronize(device: torch.device) -> None:
         torch.accelerator.synchronize(device)
 
 
+def rng_state(device: torch.device) -> torch.Tensor | None:
+    """The state of ``device``'s own random generator (``torch.cuda.get_rng_state()`` ...); None on the CPU (its
+    generator is ``torch.random``'s) or where the device's module has none."""
+    module = getattr(torch, device.type, None) if device.type != "cpu" else None
+    get = getattr(module, "get_rng_state", None)
+    return get() if get is not None else None
+
+
+def set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    """Put back a state :func:`rng_state` returned for ``device``."""
+    getattr(torch, device.type).set_rng_state(state)
+
+
 def reset_peak_memory_stats(device: torch.device) -> None:
     """Start the allocator's peak (``max_memory_allocated``) afresh; a no-op on the CPU."""
     if device.type != "cpu":

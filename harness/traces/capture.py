@@ -62,6 +62,7 @@ from harness.traces.allocator_peaks import StepPeaks
 from harness.traces.capture_values import ValueProfile
 from workloads import discover
 from workloads.base import RunContext, Workload
+from workloads.device import rng_state, set_rng_state
 from workloads.trace_bundle import (
     ET_FILE,
     ET_RESOURCES,
@@ -240,32 +241,24 @@ class _Draws:
     step started from there drew: a program's random shapes (a crop's length, a mask's count) come out alike."""
 
     cpu: torch.Tensor
-    device_type: str
-    device: torch.Tensor | None
+    device: torch.device
+    on_device: torch.Tensor | None
     python: Any
     numpy: Any
 
     @classmethod
     def now(cls, device: torch.device) -> _Draws:
-        module = _rng_module(device)
         numpy = sys.modules.get("numpy")
-        return cls(torch.random.get_rng_state(), device.type, module.get_rng_state() if module else None,
-                   random.getstate(), numpy.random.get_state() if numpy is not None else None)
+        return cls(torch.random.get_rng_state(), device, rng_state(device), random.getstate(),
+                   numpy.random.get_state() if numpy is not None else None)
 
     def restore(self) -> None:
         torch.random.set_rng_state(self.cpu)
-        if self.device is not None and (module := _rng_module(torch.device(self.device_type))) is not None:
-            module.set_rng_state(self.device)
+        if self.on_device is not None:
+            set_rng_state(self.device, self.on_device)
         random.setstate(self.python)
-        if self.numpy is not None and (numpy := sys.modules.get("numpy")) is not None:
-            numpy.random.set_state(self.numpy)
-
-
-def _rng_module(device: torch.device) -> Any:
-    """The torch module of ``device``'s own generator (``torch.cuda`` ...), or None on the CPU or where it has none."""
-    module = getattr(torch, device.type, None) if device.type != "cpu" else None
-    return module if module is not None and hasattr(module, "get_rng_state") and hasattr(module, "set_rng_state") \
-        else None
+        if self.numpy is not None:
+            sys.modules["numpy"].random.set_state(self.numpy)
 
 
 class Capture:
