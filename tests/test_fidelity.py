@@ -887,6 +887,38 @@ def test_an_integer_storage_made_beside_a_recurrent_layers_leaves_the_layers_mem
     assert torch.equal(tensors.vals[slot], labels)
 
 
+def test_a_recurrent_layers_memory_is_matched_only_to_storages_its_inner_ops_made(tmp_path: Path):
+    """A tagger's labels (192 int64) are as many bytes as a time step's hidden state (8 × 48 floats), many of
+    which the GRU allocates and holds for its backward. The capture matched the labels to one of those by size
+    in most captures: the replay then made them afresh each step, where the program held them throughout. Only
+    storages the layer's inner ops made (the trace holds their outputs) are matched to what it held."""
+    from harness.traces.capture import capture
+    from workloads.trace_replay.spec import generate_spec
+
+    torch.manual_seed(0)
+    emb, gru, head = torch.nn.Embedding(200, 32), torch.nn.GRU(32, 48, batch_first=True, num_layers=2), \
+        torch.nn.Linear(48, 12)
+    model = torch.nn.ModuleList([emb, gru, head])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens, tags = torch.randint(0, 200, (8, 24)), torch.randint(0, 12, (8, 24))
+
+    def step() -> None:
+        torch.nn.functional.cross_entropy(head(gru(emb(tokens))[0]).flatten(0, 1), tags.flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with capture(tmp_path / "bundle", steps=3, warmup=5, baseline_steps=1, model=model, announce=False) as cap:
+        while not cap.done:  # as a judgement captures
+            with cap.step():
+                step()
+    ops = generate_spec(tmp_path / "bundle")["ranks"][0]["ops"]
+    labels = {op["inputs"]["values"][1][1] for op in ops if op["name"] == "aten::nll_loss_forward"}
+    layers = [op for op in ops if op.get("held_bytes")]
+    assert len(labels) == 1 and len(layers) == len({op["step"] for op in ops}) >= 2
+    assert all(len(op["born"]) > 100 for op in layers)  # its gates and states, made after it
+    assert not any(labels & set(op["born"]) for op in ops), [len(labels & set(op["born"])) for op in layers]
+
+
 def _channels_last_cnn() -> tuple[Any, torch.nn.Module]:
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.BatchNorm2d(16), torch.nn.ReLU(),
                                 torch.nn.Conv2d(16, 8, 3), torch.nn.Flatten(), torch.nn.Linear(8 * 16 * 16, 5))

@@ -13,8 +13,9 @@ get no ``released`` (the replay frees at last use).
 ``born`` on an op: storages the program allocated after it and before the next op, outside every
 replayed op (a compiled graph's own buffers: inductor allocates them without an op), or inside a
 composite op the replay keeps whole (``held_bytes``: all it allocated inside it and still held when it
-returned, beyond its outputs; a recurrent layer's gates and states, saved for backward), that a later
-op of the step reads before any op writes them. Without it the replay would hold such a buffer
+returned, beyond its outputs; a recurrent layer's gates and states, saved for backward: there only the
+storages its inner ops made, which the trace holds), that a later op of the step reads before any op
+writes them. Without it the replay would hold such a buffer
 (e.g. an activation a compiled forward saves for its backward) from the start as if it lived
 across steps; with it the replay makes the buffer when the program did. An allocation is matched
 to the first storage of its size (:func:`fits`) that the step reads without having made or read it, and
@@ -175,6 +176,10 @@ def mark_source_releases(ops: list[dict[str, Any]], memory: list[MemoryEvent]) -
             # between ops: the first storage of this size the step reads later without having made it
             later = [(i, size) for i, (reader, _, size) in enumerate(orphans)
                      if reader > at and timed[reader]["step"] == op["step"]]
+            if held:
+                # a storage one of its inner ops made (the trace holds their outputs); sizes alone matched a
+                # GRU tagger's labels (192 int64) to a time step's hidden state (8 × 48 floats) in most captures
+                later = [(i, size) for i, size in later if orphans[i][1] in op["held_storages"]]
             if held and n in freed:
                 # of a composite's many storages of one size (an LSTM's gates, a time step each, read back in
                 # reverse), the one last read just before this allocation was freed

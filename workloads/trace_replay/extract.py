@@ -128,14 +128,15 @@ def _is_composite(schema: str) -> bool:
         return False
 
 
-def _replay_level(nodes: dict[int, Node]) -> tuple[list[Node], set[int]]:
+def _replay_level(nodes: dict[int, Node]) -> tuple[list[Node], dict[int, set[int]]]:
     """The ops to replay: top-level ops, except that a composite op (one whose work is all done by the
     ops it calls) whose inner ops make a tensor a later op reads (e.g. attention's log-sum-exp, saved
     for backward) is replaced by its inner ops, so the replay makes that tensor instead of inventing it;
-    and the ids of the composites kept whole although they make such tensors: those that would be replaced
-    by :data:`WHOLE_MIN_OPS` ops or more (a recurrent layer's ``aten::gru`` calls its cell's small ops from
-    C++, which the replay would call one by one from Python). What such an op made inside it and still held
-    when it returned is made right after it (:mod:`.allocations`: ``held_bytes``)."""
+    and the composites kept whole although they make such tensors: those that would be replaced by
+    :data:`WHOLE_MIN_OPS` ops or more (a recurrent layer's ``aten::gru`` calls its cell's small ops from
+    C++, which the replay would call one by one from Python), by id, each with the storages its inner ops
+    made. What such an op made inside it and still held when it returned is made right after it
+    (:mod:`.allocations`: ``held_bytes``), of those storages only."""
     children: dict[int, list[Node]] = {}
     for node in nodes.values():
         if node.parent != node.id:
@@ -184,12 +185,13 @@ def _replay_level(nodes: dict[int, Node]) -> tuple[list[Node], set[int]]:
         return counted[node.id]
 
     roots = [n for n in nodes.values() if n.schema and not any(a.schema for a in ancestors(n, nodes))]
-    level, whole, work = [], set(), sorted(roots, key=lambda n: n.id)
+    level, work = [], sorted(roots, key=lambda n: n.id)
+    whole: dict[int, set[int]] = {}
     while work:
         node = work.pop(0)
         below = expanded(node)
         if below and sum(count(n) for n in below) >= WHOLE_MIN_OPS:
-            whole.add(node.id)
+            whole[node.id] = {key[1] for n in subtree(node) if n.schema for key in _keys(n.outputs)}
             below = []
         if below:
             work = below + work
@@ -271,7 +273,8 @@ def _captured_ops(trace: BundleTrace) -> list[dict[str, Any]]:
             # the program recorded autograd history through it (an autograd sequence number): a forward op
             # under grad mode, whose bookkeeping the replay, running without grad, measures and spends
             "grad": node.seq_id is not None and "backward" not in node.name,
-            **({"held_bytes": 0} if node.id in whole else {}),  # set from the allocator's events
+            # set from the allocator's events; the storages its inner ops made, which they may be, not kept
+            **({"held_bytes": 0, "held_storages": whole[node.id]} if node.id in whole else {}),
         })
     ops.sort(key=lambda o: (o["step"], o["ts_us"] if o["ts_us"] is not None else math.inf, o["id"]))
     return ops
@@ -290,6 +293,8 @@ def extract_rank(trace: BundleTrace) -> tuple[list[dict[str, Any]], list[dict[st
     if not ops:
         raise TraceError(f"{et_path}: the captured steps contain no operators with a schema")
     mark_source_releases(ops, trace.kineto.memory)
+    for op in ops:
+        op.pop("held_storages", None)
     replayed = {op["name"] for op in ops}
     # and how long the ops took meanwhile, which a replay sets its own against (Replayer.op_time_ratio)
     measured, op_us = measured_host_gaps(trace, replayed)
