@@ -31,7 +31,7 @@ from workloads.trace_replay.host_time import (
     place_host_gaps,
     replayed_op_time,
 )
-from workloads.trace_replay.parse import KinetoEvent, KinetoTrace, Node, kineto_trace, repair_nesting
+from workloads.trace_replay.parse import KinetoEvent, KinetoTrace, Node, kineto_trace, recorded_kineto, repair_nesting
 from workloads.trace_replay.records import RankRecord, SpecRecord
 from workloads.trace_replay.replay import Replayer
 from workloads.trace_replay.spec import GenerateOptions, generate_spec, load_spec, write_spec
@@ -119,6 +119,10 @@ def test_capture_writes_a_bundle_with_uninstrumented_step_times(program_bundle: 
     assert all(s["host_spin_ns"] == pytest.approx(reference) for s in steps)
     assert all(0.0 <= s.get("host_speed_elasticity", 1.0) <= 2.0 for s in steps)
     assert all(s["host_gap_us"] == pytest.approx(statistics.median(s["host_gap_samples_us"])) for s in steps)
+    # the profiler's cost of each kind of op event on the capturing host, relative to a top-level op's: the spec
+    # splits the rounds' steps by them
+    weights = meta.profiler_event_weights
+    assert len(weights) == 3 and weights[0] == 1.0 and all(w > 0 for w in weights), weights
     et = json.loads((program_bundle / ET_FILE).read_text())
     assert et["schema"].startswith("1.1.1-chakra")
 
@@ -546,6 +550,85 @@ def test_host_time_inside_a_wrapper_the_replay_does_not_run_counts_as_host_time(
     assert kineto_host_gaps(kineto_trace(trace, Path("t.json")), {None: 80.0}, replayed) == {0: pytest.approx(30.0)}
     # without the replayed set the wrapper counts as one op: busy 70 µs (wrapper, relu), 2 events × 5
     assert kineto_host_gaps(kineto_trace(trace, Path("t.json")), {None: 80.0}) == {0: pytest.approx(20.0)}
+
+
+def test_a_bundle_whose_event_weights_are_not_three_positive_numbers_is_refused(program_bundle: Path,
+                                                                                tmp_path: Path):
+    """The weights split the program's host time from its op time: a meta.json edited or written by another tool
+    with weights that cannot be costs is refused with what is wrong, not read as a host time below zero."""
+    raw = json.loads((program_bundle / META_FILE).read_text())
+    for weights in ([1.0, -0.5, 1.3], [1.0, 0.5], [1.0, float("nan"), 1.3]):
+        (tmp_path / META_FILE).write_text(json.dumps({**raw, "profiler_event_weights": weights}))
+        with pytest.raises(TraceError, match="profiler_event_weights .* not three positive numbers"):
+            read_meta(tmp_path)
+    (tmp_path / META_FILE).write_text(json.dumps({**raw, "profiler_event_weights": []}))
+    assert read_meta(tmp_path).profiler_event_weights == []  # a bundle from before them: spread alike
+
+
+def test_the_profilers_cost_is_shared_among_a_steps_events_by_their_kinds_weights():
+    """The profiler's cost of an event depends on who called it: an op called from Python, one called inside
+    another, the autograd engine's own events. A step's cost (Kineto step − plain step) is shared out in the
+    proportions the host measured (``EventWeights``); alike, a backward's engine events were charged too little
+    and the program's host time read high. An op the replay runs counts as called from Python wherever the
+    program called it from, as the replay's calibrations count its calls.
+
+    Step of 100 µs, 66 plain: 34 µs of profiler cost. Events: ``linear`` (top, 1) holding ``addmm`` (nested,
+    0.5); the engine's ``evaluate_function`` (2) holding its node's event (2) holding ``mm`` and ``add`` (replayed:
+    top, 1 each); ``relu`` (top, 1): 8.5 in all, 4 µs each unit. Replayed ops linear, mm, add, relu: 50 µs inside
+    them; outside them the events weigh 8 (32 µs): 18 µs of host time, and 50 − 2 (addmm's) = 48 of op time.
+    Spread alike (34 ÷ 7 each): 20.9 and 45.1."""
+    def event(name: str, ts: float, dur: float, cat: str = "cpu_op") -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": 7}
+
+    trace = kineto_trace({"traceEvents": [
+        event("cobench_step#0", 1000, 100, "user_annotation"),
+        event("aten::linear", 1005, 20), event("aten::addmm", 1008, 10),
+        event("autograd::engine::evaluate_function: MmBackward0", 1030, 40), event("MmBackward0", 1031, 38),
+        event("aten::mm", 1035, 10), event("aten::add", 1050, 10),
+        event("aten::relu", 1080, 10),
+    ]}, Path("t.json"))
+    replayed = {"aten::linear", "aten::mm", "aten::add", "aten::relu"}.__contains__
+    weights = host_time.EventWeights(top=1.0, nested=0.5, engine=2.0)
+    assert kineto_host_gaps(trace, {None: 66.0}, replayed, weights) == {0: pytest.approx(18.0)}
+    assert replayed_op_time(trace, {None: 66.0}, replayed, weights) == {0: pytest.approx(48.0)}
+    assert kineto_host_gaps(trace, {None: 66.0}, replayed) == {0: pytest.approx(100 - 50 - 6 * 34 / 7)}
+    assert replayed_op_time(trace, {None: 66.0}, replayed) == {0: pytest.approx(50 - 34 / 7)}
+
+
+def test_a_real_backwards_events_are_told_apart_by_who_called_them():
+    """On the profiler's own events of a training step: the forward's ops called from Python are top-level, the
+    engine's ``evaluate_function`` and its node's event are the engine's, the ops a node calls are nested."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    leaf = torch.randn(8, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof, record_function("cobench_step#0"):
+        torch.tanh(leaf).sum().backward()
+    trace = recorded_kineto(prof.profiler.kineto_results.events())
+    kinds = host_time.EventWeights(top=1.0, nested=2.0, engine=3.0)  # each kind's weight names it
+    seen: dict[str, list[str]] = {}  # each event's kinds, in the order they started
+    for e, _, w in host_time._step_events(host_time._by_start(trace), trace.steps[0], None, kinds):
+        seen.setdefault(e.name, []).append({1.0: "top", 2.0: "nested", 3.0: "engine"}[w])
+    assert seen["aten::tanh"] == ["top"] and seen["aten::sum"] == ["top", "nested"]  # sum calls its overload
+    assert seen["autograd::engine::evaluate_function: TanhBackward0"] == seen["TanhBackward0"] == ["engine"]
+    assert seen["torch::autograd::AccumulateGrad"] == ["engine"]
+    assert seen["aten::tanh_backward"] == ["nested"]
+
+
+def test_event_weights_are_solved_from_the_chains_and_left_alike_where_they_cost_nothing(monkeypatch):
+    """A machine whose profiled chains ran no slower than its plain ones (too loud to tell) measures no weights:
+    the step's cost is spread alike, as a bundle without them is read."""
+    kinds = iter([[10.0, 0.0, 0.0], [10.0, 20.0, 0.0], [0.0, 0.0, 20.0]] * 2)  # each chain's events by kind
+    monkeypatch.setattr(host_time, "_chain_block", lambda body, prep, samples: 100.0)
+    monkeypatch.setattr(host_time, "_profiled_chain_block", lambda body, prep, samples: (100.0, next(kinds)))
+    assert host_time.measure_event_weights(repeats=2, chain=10, samples=2) is None
+    # and where they did: each kind's cost solved from the chains' (0.5 µs a top-level event, 0.25 nested, 1 engine)
+    rows = [[10.0, 0.0, 0.0], [10.0, 20.0, 0.0], [0.0, 0.0, 20.0]]
+    cost = {0: 5.0, 1: 10.0, 2: 20.0}  # each chain's profiler cost: its events × their costs
+    turns = iter(range(6))
+    monkeypatch.setattr(host_time, "_profiled_chain_block",
+                        lambda body, prep, samples: (100.0 + cost[(i := next(turns) % 3)], rows[i]))
+    assert host_time.measure_event_weights(repeats=2, chain=10, samples=2) == \
+        pytest.approx(host_time.EventWeights(1.0, 0.5, 2.0))
 
 
 def test_ops_another_thread_runs_while_the_step_waits_are_op_time_not_host_time():

@@ -87,6 +87,9 @@ class BundleMeta:
     # the same random draws under the memory profiler alone (the observer's own copies left out); empty: not
     # recorded (harness.traces.allocator_peaks.captured_step_peak_bytes)
     step_peak_bytes: list[int] = field(default_factory=list)
+    # the profiler's cost of an op event of each kind relative to a top-level op's, measured on the capturing host
+    # (workloads.trace_replay.host_time.EventWeights: top, nested, engine); empty: spread alike
+    profiler_event_weights: list[float] = field(default_factory=list)
     schema: str = META_SCHEMA
 
     @property
@@ -117,6 +120,7 @@ class BundleMeta:
             "timing_step_spin_ns": self.timing_step_spin_ns,
             "traced_again": self.traced_again,
             "step_peak_bytes": self.step_peak_bytes,
+            "profiler_event_weights": self.profiler_event_weights,
         }
 
 
@@ -184,11 +188,16 @@ def read_meta(bundle: Path) -> BundleMeta:
             timing_step_spin_ns=[[float(t) for t in pair] for pair in raw.get("timing_step_spin_ns", [])],
             traced_again=int(raw.get("traced_again", 0) or 0),
             step_peak_bytes=[int(b) for b in raw.get("step_peak_bytes", [])],
+            profiler_event_weights=[float(w) for w in raw.get("profiler_event_weights", [])],
         )
     except (KeyError, TypeError, ValueError) as err:
         raise TraceError(f"{path}: malformed metadata ({type(err).__name__}: {err})") from None
     if not meta.step_times_s or not meta.traced_step_times_s:
         raise TraceError(f"{path}: the bundle records no steps (the captured loop ran no complete step)")
+    weights = meta.profiler_event_weights
+    if weights and not (len(weights) == 3 and all(math.isfinite(w) and w > 0 for w in weights)):
+        raise TraceError(f"{path}: malformed metadata (profiler_event_weights {weights} are not three positive "
+                         f"numbers: top, nested, engine; capture the program again)")
     return meta
 
 

@@ -87,6 +87,7 @@ from workloads.trace_replay.host_time import (
     TIMING_MEASURED,
     TIMING_ROUNDS,
     TIMING_WARMUP,
+    event_weights,
     host_time_half_width_pct,
     is_op,
     kineto_host_gaps,
@@ -304,6 +305,9 @@ class Capture:
         self._peaks = StepPeaks(device)
         self.step_peak_bytes: list[int] = []  # each traced step's memory peak, run again without the observer
         self._draws_after: _Draws | None = None  # the generators' states when those steps began
+        # the profiler's cost of each kind of op event on this host, measured before the program's first step (the
+        # rounds' host time is split by it, and the spec's; once a process)
+        self.event_weights = event_weights()
 
     @property
     def timing_steps(self) -> int:
@@ -477,7 +481,7 @@ class Capture:
         gaps: dict[int, float] = {}
         if self._round_trace is not None:
             plain_us = 1e6 * statistics.median(self.timing_plain_times_s[-PLAIN_MEASURED:])
-            gaps = kineto_host_gaps(self._round_trace, {None: plain_us}, is_op)
+            gaps = kineto_host_gaps(self._round_trace, {None: plain_us}, is_op, self.event_weights)
             self.timing_ops += list(step_op_counts(self._round_trace).values())
             self.timing_op_names |= op_names(self._round_trace)
             self._round_trace = None
@@ -660,6 +664,7 @@ def capture(
         timing_step_spin_ns=cap.timing_step_spin_ns,
         traced_again=cap.traced_again,
         step_peak_bytes=cap.step_peak_bytes,
+        profiler_event_weights=list(cap.event_weights or ()),
     )
     if cap.values is not None:
         (target / VALUES_FILE).write_text(json.dumps(cap.values))

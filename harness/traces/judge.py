@@ -66,6 +66,7 @@ from harness.traces.side_by_side import (
 from workloads import discover
 from workloads.base import RunContext, WorkloadSpec
 from workloads.trace_bundle import rank_dirs, read_meta
+from workloads.trace_replay.host_time import EventWeights, bundle_weights
 
 MEMORY_STEPS = 8  # each side's peak memory: the most of this many of its own steps (or every captured one)
 
@@ -102,15 +103,16 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
     replay = spec.factory.from_bundle(bundle, ctx, **options)
     replay.setup()
     try:
+        rank_dir = rank_dirs(bundle)[min(ctx.rank, len(rank_dirs(bundle)) - 1)]
         agree = _rank0_value(ctx.process_group) if ctx.distributed else None
         side = interleave(source_step, replay.step, ctx.device, rounds=rounds, steps_per_round=steps_per_round,
                           warmup=warmup, seed=ctx.seed, budget_s=budget_s, agree=agree,
                           replay_shift_parts_ms=capture_shift_parts(getattr(replay, "replayer", None), seed=ctx.seed),
                           prepare={"replay": replay.restore_values} if hasattr(replay, "restore_values") else None,
-                          host=_host_probe(source_step, replay, ctx.device, agree),
+                          host=_host_probe(source_step, replay, ctx.device, agree,
+                                           bundle_weights(read_meta(rank_dir))),
                           start_together=(lambda: torch.distributed.barrier(group=ctx.process_group))
                           if ctx.distributed else None)
-        rank_dir = rank_dirs(bundle)[min(ctx.rank, len(rank_dirs(bundle)) - 1)]
         # Each captured step at least once, and never fewer than MEMORY_STEPS: a program whose steps differ
         # by chance (LayerDrop skipping a layer, a data-dependent branch) peaks on its largest step, which
         # a few of its own steps can all miss (Wav2Vec2: 7.1 MB in ~1 step of 5, 12.3 MB otherwise).
@@ -145,15 +147,17 @@ def capture_host_s(budget_s: float | None) -> float:
 
 
 def _host_probe(source_step: Callable[[], Any], replay: Any, device: torch.device,
-                agree: Callable[[Any], Any] | None) -> HostProbe | None:
+                agree: Callable[[Any], Any] | None, weights: EventWeights | None) -> HostProbe | None:
     """What measures each side's host time and op time again while they are judged, where the replay spends
     the capture's host time (None where it spends none, or the capture measured none); ``agree``: see
-    :func:`~harness.traces.side_by_side.host_time_probe`."""
+    :func:`~harness.traces.side_by_side.host_time_probe`; ``weights``: the profiler's cost by kind of event
+    the capture measured, which the program's steps are split by as the capture split them (the replay's
+    are split alike, as its calibrations split them)."""
     replayer, replay_step = getattr(replay, "replayer", None), replay.step
     if replayer is None or not getattr(replayer, "host_gaps", False) or not replayer.gap_samples_us:
         return None
     replayed = {op.name for op in replayer.ops}
-    return HostProbe(host_time_probe(source_step, device, replayed, agree=agree),
+    return HostProbe(host_time_probe(source_step, device, replayed, agree=agree, weights=weights),
                      host_time_probe(replay_step, device, replayed, prepare=getattr(replay, "restore_values", None),
                                      agree=agree),
                      capture_ms=statistics.median(replayer.gap_samples_us) / 1e3,

@@ -31,6 +31,7 @@ from workloads.trace_replay.host_time import (
     PLAIN_SETTLE,
     TIMING_MEASURED,
     TIMING_WARMUP,
+    EventWeights,
     host_and_op_time,
     profiled_steps,
     round_median_draws,
@@ -577,7 +578,8 @@ def capture_shift_parts(replayer: Any, *, seed: int = 0, samples: int = BOOTSTRA
 
 def host_time_probe(step: Callable[[], Any], device: torch.device, replayed: set[str],
                     prepare: Callable[[], Any] | None = None,
-                    agree: Callable[[Any], Any] | None = None) -> Callable[[], tuple[list[float], list[float]]]:
+                    agree: Callable[[Any], Any] | None = None,
+                    weights: EventWeights | None = None) -> Callable[[], tuple[list[float], list[float]]]:
     """A callable measuring a step's time outside the ``replayed`` ops and inside them (µs, one figure each
     per measured step) as the capture's host-time rounds measure the program's (:mod:`harness.traces.capture`):
     steps under Kineto alone (the first ones settling it), then plain ones (after some that settle), the
@@ -588,7 +590,9 @@ def host_time_probe(step: Callable[[], Any], device: torch.device, replayed: set
     with a step whose host time or op time came out at zero is taken again (:data:`PROBE_TRIES`); none left, the
     callable returns no figures. ``agree``: under torchrun, returns rank 0's value of what it is given, so
     that every rank takes a probe again, or not, as rank 0 does (the steps hold collectives; rank 0's
-    figures are the ones recorded)."""
+    figures are the ones recorded). ``weights``: the profiler's cost by kind of event, as the capture split the
+    program's steps (:class:`~workloads.trace_replay.host_time.EventWeights`; None: alike, as the replay's
+    calibrations split its own)."""
 
     def settle() -> None:
         for _ in range(TIMING_WARMUP):
@@ -607,7 +611,7 @@ def host_time_probe(step: Callable[[], Any], device: torch.device, replayed: set
             took = _timed(step, device, 1)
             if k >= PLAIN_SETTLE:
                 plain.append(took)
-        return host_and_op_time(trace, {None: 1e3 * statistics.median(plain)}, replayed.__contains__)
+        return host_and_op_time(trace, {None: 1e3 * statistics.median(plain)}, replayed.__contains__, weights)
 
     def measure() -> tuple[list[float], list[float]]:
         for _ in range(PROBE_TRIES):

@@ -15,9 +15,9 @@ replayed op (a compiled graph's own buffers: inductor allocates them without an 
 composite op the replay keeps whole (``held_bytes``: all it allocated inside it and still held when it
 returned, beyond its outputs; a recurrent layer's gates and states, saved for backward: there only the
 storages its inner ops made, which the trace holds), that a later op of the step reads before any op
-writes them. Without it the replay would hold such a buffer
-(e.g. an activation a compiled forward saves for its backward) from the start as if it lived
-across steps; with it the replay makes the buffer when the program did. An allocation is matched
+writes them. Without it the replay would hold such a buffer (e.g. an activation a compiled forward
+saves for its backward) from the start as if it lived across steps; with it the replay makes the
+buffer when the program did. An allocation is matched
 to the first storage of its size (:func:`fits`) that the step reads without having made or read it, and
 kept only if the program freed it within the traced steps and after that read (a temporary of the
 same size freed at once is not it; what lives on is state). Below :data:`BORN_MIN_BYTES` (scalars
@@ -178,7 +178,7 @@ def mark_source_releases(ops: list[dict[str, Any]], memory: list[MemoryEvent]) -
                      if reader > at and timed[reader]["step"] == op["step"]]
             if held:
                 # a storage one of its inner ops made (the trace holds their outputs); sizes alone matched a
-                # GRU tagger's labels (192 int64) to a time step's hidden state (8 × 48 floats) in most captures
+                # GRU tagger's labels (192 int64) to a time step's hidden state (8 × 48 floats) in six captures of six
                 later = [(i, size) for i, size in later if orphans[i][1] in op["held_storages"]]
             if held and n in freed:
                 # of a composite's many storages of one size (an LSTM's gates, a time step each, read back in

@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import bisect
 import difflib
+import functools
 import math
 import random
 import re
 import statistics
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from workloads.trace_bundle import STEP_ANNOTATION, BundleMeta
@@ -92,10 +95,11 @@ def profiled_steps(steps: Sequence[Callable[[], Any]], *, settle: Callable[[], A
 
 
 def host_and_op_time(timing: KinetoTrace, plain_us: dict[int | None, float],
-                     replayed: Callable[[str], bool] | None = None) -> tuple[dict[int, float], dict[int, float]]:
+                     replayed: Callable[[str], bool] | None = None, weights: EventWeights | None = None
+                     ) -> tuple[dict[int, float], dict[int, float]]:
     """Each annotated step's time outside the replayed ops and inside them (µs, step index → figure), the
     profiler's cost taken out against ``plain_us``: :func:`kineto_host_gaps` and :func:`replayed_op_time`."""
-    splits = _split_steps(timing, plain_us, replayed)
+    splits = _split_steps(timing, plain_us, replayed, weights)
     return _host_gaps(splits), _op_time(splits)
 
 
@@ -121,8 +125,149 @@ def half_width(draws: Sequence[float]) -> float:
     return (ordered[math.ceil(0.975 * last)] - ordered[int(0.025 * last)]) / 2
 
 
+ENGINE_EVENT = "autograd::engine::evaluate_function"  # the autograd engine's event around each backward node
+WEIGHT_CHAIN = 200  # ops (links) in each chain :func:`measure_event_weights` times
+WEIGHT_SAMPLES = 10  # samples of a chain in each of its blocks
+WEIGHT_REPEATS = 9  # plain, profiled, plain blocks of each chain, taking turns with the other chains
+
+
+class EventWeights(NamedTuple):
+    """The profiler's cost of an op event of each kind relative to one called from Python (``top``): an op
+    called from inside another event (``nested``: a composite op's parts) and the autograd engine's own events
+    (``engine``: ``evaluate_function`` and the node's event inside it). Splitting a program's steps, an op the
+    replay runs counts as ``top`` wherever the program called it from (:func:`_step_events`).
+
+    Spread alike over a step's events, the cost charged a training step's backward too little: on this 2-core
+    VM (2026-12-05, five runs) a chain of top-level ``tanh`` cost 0.58 µs an event under Kineto at the median;
+    the ops ``linear``, ``layer_norm`` and an RNN's forward call 0.21–0.38 µs each (0.44–0.51 of a top-level
+    one; the two view ops ``t`` calls 0.26); a backward node's two engine events 1.2–1.5 of one. The GRU
+    tagger's step (1,312 replayed events, 3,542 inside them, about 1,420 of the engine's) read 3.06 ms of host
+    time in a 6.0 ms step spread alike, 2.43 weighted (0.5, 1.35)."""
+
+    top: float = 1.0
+    nested: float = 1.0
+    engine: float = 1.0
+
+    def of(self, name: str, parent: str | None) -> float:
+        """The weight of an event called ``name`` inside ``parent`` (the innermost event around it on its
+        thread; None: none)."""
+        if name.startswith(ENGINE_EVENT) or parent == f"{ENGINE_EVENT}: {name}":  # the wrapper or its node's own
+            return self.engine
+        return self.top if parent is None else self.nested
+
+
+def bundle_weights(meta: BundleMeta) -> EventWeights | None:
+    """The event weights the bundle's capture measured (:func:`measure_event_weights`), or None (alike)."""
+    w = meta.profiler_event_weights
+    return EventWeights(*w) if len(w) == len(EventWeights._fields) else None
+
+
+def measure_event_weights(repeats: int = WEIGHT_REPEATS, chain: int = WEIGHT_CHAIN,
+                          samples: int = WEIGHT_SAMPLES) -> EventWeights | None:
+    """The profiler's cost of each kind of event on this host, relative to a top-level op's (:class:`EventWeights`):
+    three chains of tiny CPU ops, each timed plain, under Kineto alone, and plain again, ``repeats`` times taking
+    turns — ``tanh`` called from Python (one top-level event a link), ``linear`` then ``layer_norm`` (two, and
+    the 17 ops they call: ``addmm``, ``t``, ``native_layer_norm`` ...), and the backward of adding a constant
+    (each node two engine events) — the profiler's cost of each chain (its median sample under Kineto less its
+    plain ones') set against its events counted by kind, and solved for the three costs. None where a cost
+    comes out not positive (a machine too loud for the chains): the caller spreads the cost alike."""
+    x, w, b = torch.randn(8), torch.randn(8, 8), torch.randn(8)
+
+    def tops(_: Any) -> None:
+        y = x
+        for _ in range(chain):
+            y = torch.tanh(y)
+
+    def nesteds(_: Any) -> None:
+        y = x
+        for _ in range(chain // 2):
+            y = torch.nn.functional.layer_norm(torch.nn.functional.linear(y, w, b), (8,))
+
+    def graph() -> torch.Tensor:
+        y = leaf = torch.randn(8, requires_grad=True)
+        for _ in range(chain):
+            y = y + 0.1
+        del leaf
+        return y.sum()
+
+    def engines(loss: torch.Tensor) -> None:
+        loss.backward()
+
+    chains = [(tops, None), (nesteds, None), (engines, graph)]
+    deltas: list[list[float]] = [[] for _ in chains]
+    counts: list[list[float]] = [[0.0] * 3 for _ in chains]
+    with torch.enable_grad():
+        for _ in range(repeats):
+            for i, (body, prep) in enumerate(chains):
+                before = _chain_block(body, prep, samples)
+                profiled, kinds = _profiled_chain_block(body, prep, samples)
+                after = _chain_block(body, prep, samples)
+                deltas[i].append(profiled - (before + after) / 2)
+                counts[i] = kinds
+    costs = _solve3(counts, [statistics.median(d) for d in deltas])
+    if costs is None or not all(c > 0 and math.isfinite(c) for c in costs):
+        return None
+    return EventWeights(1.0, costs[1] / costs[0], costs[2] / costs[0])
+
+
+@functools.cache
+def event_weights() -> EventWeights | None:
+    """:func:`measure_event_weights` once in a process (3.1–3.6 s on this 2-core VM): the captures it makes split
+    their steps by the same weights."""
+    return measure_event_weights()
+
+
+def _chain_block(body: Callable[[Any], Any], prep: Callable[[], Any] | None, samples: int) -> float:
+    """The median of ``samples`` plain timings of ``body`` (µs), each given what ``prep`` made, untimed."""
+    times = []
+    for _ in range(samples):
+        arg = prep() if prep is not None else None
+        start = time.perf_counter()
+        body(arg)
+        times.append(time.perf_counter() - start)
+    return 1e6 * statistics.median(times)
+
+
+def _profiled_chain_block(body: Callable[[Any], Any], prep: Callable[[], Any] | None, samples: int
+                          ) -> tuple[float, list[float]]:
+    """The median of ``samples`` timings of ``body`` under Kineto alone (µs; the first two not measured: the
+    profiler's buffers fill), and its events a sample by kind (top, nested, engine: :meth:`EventWeights.of`)."""
+    times = []
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for k in range(samples + 2):
+            arg = prep() if prep is not None else None
+            start = time.perf_counter()
+            with record_function(f"{STEP_ANNOTATION}{k}"):
+                body(arg)
+            if k >= 2:
+                times.append(time.perf_counter() - start)
+    trace = recorded_kineto(prof.profiler.kineto_results.events())
+    kinds = [0.0, 0.0, 0.0]
+    if trace is not None:
+        ops = _by_start(trace)
+        measured = [step for step in trace.steps if step_index(step) >= 2]
+        probe = EventWeights(0.0, 1.0, 2.0)  # each kind's index
+        for step in measured:
+            for e, _, kind in _step_events(ops, step, None, probe):
+                if e.cat == "cpu_op":
+                    kinds[int(kind)] += 1.0 / len(measured)
+    return 1e6 * statistics.median(times), kinds
+
+
+def _solve3(rows: list[list[float]], rhs: list[float]) -> list[float] | None:
+    """x with rows · x = rhs (three equations; Cramer's rule), None where they do not determine it."""
+    def det(m: list[list[float]]) -> float:
+        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+    d = det(rows)
+    if abs(d) < 1e-9:
+        return None
+    return [det([[rhs[i] if j == c else rows[i][j] for j in range(3)] for i in range(3)]) / d for c in range(3)]
+
+
 def kineto_host_gaps(timing: KinetoTrace, plain_us: dict[int | None, float],
-                     replayed: Callable[[str], bool] | None = None) -> dict[int, float]:
+                     replayed: Callable[[str], bool] | None = None,
+                     weights: EventWeights | None = None) -> dict[int, float]:
     """Host time outside the replayed ops per annotated step (``cobench_step#<k>`` → µs), profiler removed.
 
     Under Kineto a step is, at each moment, either inside an op the replay runs on some thread (the
@@ -130,14 +275,16 @@ def kineto_host_gaps(timing: KinetoTrace, plain_us: dict[int | None, float],
     work that is not an op of its own, such as the autograd engine's ``evaluate_function`` wrappers
     around backward ops (their self time is the program's host time: the replay calls the ops inside
     them directly).
-    The profiler's own cost is about the same for every op event, c = (Kineto step − plain step) ÷
-    the step's op events, and it lands outside the event it records (the timestamps are taken inside
-    its callbacks): each event that is not inside a replayed op adds c to the host time; nested
-    events add theirs inside their parent. The program's own host time is therefore the time outside
-    replayed ops − those events × c. ``plain_us`` gives the uninstrumented step time per step index
-    (the ``None`` key for every step).
+    The profiler's own cost lands outside the event it records (the timestamps are taken inside its
+    callbacks): each event that is not inside a replayed op adds its cost to the host time; nested
+    events add theirs inside their parent. The cost differs by the event's kind (``weights``: an op
+    called from Python, one called from another op or from the autograd engine, the engine's own
+    events; :class:`EventWeights`), and the step's events share (Kineto step − plain step) in those
+    proportions (alike where ``weights`` is None). The program's own host time is therefore the time
+    outside replayed ops − those events' costs. ``plain_us`` gives the uninstrumented step time per
+    step index (the ``None`` key for every step).
     """
-    return _host_gaps(_split_steps(timing, plain_us, replayed))
+    return _host_gaps(_split_steps(timing, plain_us, replayed, weights))
 
 
 def replayed_op_counts(timing: KinetoTrace, replayed: Callable[[str], bool] | None = None) -> dict[int, int]:
@@ -235,14 +382,15 @@ def mark_waits(ops: list[dict[str, Any]], steps: list[dict[str, Any]], trace: Ki
 
 
 def replayed_op_time(timing: KinetoTrace, plain_us: dict[int | None, float],
-                     replayed: Callable[[str], bool] | None = None) -> dict[int, float]:
+                     replayed: Callable[[str], bool] | None = None,
+                     weights: EventWeights | None = None) -> dict[int, float]:
     """The time inside the replayed ops in each annotated step (step index → µs), the profiler's cost
     taken out as :func:`kineto_host_gaps` takes it (each event nested inside a replayed op adds c to it),
     collectives left out: how fast this machine ran the ops then, which the replay sets against its own
     (a collective's time is mostly waiting for the other ranks; what it calls inside is left out with
     it). With the nested events' cost left in, a small MLP's forward read 26 % (grad mode) and 37 % (without)
     above its plain time less its host time."""
-    return _op_time(_split_steps(timing, plain_us, replayed))
+    return _op_time(_split_steps(timing, plain_us, replayed, weights))
 
 
 def _host_gaps(splits: dict[int, _StepSplit]) -> dict[int, float]:
@@ -275,53 +423,56 @@ def _by_start(timing: KinetoTrace) -> list[KinetoEvent]:
 
 
 class _StepWalk(NamedTuple):
-    every: int  # every op event in the step, on any thread
-    outside: int  # the events not inside a replayed op of their own thread
+    every: float  # every op event in the step, on any thread, each by its kind's weight (EventWeights)
+    outside: float  # the events not inside a replayed op of their own thread, so weighted
     busy: float  # the time inside replayed ops, on any thread (µs; the union: time two threads share counts once)
     ran: int  # the replayed ops among ``outside``
-    nested: int  # the events inside a replayed op of their own thread
+    nested: float  # the events inside a replayed op of their own thread, so weighted
 
 
 class _StepSplit(NamedTuple):
     dur: float  # the step's time under Kineto (µs)
     walk: _StepWalk
-    per_event: float  # the profiler's cost per op event (µs)
+    per_event: float  # the profiler's cost per op event of weight 1 (µs)
     waiting: float  # the time inside replayed collectives, their nested events' cost taken out (µs)
 
 
 def _split_steps(timing: KinetoTrace, plain_us: dict[int | None, float],
-                 replayed: Callable[[str], bool] | None) -> dict[int, _StepSplit]:
+                 replayed: Callable[[str], bool] | None, weights: EventWeights | None) -> dict[int, _StepSplit]:
     """Each annotated step walked once (twice where the trace holds a collective), for both splits."""
     ops = _by_start(timing)
     collectives = any(COLLECTIVE.match(e.name) for e in ops)
     splits: dict[int, _StepSplit] = {}
     for step in timing.steps:
-        walk = _walk_step(ops, step, replayed)
+        walk = _walk_step(ops, step, replayed, weights)
         if (per_event := _per_event_cost(step, walk, plain_us)) is None:
             continue
         waiting = 0.0
         if collectives:
             inside = _walk_step(ops, step, lambda name: COLLECTIVE.match(name) is not None and
-                                (replayed is None or replayed(name)))
+                                (replayed is None or replayed(name)), weights)
             waiting = inside.busy - inside.nested * per_event
         splits[step_index(step)] = _StepSplit(step.dur, walk, per_event, waiting)
     return splits
 
 
 def _per_event_cost(step: KinetoEvent, walk: _StepWalk, plain_us: dict[int | None, float]) -> float | None:
-    """The profiler's cost per op event in ``step`` (µs): its time under Kineto over the plain step's, spread
-    over its events; None where the step has no events, no time or no plain reference."""
+    """The profiler's cost per op event of weight 1 in ``step`` (µs): its time under Kineto over the plain
+    step's, spread over its events by their weights; None where the step has no events, no time or no plain
+    reference."""
     plain = plain_us.get(step_index(step), plain_us.get(None))
     if step.dur <= 0 or not walk.every or plain is None:
         return None
     return max(0.0, step.dur - plain) / walk.every
 
 
-def _step_events(ops: list[KinetoEvent], step: KinetoEvent, replayed: Callable[[str], bool] | None
-                 ) -> Iterator[tuple[KinetoEvent, bool | None]]:
+def _step_events(ops: list[KinetoEvent], step: KinetoEvent, replayed: Callable[[str], bool] | None,
+                 weights: EventWeights | None = None) -> Iterator[tuple[KinetoEvent, bool | None, float]]:
     """One step's events on every thread, in the order they started (``ops`` by :func:`_by_start`), each with
     None where it lies inside a replayed op of its own thread, else whether it is a replayed op itself (the
-    top-most event whose name ``replayed`` accepts; every op when None; a collective's communication is not).
+    top-most event whose name ``replayed`` accepts; every op when None; a collective's communication is not),
+    and the profiler's cost of the event relative to others (:meth:`EventWeights.of`; 1 where ``weights`` is
+    None, and for a collective's communication, which is not an op event).
 
     The replay runs a step's ops one after another on one thread, wherever the program ran them: on an
     accelerator the autograd engine runs the backward ops on a thread of its own while the step's thread
@@ -329,34 +480,47 @@ def _step_events(ops: list[KinetoEvent], step: KinetoEvent, replayed: Callable[[
     thread alone, a GPU program's whole backward read as host time, which the replay then spent on top
     of running the backward ops (Llama tiny on an H200: +50 %)."""
     covered: dict[int, float] = {}  # each thread's end of the replayed op it is inside
+    open_events: dict[Any, list[KinetoEvent]] = {}  # each thread's events enclosing the one at hand, innermost last
     for e in ops[bisect.bisect_left(ops, step.ts, key=lambda e: e.ts):]:
         if e.ts >= step.ts + step.dur:
             break
         if e.cat != "cpu_op":  # a collective's communication: no op of its own
-            yield e, False
+            yield e, False, 1.0
             continue
+        weight = 1.0
+        if weights is not None:
+            enclosing = open_events.setdefault(e.tid, [])
+            while enclosing and enclosing[-1].ts + enclosing[-1].dur <= e.ts:
+                enclosing.pop()
+            weight = weights.of(e.name, enclosing[-1].name if enclosing else None)
+            enclosing.append(e)
         if e.ts < covered.get(e.tid, step.ts):
-            yield e, None
+            yield e, None, weight
             continue
         hit = replayed is None or replayed(e.name)
         if hit:
             covered[e.tid] = e.ts + e.dur
-        yield e, hit
+            if weights is not None and replayed is not None:
+                # an op the replay runs counts as one called from Python wherever the program called it from
+                # (a backward op inside its node's event), as the replay's own calibrations count its calls
+                weight = weights.top
+        yield e, hit, weight
 
 
-def _walk_step(ops: list[KinetoEvent], step: KinetoEvent, replayed: Callable[[str], bool] | None) -> _StepWalk:
+def _walk_step(ops: list[KinetoEvent], step: KinetoEvent, replayed: Callable[[str], bool] | None,
+               weights: EventWeights | None = None) -> _StepWalk:
     """One step's events on every thread (:func:`_step_events`), counted and timed as :class:`_StepWalk` says;
     a collective's communication (:data:`COMMUNICATION`) is time inside the replayed ops too, not one of them."""
     end = step.ts + step.dur
-    busy, union_end, outside, every, ran, nested = 0.0, step.ts, 0, 0, 0, 0
-    for e, hit in _step_events(ops, step, replayed):
+    busy, union_end, outside, every, ran, nested = 0.0, step.ts, 0.0, 0.0, 0, 0.0
+    for e, hit, weight in _step_events(ops, step, replayed, weights):
         communication = e.cat != "cpu_op"  # an annotation: not among the op events the profiler's cost is spread on
         if not communication:
-            every += 1
+            every += weight
             if hit is None:
-                nested += 1  # inside a replayed op already counted
+                nested += weight  # inside a replayed op already counted
                 continue
-            outside += 1
+            outside += weight
         if hit or communication:
             finish = min(e.ts + e.dur, end)
             busy += max(0.0, finish - max(e.ts, union_end))  # events come in start order: the union's new part
@@ -379,7 +543,7 @@ def _plain_by_round(meta: BundleMeta, plain: list[float]) -> dict[int | None, fl
 
 
 def gap_shape(timing: KinetoTrace, plain_us: dict[int | None, float], replayed: Callable[[str], bool],
-              names: list[str]) -> list[float] | None:
+              names: list[str], weights: EventWeights | None = None) -> list[float] | None:
     """How a step's host time lies between its ops, from the Kineto-alone steps: for each of ``names`` (the
     ops a step runs, on every thread, in order) the time before it since the ops before it ended, and
     after the last (µs, ``len(names) + 1`` figures), each the median over the measured steps that ran
@@ -393,34 +557,34 @@ def gap_shape(timing: KinetoTrace, plain_us: dict[int | None, float], replayed: 
     together and paused at a few, and its ops ran ~5 % slower for it (with two intra-op threads; an op
     after a 50 µs pause took 4 % longer than back to back, with one thread no longer).
     """
-    return _shape(names, _step_gaps(timing, plain_us, replayed))
+    return _shape(names, _step_gaps(timing, plain_us, replayed, weights))
 
 
-def _step_gaps(timing: KinetoTrace, plain_us: dict[int | None, float],
-               replayed: Callable[[str], bool]) -> list[tuple[list[str], list[float]]]:
+def _step_gaps(timing: KinetoTrace, plain_us: dict[int | None, float], replayed: Callable[[str], bool],
+               weights: EventWeights | None = None) -> list[tuple[list[str], list[float]]]:
     """Each measured Kineto-alone step's replayed ops on every thread, in the order they started, and the gaps
     before each and after the last (µs: the time no thread was inside a replayed op or a collective's
     communication), the profiler's cost of the events in each taken out."""
     ops = _by_start(timing)
     out = []
     for step in timing.steps:
-        walk = _walk_step(ops, step, replayed)
+        walk = _walk_step(ops, step, replayed, weights)
         if (per_event := _per_event_cost(step, walk, plain_us)) is None:
             continue
-        gaps, ran, end, events, idle = [], [], step.ts, 0, 0.0  # idle: this gap's time before a communication
-        for e, hit in _step_events(ops, step, replayed):
+        gaps, ran, end, events, idle = [], [], step.ts, 0.0, 0.0  # idle: this gap's time before a communication
+        for e, hit, weight in _step_events(ops, step, replayed, weights):
             if e.cat != "cpu_op":  # a collective's communication
                 idle += max(0.0, e.ts - end)
                 end = max(end, e.ts + e.dur)
                 continue
             if hit is None:
                 continue  # inside a replayed op of its thread
-            events += 1  # an event outside the replayed ops: its cost lands in this gap
+            events += weight  # an event outside the replayed ops: its cost lands in this gap
             if hit:
                 gaps.append(max(0.0, idle + max(0.0, e.ts - end) - events * per_event))
                 ran.append(e.name)
                 end = max(end, e.ts + e.dur)
-                events, idle = 0, 0.0
+                events, idle = 0.0, 0.0
         gaps.append(max(0.0, idle + max(0.0, step.ts + step.dur - end) - events * per_event))
         out.append((ran, gaps))
     return out
@@ -469,7 +633,8 @@ def host_gap_shape(trace: BundleTrace, replayed: set[str]) -> Callable[[list[str
     if trace.timing is None or not trace.meta.timing_plain_step_times_s:
         return None
     plain = _plain_by_round(trace.meta, trace.meta.timing_plain_step_times_s)
-    measured = _step_gaps(trace.timing, plain, replayed.__contains__)  # once: each traced step is set against it
+    # once: each traced step is set against it
+    measured = _step_gaps(trace.timing, plain, replayed.__contains__, bundle_weights(trace.meta))
     return lambda names: _shape(names, measured)
 
 
@@ -482,7 +647,7 @@ def measured_host_gaps(trace: BundleTrace, replayed: set[str]) -> tuple[dict[int
     # plain steps of the same minutes as the Kineto ones where the bundle has them (older bundles: the
     # baseline's, taken before the traced phase)
     plain = _plain_by_round(trace.meta, trace.meta.timing_plain_step_times_s or trace.meta.step_times_s)
-    host, inside = host_and_op_time(trace.timing, plain, replayed.__contains__)
+    host, inside = host_and_op_time(trace.timing, plain, replayed.__contains__, bundle_weights(trace.meta))
     return {k: host[k] for k in sorted(host)}, [inside[k] for k in sorted(inside)]  # the rounds' steps in turn
 
 
