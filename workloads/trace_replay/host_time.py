@@ -278,9 +278,9 @@ def kineto_host_gaps(timing: KinetoTrace, plain_us: dict[int | None, float],
     The profiler's own cost lands outside the event it records (the timestamps are taken inside its
     callbacks): each event that is not inside a replayed op adds its cost to the host time; nested
     events add theirs inside their parent. The cost differs by the event's kind (``weights``: an op
-    called from Python, one called from another op or from the autograd engine, the engine's own
-    events; :class:`EventWeights`), and the step's events share (Kineto step − plain step) in those
-    proportions (alike where ``weights`` is None). The program's own host time is therefore the time
+    called from Python or one the replay runs, one called from inside another op, the autograd
+    engine's own events; :class:`EventWeights`), and the step's events share (Kineto step − plain
+    step) in those proportions (alike where ``weights`` is None). The program's own host time is therefore the time
     outside replayed ops − those events' costs. ``plain_us`` gives the uninstrumented step time per
     step index (the ``None`` key for every step).
     """
