@@ -890,8 +890,9 @@ def test_an_integer_storage_made_beside_a_recurrent_layers_leaves_the_layers_mem
 def test_a_recurrent_layers_memory_is_matched_only_to_storages_its_inner_ops_made(tmp_path: Path):
     """A tagger's labels (192 int64) are as many bytes as a time step's hidden state (8 × 48 floats), many of
     which the GRU allocates and holds for its backward. The capture matched the labels to one of those by size
-    in each of six captures: the replay then made them afresh each step, where the program held them throughout. Only
-    storages the layer's inner ops made (the trace holds their outputs) are matched to what it held."""
+    in each of six captures: the replay then made them afresh each step, where the program held them
+    throughout. Only storages the layer's inner ops made (the trace holds their outputs) are matched to what
+    it held."""
     from harness.traces.capture import capture
     from workloads.trace_replay.spec import generate_spec
 
