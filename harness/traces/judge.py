@@ -104,19 +104,20 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
     replay.setup()
     try:
         rank_dir = rank_dirs(bundle)[min(ctx.rank, len(rank_dirs(bundle)) - 1)]
+        meta = read_meta(rank_dir)
         agree = _rank0_value(ctx.process_group) if ctx.distributed else None
         side = interleave(source_step, replay.step, ctx.device, rounds=rounds, steps_per_round=steps_per_round,
                           warmup=warmup, seed=ctx.seed, budget_s=budget_s, agree=agree,
                           replay_shift_parts_ms=capture_shift_parts(getattr(replay, "replayer", None), seed=ctx.seed),
                           prepare={"replay": replay.restore_values} if hasattr(replay, "restore_values") else None,
                           host=_host_probe(source_step, replay, ctx.device, agree,
-                                           bundle_weights(read_meta(rank_dir))),
+                                           bundle_weights(meta)),
                           start_together=(lambda: torch.distributed.barrier(group=ctx.process_group))
                           if ctx.distributed else None)
         # Each captured step at least once, and never fewer than MEMORY_STEPS: a program whose steps differ
         # by chance (LayerDrop skipping a layer, a data-dependent branch) peaks on its largest step, which
         # a few of its own steps can all miss (Wav2Vec2: 7.1 MB in ~1 step of 5, 12.3 MB otherwise).
-        memory_steps = max(len(read_meta(rank_dir).traced_step_times_s), MEMORY_STEPS)
+        memory_steps = max(len(meta.traced_step_times_s), MEMORY_STEPS)
         # Each side's peak over that many of its own steps, measured alike: the program as it goes on, not only
         # the few steps the capture traced (a program peaks on its largest step). Except for a workload that
         # holds its traced batch (its op shapes follow its data): its captured steps' peak (its own steps over

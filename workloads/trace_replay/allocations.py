@@ -129,8 +129,10 @@ def _free_times(memory: list[MemoryEvent]) -> dict[int, float]:
     return freed
 
 
-def mark_source_releases(ops: list[dict[str, Any]], memory: list[MemoryEvent]) -> None:
-    """Set ``allocated``, ``released`` and ``born`` on each op from the allocator's events (in time order)."""
+def mark_source_releases(ops: list[dict[str, Any]], memory: list[MemoryEvent],
+                         inner: dict[int, set[int]] | None = None) -> None:
+    """Set ``allocated``, ``released`` and ``born`` on each op from the allocator's events (in time order);
+    ``inner``: each composite kept whole (``held_bytes``), by op id, with the storages its inner ops made."""
     timed = [op for op in ops if op["ts_us"] is not None and op["dur_us"] is not None]
     if not memory or not timed:
         return
@@ -179,7 +181,8 @@ def mark_source_releases(ops: list[dict[str, Any]], memory: list[MemoryEvent]) -
             if held:
                 # a storage one of its inner ops made (the trace holds their outputs); sizes alone matched a
                 # GRU tagger's labels (192 int64) to a time step's hidden state (8 × 48 floats) in six captures of six
-                later = [(i, size) for i, size in later if orphans[i][1] in op["held_storages"]]
+                made_inside = (inner or {}).get(op["id"], set())
+                later = [(i, size) for i, size in later if orphans[i][1] in made_inside]
             if held and n in freed:
                 # of a composite's many storages of one size (an LSTM's gates, a time step each, read back in
                 # reverse), the one last read just before this allocation was freed

@@ -240,8 +240,9 @@ def precise_doubles(inputs: dict[str, list], event: KinetoEvent | None) -> dict[
     return {**inputs, "values": fixed}
 
 
-def _captured_ops(trace: BundleTrace) -> list[dict[str, Any]]:
-    """The replay-level ops of the captured steps with what the trace says of each, in execution order."""
+def _captured_ops(trace: BundleTrace) -> tuple[list[dict[str, Any]], dict[int, set[int]]]:
+    """The replay-level ops of the captured steps with what the trace says of each, in execution order, and
+    the composites kept whole among them, by id, each with the storages its inner ops made."""
     nodes, by_rf, step_events = trace.nodes, trace.kineto.by_rf_id(), trace.kineto.steps
     threads = _framework_threads(nodes)
     ops = []
@@ -273,11 +274,10 @@ def _captured_ops(trace: BundleTrace) -> list[dict[str, Any]]:
             # the program recorded autograd history through it (an autograd sequence number): a forward op
             # under grad mode, whose bookkeeping the replay, running without grad, measures and spends
             "grad": node.seq_id is not None and "backward" not in node.name,
-            # set from the allocator's events; the storages its inner ops made, which they may be, not kept
-            **({"held_bytes": 0, "held_storages": whole[node.id]} if node.id in whole else {}),
+            **({"held_bytes": 0} if node.id in whole else {}),  # set from the allocator's events
         })
     ops.sort(key=lambda o: (o["step"], o["ts_us"] if o["ts_us"] is not None else math.inf, o["id"]))
-    return ops
+    return ops, whole
 
 
 def extract_rank(trace: BundleTrace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -286,15 +286,13 @@ def extract_rank(trace: BundleTrace) -> tuple[list[dict[str, Any]], list[dict[st
     if not any(n.name.startswith(STEP_ANNOTATION) for n in trace.nodes.values()):
         raise TraceError(f"{et_path}: no captured steps (no '{STEP_ANNOTATION}<i>' markers); capture with "
                          f"harness.traces.capture.capture() or `cobench trace capture`")
-    ops = _captured_ops(trace)
+    ops, whole = _captured_ops(trace)
     refuse_unmade_sparse(ops, et_path)
     steps = [{"index": step_index(e), "ts_us": e.ts, "traced_ms": e.dur / 1e3}
              for e in sorted(trace.kineto.steps, key=lambda e: e.ts)]
     if not ops:
         raise TraceError(f"{et_path}: the captured steps contain no operators with a schema")
-    mark_source_releases(ops, trace.kineto.memory)
-    for op in ops:
-        op.pop("held_storages", None)
+    mark_source_releases(ops, trace.kineto.memory, whole)
     replayed = {op["name"] for op in ops}
     # and how long the ops took meanwhile, which a replay sets its own against (Replayer.op_time_ratio)
     measured, op_us = measured_host_gaps(trace, replayed)
