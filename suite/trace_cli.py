@@ -83,8 +83,8 @@ def _add_zoo(commands: argparse._SubParsersAction) -> None:
     zoo = commands.add_parser("zoo", help="judge generated benchmarks on the model zoo (transformers, torchvision, "
                                           "timm, TorchRec, ...): one table, Markdown/CSV/JSON and MLflow")
     zoo.add_argument("--programs", default=None, help="comma list of zoo programs (default: all)")
-    zoo.add_argument("--judgements", type=int, default=2, help="judgements per program, each from a fresh capture "
-                                                                "(default 2)")
+    zoo.add_argument("--judgements", type=int, default=2, help="judgements per program, each a fresh capture in a "
+                                                                "process of its own (default 2)")
     zoo.add_argument("--rounds", type=int, default=10, help="interleaved rounds per judgement (default 10)")
     zoo.add_argument("--round-steps", type=int, default=5, help="samples of each side per round (default 5)")
     zoo.add_argument("--budget-s", type=float, default=60.0, help="seconds of rounds per judgement at most (default "
@@ -92,7 +92,8 @@ def _add_zoo(commands: argparse._SubParsersAction) -> None:
     zoo.add_argument("--warmup", type=int, default=3, help="untimed steps of each side first (default 3)")
     zoo.add_argument("--steps", type=int, default=3, help="steps traced by each capture (default 3)")
     zoo.add_argument("--baseline-steps", type=int, default=10, help="plain timed steps in each capture (default 10)")
-    zoo.add_argument("--timeout-s", type=float, default=1800, help="per program (default 1800)")
+    zoo.add_argument("--timeout-s", type=float, default=1800, help="per program, all its judgements (default "
+                                                                       "1800)")
     zoo.add_argument("--out", type=Path, default=None, help="output folder (default <results_dir>/zoo/<time>)")
     zoo.add_argument("overrides", nargs="*", help="results_dir=..., tracking.*")
     zoo.set_defaults(handler=_zoo)
@@ -202,8 +203,8 @@ def _zoo(args: argparse.Namespace) -> int:
                "warmup": args.warmup, "capture_steps": args.steps, "baseline_steps": args.baseline_steps,
                "budget_s": args.budget_s}
     rows = []
-    header = (f"Model zoo: {args.judgements} judgement(s) per program, each from a fresh capture; at least "
-              f"{args.rounds} rounds of {args.round_steps} samples each side, more until there are "
+    header = (f"Model zoo: {args.judgements} judgement(s) per program, each a fresh capture in a process of its "
+              f"own; at least {args.rounds} rounds of {args.round_steps} samples each side, more until there are "
               f"{MIN_VALID_ROUNDS} and the interval (covering a capture at the judgement's moment too) is within "
               f"±{TARGET_HALF_WIDTH_PCT:g} %, or {args.budget_s:.0f} s are spent")
     for i, name in enumerate(names, 1):

@@ -1,8 +1,10 @@
 """``cobench trace zoo``: how far a generated benchmark can be trusted, judged on the model zoo.
 
-Every program of :mod:`suite.zoo_programs` runs in a process of its own (under torchrun with gloo
-when it spans ranks), is captured, generated and replayed side by side with itself
-(:func:`harness.traces.judge.judge`) ``judgements`` times, each from a fresh capture, and gives one row:
+Every program of :mod:`suite.zoo_programs` is judged ``judgements`` times, each in a fresh process of its
+own (under torchrun with gloo when it spans ranks): built, captured, generated and replayed side by side
+with itself (:func:`harness.traces.judge.judge`). Two judgements then differ by all that a capture can:
+the program's warm-up, its allocator's state and the profiler's cost by kind of event, which a capture
+measures once a process. The judgements give one row:
 ops per step, step time, op coverage, the time error with its 95 % interval and verdict per
 judgement, whether the judgements' intervals overlap, the memory error and the capture's overhead.
 The table goes to ``zoo.md``, ``zoo.csv`` and ``zoo.json`` in the output folder and, one run per
@@ -23,7 +25,6 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-ROW_FILE = "row.json"
 COLUMNS = ["program", "library", "status", "ops_per_step", "step_ms", "op_coverage_pct", "time_error_pct",
            "time_interval_pct", "valid", "judgements_overlap", "host_shift_pct", "host_error_pct", "op_error_pct",
            "memory_error_pct", "capture_overhead_pct", "rounds", "reason"]
@@ -41,9 +42,10 @@ def missing_modules(requires: tuple[str, ...]) -> str:
     return ""
 
 
-def judge_one(name: str, out: Path, *, judgements: int, rounds: int, steps_per_round: int, warmup: int,
-              capture_steps: int, baseline_steps: int, budget_s: float = 60.0) -> dict[str, Any]:
-    """Build the program, judge it ``judgements`` times from fresh captures; this rank's row (rank 0 writes it)."""
+def judge_one(name: str, out: Path, *, rounds: int, steps_per_round: int, warmup: int, capture_steps: int,
+              baseline_steps: int, budget_s: float = 60.0) -> dict[str, Any]:
+    """Build the program and judge it once from a fresh capture into ``out``; this rank's fidelity record (rank 0
+    writes it to ``out/fidelity.json``)."""
     import torch
     import torch.distributed as dist
 
@@ -56,12 +58,9 @@ def judge_one(name: str, out: Path, *, judgements: int, rounds: int, steps_per_r
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.manual_seed(1234 + rank)
     step, model = program.build()
-    records = []
-    for j in range(judgements):
-        records.append(judge(step, out / f"judgement{j}", model=model, rounds=rounds, steps_per_round=steps_per_round,
-                             warmup=warmup, capture_steps=capture_steps, baseline_steps=baseline_steps, source=name,
-                             verbose=rank == 0, budget_s=budget_s))
-    return summarise(name, records, out)
+    return judge(step, out, model=model, rounds=rounds, steps_per_round=steps_per_round, warmup=warmup,
+                 capture_steps=capture_steps, baseline_steps=baseline_steps, source=name, verbose=rank == 0,
+                 budget_s=budget_s)
 
 
 def summarise(name: str, records: list[dict[str, Any]], out: Path) -> dict[str, Any]:
@@ -99,7 +98,9 @@ def summarise(name: str, records: list[dict[str, Any]], out: Path) -> dict[str, 
 
 
 def run_program(name: str, out: Path, options: dict[str, int], timeout_s: float) -> dict[str, Any]:
-    """One program in a process of its own (torchrun for several ranks); its row, or why it has none."""
+    """The program judged ``options["judgements"]`` times, each in a process of its own (torchrun for several
+    ranks) into ``out/judgement<j>``; its row, or why it has none. ``timeout_s`` covers all its judgements."""
+    from harness.traces.judge import FIDELITY_FILE
     from suite.zoo_programs import ZOO
 
     program = ZOO[name]
@@ -109,27 +110,46 @@ def run_program(name: str, out: Path, options: dict[str, int], timeout_s: float)
     if missing:
         return {**base, "status": "not run", "reason": missing}
     out.mkdir(parents=True, exist_ok=True)
-    args = ["-m", "suite.zoo", name, str(out), json.dumps(options)]
-    if program.world_size > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={program.world_size}", *args]
-    else:
-        command = [sys.executable, *args]
+    options = dict(options)
+    judgements = options.pop("judgements")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                                         os.environ.get("PYTHONPATH", "")])}
     started = time.perf_counter()
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {**base, "status": "failed", "reason": f"did not finish in {timeout_s:.0f} s"}
-    (out / "log.txt").write_text(done.stdout + done.stderr)
-    row_path = out / ROW_FILE
-    if done.returncode != 0 or not row_path.is_file():
-        tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-        return {**base, "status": "failed", "reason": f"exit {done.returncode}: {tail[:300]} (log: {out / 'log.txt'})"}
-    row = json.loads(row_path.read_text())
+    records = []
+    for j in range(judgements):
+        where = out / f"judgement{j}"
+        args = ["-m", "suite.zoo", name, str(where), json.dumps(options)]
+        if program.world_size > 1:
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       f"--nproc-per-node={program.world_size}", *args]
+        else:
+            command = [sys.executable, *args]
+        log = out / f"log{j}.txt"
+        left = timeout_s - (time.perf_counter() - started)
+        try:
+            done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=max(left, 1.0))
+        except subprocess.TimeoutExpired as err:
+            log.write_text(_text(err.stdout) + _text(err.stderr))
+            return {**base, "status": "failed",
+                    "reason": f"judgement {j + 1} of {judgements} did not finish within the program's "
+                              f"{timeout_s:.0f} s (log: {log})"}
+        log.write_text(done.stdout + done.stderr)
+        record_path = where / FIDELITY_FILE
+        if done.returncode != 0 or not record_path.is_file():
+            tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+            return {**base, "status": "failed",
+                    "reason": f"judgement {j + 1} of {judgements}: exit {done.returncode}: {tail[:300]} (log: {log})"}
+        records.append(json.loads(record_path.read_text()))
+    row = summarise(name, records, out)
     row["wall_s"] = time.perf_counter() - started
     return row
+
+
+def _text(output: str | bytes | None) -> str:
+    """What a timed-out child had printed (bytes or str, or nothing)."""
+    if isinstance(output, bytes):
+        return output.decode(errors="replace")
+    return output or ""
 
 
 def _pm(values: list[float], fmt: str = "+.1f") -> str:
@@ -251,15 +271,14 @@ def log_to_mlflow(rows: list[dict[str, Any]], out: Path, tracker: Any) -> str:
 
 
 def main(argv: list[str]) -> int:
-    """Child process: ``python -m suite.zoo NAME OUT OPTIONS_JSON`` (rank 0 writes ``OUT/row.json``)."""
+    """Child process: ``python -m suite.zoo NAME OUT OPTIONS_JSON``, one judgement (rank 0 writes
+    ``OUT/fidelity.json``)."""
     name, out, options = argv[0], Path(argv[1]), json.loads(argv[2])
     try:
-        row = judge_one(name, out, **options)
+        judge_one(name, out, **options)
     except Exception:  # noqa: BLE001 - any failure is the child's verdict: its traceback, exit 1
         traceback.print_exc()
         return 1
-    if int(os.environ.get("RANK", "0")) == 0:
-        (out / ROW_FILE).write_text(json.dumps(row, indent=2))
     return 0
 
 

@@ -31,7 +31,7 @@ def zoo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, subpr
     results, out = tmp / "results", tmp / "zoo"
     absent = next(name for name, p in ZOO.items() if missing_modules(p.requires))  # e.g. torchvision's here
     proc = subprocess.run([sys.executable, "-m", "suite.cli", "trace", "zoo", "--programs", ",".join([*FAST, absent]),
-                           "--judgements", "1", "--rounds", "4", "--round-steps", "3", "--budget-s", "3",
+                           "--judgements", "2", "--rounds", "4", "--round-steps", "3", "--budget-s", "3",
                            "--baseline-steps", "5", "--out", str(out), f"results_dir={results}"],
                           capture_output=True, text=True, timeout=1200, env=clean_env(), cwd=tmp)
     return results, out, proc
@@ -46,6 +46,11 @@ def test_zoo_programs_replay_every_op_with_the_programs_memory(zoo_run):
         assert row["status"] == "judged", row
         assert row["op_coverage_pct"] == 100.0 and row["ops_divergent"] == 0.0, row["reason"]
         assert all(abs(m) <= 10.0 for m in row["memory_error_pct"]), row["memory_error_pct"]
+        # each judgement a fresh capture in a process of its own: its bundle, its record and its log
+        assert len(row["time_error_signed_pct"]) == len(row["rounds"]) == 2
+        for j in range(2):
+            assert (out / name / f"judgement{j}" / "fidelity.json").is_file()
+            assert f"{name}: replay " in (out / name / f"log{j}.txt").read_text()
         low, high = row["time_error_ci_pct"][0]
         assert low <= row["time_error_signed_pct"][0] <= high
         assert row["ops_per_step"] > 100 and row["step_ms"] > 0
