@@ -154,7 +154,7 @@ ZOO_TORCHREC = ["torchrec==1.9.2"]
 
 @nox.session(venv_backend="none")
 def zoo(session: nox.Session) -> None:
-    """The model zoo, whole: every program judged twice from fresh captures, the table in
+    """The model zoo, whole: every program judged twice, each a fresh capture in a process of its own, the table in
     <results_dir>/zoo/<time>/ (zoo.md, zoo.csv, zoo.json) and MLflow; `cobench trace zoo` options after `--`."""
     home = Path(".nox") / "zoo"
     python = home / "bin" / "python"
