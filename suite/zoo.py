@@ -124,7 +124,8 @@ def run_program(name: str, out: Path, options: dict[str, int], timeout_s: float)
                        f"--nproc-per-node={program.world_size}", *args]
         else:
             command = [sys.executable, *args]
-        log = out / f"log{j}.txt"
+        log, record_path = out / f"log{j}.txt", where / FIDELITY_FILE
+        record_path.unlink(missing_ok=True)  # a record left by an earlier run in this folder is not this one's
         left = timeout_s - (time.perf_counter() - started)
         try:
             done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=max(left, 1.0))
@@ -134,7 +135,6 @@ def run_program(name: str, out: Path, options: dict[str, int], timeout_s: float)
                     "reason": f"judgement {j + 1} of {judgements} did not finish within the program's "
                               f"{timeout_s:.0f} s (log: {log})"}
         log.write_text(done.stdout + done.stderr)
-        record_path = where / FIDELITY_FILE
         if done.returncode != 0 or not record_path.is_file():
             tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
             return {**base, "status": "failed",
