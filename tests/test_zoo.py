@@ -127,3 +127,21 @@ def test_the_tables_short_reason_names_what_made_a_verdict_not_valid():
     assert _short("the 95 % interval is ±3.1 % (> ±2.5 %) after 229 rounds in 60 s, the budget spent") == \
         "interval ±3.1 %, budget spent"
     assert _short("") == "-"
+
+
+def test_a_judgement_that_fails_or_runs_out_of_time_names_itself_and_its_log(tmp_path: Path):
+    """Each judgement runs in a child process of its own: one that fails, or outlasts the program's time, ends
+    the program's row as failed with which judgement it was, why, and where its log is; no later one runs."""
+    from suite.zoo import run_program
+
+    options = {"judgements": 2, "rounds": 4, "steps_per_round": 3, "warmup": 1, "capture_steps": 1,
+               "baseline_steps": 2, "budget_s": 1.0}
+    row = run_program("gpt2_lm", tmp_path / "bad", {**options, "no_such_option": 1}, timeout_s=300)
+    assert row["status"] == "failed" and row["reason"].startswith("judgement 1 of 2: exit 1:"), row
+    assert "no_such_option" in row["reason"] and str(tmp_path / "bad" / "log0.txt") in row["reason"]
+    assert "no_such_option" in (tmp_path / "bad" / "log0.txt").read_text()
+    assert not (tmp_path / "bad" / "log1.txt").exists()
+    row = run_program("gpt2_lm", tmp_path / "slow", options, timeout_s=1)
+    assert row["status"] == "failed", row
+    assert row["reason"].startswith("judgement 1 of 2 did not finish within the program's 1 s"), row
+    assert (tmp_path / "slow" / "log0.txt").is_file()
