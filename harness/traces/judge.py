@@ -103,7 +103,8 @@ def judge_bundle(source_step: Callable[[], Any], bundle: Path, ctx: RunContext, 
     replay = spec.factory.from_bundle(bundle, ctx, **options)
     replay.setup()
     try:
-        rank_dir = rank_dirs(bundle)[min(ctx.rank, len(rank_dirs(bundle)) - 1)]
+        dirs = rank_dirs(bundle)
+        rank_dir = dirs[min(ctx.rank, len(dirs) - 1)]
         meta = read_meta(rank_dir)
         agree = _rank0_value(ctx.process_group) if ctx.distributed else None
         side = interleave(source_step, replay.step, ctx.device, rounds=rounds, steps_per_round=steps_per_round,

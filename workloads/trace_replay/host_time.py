@@ -255,14 +255,11 @@ def _profiled_chain_block(body: Callable[[Any], Any], prep: Callable[[], Any] | 
 
 
 def _solve3(rows: list[list[float]], rhs: list[float]) -> list[float] | None:
-    """x with rows · x = rhs (three equations; Cramer's rule), None where they do not determine it."""
-    def det(m: list[list[float]]) -> float:
-        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
-                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
-    d = det(rows)
-    if abs(d) < 1e-9:
+    """x with rows · x = rhs (three equations), None where they do not determine it."""
+    a, b = torch.tensor(rows, dtype=torch.float64), torch.tensor(rhs, dtype=torch.float64)
+    if abs(float(torch.linalg.det(a))) < 1e-9:
         return None
-    return [det([[rhs[i] if j == c else rows[i][j] for j in range(3)] for i in range(3)]) / d for c in range(3)]
+    return torch.linalg.solve(a, b).tolist()
 
 
 def kineto_host_gaps(timing: KinetoTrace, plain_us: dict[int | None, float],
