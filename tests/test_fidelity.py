@@ -30,7 +30,7 @@ from harness.config import compose_config, to_run_config
 from harness.traces.allocator_peaks import step_memory_peak_bytes, traced_step_peaks
 from harness.traces.capture import capture
 from harness.traces.judge import judge
-from harness.traces.side_by_side import HostProbe, SideBySide, host_time_probe, interleave
+from harness.traces.side_by_side import HostProbe, ProbedSteps, SideBySide, host_time_probe, interleave
 from workloads.trace_replay.spec import generate_spec
 
 
@@ -226,13 +226,13 @@ def test_each_side_is_measured_again_while_judged_and_the_error_is_split(monkeyp
             clock.now += ms / 1e3
         return run
 
-    def measured(side: str, host_ms: float, op_ms: float) -> Callable[[], tuple[list[float], list[float]]]:
-        def measure() -> tuple[list[float], list[float]]:
+    def measured(side: str, host_ms: float, op_ms: float, profiled_op_ms: float = 9.0) -> Callable[[], ProbedSteps]:
+        def measure() -> ProbedSteps:
             probes[side] += 1
-            return [host_ms * 1e3] * 4, [op_ms * 1e3] * 4
+            return ProbedSteps([host_ms * 1e3] * 4, [op_ms * 1e3] * 4, [profiled_op_ms * 1e3] * 4, [120.0] * 4)
         return measure
 
-    host = HostProbe(measured("source", 2.0, 8.0), measured("replay", 4.0, 8.5), capture_ms=3.0, spun_ms=1.5)
+    host = HostProbe(measured("source", 2.0, 8.0), measured("replay", 4.0, 8.5, 9.5), capture_ms=3.0, spun_ms=1.5)
     side = interleave(step(10.0), step(12.0), torch.device("cpu"), rounds=11, steps_per_round=3, warmup=0,
                       host=host)
     assert probes == {"source": 3, "replay": 3}  # after rounds 1, 6 and 11
@@ -242,13 +242,16 @@ def test_each_side_is_measured_again_while_judged_and_the_error_is_split(monkeyp
     assert metrics["judged_replay_op_ms"] == pytest.approx(8.5)
     assert metrics["host_shift_pct"] == pytest.approx(10.0)  # (3 − 2) ms of a 10 ms step
     assert metrics["time_error_judged_host_pct"] == pytest.approx(10.0)  # 12 − 1 ms against 10
-    assert metrics["host_error_pct"] == pytest.approx(20.0) and metrics["op_error_pct"] == pytest.approx(5.0)
+    # the ops as the profiler saw them on both sides, 9.5 against 9 ms: 5 % of the step; the host time the rest
+    assert metrics["op_error_pct"] == pytest.approx(5.0) and metrics["host_error_pct"] == pytest.approx(5.0)
+    assert metrics["judged_source_profiled_op_ms"] == pytest.approx(9.0)
+    assert metrics["judged_replay_inside_events"] == 120.0
     assert metrics["judged_host_samples"] == 12.0
     # 1 ms of the replay's 4 ms host time is the autograd bookkeeping it spends there, which the program did inside
     # its forward ops: the split sets it with the ops, like with like
     host.autograd_ms = 1.0
     metrics = side.summarise().metrics()
-    assert metrics["host_error_pct"] == pytest.approx(10.0) and metrics["op_error_pct"] == pytest.approx(15.0)
+    assert metrics["op_error_pct"] == pytest.approx(15.0) and metrics["host_error_pct"] == pytest.approx(-5.0)
     assert metrics["spent_autograd_ms"] == 1.0 and metrics["time_error_signed_pct"] == pytest.approx(20.0)
     host.autograd_ms = 0.0
     # a host time far smaller than the capture's takes off at most what the replay spins
@@ -283,10 +286,14 @@ def test_the_host_time_probe_measures_the_time_outside_the_replayed_ops():
             pass
         torch.mm(a, a)
 
-    host_us, op_us = host_time_probe(step, torch.device("cpu"), {"aten::mm"})()
-    assert len(host_us) == len(op_us) == side_by_side_module.TIMING_MEASURED
+    probed = host_time_probe(step, torch.device("cpu"), {"aten::mm"})()
+    host_us, op_us = probed.host, probed.op
+    assert len(host_us) == len(op_us) == len(probed.profiled_op) == side_by_side_module.TIMING_MEASURED
     assert 2.5e3 < statistics.median(host_us) < 8e3, host_us
     assert 0 < statistics.median(op_us) < statistics.median(host_us), op_us
+    # the product as the profiler saw it: the cost of the ops it calls inside left in; the same ones every step
+    assert all(seen >= op for seen, op in zip(probed.profiled_op, op_us, strict=True)), probed
+    assert len(set(probed.inside_events)) == 1, probed
 
 
 def test_a_probe_whose_profiled_steps_do_not_fit_its_plain_ones_gives_no_figure():
@@ -300,11 +307,12 @@ def test_a_probe_whose_profiled_steps_do_not_fit_its_plain_ones_gives_no_figure(
         calls.append(1)
         torch.mm(*(2 * [big if torch._C._autograd._profiler_enabled() else small]))
 
-    assert host_time_probe(step, torch.device("cpu"), {"aten::mm"})() == ([], [])
+    assert host_time_probe(step, torch.device("cpu"), {"aten::mm"})() == ([], [], [], [])
     per_try = side_by_side_module.TIMING_WARMUP + side_by_side_module.TIMING_MEASURED + \
         side_by_side_module.PLAIN_SETTLE + side_by_side_module.PLAIN_MEASURED
     assert len(calls) == side_by_side_module.PROBE_TRIES * per_try
-    probe = HostProbe(lambda: ([], []), lambda: ([500.0], [900.0]), capture_ms=0.5, spun_ms=0.5)
+    probe = HostProbe(lambda: ProbedSteps([], [], [], []), lambda: ProbedSteps([500.0], [900.0], [950.0], [3.0]),
+                      capture_ms=0.5, spun_ms=0.5)
     side = SideBySide([[1.0, 1.1]] * 3, [[1.0, 1.1]] * 3, ["source", "replay", "source"], host=probe,
                       probed_us={"source_host": [], "source_op": [], "replay_host": [500.0], "replay_op": [900.0]})
     side.summarise()
@@ -323,7 +331,7 @@ def test_a_probe_whose_profiler_cost_swallows_the_ops_time_gives_no_figure():
             time.sleep(0.02)
         torch.nn.functional.linear(x, w)
 
-    assert host_time_probe(step, torch.device("cpu"), {"aten::linear"})() == ([], [])
+    assert host_time_probe(step, torch.device("cpu"), {"aten::linear"})() == ([], [], [], [])
 
 
 def _probe_rank(rank: int, store: str, results) -> None:
@@ -343,7 +351,7 @@ def _probe_rank(rank: int, store: str, results) -> None:
 
         # rank 1's probe never holds: none of its ops is one it is told the replay runs, its op time is zero
         replayed = {"aten::mm"} if rank == 0 else {"aten::not_in_this_step"}
-        host, _ = host_time_probe(step, torch.device("cpu"), replayed, agree=_rank0_value(None))()
+        host = host_time_probe(step, torch.device("cpu"), replayed, agree=_rank0_value(None))().host
         results.put({"rank": rank, "calls": len(calls), "figures": len(host)})
     finally:
         dist.destroy_process_group()
@@ -543,11 +551,11 @@ def test_the_host_time_probes_leave_a_long_step_program_enough_of_its_budget_for
             clock.now += 1e-3 * ms * (1 + noise.uniform(-0.01, 0.01))
         return step
 
-    def measured(side: str, ms: float) -> Callable[[], tuple[list[float], list[float]]]:
-        def measure() -> tuple[list[float], list[float]]:
+    def measured(side: str, ms: float) -> Callable[[], ProbedSteps]:
+        def measure() -> ProbedSteps:
             probes[side] += 1
             clock.now += 1e-3 * side_by_side_module.PROBE_STEPS * 1.3 * ms
-            return [5e3] * 4, [(ms - 5.0) * 1e3] * 4
+            return ProbedSteps([5e3] * 4, [(ms - 5.0) * 1e3] * 4, [(ms - 4.0) * 1e3] * 4, [10.0] * 4)
         return measure
 
     host = HostProbe(measured("source", 612.0), measured("replay", 618.0), capture_ms=5.0, spun_ms=1.0)
@@ -652,10 +660,10 @@ def test_the_host_time_probes_stay_within_their_share_of_a_judgement_that_adds_r
             clock.now += 1e-3 * ms * (1 + noise.uniform(-0.6, 0.6))
         return step
 
-    def measured() -> tuple[list[float], list[float]]:
+    def measured() -> ProbedSteps:
         probes.append(clock.now)
         clock.now += 0.75
-        return [1e3] * 4, [4e3] * 4
+        return ProbedSteps([1e3] * 4, [4e3] * 4, [4.5e3] * 4, [10.0] * 4)
 
     host = HostProbe(measured, measured, capture_ms=1.0, spun_ms=0.5)
     side = interleave(work(5.0), work(5.0), torch.device("cpu"), rounds=10, steps_per_round=5, warmup=2,

@@ -20,7 +20,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -32,6 +32,7 @@ from workloads.trace_replay.host_time import (
     TIMING_MEASURED,
     TIMING_WARMUP,
     EventWeights,
+    StepTimes,
     host_and_op_time,
     profiled_steps,
     round_median_draws,
@@ -66,13 +67,26 @@ PROBE_SHARE = 0.25
 PROBE_TRIES = 3
 
 
+class ProbedSteps(NamedTuple):
+    """A probe's figures, one per measured step (:func:`host_time_probe`)."""
+
+    host: list[float]  # time outside the replayed ops, the profiler's cost taken out (µs)
+    op: list[float]  # time inside them, the profiler's cost taken out (µs)
+    profiled_op: list[float]  # time inside them as the profiler saw it (µs)
+    inside_events: list[float]  # op events inside them
+
+
+PROBED = ProbedSteps._fields
+
+
 @dataclass
 class HostProbe:
     """Each side's host time and op time measured again while it is judged, beside what the replay spends.
 
     ``source`` and ``replay`` each run a few of their side's steps as the capture's host-time rounds do
     and return, per measured step, the time outside the replayed ops and inside them (µs, profiler's
-    cost taken out: :func:`host_time_probe`); ``capture_ms`` is the host time per step the replay
+    cost taken out), the time inside them as the profiler saw it and the op events inside them
+    (:func:`host_time_probe`); ``capture_ms`` is the host time per step the replay
     spends (the capture's median), ``spun_ms`` what its spins add up to per step (the most a smaller
     host time could take off it); ``scale``: by how much the replay has scaled that host time so far, by
     its host's speed against the capture's (the median; :class:`workloads.trace_replay.codegen.HostSpeed`);
@@ -81,8 +95,8 @@ class HostProbe:
     the split of the error counts it with the op time, where the program's lies.
     """
 
-    source: Callable[[], tuple[list[float], list[float]]]
-    replay: Callable[[], tuple[list[float], list[float]]]
+    source: Callable[[], ProbedSteps]
+    replay: Callable[[], ProbedSteps]
     capture_ms: float
     spun_ms: float
     scale: Callable[[], float] = lambda: 1.0
@@ -119,15 +133,19 @@ class SideBySide:
     replay_shift_parts_ms: dict[str, list[float]] | None = None
     capture_parts_half_width_pct: dict[str, float] = field(default_factory=dict)
     host: HostProbe | None = None
-    # per side, its host time and op time per step measured while judged (µs; HostProbe), and their medians (ms)
+    # per side, what its probes measured per step while judged ("<side>_<ProbedSteps field>": µs, and the op
+    # events inside the replayed ops), and the medians (ms; the events' count as it is)
     probed_us: dict[str, list[float]] = field(default_factory=dict)
     probed_ms: dict[str, float] = field(default_factory=dict)
     host_shift_pct: float = math.nan  # (host time the replay spends − the judged one) ÷ the program's step, in %
     time_error_judged_host_pct: float = math.nan  # the figure had the replay spent the judged host time
-    # (replay's host time − the program's, both as judged) ÷ the program's step, the autograd bookkeeping the
-    # replay spends as host time counted with the ops (the program's lies inside its forward ops)
-    host_error_pct: float = math.nan
-    op_error_pct: float = math.nan  # the same of the time inside the replayed ops, that bookkeeping added
+    # (replay's time inside the replayed ops − the program's, each as the profiler saw it) ÷ the program's step,
+    # the autograd bookkeeping the replay spends as host time counted with the replay's ops (the program's lies
+    # inside its forward ops): the profiler's cost inside the ops is alike on both sides where their ops call the
+    # same ops inside, so no cost model enters it
+    op_error_pct: float = math.nan
+    host_error_pct: float = math.nan  # the rest of time_error_judged_host_pct: the replay's host time against the
+    # program's as judged
     time_error_signed_pct: float = math.nan
     time_error_pct: float = math.nan
     time_error_ci_low_pct: float = math.nan
@@ -159,7 +177,8 @@ class SideBySide:
                 self.notes.append(note)
         moved: float | None = None  # how far the replay's step would move, had it spent the judged host time
         if self.host is not None and self.probed_us.get("source_host"):
-            self.probed_ms = {key: statistics.median(values) / 1e3 for key, values in self.probed_us.items() if values}
+            self.probed_ms = {key: statistics.median(values) / (1.0 if key.endswith("_inside_events") else 1e3)
+                              for key, values in self.probed_us.items() if values}
             judged, spent = self.probed_ms["source_host"], self.host.spent_ms
             self.host_shift_pct = 100.0 * (spent - judged) / self.source_step_ms
             # the replay's spins are wall-clock time: a host time Δ larger moves its step by Δ (a smaller one by
@@ -178,13 +197,12 @@ class SideBySide:
         if moved is not None:
             self.time_error_judged_host_pct = 100.0 * (self.ratio * (self.replay_step_ms + moved) / self.replay_step_ms
                                                        - 1.0)
-            if {"replay_host", "source_op", "replay_op"} <= self.probed_ms.keys():
+            if {"source_profiled_op", "replay_profiled_op"} <= self.probed_ms.keys():
                 # like with like: the bookkeeping the replay spends as host time is inside the program's op time
                 book = self.host.autograd_ms * self.host.scale()
-                self.host_error_pct = 100.0 * (self.probed_ms["replay_host"] - book - self.probed_ms["source_host"]) \
-                    / self.source_step_ms
-                self.op_error_pct = 100.0 * (self.probed_ms["replay_op"] + book - self.probed_ms["source_op"]) / \
-                    self.source_step_ms
+                self.op_error_pct = 100.0 * (self.probed_ms["replay_profiled_op"] + book
+                                             - self.probed_ms["source_profiled_op"]) / self.source_step_ms
+                self.host_error_pct = self.time_error_judged_host_pct - self.op_error_pct
         self.source_round_cv_pct = cv_pct([statistics.median(r) for r in self.source_ms])
         self.replay_round_cv_pct = cv_pct([statistics.median(r) for r in self.replay_ms])
         reasons = []
@@ -251,7 +269,8 @@ class SideBySide:
             **({"host_shift_pct": self.host_shift_pct,
                 "time_error_judged_host_pct": self.time_error_judged_host_pct,
                 "host_error_pct": self.host_error_pct, "op_error_pct": self.op_error_pct,
-                **{f"judged_{key}_ms": value for key, value in self.probed_ms.items()},
+                **{f"judged_{key}" if key.endswith("_inside_events") else f"judged_{key}_ms": value
+                   for key, value in self.probed_ms.items()},
                 "judged_host_samples": float(len(self.probed_us["source_host"]))}
                if self.host is not None and self.probed_ms else {}),
         }
@@ -380,7 +399,7 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
         steps_per_round = sized(typical, budget_s, planned)
     times: dict[str, list[list[float]]] = {"source": [], "replay": []}
     order: list[str] = []
-    probed_us: dict[str, list[float]] = {f"{side}_{part}": [] for side in sides for part in ("host", "op")}
+    probed_us: dict[str, list[float]] = {f"{side}_{part}": [] for side in sides for part in PROBED}
     started = time.perf_counter()
     probes_s: list[float] = []  # what each host-time probe took
     due = 1  # the round after which the next probe falls due
@@ -397,9 +416,8 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
             return
         began = time.perf_counter()
         for name, measure in (("source", host.source), ("replay", host.replay)):
-            host_us, op_us = measure()
-            probed_us[f"{name}_host"].extend(host_us)
-            probed_us[f"{name}_op"].extend(op_us)
+            for part, values in zip(PROBED, measure(), strict=True):
+                probed_us[f"{name}_{part}"].extend(values)
         probes_s.append(time.perf_counter() - began)
 
     def run_round() -> None:
@@ -579,9 +597,10 @@ def capture_shift_parts(replayer: Any, *, seed: int = 0, samples: int = BOOTSTRA
 def host_time_probe(step: Callable[[], Any], device: torch.device, replayed: set[str],
                     prepare: Callable[[], Any] | None = None,
                     agree: Callable[[Any], Any] | None = None,
-                    weights: EventWeights | None = None) -> Callable[[], tuple[list[float], list[float]]]:
+                    weights: EventWeights | None = None) -> Callable[[], ProbedSteps]:
     """A callable measuring a step's time outside the ``replayed`` ops and inside them (µs, one figure each
-    per measured step) as the capture's host-time rounds measure the program's (:mod:`harness.traces.capture`):
+    per measured step) as the capture's host-time rounds measure the program's (:mod:`harness.traces.capture`),
+    and the time inside them as the profiler saw it with the op events inside them (:class:`ProbedSteps`):
     steps under Kineto alone (the first ones settling it), then plain ones (after some that settle), the
     profiler's cost taken out against the plain steps (:func:`workloads.trace_replay.host_time.kineto_host_gaps`,
     :func:`~workloads.trace_replay.host_time.replayed_op_time`). ``prepare``: called before each step, outside
@@ -601,7 +620,7 @@ def host_time_probe(step: Callable[[], Any], device: torch.device, replayed: set
             step()
             synchronize(device)
 
-    def measure_once() -> tuple[dict[int, float], dict[int, float]]:
+    def measure_once() -> StepTimes:
         trace = profiled_steps([step] * TIMING_MEASURED, settle=settle, prepare=prepare,
                                synchronize=lambda: synchronize(device), activities=profiler_activities(device))
         plain = []
@@ -613,13 +632,14 @@ def host_time_probe(step: Callable[[], Any], device: torch.device, replayed: set
                 plain.append(took)
         return host_and_op_time(trace, {None: 1e3 * statistics.median(plain)}, replayed.__contains__, weights)
 
-    def measure() -> tuple[list[float], list[float]]:
+    def measure() -> ProbedSteps:
         for _ in range(PROBE_TRIES):
-            host, inside = measure_once()
-            held = bool(host) and all(us > 0 for us in host.values()) and all(us > 0 for us in inside.values())
+            times = measure_once()
+            held = bool(times.host) and all(us > 0 for us in times.host.values()) and \
+                all(us > 0 for us in times.op.values())
             if agree(held) if agree is not None else held:
-                return list(host.values()), list(inside.values())
-        return [], []
+                return ProbedSteps(*(list(figures.values()) for figures in times))
+        return ProbedSteps([], [], [], [])
 
     return measure
 

@@ -94,13 +94,30 @@ def profiled_steps(steps: Sequence[Callable[[], Any]], *, settle: Callable[[], A
         return read_kineto(path)
 
 
+class StepTimes(NamedTuple):
+    """Each annotated step's figures (step index → figure), as :func:`host_and_op_time` splits them."""
+
+    host: dict[int, float]  # time outside the replayed ops, the profiler's cost taken out (µs)
+    op: dict[int, float]  # time inside them, the profiler's cost taken out (µs)
+    profiled_op: dict[int, float]  # time inside them under the profiler, its cost inside them left in (µs)
+    inside_events: dict[int, float]  # op events inside them (each counted once)
+
+
 def host_and_op_time(timing: KinetoTrace, plain_us: dict[int | None, float],
                      replayed: Callable[[str], bool] | None = None, weights: EventWeights | None = None
-                     ) -> tuple[dict[int, float], dict[int, float]]:
+                     ) -> StepTimes:
     """Each annotated step's time outside the replayed ops and inside them (µs, step index → figure), the
-    profiler's cost taken out against ``plain_us``: :func:`kineto_host_gaps` and :func:`replayed_op_time`."""
+    profiler's cost taken out against ``plain_us`` (:func:`kineto_host_gaps` and :func:`replayed_op_time`);
+    and, with no cost model at all, the time inside them as the profiler saw it and the op events it saw
+    inside them (collectives left out of both, as :func:`replayed_op_time` leaves them out).
+
+    Two steps that run the same ops, each calling the same ops inside, pay the profiler alike inside them:
+    their profiled op times compare like with like, whatever each kind of event costs (where the ops called
+    different ops inside, their ``inside_events`` say by how many)."""
     splits = _split_steps(timing, plain_us, replayed, weights)
-    return _host_gaps(splits), _op_time(splits)
+    return StepTimes(_host_gaps(splits), _op_time(splits),
+                     {k: max(0.0, s.walk.busy - s.waiting_profiled) for k, s in splits.items()},
+                     {k: float(s.walk.inside - s.inside_waiting) for k, s in splits.items()})
 
 
 def round_median_draws(rounds: Sequence[Sequence[float]], rng: random.Random, samples: int) -> list[float]:
@@ -425,6 +442,7 @@ class _StepWalk(NamedTuple):
     busy: float  # the time inside replayed ops, on any thread (µs; the union: time two threads share counts once)
     ran: int  # the replayed ops among ``outside``
     nested: float  # the events inside a replayed op of their own thread, so weighted
+    inside: int  # those events, each counted once
 
 
 class _StepSplit(NamedTuple):
@@ -432,6 +450,8 @@ class _StepSplit(NamedTuple):
     walk: _StepWalk
     per_event: float  # the profiler's cost per op event of weight 1 (µs)
     waiting: float  # the time inside replayed collectives, their nested events' cost taken out (µs)
+    waiting_profiled: float  # that time as the profiler saw it, their nested events' cost left in (µs)
+    inside_waiting: int  # the op events inside replayed collectives
 
 
 def _split_steps(timing: KinetoTrace, plain_us: dict[int | None, float],
@@ -444,12 +464,13 @@ def _split_steps(timing: KinetoTrace, plain_us: dict[int | None, float],
         walk = _walk_step(ops, step, replayed, weights)
         if (per_event := _per_event_cost(step, walk, plain_us)) is None:
             continue
-        waiting = 0.0
+        waiting, waiting_profiled, inside_waiting = 0.0, 0.0, 0
         if collectives:
             inside = _walk_step(ops, step, lambda name: COLLECTIVE.match(name) is not None and
                                 (replayed is None or replayed(name)), weights)
             waiting = inside.busy - inside.nested * per_event
-        splits[step_index(step)] = _StepSplit(step.dur, walk, per_event, waiting)
+            waiting_profiled, inside_waiting = inside.busy, inside.inside
+        splits[step_index(step)] = _StepSplit(step.dur, walk, per_event, waiting, waiting_profiled, inside_waiting)
     return splits
 
 
@@ -509,13 +530,14 @@ def _walk_step(ops: list[KinetoEvent], step: KinetoEvent, replayed: Callable[[st
     """One step's events on every thread (:func:`_step_events`), counted and timed as :class:`_StepWalk` says;
     a collective's communication (:data:`COMMUNICATION`) is time inside the replayed ops too, not one of them."""
     end = step.ts + step.dur
-    busy, union_end, outside, every, ran, nested = 0.0, step.ts, 0.0, 0.0, 0, 0.0
+    busy, union_end, outside, every, ran, nested, inside = 0.0, step.ts, 0.0, 0.0, 0, 0.0, 0
     for e, hit, weight in _step_events(ops, step, replayed, weights):
         communication = e.cat != "cpu_op"  # an annotation: not among the op events the profiler's cost is spread on
         if not communication:
             every += weight
             if hit is None:
                 nested += weight  # inside a replayed op already counted
+                inside += 1
                 continue
             outside += weight
         if hit or communication:
@@ -523,7 +545,7 @@ def _walk_step(ops: list[KinetoEvent], step: KinetoEvent, replayed: Callable[[st
             busy += max(0.0, finish - max(e.ts, union_end))  # events come in start order: the union's new part
             union_end = max(union_end, finish)
             ran += not communication
-    return _StepWalk(every, outside, busy, ran, nested)
+    return _StepWalk(every, outside, busy, ran, nested, inside)
 
 
 def _plain_by_round(meta: BundleMeta, plain: list[float]) -> dict[int | None, float]:
@@ -644,8 +666,9 @@ def measured_host_gaps(trace: BundleTrace, replayed: set[str]) -> tuple[dict[int
     # plain steps of the same minutes as the Kineto ones where the bundle has them (older bundles: the
     # baseline's, taken before the traced phase)
     plain = _plain_by_round(trace.meta, trace.meta.timing_plain_step_times_s or trace.meta.step_times_s)
-    host, inside = host_and_op_time(trace.timing, plain, replayed.__contains__, bundle_weights(trace.meta))
-    return {k: host[k] for k in sorted(host)}, [inside[k] for k in sorted(inside)]  # the rounds' steps in turn
+    times = host_and_op_time(trace.timing, plain, replayed.__contains__, bundle_weights(trace.meta))
+    # the rounds' steps in turn
+    return {k: times.host[k] for k in sorted(times.host)}, [times.op[k] for k in sorted(times.op)]
 
 
 def host_speed_elasticity(samples_us: Sequence[float], step_spin_ns: Sequence[Sequence[float]]) -> float | None:
