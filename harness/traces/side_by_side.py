@@ -77,6 +77,12 @@ class ProbedSteps(NamedTuple):
 
 
 PROBED = ProbedSteps._fields
+COUNTED = "_inside_events"  # the probed figure that is a count, not µs
+
+
+def _judged_name(key: str) -> str:
+    """A probed figure's metric name: ``judged_<side>_<part>``, in ms where it is a time."""
+    return f"judged_{key}" if key.endswith(COUNTED) else f"judged_{key}_ms"
 
 
 @dataclass
@@ -177,7 +183,7 @@ class SideBySide:
                 self.notes.append(note)
         moved: float | None = None  # how far the replay's step would move, had it spent the judged host time
         if self.host is not None and self.probed_us.get("source_host"):
-            self.probed_ms = {key: statistics.median(values) / (1.0 if key.endswith("_inside_events") else 1e3)
+            self.probed_ms = {key: statistics.median(values) / (1.0 if key.endswith(COUNTED) else 1e3)
                               for key, values in self.probed_us.items() if values}
             judged, spent = self.probed_ms["source_host"], self.host.spent_ms
             self.host_shift_pct = 100.0 * (spent - judged) / self.source_step_ms
@@ -269,8 +275,7 @@ class SideBySide:
             **({"host_shift_pct": self.host_shift_pct,
                 "time_error_judged_host_pct": self.time_error_judged_host_pct,
                 "host_error_pct": self.host_error_pct, "op_error_pct": self.op_error_pct,
-                **{f"judged_{key}" if key.endswith("_inside_events") else f"judged_{key}_ms": value
-                   for key, value in self.probed_ms.items()},
+                **{_judged_name(key): value for key, value in self.probed_ms.items()},
                 "judged_host_samples": float(len(self.probed_us["source_host"]))}
                if self.host is not None and self.probed_ms else {}),
         }

@@ -116,8 +116,8 @@ def host_and_op_time(timing: KinetoTrace, plain_us: dict[int | None, float],
     different ops inside, their ``inside_events`` say by how many)."""
     splits = _split_steps(timing, plain_us, replayed, weights)
     return StepTimes(_host_gaps(splits), _op_time(splits),
-                     {k: max(0.0, s.walk.busy - s.waiting_profiled) for k, s in splits.items()},
-                     {k: float(s.walk.inside - s.inside_waiting) for k, s in splits.items()})
+                     {k: max(0.0, s.walk.busy - s.collectives.busy) for k, s in splits.items()},
+                     {k: float(s.walk.inside - s.collectives.inside) for k, s in splits.items()})
 
 
 def round_median_draws(rounds: Sequence[Sequence[float]], rng: random.Random, samples: int) -> list[float]:
@@ -445,13 +445,19 @@ class _StepWalk(NamedTuple):
     inside: int  # those events, each counted once
 
 
+_NO_COLLECTIVES = _StepWalk(0.0, 0.0, 0.0, 0, 0.0, 0)  # a step's walk of its replayed collectives, where it has none
+
+
 class _StepSplit(NamedTuple):
     dur: float  # the step's time under Kineto (µs)
     walk: _StepWalk
     per_event: float  # the profiler's cost per op event of weight 1 (µs)
-    waiting: float  # the time inside replayed collectives, their nested events' cost taken out (µs)
-    waiting_profiled: float  # that time as the profiler saw it, their nested events' cost left in (µs)
-    inside_waiting: int  # the op events inside replayed collectives
+    collectives: _StepWalk  # the replayed collectives' own walk: their time as the profiler saw it, the events in them
+
+    @property
+    def waiting(self) -> float:
+        """The time inside replayed collectives, their nested events' cost taken out (µs)."""
+        return self.collectives.busy - self.collectives.nested * self.per_event
 
 
 def _split_steps(timing: KinetoTrace, plain_us: dict[int | None, float],
@@ -464,13 +470,9 @@ def _split_steps(timing: KinetoTrace, plain_us: dict[int | None, float],
         walk = _walk_step(ops, step, replayed, weights)
         if (per_event := _per_event_cost(step, walk, plain_us)) is None:
             continue
-        waiting, waiting_profiled, inside_waiting = 0.0, 0.0, 0
-        if collectives:
-            inside = _walk_step(ops, step, lambda name: COLLECTIVE.match(name) is not None and
-                                (replayed is None or replayed(name)), weights)
-            waiting = inside.busy - inside.nested * per_event
-            waiting_profiled, inside_waiting = inside.busy, inside.inside
-        splits[step_index(step)] = _StepSplit(step.dur, walk, per_event, waiting, waiting_profiled, inside_waiting)
+        inside = _walk_step(ops, step, lambda name: COLLECTIVE.match(name) is not None and
+                            (replayed is None or replayed(name)), weights) if collectives else _NO_COLLECTIVES
+        splits[step_index(step)] = _StepSplit(step.dur, walk, per_event, inside)
     return splits
 
 
