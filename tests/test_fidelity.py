@@ -8,6 +8,8 @@ was not designed around, on a user's callable, and through ``cobench trace fidel
 from __future__ import annotations
 
 import json
+import math
+import os
 import random
 import statistics
 import subprocess
@@ -415,6 +417,59 @@ def test_the_interval_holds_its_figure_even_when_every_draw_is_the_figure():
         source, replay = [[rng.uniform(5, 20)] for _ in range(2)], [[rng.uniform(5, 40)] for _ in range(2)]
         figure, low, high = side_by_side_module.paired_ratio(source, replay, samples=20, shift_ms=[0.0] * 20)
         assert low <= figure <= high
+
+
+def test_a_judging_thread_the_scheduler_keeps_taking_off_its_core_is_named_in_the_reason():
+    """Rounds too spread for a verdict: where the judging thread was preempted at least once a step the reason says
+    so, with the processes and cores, instead of asking for a quieter machine; where it rarely was, it does not."""
+    rng = random.Random(0)
+    source, replay = ([[rng.uniform(10.0, 30.0)] * 3 for _ in range(24)] for _ in range(2))
+    crowded = SideBySide(source, replay, ["source", "replay"] * 12, preemptions={"source": 100, "replay": 40}
+                         ).summarise()
+    assert not crowded.fidelity_valid
+    assert "preempted 1.4 times a step" in crowded.invalid_reason and "core" in crowded.invalid_reason
+    assert "quieter machine" not in crowded.invalid_reason
+    metrics = crowded.metrics()
+    assert metrics["source_preemptions_per_step"] == pytest.approx(100 / 72)
+    assert metrics["replay_preemptions_per_step"] == pytest.approx(40 / 72)
+    quiet = SideBySide(source, replay, ["source", "replay"] * 12, preemptions={"source": 7, "replay": 3}).summarise()
+    assert "preempted" not in quiet.invalid_reason and "quieter machine" in quiet.invalid_reason
+    unread = SideBySide(source, replay, ["source", "replay"] * 12).summarise().metrics()
+    assert math.isnan(unread["source_preemptions_per_step"])
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+@pytest.mark.alone
+@pytest.mark.skipif(side_by_side_module.preemptions() is None, reason="the system does not count a thread's "
+                    "involuntary context switches")
+def test_the_rounds_count_how_often_the_scheduler_took_each_side_off_its_core():
+    """More busy processes than cores beside the judgement: the scheduler takes each side's thread off its core
+    while its samples are timed, and the judgement counts it a step, per side."""
+    import multiprocessing
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    busy = [multiprocessing.get_context("spawn").Process(target=_spin, args=(30.0,)) for _ in range(cores + 1)]
+    for process in busy:
+        process.start()
+    try:
+        time.sleep(1.0)  # the spinners running
+
+        def step() -> None:
+            sum(i * i for i in range(3000))
+
+        side = interleave(step, step, torch.device("cpu"), rounds=4, steps_per_round=3, warmup=2)
+    finally:
+        for process in busy:
+            process.terminate()
+            process.join()
+    metrics = side.metrics()
+    assert metrics["source_preemptions_per_step"] > 0 and metrics["replay_preemptions_per_step"] > 0
+    assert sum(side.preemptions.values()) > 0
 
 
 def test_a_wide_interval_makes_the_figure_invalid_with_the_reason():

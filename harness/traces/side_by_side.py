@@ -15,6 +15,7 @@ interval covers a capture taken at the judgement's moment too.
 from __future__ import annotations
 
 import math
+import os
 import random
 import statistics
 import time
@@ -65,6 +66,12 @@ PROBE_SHARE = 0.25
 # against the plain steps, took all of it: the machine's load moved between the profiled and the plain steps)
 # measured nothing; it is taken again, at most this many times in all, and left out if none holds together.
 PROBE_TRIES = 3
+# A side whose judging thread the scheduler took off its core this many times a step or more (involuntary context
+# switches while its samples were timed) waits on the scheduler every step: its time is the scheduler's as much as
+# its own. Over 200 plain steps (2026-12-06), the zoo's one-process programs' main threads were preempted 0.03 … 0.20
+# times a step (BERT, ViT, the GCN); each rank of TorchRec's DLRM and of the two-rank GPT-2, two ranks on two cores
+# with gloo's threads beside them, 3.7 and 10.3 times, their steps' times varying 42 % from step to step (TorchRec)
+PREEMPTED_STEP = 1.0
 
 
 class ProbedSteps(NamedTuple):
@@ -139,6 +146,9 @@ class SideBySide:
     replay_shift_parts_ms: dict[str, list[float]] | None = None
     capture_parts_half_width_pct: dict[str, float] = field(default_factory=dict)
     host: HostProbe | None = None
+    # per side, the judging thread's involuntary context switches while its samples were timed (Linux; empty
+    # elsewhere): see PREEMPTED_STEP
+    preemptions: dict[str, int] = field(default_factory=dict)
     # per side, what its probes measured per step while judged ("<side>_<ProbedSteps field>": µs, and the op
     # events inside the replayed ops), and the medians (ms; the events' count as it is)
     probed_us: dict[str, list[float]] = field(default_factory=dict)
@@ -169,6 +179,11 @@ class SideBySide:
     @property
     def half_width_pct(self) -> float:
         return (self.time_error_ci_high_pct - self.time_error_ci_low_pct) / 2
+
+    def preemptions_per_step(self, side: str) -> float:
+        """How many times a step the scheduler took ``side``'s judging thread off its core (NaN where unread)."""
+        steps = self.batch * sum(len(r) for r in (self.source_ms if side == "source" else self.replay_ms))
+        return self.preemptions[side] / steps if side in self.preemptions and steps else math.nan
 
     def summarise(self, seed: int = 0) -> SideBySide:
         """Fill in the figures from the step times."""
@@ -219,6 +234,10 @@ class SideBySide:
             advice = "a larger budget or a quieter machine narrows it"
             if moved is not None and abs(self.host_shift_pct) > self.target_half_width_pct:
                 advice = "a capture at a quieter moment or a quieter machine narrows it"
+            preempted = max((self.preemptions_per_step(side) for side in self.preemptions), default=0.0)
+            if preempted >= PREEMPTED_STEP:
+                advice = (f"the judging thread was preempted {preempted:.1f} times a step ({_crowding()}): each step "
+                          f"waits on the scheduler; a core to spare for each process's own threads narrows it")
             if self.budget_s is None:
                 spent = f" after {len(self.order)} rounds (--rounds)"
             elif len(self.order) >= MAX_ROUNDS:
@@ -266,6 +285,8 @@ class SideBySide:
             "judgement_batch_steps": float(self.batch),
             "judgement_elapsed_s": self.elapsed_s,
             "judgement_probe_s": self.probe_s,
+            "source_preemptions_per_step": self.preemptions_per_step("source"),
+            "replay_preemptions_per_step": self.preemptions_per_step("replay"),
             "capture_half_width_pct": self.capture_half_width_pct,
             **{f"capture_{part}_half_width_pct": pct for part, pct in self.capture_parts_half_width_pct.items()},
             **({"judgement_budget_s": self.budget_s} if self.budget_s is not None else {}),
@@ -286,6 +307,25 @@ def _shift_half_width_pct(draws_ms: list[float], step_ms: float) -> float:
     shifts = sorted(100.0 * d / step_ms for d in draws_ms)
     last = len(shifts) - 1
     return (shifts[int(0.975 * last)] - shifts[int(0.025 * last)]) / 2
+
+
+def _crowding() -> str:
+    """The processes beside this one on its host against the cores it may run on, for a reason."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    held = f"{ranks} ranks on this host, each with its collectives' threads" if ranks > 1 else "this process"
+    return f"{held}, {torch.get_num_threads()} compute thread{'s' if torch.get_num_threads() > 1 else ''} each, " \
+           f"on {cores} core{'s' if cores > 1 else ''}"
+
+
+def preemptions() -> int | None:
+    """The calling thread's involuntary context switches so far (None where the system does not say)."""
+    try:
+        import resource
+    except ImportError:  # not a Unix
+        return None
+    who = getattr(resource, "RUSAGE_THREAD", None)  # Linux
+    return None if who is None else resource.getrusage(who).ru_nivcsw
 
 
 def round_ratios(source_ms: list[list[float]], replay_ms: list[list[float]]) -> list[list[float]]:
@@ -403,6 +443,7 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
     if budget_s is not None:
         steps_per_round = sized(typical, budget_s, planned)
     times: dict[str, list[list[float]]] = {"source": [], "replay": []}
+    preempted = {"source": 0, "replay": 0} if preemptions() is not None else {}
     order: list[str] = []
     probed_us: dict[str, list[float]] = {f"{side}_{part}": [] for side in sides for part in PROBED}
     started = time.perf_counter()
@@ -440,7 +481,10 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
                 before()
             if start_together is not None:
                 start_together()
+            switched = preemptions()
             samples[name].append(_timed(sides[name], device, batch))
+            if preempted and switched is not None:
+                preempted[name] += (preemptions() or 0) - switched
         for name in sides:
             times[name].append(samples[name])
         probe()
@@ -457,6 +501,8 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
         batch = wanted
         for name in sides:
             times[name].clear()
+            if preempted:
+                preempted[name] = 0
         order.clear()
     if budget_s is not None:
         every = agree(probe_every(typical, budget_s, planned))
@@ -469,7 +515,7 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
     side = SideBySide(times["source"], times["replay"], order, batch=batch, alternate=alternate, budget_s=budget_s,
                       target_half_width_pct=target_half_width_pct, replay_shift_ms=replay_shift_ms,
                       replay_shift_parts_ms=replay_shift_parts_ms,
-                      host=host, probed_us=probed_us)
+                      host=host, probed_us=probed_us, preemptions=preempted)
     if steps_per_round < asked:
         side.notes.append(f"{steps_per_round} sample{'s' if steps_per_round > 1 else ''} of each side a round, not "
                           f"{asked}: {MIN_VALID_ROUNDS} rounds of "
