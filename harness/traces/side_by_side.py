@@ -313,9 +313,11 @@ def _crowding() -> str:
     """The processes beside this one on its host against the cores it may run on, for a reason."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    held = f"{ranks} ranks on this host, each with its collectives' threads" if ranks > 1 else "this process"
-    return f"{held}, {torch.get_num_threads()} compute thread{'s' if torch.get_num_threads() > 1 else ''} each, " \
-           f"on {cores} core{'s' if cores > 1 else ''}"
+    threads = torch.get_num_threads()
+    computing = f"{threads} compute thread{'s' if threads > 1 else ''}"
+    held = f"{ranks} ranks on this host, each with {computing} and its collectives' threads" if ranks > 1 \
+        else f"this process, with {computing}"
+    return f"{held}, on {cores} core{'s' if cores > 1 else ''}"
 
 
 def preemptions() -> int | None:
