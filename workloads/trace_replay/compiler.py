@@ -35,7 +35,7 @@ from workloads.trace_replay.parse import is_tensor_ref, tensor_refs
 from workloads.trace_replay.policy import op_refusal
 from workloads.trace_replay.portable import PORTED, PortableAttention, lacks_kernel
 from workloads.trace_replay.records import OpRecord
-from workloads.trace_replay.tensors import recorded_view
+from workloads.trace_replay.tensors import own_copy, recorded_view
 
 # Kernels whose outputs depend on autograd being on (the workspace their backward reads).
 GRAD_MODE_OPS = frozenset({"aten::mkldnn_rnn_layer", "aten::_cudnn_rnn", "aten::miopen_rnn"})
@@ -278,8 +278,7 @@ class OpCompiler:
         if data is None or info.dtype.is_floating_point:
             return None
         values = recorded_view(data, info.dtype, info.shape, info.stride)
-        # clone: a tensor of its own, not a view of the buffer (ops like detach_ refuse views)
-        return None if values is None else values.clone().to(self.device)
+        return None if values is None else own_copy(values, self.device)
 
     def _collective(self, name: str) -> Callable[..., Any]:
         """The ``torch.distributed`` call for a captured ``c10d::`` op (its process-group arguments dropped),

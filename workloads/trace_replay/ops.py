@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from workloads.trace_replay.sparse import fit_count
-from workloads.trace_replay.tensors import broadcast_index, fill_view
+from workloads.trace_replay.tensors import broadcast_index, fill_view, own_copy
 
 # c10::ScalarType codes, as the execution trace writes dtype arguments.
 SCALAR_TYPES = {
@@ -203,7 +203,7 @@ class CompiledOp:
                     continue
                 except RuntimeError:  # sharing it otherwise than by broadcasting
                     pass
-            vals[slot] = values.clone()
+            vals[slot] = own_copy(values, values.device)
 
     def arguments(self, vals: list[Any]) -> tuple[list[Any], dict[str, Any]]:
         """Its positional and keyword arguments, their tensors taken from ``vals``."""

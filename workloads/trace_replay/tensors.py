@@ -42,6 +42,25 @@ def recorded_view(data: str, dtype: torch.dtype, shape: tuple[int, ...],
     return flat.as_strided(shape, stride, 0)
 
 
+def own_copy(view: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``view``'s values in a tensor of its own on ``device`` (not a view: ops like ``detach_`` refuse views),
+    laid out with ``view``'s strides over as much memory as they reach.
+
+    ``clone`` keeps the strides of a dense layout but makes an expanded one (stride 0) dense: a scatter's index
+    ``idx[:, None].expand(-1, 64)`` over 10,000 edges held 5.1 MB where the program's held 80 KB, and on this CPU
+    ``scatter_add_`` took 6 times as long over it, ``scatter_reduce("amax")`` 27 times (an expanded index takes
+    PyTorch's own faster path)."""
+    copied = view.clone()
+    if copied.stride() == view.stride() or view.numel() == 0:
+        return copied.to(device)
+    extent = 1 + sum((size - 1) * step for size, step in zip(view.shape, view.stride(), strict=True))
+    own = torch.empty_strided(tuple(view.shape), view.stride(), dtype=view.dtype, device=device)
+    memory = view.as_strided((extent,), (1,), view.storage_offset())
+    with torch.no_grad():
+        own.as_strided((extent,), (1,), 0).copy_(memory)
+    return own
+
+
 def broadcast_index(view: torch.Tensor) -> tuple[slice, ...]:
     """Index keeping one element of every broadcast (stride-0) dimension of ``view``."""
     return tuple(slice(0, 1) if st == 0 and s > 1 else slice(None) for s, st in zip(view.shape, view.stride(),
