@@ -255,10 +255,9 @@ def test_labels_a_loss_reads_through_a_to_that_copies_nothing_are_the_programs(t
 def test_an_index_made_from_data_and_expanded_is_replayed_in_the_programs_layout(tmp_path: Path):
     """A scatter's index computed from data (an ``argsort`` floor-divided) and expanded over the features, as
     routing and message-passing code builds it: the replay holds the program's recorded values, and holds them
-    as the program's view did, one value a row with stride 0 across the features. Made dense (``clone``
-    does), such an index held 64 times the memory here, and PyTorch's scatter took its slower path: over
-    10,000 edges of 64 features on this CPU ``scatter_add_`` took 6 times as long, ``scatter_reduce("amax")``
-    27 times."""
+    as the program's view did, one value a row with stride 0 across the features. Made dense (``clone`` does),
+    it held 64 times the program's memory here, and PyTorch's scatter took its slower path
+    (:func:`workloads.trace_replay.tensors.own_copy`)."""
     lin = nn.Linear(64, 64)
 
     def loss() -> torch.Tensor:
