@@ -13,7 +13,9 @@ import shutil
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -1342,14 +1344,71 @@ def test_the_autograd_bookkeeping_of_forward_ops_is_measured_and_spent_by_the_re
     assert not any("backward" in name for name in marked), marked
     optimizer = [op for op in rank.ops if "optimizer" in " ".join(op.scopes).lower()]
     assert optimizer and not any(op.grad for op in optimizer)
-    replayer = Replayer(rank, torch.device("cpu"), host_gaps=True)
+    replayer = Replayer(rank, torch.device("cpu"), host_gaps=True, record_history=False)
     replayer.materialize()
     replayer.dry_run()
     replayer.calibrate_host_cost(lambda: None)
     assert replayer.autograd_unmeasured is None
     assert len(replayer.autograd_samples_s) >= 16 and all(math.isfinite(s) for s in replayer.autograd_samples_s)
     assert all(not t.requires_grad for t in replayer.vals if isinstance(t, torch.Tensor))  # left as it was
+    assert not replayer.records_history and replayer.spent_grad_ops_per_step == replayer.grad_ops_per_step
     replayer.run_step()
+
+
+def _saved_for_backward(run: Callable[[], Any]) -> list[tuple[int, ...]]:
+    """The shapes of the tensors autograd saved for a backward while ``run`` ran, sorted."""
+    saved: list[tuple[int, ...]] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tuple(tensor.shape))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+    return sorted(saved)
+
+
+def test_the_replay_records_the_autograd_history_its_program_recorded(tmp_path: Path):
+    """The replay's steps run the ops the program recorded autograd history through with grad mode on, over the
+    parameters requiring grad as the program's did: autograd saves for a backward in a replayed step what it
+    saved in the program's (a convolution, a batch norm, a linear layer, a cross entropy), and the step tears
+    that history down before its backward, leaving nothing that holds it. A step that fails while recording
+    stops the recording, and the bookkeeping is spent as host time instead, with the reason."""
+    from harness.traces.capture import capture
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(8 * 14 * 14, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step() -> None:
+        torch.nn.functional.cross_entropy(model(torch.randn(4, 3, 16, 16)), torch.randint(0, 10, (4,))).backward()
+        opt.step()
+        opt.zero_grad()
+
+    with capture(tmp_path / "bundle", steps=2, warmup=2, baseline_steps=4, source="bn_net") as cap:
+        while not cap.done:
+            with cap.step():
+                step()
+    rank = RankRecord.from_json(generate_spec(tmp_path / "bundle")["ranks"][0])
+    replayer = Replayer(rank, torch.device("cpu"), host_gaps=True)
+    replayer.materialize()
+    replayer.dry_run()
+    replayer.calibrate_host_cost(lambda: None)
+    assert replayer.records_history and replayer.spent_grad_ops_per_step == 0 and replayer.autograd_s > 0
+    program = _saved_for_backward(step)
+    assert len(program) >= 8, program
+    for _ in range(2):  # both captured steps
+        assert _saved_for_backward(replayer.run_step) == program
+        assert not any(isinstance(t, torch.Tensor) and t.grad_fn is not None for t in replayer.vals)
+    assert replayer.errors == {} and replayer.runner.history_stopped is None
+
+    conv = next(op for op in replayer.ops if op.name == "aten::conv2d")  # its weight for another input
+    replayer.vals[next(slot for pos, _, slot in conv.arg_slots if pos == 1)] = torch.randn(8, 5, 3, 3)
+    replayer.run_step()
+    assert "failed while recording autograd history" in (replayer.runner.history_stopped or "")
+    assert not replayer.records_history and replayer.spent_grad_ops_per_step == replayer.grad_ops_per_step
+    assert _saved_for_backward(replayer.run_step) == []
 
 
 def test_captured_steps_unlike_the_programs_own_are_traced_again_or_named(tmp_path: Path):

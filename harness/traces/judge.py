@@ -164,7 +164,7 @@ def _host_probe(source_step: Callable[[], Any], replay: Any, device: torch.devic
                                      agree=agree),
                      capture_ms=statistics.median(replayer.gap_samples_us) / 1e3,
                      spun_ms=1e3 * replayer.runner.spun_s(), scale=lambda: _speed_scale(replayer),
-                     autograd_ms=1e3 * replayer.grad_ops_per_step * replayer.autograd_s)
+                     autograd_ms=1e3 * replayer.spent_grad_ops_per_step * replayer.autograd_s)
 
 
 def _speed_scale(replayer: Any) -> float:

@@ -630,7 +630,8 @@ def capture_shift_parts(replayer: Any, *, seed: int = 0, samples: int = BOOTSTRA
     if len(gaps) < 2 and len(calls) < 2:
         return None
     ops = statistics.fmean(len(step) for step in replayer.sequence)
-    grad_ops = replayer.grad_ops_per_step if books else 0.0
+    # the bookkeeping moves the step only where it is spent: of ops whose history the steps do not record
+    grad_ops = getattr(replayer, "spent_grad_ops_per_step", replayer.grad_ops_per_step) if books else 0.0
     gap, call = (statistics.median(gaps) if gaps else 0.0), replayer.call_s
     book = statistics.median(books) if books else 0.0
     rounds = [gaps[i:i + TIMING_MEASURED] for i in range(0, len(gaps), TIMING_MEASURED)] \

@@ -135,6 +135,7 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
                   grad_on: bool = False, keep: list[Any] | None = None, stand_in: Callable[[int], None],
                   fill: Callable[[int], None], born: Callable[[int], None] | None = None,
                   name: str, speed: HostSpeed | None = None,
+                  tear_down: tuple[int, Callable[[list[Any]], None]] | None = None,
                   clock: Callable[[], float] = time.perf_counter) -> tuple[Callable[[list[Any]], float], int]:
     """The step running ``ops[p]`` for each p in ``positions``; returns it and how many ops it runs.
 
@@ -157,17 +158,18 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
     :func:`.host_cost.measure_call_cost`), which each gap leaves out; ``outside_s``: its work outside the
     window per op, as measured there, with which a balance the step would owe at its end is taken off its
     latest gaps beforehand (:func:`taken_back`).
-    ``grad[j]``: run the j-th op with grad mode set to ``grad_on`` and back off after it (what the
-    replayer's autograd calibration compares: the same code, grad mode on and off); None: every op
-    without grad, as the replay runs. Those ops' outputs are appended to ``keep`` then, so that the
-    history they record is torn down when the caller clears it, not inside the step: the program tears
-    its down in the backward, whose host time the capture measures apart. A collective is launched where the
-    program launched it and waited for before the first op that reads or writes its buffers
-    (:func:`wait_points`), the wait until the exchange ended added to the ledger's moment
-    (:func:`.ops.wait_for`): the gap before that op is the program's host time after the exchange it waited for
-    ended (:func:`.host_time.waited_part`), its own wake-up included. ``speed``: every gap the ledger
-    spends is multiplied by its ``scale``, read once a step (:class:`HostSpeed`); None: the gaps as given.
-    ``clock``: the ledger's clock.
+    ``grad[j]``: run the j-th op with grad mode set to ``grad_on`` and back off after it; None: every op without grad.
+    Those ops' outputs are appended to ``keep`` (where given), so that the history they record is torn down when the
+    caller clears it, untimed, not inside the step (what the replayer's autograd calibration compares: the same code,
+    grad mode on and off; the program tears its history down in the backward, whose host time the capture measures
+    apart). As the replay runs its steps recording the program's history (the bookkeeping inside each op's own time),
+    ``tear_down``: ``(j, fn)``, ``fn(v)`` run right after the j-th op, inside the ledger, whose gaps hold the
+    program's own teardown (its backward's). A collective is launched where the program launched it and waited for
+    before the first op that reads or writes its buffers (:func:`wait_points`), the wait until the exchange ended added
+    to the ledger's moment (:func:`.ops.wait_for`): the gap before that op is the program's host time after the exchange
+    it waited for ended (:func:`.host_time.waited_part`), its own wake-up included. ``speed``: every gap the ledger
+    spends is multiplied by its ``scale``, read once a step (:class:`HostSpeed`); None: the gaps as given. ``clock``:
+    the ledger's clock.
     """
     consts: list[Any] = []
     fns: list[Callable[..., Any]] = []
@@ -251,9 +253,12 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
                 lines.append("    r = None")
             if toggled:
                 lines.append("    grad(False)")
-                lines.extend(f"    keep.append(v[{slot}])" for _, slot in targets)
+                if keep is not None:
+                    lines.extend(f"    keep.append(v[{slot}])" for _, slot in targets)
             if op.fills or op.pins or op.lengths or op.counts:
                 lines.append(f"    fill({int(position)})")
+        if tear_down is not None and j == tear_down[0]:
+            lines.append("    td(v)")
         lines.extend(f"    v[{int(slot)}] = None" for slot in clears[j])
         if births is not None and births[j] is not None:  # inside the next gap: the program made them there
             lines.append(f"    born({int(births[j])})")
@@ -264,6 +269,6 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
     namespace: dict[str, Any] = {"f": fns, "c": consts, "rf": refills, "flat": flatten_tensors, "pc": clock, "h": speed,
                                  "standin": stand_in, "fill": fill, "born": born,
                                  "wt": lambda works: wait_for(works, clock), "grad": torch._C._set_grad_enabled,
-                                 "keep": keep}
+                                 "keep": keep, "td": tear_down[1] if tear_down is not None else None}
     exec(compile("\n".join([*lines, "    return 0.0"]), f"<cobench replay {name}>", "exec"), namespace)
     return namespace["step"], ran

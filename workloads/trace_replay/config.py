@@ -29,6 +29,10 @@ class GeneratedConfig:
     # Seconds each of the replay's own calibrations (its cost per op call, the autograd bookkeeping it spends)
     # may take in all to add rounds past 24 while its figure moves the step more than ±1 %; 0: 24 rounds.
     calibration_s: float = 0.0
+    # Run the ops the program recorded autograd history through with grad mode on, recording that history as
+    # the program did (torn down where its backward began); off: run them without grad and spend the
+    # bookkeeping, as measured, as host time. Only with host_gaps.
+    record_history: bool = True
 
 
 __all__ = ["GeneratedConfig"]

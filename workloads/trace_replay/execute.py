@@ -9,9 +9,10 @@ between ops when asked to; an op that fails only then sends its step back throug
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,14 @@ from workloads.trace_replay.sparse import captured_counts, fit_count, layout_div
 from workloads.trace_replay.synthesis import Synthesis
 
 OVERRUNS_KEPT = 4096  # steps whose overrun a runner keeps
+
+
+def detach_all(vals: list[Any], slots: Iterable[int] | None = None) -> None:
+    """Every tensor in ``vals`` (or in its ``slots``) that records autograd history kept without it (its history
+    let go of)."""
+    for slot in range(len(vals)) if slots is None else slots:
+        if isinstance(value := vals[slot], torch.Tensor) and value.requires_grad:
+            vals[slot] = value.detach()
 
 
 @dataclass
@@ -59,14 +68,42 @@ class StepRunner:
         # per step run, the latest OVERRUNS_KEPT: how far its own work ran past the program's host time (a long
         # benchmark runs millions of steps; their median is what is reported)
         self.overrun_s: deque[float] = deque(maxlen=OVERRUNS_KEPT)
-        # the autograd bookkeeping per op the program recorded history through (:mod:`.host_cost`): the
-        # replay runs without grad, so it spends that much as host time before each such op
+        # the autograd bookkeeping per op the program recorded history through (:mod:`.host_cost`), spent as
+        # host time before each such op the replay runs without grad (those not in ``recorded``)
         self.autograd_s = 0.0
+        self.recorded: set[int] = set()  # the ops (positions) that record the program's history as they run
+        self.history_leaves: list[torch.Tensor] = []  # what requires grad while they do
+        self.history_stopped: str | None = None  # why the steps stopped recording history, where they did
 
     @property
     def next_step(self) -> int:
         """The step :meth:`run_step` runs next."""
         return self._next
+
+    def record_history(self, leaves: list[torch.Tensor], recorded: set[int]) -> None:
+        """From now on, the ops at ``recorded`` (of those the program recorded autograd history through) run with
+        grad mode on, ``leaves`` requiring grad (the floating tensors the steps read before making them that the
+        program's did): each step records the program's history as those ops run, the bookkeeping inside each
+        op's own time as it was in the program's, and tears it down after the last of them, before the ops of
+        its backward (:func:`.codegen.generate_step`); the bookkeeping of the others is spent as host time
+        (:attr:`autograd_s` each, a spin). Spent so for every op, the replay's ops ran faster than the
+        program's on steps under 1 ms: a small op runs slower right after autograd's work than after a spin
+        (docs/results.md, trace fidelity)."""
+        for leaf in leaves:
+            leaf.requires_grad_(True)
+        self.history_leaves, self.recorded = list(leaves), set(recorded)
+        self.regenerate()
+
+    def stop_history(self, reason: str | None) -> None:
+        """Run every op without grad again, spending the measured bookkeeping as host time (see
+        :meth:`record_history`); ``reason``: why, where the steps could not go on recording (None: to be
+        measured again)."""
+        for leaf in self.history_leaves:
+            leaf.requires_grad_(False)
+        self.history_leaves, self.recorded = [], set()
+        detach_all(self.tensors.vals)
+        self.history_stopped = reason
+        self.regenerate()
 
     def regenerate(self) -> None:
         """Generate each step's code again on its next run (ops failed, or the host cost changed)."""
@@ -188,7 +225,9 @@ class StepRunner:
                 self.overrun_s.append(step(self.tensors.vals))
             if self.speed is not None:
                 self.speed.update()
-        except Exception:  # noqa: BLE001 - an op failed only now (its inputs differ from the dry run's)
+        except Exception as err:  # noqa: BLE001 - an op failed only now (its inputs differ from the dry run's)
+            if self.recorded:  # perhaps for recording history (the dry run runs without): spent instead
+                self.stop_history(f"step {k} failed while recording autograd history: {describe(err)}")
             self.dry_run(steps=[k])  # find it op by op: recorded, stood in for, the code regenerated
         return ran
 
@@ -199,10 +238,22 @@ class StepRunner:
         same code with every host gap zero (what :func:`.host_cost.measure_call_cost` measures);
         ``grad_on``: that code with grad mode set to it around each op the program recorded autograd
         history through (what :func:`.host_cost.measure_autograd_cost` compares), their outputs
-        appended to ``keep``. ``upto``: the step's first that many ops only."""
+        appended to ``keep``, with every gap zero. ``upto``: the step's first that many ops only. Neither
+        given, with host gaps, where the steps record history (:meth:`record_history`), those ops run with
+        grad mode on, their history torn down after the last of them."""
         positions = self.plan.sequence[k][:upto]
         offset = self.plan.offset(k)
-        no_gap_time = no_gap_time or grad_on is not None
+        tear_down = None
+        grad = None if grad_on is None else [self.plan.specs[p].grad for p in positions]
+        if self.recorded and grad_on is None and not no_gap_time and self.host_gaps:
+            recorded = [p in self.recorded and self.plan.ops[p].error is None for p in positions]
+            if any(recorded):  # the step records the program's history as it runs
+                made = sorted({slot for p, r in zip(positions, recorded, strict=True) if r
+                               for slot in self.plan.ops[p].out_slots if slot is not None})
+                # torn down: what they made, kept without it for the ops after
+                tear_down = (max(j for j, r in enumerate(recorded) if r), functools.partial(detach_all, slots=made))
+                grad, grad_on, keep = recorded, True, None
+        no_gap_time = no_gap_time or (grad_on is not None and tear_down is None)
         gaps = None
         if self.host_gaps:
             gaps = [0.0] * len(positions) if no_gap_time else self.gaps_s(positions)
@@ -211,17 +262,17 @@ class StepRunner:
         return generate_step(self.plan.ops, positions, self.plan.clears[offset:offset + len(positions)], gaps, tail,
                              call_s=0.0 if no_gap_time else self.call_s,
                              outside_s=0.0 if no_gap_time else self.outside_s, births=births,
-                             grad=None if grad_on is None else [self.plan.specs[p].grad for p in positions],
-                             grad_on=bool(grad_on), keep=keep,
+                             grad=grad, grad_on=bool(grad_on), keep=keep,
                              stand_in=lambda i: self.tensors.stand_in(self.plan.ops[i]),
                              fill=lambda i: self.plan.ops[i].store_fills(self.tensors.vals, self.tensors.generator),
                              born=self.tensors.give_birth, name=f"step {k}",
-                             speed=None if no_gap_time else self.speed)
+                             speed=None if no_gap_time else self.speed, tear_down=tear_down)
 
     def gaps_s(self, positions: list[int]) -> list[float]:
         """The host time to spend before each of these ops (seconds): the program's gap, plus the autograd
-        bookkeeping before each op the program recorded history through."""
-        return [seconds(self.plan.specs[p].gap_us) + self.plan.specs[p].grad * self.autograd_s for p in positions]
+        bookkeeping before each op the program recorded history through that does not record it here."""
+        return [seconds(self.plan.specs[p].gap_us) + (self.plan.specs[p].grad and p not in self.recorded)
+                * self.autograd_s for p in positions]
 
     def tail_gap_s(self, k: int) -> float:
         """The host time to spend after step ``k``'s last op (seconds)."""

@@ -17,6 +17,7 @@ program's allocations and frees around it (:mod:`.allocations`) and its host tim
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
@@ -49,6 +50,7 @@ from workloads.trace_replay.sparse import refuse_unmade_sparse
 
 _THREAD_ROOT = "[pytorch|profiler|execution_trace|thread]"
 _PROCESS_ROOT = "[pytorch|profiler|execution_trace|process]"
+_EVALUATE_FUNCTION = "autograd::engine::evaluate_function"  # a backward node's run, under its forward op's number
 # A composite whose inner results are read later is replaced by its inner ops unless they come to this many
 # replayed ops or more: the GRU tagger's `aten::gru` (two layers of 24 steps) came to 690 small ops a call,
 # which the replay called one by one from Python where the program called them from C++ (docs/traces.md,
@@ -240,6 +242,28 @@ def precise_doubles(inputs: dict[str, list], event: KinetoEvent | None) -> dict[
     return {**inputs, "values": fixed}
 
 
+def _recorded_history(level: list[Node], nodes: dict[int, Node]) -> set[int]:
+    """The ids of the replay-level ops that recorded autograd history: those whose history a backward in the trace
+    evaluated. Under grad mode every op carries the autograd sequence number it would take (``seq_id``), and an
+    op that records history takes it, the next op then carrying the next; a backward's node carries its forward
+    op's. An op recorded history where a backward node carries a number from its own up to the next op's (an op
+    on tensors that require no grad carries the number the op after it takes). A step with no backward in the
+    trace recorded none that this can tell."""
+    backward = sorted({n.seq_id for n in nodes.values() if n.seq_id is not None and _is_backward(n.name)})
+    forward = sorted((n.seq_id, n.id) for n in level if n.seq_id is not None and not _is_backward(n.name))
+    recorded = set()
+    for i, (seq, node_id) in enumerate(forward):
+        until = forward[i + 1][0] if i + 1 < len(forward) else math.inf
+        at = bisect.bisect_left(backward, seq)
+        if at < len(backward) and backward[at] < until:
+            recorded.add(node_id)
+    return recorded
+
+
+def _is_backward(name: str) -> bool:
+    return "backward" in name.lower() or name.startswith(_EVALUATE_FUNCTION)
+
+
 def _captured_ops(trace: BundleTrace) -> tuple[list[dict[str, Any]], dict[int, set[int]]]:
     """The replay-level ops of the captured steps with what the trace says of each, in execution order, and
     the composites kept whole among them, by id, each with the storages its inner ops made."""
@@ -247,6 +271,7 @@ def _captured_ops(trace: BundleTrace) -> tuple[list[dict[str, Any]], dict[int, s
     threads = _framework_threads(nodes)
     ops = []
     level, whole = _replay_level(nodes)
+    recorded = _recorded_history(level, nodes)
     for node in level:
         chain = ancestors(node, nodes)
         if not any(a.id in threads for a in chain):
@@ -271,9 +296,9 @@ def _captured_ops(trace: BundleTrace) -> tuple[list[dict[str, Any]], dict[int, s
             "tensor_data": recorded_tensor_data(trace.path, node),
             "ts_us": event.ts if event else None,
             "dur_us": event.dur if event else None,
-            # the program recorded autograd history through it (an autograd sequence number): a forward op
-            # under grad mode, whose bookkeeping the replay, running without grad, measures and spends
-            "grad": node.seq_id is not None and "backward" not in node.name,
+            # the program recorded autograd history through it (a backward evaluated it): the replay records it
+            # too, or measures its bookkeeping and spends it (workloads/trace_replay/execute.py)
+            "grad": node.id in recorded,
             **({"held_bytes": 0} if node.id in whole else {}),  # set from the allocator's events
         })
     ops.sort(key=lambda o: (o["step"], o["ts_us"] if o["ts_us"] is not None else math.inf, o["id"]))

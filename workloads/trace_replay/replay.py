@@ -29,9 +29,11 @@ from workloads.trace_replay.execute import ReplayStats, StepRunner
 from workloads.trace_replay.host_cost import (
     FIXED_ROUNDS,
     Rounds,
+    grad_leaves,
     measure_autograd_cost,
     measure_call_cost,
     measure_gap_excess,
+    recordable_ops,
     settled_excess,
 )
 from workloads.trace_replay.host_time import COLLECTIVE
@@ -45,9 +47,13 @@ class Replayer:
     """Replays one rank's ops; :meth:`run_step` replays the next captured step."""
 
     def __init__(self, rank_spec: RankRecord, device: torch.device, *, repeat: int = 1,
-                 process_group: Any = None, seed: int = 0, host_gaps: bool = False, trust: bool = False):
+                 process_group: Any = None, seed: int = 0, host_gaps: bool = False, trust: bool = False,
+                 record_history: bool = True):
         self.device, self.repeat = device, repeat
         self.host_gaps = host_gaps
+        # with host gaps, the steps record the autograd history the program recorded, where they can
+        # (StepRunner.record_history); else they spend its bookkeeping as host time
+        self.record_history = record_history
         self.generator = torch.Generator().manual_seed(seed)
         # the capture's per-step host-time measurements the gaps' median came from
         self.gap_samples_us = next((list(s.host_gap_samples_us) for s in rank_spec.steps if s.host_gap_samples_us), [])
@@ -79,9 +85,23 @@ class Replayer:
     @property
     def grad_ops_per_step(self) -> float:
         """The ops a step recorded autograd history through, on average over the captured steps: those the
-        replay spends the autograd bookkeeping for."""
+        replay records that history through, or spends its bookkeeping for."""
         return statistics.fmean(sum(self.plan.specs[p].grad for p in step) for step in self.plan.sequence) \
             if self.plan.sequence else 0.0
+
+    @property
+    def records_history(self) -> bool:
+        """Whether the steps record the program's autograd history as they run (the bookkeeping inside their
+        ops' own time, none spent as host time): set by :meth:`calibrate_host_cost`."""
+        return bool(self.runner.recorded)
+
+    @property
+    def spent_grad_ops_per_step(self) -> float:
+        """Of :attr:`grad_ops_per_step`, those the steps do not record the history of: the replay spends their
+        bookkeeping as host time (:attr:`autograd_s` each)."""
+        recorded = self.runner.recorded
+        return statistics.fmean(sum(self.plan.specs[p].grad and p not in recorded for p in step)
+                                for step in self.plan.sequence) if self.plan.sequence else 0.0
 
     @property
     def sequence(self) -> list[list[int]]:
@@ -152,17 +172,21 @@ class Replayer:
         return self.runner.time_ops(synchronize)
 
     def calibrate_host_cost(self, synchronize: Callable[[], None], rounds: Rounds = FIXED_ROUNDS) -> float:
-        """Measure the replay's own host time per op call inside its ledger's op window (seconds; the median
-        of :func:`.host_cost.measure_call_cost`'s figures), which the host gaps it spends then leave out, and
-        the autograd bookkeeping per op it does not do (:func:`.host_cost.measure_autograd_cost`), which they
-        then add; returns the first, 0 without host gaps. (Its work outside the window its ledger spends out
-        of the gaps as the steps run; measured here too, for what the steps spin.) The call cost is measured
-        with the ops back to back and then set to what it is as the steps run, between their gaps: whatever
-        host time the steps take beyond what they mean to spend (:func:`.host_cost.measure_gap_excess`), as
-        far as its rounds agree on it (:func:`.host_cost.settled_excess`), is added to it, so that the gaps
-        leave that out too. ``rounds``: how many rounds each of the two measurements runs."""
+        """Measure the replay's own host time per op call inside its ledger's op window (seconds; the median of
+        :func:`.host_cost.measure_call_cost`'s figures), which the host gaps it spends then leave out, and the autograd
+        bookkeeping per op the program recorded history through (:func:`.host_cost.measure_autograd_cost`); then the
+        steps record that history as they run (:meth:`.StepRunner.record_history`, where ``record_history`` and the
+        steps ran so while measured), or the gaps add that bookkeeping; returns the call cost, 0 without host gaps. (Its
+        work outside the window its ledger spends out of the gaps as the steps run; measured here too, for what the
+        steps spin.) The call cost is measured with the ops back to back and then set to what it is as the steps run,
+        between their gaps: whatever host time the steps take beyond what they mean to spend
+        (:func:`.host_cost.measure_gap_excess`), as far as its rounds agree on it (:func:`.host_cost.settled_excess`),
+        is added to it, so that the gaps leave that out too. ``rounds``: how many rounds each of the two measurements
+        runs."""
         if not self.host_gaps:
             return 0.0
+        if self.records_history:  # measured again: as the program's ops, without grad, and the two compared
+            self.runner.stop_history(None)
         # a judgement resamples the call cost
         self.call_samples_s, self.outside_samples_s, self.op_samples_us, self.calibration_rounds["calls"] = \
             measure_call_cost(self.runner, synchronize, rounds, process_group=self.process_group)
@@ -176,6 +200,10 @@ class Replayer:
                 measure_autograd_cost(self.runner, synchronize, rounds)
         self.runner.autograd_s = max(0.0, statistics.median(self.autograd_samples_s)) if self.autograd_samples_s \
             else 0.0
+        if self.record_history and self.autograd_samples_s:
+            leaves = grad_leaves(self.runner)
+            if recorded := recordable_ops(self.runner, leaves):
+                self.runner.record_history(leaves, recorded)
         self.runner.regenerate()  # with the measured costs
         rounds = measure_gap_excess(self.runner, synchronize)
         self.gap_excess_samples_s = [e for r in rounds for e in r]
@@ -208,11 +236,12 @@ class Replayer:
         grad_ops = self.grad_ops_per_step
         if grad_ops and self.autograd_unmeasured:
             return None, "the autograd bookkeeping inside the program's op time is not measured"
-        return (statistics.median(self.op_samples_us) + grad_ops * 1e6 * self.runner.autograd_s) / self.program_op_us, \
-            None
+        return (statistics.median(self.op_samples_us) + grad_ops * 1e6 * self.runner.autograd_s) \
+            / self.program_op_us, None
 
     @property
     def autograd_s(self) -> float:
         """The autograd bookkeeping per op the program recorded history through (seconds), spent as host
-        time before each: set by :meth:`calibrate_host_cost`."""
+        time before each whose history the steps do not record (:attr:`records_history`): set by
+        :meth:`calibrate_host_cost`."""
         return self.runner.autograd_s

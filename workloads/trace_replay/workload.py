@@ -120,7 +120,7 @@ class GeneratedWorkload(WorkloadBase):
         self.replayer = Replayer(rank_spec, self.ctx.device, repeat=self.spec.repeat,
                                  process_group=self.ctx.process_group, seed=self.ctx.seed + self.ctx.rank,
                                  host_gaps=self.config.host_gaps and self.spec.full_step,
-                                 trust=self.config.trust_spec)
+                                 trust=self.config.trust_spec, record_history=self.config.record_history)
         if self.config.probe and not self.ctx.distributed and self.ctx.device.type == "cpu":
             # a crash probe needs the ops to run alone: not with collectives, not on a shared device
             self.replayer.exclude(find_crashing_ops(self.config.spec, self.rank_index, trust=self.config.trust_spec))
@@ -194,6 +194,10 @@ class GeneratedWorkload(WorkloadBase):
         if self.replayer.host_gaps:
             record["metrics"]["replay_host_us_per_op"] = 1e6 * self.replayer.call_s
             record["metrics"]["replay_autograd_us_per_op"] = 1e6 * self.replayer.autograd_s
+            # the share of the ops that recorded autograd history in the program that record it here too
+            grad_ops = self.replayer.grad_ops_per_step
+            record["metrics"]["replay_recorded_history_pct"] = \
+                100.0 * (1 - self.replayer.spent_grad_ops_per_step / grad_ops) if grad_ops else 0.0
             record["metrics"]["replay_outside_us_per_op"] = 1e6 * self.replayer.runner.outside_s
             for name, ran in self.replayer.calibration_rounds.items():  # calls, autograd
                 record["metrics"][f"replay_{name}_calibration_rounds"] = float(ran)
@@ -216,6 +220,8 @@ class GeneratedWorkload(WorkloadBase):
                 record["op_time_ratio_unmeasured"] = why
             if self.replayer.autograd_unmeasured:
                 record["autograd_unmeasured"] = self.replayer.autograd_unmeasured
+            if self.replayer.runner.history_stopped:
+                record["history_stopped"] = self.replayer.runner.history_stopped
         nonfinite = self.replayer.nonfinite_tensors()
         record["metrics"]["replay_nonfinite_tensors"] = float(nonfinite)
         record["nonfinite"] = nonfinite_note(nonfinite)
