@@ -1317,11 +1317,9 @@ def test_what_the_step_would_owe_at_its_end_comes_off_its_latest_gaps_with_room_
     assert taken_back([10 * us, 4.1 * us, 5 * us], 3 * us, 4 * us) == [0.0, 0.0, 0.0]
 
 
-def test_the_autograd_bookkeeping_of_forward_ops_is_measured_and_spent_by_the_replay(tmp_path: Path):
-    """The program's forward ops recorded autograd history (inside their own time); the replay runs every op
-    without grad. The spec marks the forward ops that did (not the backward's, not the optimiser's), and the
-    replayer measures that bookkeeping on its own steps, grad mode on and off around those ops, to spend as
-    host time: also through a batch norm, whose running statistics cannot require grad."""
+def _bn_net_spec(tmp_path: Path) -> tuple[Callable[[], None], RankRecord]:
+    """A small training step (a convolution, a batch norm, a linear layer, a cross entropy, SGD with momentum)
+    and its spec, captured over two steps."""
     from harness.traces.capture import capture
 
     torch.manual_seed(0)
@@ -1338,7 +1336,43 @@ def test_the_autograd_bookkeeping_of_forward_ops_is_measured_and_spent_by_the_re
         while not cap.done:
             with cap.step():
                 step()
-    rank = RankRecord.from_json(generate_spec(tmp_path / "bundle")["ranks"][0])
+    return step, RankRecord.from_json(generate_spec(tmp_path / "bundle")["ranks"][0])
+
+
+def test_only_ops_whose_history_a_backward_evaluated_are_marked_as_recording_it(tmp_path: Path):
+    """Under grad mode every op carries an autograd sequence number, recording history or not: ops on tensors
+    that require no grad (a product of two inputs, its relu) are not marked; those whose nodes the backward
+    evaluated (the product with a parameter, its sum) are; without a backward in the trace, none is."""
+    from harness.traces.capture import capture
+
+    x, w = torch.randn(32, 32), torch.randn(32, 32, requires_grad=True)
+
+    def step() -> None:
+        inputs = (x @ x).relu()
+        (inputs @ w).sum().backward()
+        w.grad = None
+
+    def marks(program: Callable[[], None], out: Path) -> list[tuple[str, bool]]:
+        with capture(out, steps=1, warmup=1, baseline_steps=2, announce=False) as cap:
+            while not cap.done:
+                with cap.step():
+                    program()
+        ops = RankRecord.from_json(generate_spec(out)["ranks"][0]).ops
+        kinds = {"aten::matmul": "product", "aten::mm": "product", "aten::relu": "relu", "aten::sum": "sum"}
+        return [(kinds[op.name], op.grad) for op in ops if op.name in kinds]
+
+    forward, backward = (lambda got: (got[:4], got[4:]))(marks(step, tmp_path / "a"))
+    assert forward == [("product", False), ("relu", False), ("product", True), ("sum", True)]
+    assert backward and not any(grad for _, grad in backward)  # the backward's own products
+    assert not any(grad for _, grad in marks(lambda: (x @ w).relu().sum(), tmp_path / "b"))
+
+
+def test_the_autograd_bookkeeping_of_forward_ops_is_measured_and_spent_by_the_replay(tmp_path: Path):
+    """The program's forward ops recorded autograd history (inside their own time); asked not to record it, the
+    replay runs every op without grad. The spec marks the forward ops that did (not the backward's, not the
+    optimiser's), and the replayer measures that bookkeeping on its own steps, grad mode on and off around those
+    ops, to spend as host time: also through a batch norm, whose running statistics cannot require grad."""
+    step, rank = _bn_net_spec(tmp_path)
     marked = {op.name for op in rank.ops if op.grad}
     assert {"aten::conv2d", "aten::_batch_norm_impl_index", "aten::addmm"} <= marked, marked
     assert not any("backward" in name for name in marked), marked
@@ -1374,23 +1408,7 @@ def test_the_replay_records_the_autograd_history_its_program_recorded(tmp_path: 
     saved in the program's (a convolution, a batch norm, a linear layer, a cross entropy), and the step tears
     that history down before its backward, leaving nothing that holds it. A step that fails while recording
     stops the recording, and the bookkeeping is spent as host time instead, with the reason."""
-    from harness.traces.capture import capture
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
-                                torch.nn.Flatten(), torch.nn.Linear(8 * 14 * 14, 10))
-    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-
-    def step() -> None:
-        torch.nn.functional.cross_entropy(model(torch.randn(4, 3, 16, 16)), torch.randint(0, 10, (4,))).backward()
-        opt.step()
-        opt.zero_grad()
-
-    with capture(tmp_path / "bundle", steps=2, warmup=2, baseline_steps=4, source="bn_net") as cap:
-        while not cap.done:
-            with cap.step():
-                step()
-    rank = RankRecord.from_json(generate_spec(tmp_path / "bundle")["ranks"][0])
+    step, rank = _bn_net_spec(tmp_path)
     replayer = Replayer(rank, torch.device("cpu"), host_gaps=True)
     replayer.materialize()
     replayer.dry_run()
