@@ -1429,6 +1429,41 @@ def test_the_replay_records_the_autograd_history_its_program_recorded(tmp_path: 
     assert _saved_for_backward(replayer.run_step) == []
 
 
+def test_an_op_that_saves_its_own_intermediates_spends_its_own_bookkeeping_instead(tmp_path: Path):
+    """A recurrent layer kept whole saves its gates for its backward, which the replay already makes where the
+    program made them: it runs without grad, and the bookkeeping spent for it is its own, measured on it alone,
+    while the linear layer after it records its history."""
+    from harness.traces.capture import capture
+
+    torch.manual_seed(0)
+    gru, head = torch.nn.GRU(8, 16, batch_first=True), torch.nn.Linear(16, 4)
+    opt = torch.optim.SGD([*gru.parameters(), *head.parameters()], lr=0.01)
+
+    def step() -> None:
+        out, _ = gru(torch.randn(4, 12, 8))
+        torch.nn.functional.mse_loss(head(out[:, -1]), torch.randn(4, 4)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    with capture(tmp_path / "bundle", steps=2, warmup=2, baseline_steps=4, announce=False) as cap:
+        while not cap.done:
+            with cap.step():
+                step()
+    rank = RankRecord.from_json(generate_spec(tmp_path / "bundle")["ranks"][0])
+    replayer = Replayer(rank, torch.device("cpu"), host_gaps=True)
+    replayer.materialize()
+    replayer.dry_run()
+    replayer.calibrate_host_cost(lambda: None)
+    recorded = {replayer.ops[p].name for p in replayer.runner.recorded}
+    spent = {replayer.ops[p].name for step in replayer.sequence for p in step
+             if replayer.plan.specs[p].grad and p not in replayer.runner.recorded}
+    assert spent == {"aten::gru"} and "aten::addmm" in recorded, (spent, recorded)
+    assert replayer.calibration_rounds.get("autograd_spent", 0) >= 16 and replayer.autograd_s > 0
+    assert replayer.spent_grad_ops_per_step == 1.0
+    replayer.run_step()
+    assert replayer.runner.history_stopped is None
+
+
 def test_captured_steps_unlike_the_programs_own_are_traced_again_or_named(tmp_path: Path):
     """A program whose steps differ by chance (a layer dropped at random) can be traced on steps unlike its
     own: the replay of those says nothing about the program's time. The capture counts the ops of the traced

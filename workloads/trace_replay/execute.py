@@ -232,19 +232,21 @@ class StepRunner:
         return ran
 
     def generated_step(self, k: int, *, no_gap_time: bool = False, grad_on: bool | None = None,
-                       keep: list[Any] | None = None,
+                       keep: list[Any] | None = None, only: set[int] | None = None,
                        upto: int | None = None) -> tuple[Callable[[list[Any]], float], int]:
         """Step ``k`` as one generated function (:func:`codegen.generate_step`); ``no_gap_time``: the
         same code with every host gap zero (what :func:`.host_cost.measure_call_cost` measures);
         ``grad_on``: that code with grad mode set to it around each op the program recorded autograd
         history through (what :func:`.host_cost.measure_autograd_cost` compares), their outputs
-        appended to ``keep``, with every gap zero. ``upto``: the step's first that many ops only. Neither
+        appended to ``keep``, with every gap zero (``only``: of those ops, these positions alone). ``upto``: the
+        step's first that many ops only. Neither
         given, with host gaps, where the steps record history (:meth:`record_history`), those ops run with
         grad mode on, their history torn down after the last of them."""
         positions = self.plan.sequence[k][:upto]
         offset = self.plan.offset(k)
         tear_down = None
-        grad = None if grad_on is None else [self.plan.specs[p].grad for p in positions]
+        grad = None if grad_on is None else [self.plan.specs[p].grad and (only is None or p in only)
+                                             for p in positions]
         if self.recorded and grad_on is None and not no_gap_time and self.host_gaps:
             recorded = [p in self.recorded and self.plan.ops[p].error is None for p in positions]
             if any(recorded):  # the step records the program's history as it runs

@@ -340,8 +340,8 @@ def recordable_ops(runner: StepRunner, leaves: list[torch.Tensor]) -> set[int]:
     return found
 
 
-def measure_autograd_cost(runner: StepRunner, synchronize: Callable[[], None],
-                          rounds: Rounds = FIXED_ROUNDS) -> tuple[list[float], str | None, int]:
+def measure_autograd_cost(runner: StepRunner, synchronize: Callable[[], None], rounds: Rounds = FIXED_ROUNDS,
+                          only: set[int] | None = None) -> tuple[list[float], str | None, int]:
     """The autograd bookkeeping per op the program recorded history through, one figure per sample
     (seconds), why there is none where the steps could not run with grad mode on, and how many rounds ran.
 
@@ -354,17 +354,19 @@ def measure_autograd_cost(runner: StepRunner, synchronize: Callable[[], None],
     history they recorded is torn down outside it, as the program's is in its backward, whose host
     time the capture already counts (torn down inside, the figure came out twice GPT-2's forward with
     grad against without). A step whose grad-mode run fails (an in-place op on a tensor the program
-    did not let require grad) leaves the figure unmeasured: 0, with the error.
+    did not let require grad) leaves the figure unmeasured: 0, with the error. ``only``: of those ops, these
+    positions alone (the others run without grad in both runs).
     """
     steps = len(runner.plan.sequence)
-    grads = [[runner.plan.specs[p].grad for p in runner.plan.sequence[k]] for k in range(steps)]
+    grads = [[runner.plan.specs[p].grad and (only is None or p in only) for p in runner.plan.sequence[k]]
+             for k in range(steps)]
     counts = [sum(g) for g in grads]
     if not any(counts):
         return [], None, 0
     ends = [max((j + 1 for j, g in enumerate(gs) if g), default=0) for gs in grads]
     keep: list[Any] = []  # the ops' outputs, and with them their history, until a run's time is taken
-    variants = {grad: [runner.generated_step(k, grad_on=grad, keep=keep, upto=ends[k])[0] for k in range(steps)]
-                for grad in (False, True)}
+    variants = {grad: [runner.generated_step(k, grad_on=grad, keep=keep, only=only, upto=ends[k])[0]
+                       for k in range(steps)] for grad in (False, True)}
     leaves, vals = grad_leaves(runner), runner.tensors.vals
     made = [{slot for p in runner.plan.sequence[k][:ends[k]] for slot in runner.plan.ops[p].out_slots
              if slot is not None and slot not in runner.plan.externals} for k in range(steps)]
@@ -381,9 +383,7 @@ def measure_autograd_cost(runner: StepRunner, synchronize: Callable[[], None],
                 return time.perf_counter() - started
         finally:
             keep.clear()  # the history torn down untimed: the program's backward does it
-            for slot in made[k]:  # what the rest of the steps read, without the history it recorded
-                if isinstance(value := vals[slot], torch.Tensor) and value.requires_grad:
-                    vals[slot] = value.detach()
+            detach_all(vals, made[k])  # what the rest of the steps read, without the history it recorded
             for leaf in leaves:
                 leaf.requires_grad_(False)
 

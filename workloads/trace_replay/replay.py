@@ -203,6 +203,16 @@ class Replayer:
         if self.record_history and self.autograd_samples_s:
             leaves = grad_leaves(self.runner)
             if recorded := recordable_ops(self.runner, leaves):
+                spent = {p for step in self.plan.sequence for p in step if self.plan.specs[p].grad} - recorded
+                if spent:  # the bookkeeping of those left out is their own, not the average over all such ops
+                    samples, unmeasured, self.calibration_rounds["autograd_spent"] = \
+                        measure_autograd_cost(self.runner, synchronize, rounds, only=spent)
+                    if unmeasured is None and samples:
+                        self.autograd_samples_s = samples
+                        self.runner.autograd_s = max(0.0, statistics.median(samples))
+                    else:
+                        recorded = set()  # as it was measured for every op: spent for every op
+            if recorded:
                 self.runner.record_history(leaves, recorded)
         self.runner.regenerate()  # with the measured costs
         rounds = measure_gap_excess(self.runner, synchronize)
