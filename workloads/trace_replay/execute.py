@@ -239,9 +239,8 @@ class StepRunner:
         ``grad_on``: that code with grad mode set to it around each op the program recorded autograd
         history through (what :func:`.host_cost.measure_autograd_cost` compares), their outputs
         appended to ``keep``, with every gap zero (``only``: of those ops, these positions alone). ``upto``: the
-        step's first that many ops only. Neither
-        given, with host gaps, where the steps record history (:meth:`record_history`), those ops run with
-        grad mode on, their history torn down after the last of them."""
+        step's first that many ops only. Neither given, with host gaps, where the steps record history
+        (:meth:`record_history`), those ops run with grad mode on, their history torn down after the last of them."""
         positions = self.plan.sequence[k][:upto]
         offset = self.plan.offset(k)
         tear_down = None

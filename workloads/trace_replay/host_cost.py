@@ -7,9 +7,10 @@ every gap zero, under the profiler against plain runs, and taken out of the gaps
 
 A program's forward ops ran under grad mode: each recorded autograd history (a node, its saved
 tensors, version counters) inside the op's own time, which the capture therefore counts as op time.
-The replay runs every op without grad (its backward ops are calls of their own, not a graph's), so
-it measures that bookkeeping on its own steps — the same code with grad mode on and off around each
-such op — and spends it as host time before each.
+The replay measures that bookkeeping on its own steps — the same code with grad mode on and off around
+each such op — then records the program's history as its steps run where it can (:func:`recordable_ops`;
+its backward ops stay calls of their own, not a graph's), and spends the bookkeeping of the others as
+host time before each.
 """
 
 from __future__ import annotations
@@ -298,9 +299,10 @@ def recordable_ops(runner: StepRunner, leaves: list[torch.Tensor]) -> set[int]:
     """The ops (positions) the program recorded autograd history through whose history the replay can record as it
     runs them (:meth:`.StepRunner.record_history`), the program's memory kept: those that save for their backward
     only tensors of their inputs' and outputs' storages, which the replay holds as the program did. An op that
-    saves its own intermediates (a recurrent layer kept whole saves its gates, an attention its weights) would hold
-    them beside the storages the replay makes where the program made them (:mod:`.dataflow`'s births): with its
-    history recorded, a GRU tagger's replay held 45 % more than its program at its peak, a transformer's 28 %.
+    saves its own intermediates (a recurrent layer kept whole saves its gates) would hold them beside the storages
+    the replay makes where the program made them (:mod:`.dataflow`'s births): recording every such op's history
+    (and holding their outputs to the forward's end), a GRU tagger's replay held 45 % more than its program at its
+    peak.
     One pass over the steps, op by op, ``leaves`` requiring grad and those ops run with grad mode on; one that
     fails so is left out."""
     plan, vals = runner.plan, runner.tensors.vals
