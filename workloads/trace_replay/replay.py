@@ -76,6 +76,7 @@ class Replayer:
         self.gap_excess_samples_s: list[float] = []  # the call cost's excess between gaps (measure_gap_excess)
         self.gap_excess_applied_s = 0.0  # what of it was added to the call cost (settled_excess)
         self.autograd_unmeasured: str | None = None  # why the autograd bookkeeping was not measured
+        self.autograd_every_op_s = 0.0  # its median per op over every such op (what spent would hold for all)
         self.calibration_rounds: dict[str, int] = {}  # calibration → the rounds it ran (calibrate_host_cost)
 
     @property
@@ -200,6 +201,7 @@ class Replayer:
                 measure_autograd_cost(self.runner, synchronize, rounds)
         self.runner.autograd_s = max(0.0, statistics.median(self.autograd_samples_s)) if self.autograd_samples_s \
             else 0.0
+        self.autograd_every_op_s = self.runner.autograd_s
         if self.record_history and self.autograd_samples_s:
             leaves = grad_leaves(self.runner)
             if recorded := recordable_ops(self.runner, leaves):
@@ -246,7 +248,7 @@ class Replayer:
         grad_ops = self.grad_ops_per_step
         if grad_ops and self.autograd_unmeasured:
             return None, "the autograd bookkeeping inside the program's op time is not measured"
-        return (statistics.median(self.op_samples_us) + grad_ops * 1e6 * self.runner.autograd_s) \
+        return (statistics.median(self.op_samples_us) + grad_ops * 1e6 * self.autograd_every_op_s) \
             / self.program_op_us, None
 
     @property
