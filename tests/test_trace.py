@@ -894,11 +894,30 @@ def beside(among):  # the ops that began and ended inside one of these exchanges
                                        for x in among)]
 
 each = len(launched)  # a step's exchanges: the statistic's first (gloo runs them in the order launched)
+saved = {"program": [], "replay": []}
+
+def saving(side, run):  # the shapes of the tensors autograd saves for a backward while run runs
+    def pack(tensor):
+        saved[side].append(list(tensor.shape))
+        return tensor
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        run()
+
+recording = Replayer(RankRecord.from_json(spec["ranks"][rank]), torch.device("cpu"), host_gaps=True,
+                     process_group=dist.group.WORLD)
+recording.materialize()
+recording.dry_run()
+recording.calibrate_host_cost(lambda: None)
+saving("replay", recording.run_step)
+saving("program", step)
 with open(f"{out}/rank{rank}.json", "w") as f:
     json.dump({"errors": len(errors), "exchanges": len(exchanges), "per_step": each,
                "stood": launched[0].get("waited_after_ops"),
                "beside_statistic": beside(exchanges[::each]),
-               "beside_buckets": beside([x for k, x in enumerate(exchanges) if k % each])}, f)
+               "beside_buckets": beside([x for k, x in enumerate(exchanges) if k % each]),
+               "records": recording.records_history, "spent": recording.spent_grad_ops_per_step,
+               "saved": {side: sorted(shapes) for side, shapes in saved.items()},
+               "held": any(isinstance(t, torch.Tensor) and t.grad_fn is not None for t in recording.vals)}, f)
 exit_probe(0)
 """
 
@@ -913,19 +932,24 @@ def _on_two_ranks(script: str, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def test_a_replay_runs_its_ops_while_a_collective_it_launched_exchanges(tmp_path: Path):
+def test_a_two_rank_replay_runs_its_ops_while_its_collectives_exchange_and_records_their_history(tmp_path: Path):
     """DDP all-reduces each bucket of gradients as the backward makes them and waits for them all at its end.
     Its replay on two gloo ranks does the same: ops run on the step's thread while an all-reduce it launched
     is exchanging on gloo's (run to its end where launched, a DDP program of this kind read +19.2 % slow).
     The statistic the step all-reduces first, without ``async_op``, the program stood waiting for before its
     next op: the replay waits there too, though the step reads it only at its end (waited for at that first
-    use, the whole forward and backward had run inside its exchange)."""
+    use, the whole forward and backward had run inside its exchange).
+    With its host time spent, each rank's replay records the autograd history its program's forward recorded
+    (the probes finding what can record it call each collective once on every rank, as a step does): autograd
+    saves for a backward in a replayed step what it saved in the program's, and nothing holds it after."""
     _on_two_ranks(TWO_RANK_DDP, tmp_path)
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for seen in ranks:
         assert seen["errors"] == 0 and seen["per_step"] >= 3 and seen["exchanges"] == 3 * seen["per_step"], seen
         assert seen["stood"] == 1, seen  # waited for before the next op
         assert seen["beside_statistic"] == [], seen
+        assert seen["records"] and seen["spent"] == 0 and not seen["held"], seen
+        assert len(seen["saved"]["program"]) >= 12 and seen["saved"]["replay"] == seen["saved"]["program"], seen
     # ops that began and ended inside a bucket's exchange: on a rank whose peer was already waiting for a bucket
     # the exchange can be over as it starts (under load, on one rank in a full test run), so on either rank
     assert any(seen["beside_buckets"] for seen in ranks), ranks
@@ -1463,6 +1487,51 @@ def test_an_op_that_saves_its_own_intermediates_spends_its_own_bookkeeping_inste
     assert replayer.spent_grad_ops_per_step == 1.0
     replayer.run_step()
     assert replayer.runner.history_stopped is None
+
+
+def test_a_tensor_the_step_made_and_let_require_grad_records_its_history_in_the_replay_too(tmp_path: Path):
+    """A parameter made anew each step (as FSDP gathers one) and let require grad there: the trace says only that
+    the ops after it recorded history, none of whose inputs requires grad in the replay. The replay lets the
+    floating tensors the step made that such an op reads require grad right before it: autograd saves for a
+    backward in a replayed step what it saved in the program's, and counts those ops as recorded only where
+    they record. The test fails where they are not (the embedding and the tanh after it save nothing)."""
+    from harness.traces.capture import capture
+
+    torch.manual_seed(0)
+    table, head = torch.randn(50, 8), torch.nn.Linear(8, 4)
+    opt = torch.optim.SGD(head.parameters(), lr=0.01)
+
+    def step() -> None:
+        weight = table.clone().requires_grad_()
+        ids = torch.randint(0, 50, (64,))
+        head(torch.nn.functional.embedding(ids, weight).tanh()).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            table.sub_(0.01 * weight.grad)
+
+    with capture(tmp_path / "bundle", steps=2, warmup=2, baseline_steps=4, announce=False) as cap:
+        while not cap.done:
+            with cap.step():
+                step()
+    rank = RankRecord.from_json(generate_spec(tmp_path / "bundle")["ranks"][0])
+    assert {"aten::embedding", "aten::tanh"} <= {op.name for op in rank.ops if op.grad}
+    replayer = Replayer(rank, torch.device("cpu"), host_gaps=True)
+    replayer.materialize()
+    replayer.dry_run()
+    replayer.calibrate_host_cost(lambda: None)
+    assert replayer.records_history and replayer.spent_grad_ops_per_step == 0
+    embeddings = [p for p in replayer.runner.step_leaves if replayer.ops[p].name == "aten::embedding"]
+    assert len(embeddings) == 2 and all(len(replayer.runner.step_leaves[p]) == 1 for p in embeddings)
+    program = _saved_for_backward(step)
+    assert [64] in [list(shape) for shape in program]  # the embedding's ids
+    for _ in range(2):  # both captured steps
+        assert _saved_for_backward(replayer.run_step) == program
+        # nothing holds history after it, nor requires grad but the parameters the program let require it
+        held = [tuple(t.shape) for t in replayer.vals if isinstance(t, torch.Tensor) and t.requires_grad
+                and not any(t is leaf for leaf in replayer.runner.history_leaves)]
+        assert held == [], held
+    assert replayer.errors == {} and replayer.runner.history_stopped is None
 
 
 def test_captured_steps_unlike_the_programs_own_are_traced_again_or_named(tmp_path: Path):

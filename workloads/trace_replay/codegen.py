@@ -136,6 +136,7 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
                   fill: Callable[[int], None], born: Callable[[int], None] | None = None,
                   name: str, speed: HostSpeed | None = None,
                   tear_down: tuple[int, Callable[[list[Any]], None]] | None = None,
+                  leaves_at: Sequence[list[int]] | None = None,
                   clock: Callable[[], float] = time.perf_counter) -> tuple[Callable[[list[Any]], float], int]:
     """The step running ``ops[p]`` for each p in ``positions``; returns it and how many ops it runs.
 
@@ -164,10 +165,12 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
     grad mode on and off; the program tears its history down in the backward, whose host time the capture measures
     apart). As the replay runs its steps recording the program's history (the bookkeeping inside each op's own time),
     ``tear_down``: ``(j, fn)``, ``fn(v)`` run right after the j-th op, inside the ledger, whose gaps hold the
-    program's own teardown (its backward's). A collective is launched where the program launched it and waited for
-    before the first op that reads or writes its buffers (:func:`wait_points`), the wait until the exchange ended added
-    to the ledger's moment (:func:`.ops.wait_for`): the gap before that op is the program's host time after the exchange
-    it waited for ended (:func:`.host_time.waited_part`), its own wake-up included. ``speed``: every gap the ledger
+    program's own teardown (its backward's); ``leaves_at[j]``: slots holding tensors the step made that are let
+    require grad right before the j-th op, as the program's were (:func:`.host_cost.recordable_ops`). A collective
+    is launched where the program launched it and waited for before the first op that reads or writes its buffers
+    (:func:`wait_points`), the wait until the exchange ended added to the ledger's moment (:func:`.ops.wait_for`):
+    the gap before that op is the program's host time after the exchange it waited for ended
+    (:func:`.host_time.waited_part`), its own wake-up included. ``speed``: every gap the ledger
     spends is multiplied by its ``scale``, read once a step (:class:`HostSpeed`); None: the gaps as given. ``clock``:
     the ledger's clock.
     """
@@ -233,6 +236,8 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
             if op.refills:  # the replay's own work, before the spin: spent out of the program's gap
                 refills.append(op.refill)
                 lines.append(f"    rf[{len(refills) - 1}](v)")
+            if leaves_at is not None:  # and the program's: inside its gap
+                lines.extend(f"    v[{int(slot)}].requires_grad_()" for slot in leaves_at[j])
             if ledger:
                 lines.append("    while (a := pc()) < d: pass")
             targets = [(n, int(slot)) for n, slot in enumerate(op.out_slots) if slot is not None]

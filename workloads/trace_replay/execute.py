@@ -73,6 +73,7 @@ class StepRunner:
         self.autograd_s = 0.0
         self.recorded: set[int] = set()  # the ops (positions) that record the program's history as they run
         self.history_leaves: list[torch.Tensor] = []  # what requires grad while they do
+        self.step_leaves: dict[int, list[int]] = {}  # and what a step makes, let require grad before these ops
         self.history_stopped: str | None = None  # why the steps stopped recording history, where they did
 
     @property
@@ -80,18 +81,21 @@ class StepRunner:
         """The step :meth:`run_step` runs next."""
         return self._next
 
-    def record_history(self, leaves: list[torch.Tensor], recorded: set[int]) -> None:
+    def record_history(self, leaves: list[torch.Tensor], recorded: dict[int, list[int]]) -> None:
         """From now on, the ops at ``recorded`` (of those the program recorded autograd history through) run with
         grad mode on, ``leaves`` requiring grad (the floating tensors the steps read before making them that the
-        program's did): each step records the program's history as those ops run, the bookkeeping inside each
-        op's own time as it was in the program's, and tears it down after the last of them, before the ops of
-        its backward (:func:`.codegen.generate_step`); the bookkeeping of the others is spent as host time
+        program's did) and, right before each, the tensors the step made in the slots ``recorded`` gives it
+        (:func:`.host_cost.recordable_ops`): each step records the program's history as those ops run, the
+        bookkeeping inside each op's own time as it was in the program's, and tears it down after the last of
+        them, before the ops of its backward (:func:`.codegen.generate_step`); the bookkeeping of the others is
+        spent as host time
         (:attr:`autograd_s` each, a spin). Spent so for every op, the replay's ops ran faster than the
         program's on steps under 1 ms: a small op runs slower right after autograd's work than after a spin
         (docs/results.md, trace fidelity)."""
         for leaf in leaves:
             leaf.requires_grad_(True)
         self.history_leaves, self.recorded = list(leaves), set(recorded)
+        self.step_leaves = {p: slots for p, slots in recorded.items() if slots}
         self.regenerate()
 
     def stop_history(self, reason: str | None) -> None:
@@ -100,7 +104,7 @@ class StepRunner:
         measured again)."""
         for leaf in self.history_leaves:
             leaf.requires_grad_(False)
-        self.history_leaves, self.recorded = [], set()
+        self.history_leaves, self.recorded, self.step_leaves = [], set(), {}
         detach_all(self.tensors.vals)
         self.history_stopped = reason
         self.regenerate()
@@ -243,14 +247,17 @@ class StepRunner:
         (:meth:`record_history`), those ops run with grad mode on, their history torn down after the last of them."""
         positions = self.plan.sequence[k][:upto]
         offset = self.plan.offset(k)
-        tear_down = None
+        tear_down = leaves_at = None
         grad = None if grad_on is None else [self.plan.specs[p].grad and (only is None or p in only)
                                              for p in positions]
         if self.recorded and grad_on is None and not no_gap_time and self.host_gaps:
             recorded = [p in self.recorded and self.plan.ops[p].error is None for p in positions]
             if any(recorded):  # the step records the program's history as it runs
+                leaves_at = [self.step_leaves.get(p, []) if r else []
+                             for p, r in zip(positions, recorded, strict=True)]
                 made = sorted({slot for p, r in zip(positions, recorded, strict=True) if r
-                               for slot in self.plan.ops[p].out_slots if slot is not None})
+                               for slot in self.plan.ops[p].out_slots if slot is not None}
+                              | {slot for slots in leaves_at for slot in slots})
                 # torn down: what they made, kept without it for the ops after
                 tear_down = (max(j for j, r in enumerate(recorded) if r), functools.partial(detach_all, slots=made))
                 grad, grad_on, keep = recorded, True, None
@@ -267,7 +274,7 @@ class StepRunner:
                              stand_in=lambda i: self.tensors.stand_in(self.plan.ops[i]),
                              fill=lambda i: self.plan.ops[i].store_fills(self.tensors.vals, self.tensors.generator),
                              born=self.tensors.give_birth, name=f"step {k}",
-                             speed=None if no_gap_time else self.speed, tear_down=tear_down)
+                             speed=None if no_gap_time else self.speed, tear_down=tear_down, leaves_at=leaves_at)
 
     def gaps_s(self, positions: list[int]) -> list[float]:
         """The host time to spend before each of these ops (seconds): the program's gap, plus the autograd

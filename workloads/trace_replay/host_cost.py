@@ -260,18 +260,29 @@ def _runs_with_grad(op: Any, vals: list[Any], leaves: list[torch.Tensor]) -> boo
             leaf.requires_grad_(False)
 
 
+def _probed_with_grad(plan: Any, position: int, op: Any) -> bool:
+    """Whether the probes below try the op at ``position`` with grad: one the program recorded autograd history
+    through, and not a collective, which every rank calls as often and in the same order (once, as the walk does;
+    a probe's second try would leave the other ranks waiting for it)."""
+    return plan.specs[position].grad and not COLLECTIVE.match(op.name)
+
+
 def grad_leaves(runner: StepRunner) -> list[torch.Tensor]:
     """The tensors the steps read before making them (parameters, inputs) that the program's grad-mode ops read, and
     that may require grad there: floating leaves, which the calibration (and the steps recording that history:
     :meth:`.StepRunner.record_history`) let require grad so that those ops record history. One pass over the steps, op
     by op, tries each such op with its own leaves requiring grad; where that fails, each leaf alone (a batch norm's
-    running statistics are written in place: they cannot)."""
+    running statistics are written in place: they cannot). Of those, the parameters, where the steps update some in
+    place (an optimizer's step: their version counters moved in that pass): the data a step reads the program did
+    not let require grad, and a linear layer whose input requires grad saves its weight too. Where the steps update
+    none (steps that accumulate gradients without a step of the optimizer), every one."""
     plan, vals = runner.plan, runner.tensors.vals
     leaves: dict[int, torch.Tensor] = {}
     refused: set[int] = set()
+    versions = {id(v): v._version for v in vals if isinstance(v, torch.Tensor)}
 
     def probe(position: int, op: Any) -> None:
-        if plan.specs[position].grad:
+        if _probed_with_grad(plan, position, op):
             mine = {id(v): v for _, _, slot in [*op.arg_slots, *op.kwarg_slots]
                     if slot in plan.externals and isinstance(v := vals[slot], torch.Tensor)
                     and v.is_floating_point() and v.is_leaf and not v.requires_grad and id(v) not in refused}
@@ -283,7 +294,8 @@ def grad_leaves(runner: StepRunner) -> list[torch.Tensor]:
         op.store(op.call(vals), vals, runner.tensors.generator)
 
     runner.walk(probe)
-    return [leaf for key, leaf in leaves.items() if key not in refused]
+    found = [leaf for key, leaf in leaves.items() if key not in refused]
+    return [leaf for leaf in found if leaf._version != versions.get(id(leaf), leaf._version)] or found
 
 
 def _storages(tensors: Any) -> set[int]:
@@ -295,7 +307,7 @@ def _storages(tensors: Any) -> set[int]:
     return found
 
 
-def recordable_ops(runner: StepRunner, leaves: list[torch.Tensor]) -> set[int]:
+def recordable_ops(runner: StepRunner, leaves: list[torch.Tensor]) -> dict[int, list[int]]:
     """The ops (positions) the program recorded autograd history through whose history the replay can record as it
     runs them (:meth:`.StepRunner.record_history`), the program's memory kept: those that save for their backward
     only tensors of their inputs' and outputs' storages, which the replay holds as the program did. An op that
@@ -303,10 +315,14 @@ def recordable_ops(runner: StepRunner, leaves: list[torch.Tensor]) -> set[int]:
     the replay makes where the program made them (:mod:`.dataflow`'s births): recording every such op's history
     (and holding their outputs to the forward's end), a GRU tagger's replay held 45 % more than its program at its
     peak.
-    One pass over the steps, op by op, ``leaves`` requiring grad and those ops run with grad mode on; one that
-    fails so is left out."""
+    An op none of whose inputs requires grad here records history where the program had let one require grad that
+    :func:`grad_leaves` does not give (a parameter gathered anew each step, an input let require grad for its
+    gradient, the output of an op left out above): its floating inputs that are leaves are let require grad right
+    before it, as the steps then do (the op's position → those slots; most hold none). One that records no history
+    even so is left out, its bookkeeping spent. One pass over the steps, op by op, ``leaves`` requiring grad and
+    those ops run with grad mode on; one that fails so is left out."""
     plan, vals = runner.plan, runner.tensors.vals
-    found: set[int] = set()
+    found: dict[int, list[int]] = {}
     saved: list[torch.Tensor] = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -314,20 +330,38 @@ def recordable_ops(runner: StepRunner, leaves: list[torch.Tensor]) -> set[int]:
         return tensor
 
     def probe(position: int, op: Any) -> None:
-        if not plan.specs[position].grad:
+        if not _probed_with_grad(plan, position, op):
             op.store(op.call(vals), vals, runner.tensors.generator)
             return
+        args, kwargs = op.arguments(vals)
+        made: list[int] = []
+        if not any(isinstance(t, torch.Tensor) and t.requires_grad
+                   for t in flatten_tensors([args, list(kwargs.values())])):
+            made = list(dict.fromkeys(
+                slot for _, _, slot in [*op.arg_slots, *op.kwarg_slots]
+                if isinstance(v := vals[slot], torch.Tensor) and v.is_floating_point() and v.is_leaf))
+        for slot in made:
+            vals[slot].requires_grad_(True)
         saved.clear()
+        recorded = False
         try:
             with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 out = op.call(vals)
         except Exception:  # noqa: BLE001 - left out: it runs without grad, its bookkeeping spent
+            for slot in made:
+                vals[slot].requires_grad_(False)
             out = op.call(vals)
         else:
-            args, kwargs = op.arguments(vals)
             own = _storages([args, list(kwargs.values())]) | _storages(out)
-            if all(p in own for p in _storages(saved)):
-                found.add(position)
+            recorded = any(isinstance(t, torch.Tensor) and t.grad_fn is not None for t in flatten_tensors(out)) \
+                and all(p in own for p in _storages(saved))
+            if recorded:
+                found[position] = made
+            else:  # as the steps run it: without grad, what it read not requiring grad for it
+                for slot in made:
+                    vals[slot].requires_grad_(False)
+                out = [t.detach() if isinstance(t, torch.Tensor) and t.grad_fn is not None else t
+                       for t in flatten_tensors(out)]
         saved.clear()
         op.store(out, vals, runner.tensors.generator)
 
