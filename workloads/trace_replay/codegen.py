@@ -165,8 +165,8 @@ def generate_step(ops: Sequence[CompiledOp], positions: Sequence[int], clears: S
     grad mode on and off; the program tears its history down in the backward, whose host time the capture measures
     apart). As the replay runs its steps recording the program's history (the bookkeeping inside each op's own time),
     ``tear_down``: ``(j, fn)``, ``fn(v)`` run right after the j-th op, inside the ledger, whose gaps hold the
-    program's own teardown (its backward's); ``leaves_at[j]``: slots holding tensors the step made that are let
-    require grad right before the j-th op, as the program's were (:func:`.host_cost.recordable_ops`). A collective
+    program's own teardown (its backward's); ``leaves_at[j]``: slots whose tensors are let require grad right
+    before the j-th op, as the program's were (:func:`.host_cost.recordable_ops`). A collective
     is launched where the program launched it and waited for before the first op that reads or writes its buffers
     (:func:`wait_points`), the wait until the exchange ended added to the ledger's moment (:func:`.ops.wait_for`):
     the gap before that op is the program's host time after the exchange it waited for ended

@@ -73,7 +73,7 @@ class StepRunner:
         self.autograd_s = 0.0
         self.recorded: set[int] = set()  # the ops (positions) that record the program's history as they run
         self.history_leaves: list[torch.Tensor] = []  # what requires grad while they do
-        self.step_leaves: dict[int, list[int]] = {}  # and what a step makes, let require grad before these ops
+        self.step_leaves: dict[int, list[int]] = {}  # and the slots let require grad right before these ops
         self.history_stopped: str | None = None  # why the steps stopped recording history, where they did
 
     @property
@@ -84,12 +84,12 @@ class StepRunner:
     def record_history(self, leaves: list[torch.Tensor], recorded: dict[int, list[int]]) -> None:
         """From now on, the ops at ``recorded`` (of those the program recorded autograd history through) run with
         grad mode on, ``leaves`` requiring grad (the floating tensors the steps read before making them that the
-        program's did) and, right before each, the tensors the step made in the slots ``recorded`` gives it
-        (:func:`.host_cost.recordable_ops`): each step records the program's history as those ops run, the
-        bookkeeping inside each op's own time as it was in the program's, and tears it down after the last of
-        them, before the ops of its backward (:func:`.codegen.generate_step`); the bookkeeping of the others is
-        spent as host time
-        (:attr:`autograd_s` each, a spin). Spent so for every op, the replay's ops ran faster than the
+        program's did) and, right before each, the tensors in the slots ``recorded`` gives it (what the program let
+        require grad that the leaves do not cover: :func:`.host_cost.recordable_ops`): each step records the
+        program's history as those ops run, the bookkeeping inside each op's own time as it was in the program's,
+        and tears it down after the last of them, before the ops of its backward (:func:`.codegen.generate_step`);
+        the bookkeeping of the others is spent as host time (:attr:`autograd_s` each, a spin). Spent so for every
+        op, the replay's ops ran faster than the
         program's on steps under 1 ms: a small op runs slower right after autograd's work than after a spin
         (docs/results.md, trace fidelity)."""
         for leaf in leaves:
