@@ -176,10 +176,11 @@ class Replayer:
         """Measure the replay's own host time per op call inside its ledger's op window (seconds; the median of
         :func:`.host_cost.measure_call_cost`'s figures), which the host gaps it spends then leave out, and the autograd
         bookkeeping per op the program recorded history through (:func:`.host_cost.measure_autograd_cost`); then the
-        steps record that history as they run (:meth:`.StepRunner.record_history`, where ``record_history`` and the
-        steps ran so while measured), or the gaps add that bookkeeping; returns the call cost, 0 without host gaps.
-        Steps that hold collectives are not measured so (the two runs compared would have to be in lockstep on every
-        rank) but record the history all the same: nothing of it is spent there. (Its
+        steps record that history as they run (:meth:`.StepRunner.record_history`, where ``record_history``), or the gaps
+        add that bookkeeping; returns the call cost, 0 without host gaps.
+        Where it is not measured (steps that hold collectives: the two runs compared would have to be in lockstep on
+        every rank; a forward that fails with grad mode on around all those ops at once), the steps record the history
+        all the same where they can, and spend none for the others. (Its
         work outside the window its ledger spends out of the gaps as the steps run; measured here too, for what the
         steps spin.) The call cost is measured with the ops back to back and then set to what it is as the steps run,
         between their gaps: whatever host time the steps take beyond what they mean to spend
@@ -196,9 +197,7 @@ class Replayer:
         self.runner.call_s = statistics.median(self.call_samples_s) if self.call_samples_s else 0.0
         self.runner.outside_s = statistics.median(self.outside_samples_s) if self.outside_samples_s else 0.0
         collectives = any(COLLECTIVE.match(op.name) for op in self.plan.ops)
-        if collectives:
-            # its variants would have to run in lockstep on every rank; the program's bookkeeping is not spent
-            # (but recorded, below: the probes finding what can record it call each collective once, as a step does)
+        if collectives:  # its variants would have to run in lockstep on every rank
             self.autograd_unmeasured = "not measured on steps that hold collectives"
         else:
             self.autograd_samples_s, self.autograd_unmeasured, self.calibration_rounds["autograd"] = \
@@ -206,11 +205,13 @@ class Replayer:
         self.runner.autograd_s = max(0.0, statistics.median(self.autograd_samples_s)) if self.autograd_samples_s \
             else 0.0
         self.autograd_every_op_s = self.runner.autograd_s
-        if self.record_history and (self.autograd_samples_s or collectives and self.grad_ops_per_step):
+        if self.record_history and self.grad_ops_per_step:
+            # recorded where measured or not (the probes finding what can record it call each collective once, as
+            # a step does; one op failing with grad mode on fails the measurement, and is left out here alone)
             leaves = grad_leaves(self.runner)
             if recorded := recordable_ops(self.runner, leaves):
                 spent = {p for step in self.plan.sequence for p in step if self.plan.specs[p].grad} - recorded.keys()
-                if spent and not collectives:  # the bookkeeping of those left out is their own, not the average
+                if spent and self.autograd_samples_s:  # the bookkeeping of those left out is theirs, not the average
                     samples, unmeasured, self.calibration_rounds["autograd_spent"] = \
                         measure_autograd_cost(self.runner, synchronize, rounds, only=spent)
                     if unmeasured is None and samples:
