@@ -176,17 +176,16 @@ class Replayer:
         """Measure the replay's own host time per op call inside its ledger's op window (seconds; the median of
         :func:`.host_cost.measure_call_cost`'s figures), which the host gaps it spends then leave out, and the autograd
         bookkeeping per op the program recorded history through (:func:`.host_cost.measure_autograd_cost`); then the
-        steps record that history as they run (:meth:`.StepRunner.record_history`, where ``record_history``), or the gaps
-        add that bookkeeping; returns the call cost, 0 without host gaps.
-        Where it is not measured (steps that hold collectives: the two runs compared would have to be in lockstep on
-        every rank; a forward that fails with grad mode on around all those ops at once), the steps record the history
-        all the same where they can, and spend none for the others. (Its
-        work outside the window its ledger spends out of the gaps as the steps run; measured here too, for what the
-        steps spin.) The call cost is measured with the ops back to back and then set to what it is as the steps run,
-        between their gaps: whatever host time the steps take beyond what they mean to spend
-        (:func:`.host_cost.measure_gap_excess`), as far as its rounds agree on it (:func:`.host_cost.settled_excess`),
-        is added to it, so that the gaps leave that out too. ``rounds``: how many rounds each of the two measurements
-        runs."""
+        steps record that history as they run (:meth:`.StepRunner.record_history`, where ``record_history``), or the
+        gaps add that bookkeeping; returns the call cost, 0 without host gaps. Where it is not measured (steps that
+        hold collectives: the two runs compared would have to be in lockstep on every rank; a forward that fails with
+        grad mode on around all those ops at once), the steps record the history all the same where they can, and
+        spend none for the others. (Its work outside the window its ledger spends out of the gaps as the steps run;
+        measured here too, for what the steps spin.) The call cost is measured with the ops back to back and then set
+        to what it is as the steps run, between their gaps: whatever host time the steps take beyond what they mean to
+        spend (:func:`.host_cost.measure_gap_excess`), as far as its rounds agree on it
+        (:func:`.host_cost.settled_excess`), is added to it, so that the gaps leave that out too. ``rounds``: how many
+        rounds each of the two measurements runs."""
         if not self.host_gaps:
             return 0.0
         if self.records_history:  # measured again: as the program's ops, without grad, and the two compared
