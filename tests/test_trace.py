@@ -1345,8 +1345,6 @@ def test_what_the_step_would_owe_at_its_end_comes_off_its_latest_gaps_with_room_
 def _bn_net_spec(tmp_path: Path) -> tuple[Callable[[], None], RankRecord]:
     """A small training step (a convolution, a batch norm, a linear layer, a cross entropy, SGD with momentum)
     and its spec, captured over two steps."""
-    from harness.traces.capture import capture
-
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
                                 torch.nn.Flatten(), torch.nn.Linear(8 * 14 * 14, 10))
@@ -1357,11 +1355,28 @@ def _bn_net_spec(tmp_path: Path) -> tuple[Callable[[], None], RankRecord]:
         opt.step()
         opt.zero_grad()
 
-    with capture(tmp_path / "bundle", steps=2, warmup=2, baseline_steps=4, source="bn_net") as cap:
+    return step, _captured_rank(step, tmp_path)
+
+
+def _captured_rank(step: Callable[[], None], tmp_path: Path) -> RankRecord:
+    """The spec of ``step``, captured over two steps."""
+    from harness.traces.capture import capture
+
+    with capture(tmp_path / "bundle", steps=2, warmup=2, baseline_steps=4, announce=False) as cap:
         while not cap.done:
             with cap.step():
                 step()
-    return step, RankRecord.from_json(generate_spec(tmp_path / "bundle")["ranks"][0])
+    return RankRecord.from_json(generate_spec(tmp_path / "bundle")["ranks"][0])
+
+
+def _calibrated(rank: RankRecord) -> Replayer:
+    """A replay of ``rank`` spending its host time, its host cost calibrated: recording the program's autograd
+    history where it can."""
+    replayer = Replayer(rank, torch.device("cpu"), host_gaps=True)
+    replayer.materialize()
+    replayer.dry_run()
+    replayer.calibrate_host_cost(lambda: None)
+    return replayer
 
 
 def test_only_ops_whose_history_a_backward_evaluated_are_marked_as_recording_it(tmp_path: Path):
@@ -1434,10 +1449,7 @@ def test_the_replay_records_the_autograd_history_its_program_recorded(tmp_path: 
     that history down before its backward, leaving nothing that holds it. A step that fails while recording
     stops the recording, and the bookkeeping is spent as host time instead, with the reason."""
     step, rank = _bn_net_spec(tmp_path)
-    replayer = Replayer(rank, torch.device("cpu"), host_gaps=True)
-    replayer.materialize()
-    replayer.dry_run()
-    replayer.calibrate_host_cost(lambda: None)
+    replayer = _calibrated(rank)
     assert replayer.records_history and replayer.spent_grad_ops_per_step == 0 and replayer.autograd_s > 0
     program = _saved_for_backward(step)
     assert len(program) >= 8, program
@@ -1458,8 +1470,6 @@ def test_an_op_that_saves_its_own_intermediates_spends_its_own_bookkeeping_inste
     """A recurrent layer kept whole saves its gates for its backward, which the replay already makes where the
     program made them: it runs without grad, and the bookkeeping spent for it is its own, measured on it alone,
     while the linear layer after it records its history."""
-    from harness.traces.capture import capture
-
     torch.manual_seed(0)
     gru, head = torch.nn.GRU(8, 16, batch_first=True), torch.nn.Linear(16, 4)
     opt = torch.optim.SGD([*gru.parameters(), *head.parameters()], lr=0.01)
@@ -1470,15 +1480,8 @@ def test_an_op_that_saves_its_own_intermediates_spends_its_own_bookkeeping_inste
         opt.step()
         opt.zero_grad()
 
-    with capture(tmp_path / "bundle", steps=2, warmup=2, baseline_steps=4, announce=False) as cap:
-        while not cap.done:
-            with cap.step():
-                step()
-    rank = RankRecord.from_json(generate_spec(tmp_path / "bundle")["ranks"][0])
-    replayer = Replayer(rank, torch.device("cpu"), host_gaps=True)
-    replayer.materialize()
-    replayer.dry_run()
-    replayer.calibrate_host_cost(lambda: None)
+    rank = _captured_rank(step, tmp_path)
+    replayer = _calibrated(rank)
     recorded = {replayer.ops[p].name for p in replayer.runner.recorded}
     spent = {replayer.ops[p].name for step in replayer.sequence for p in step
              if replayer.plan.specs[p].grad and p not in replayer.runner.recorded}
@@ -1495,8 +1498,6 @@ def test_a_tensor_the_step_made_and_let_require_grad_records_its_history_in_the_
     floating tensors the step made that such an op reads require grad right before it: autograd saves for a
     backward in a replayed step what it saved in the program's, and counts those ops as recorded only where
     they record. The test fails where they are not (the embedding and the tanh after it save nothing)."""
-    from harness.traces.capture import capture
-
     torch.manual_seed(0)
     table, head = torch.randn(50, 8), torch.nn.Linear(8, 4)
     opt = torch.optim.SGD(head.parameters(), lr=0.01)
@@ -1510,16 +1511,9 @@ def test_a_tensor_the_step_made_and_let_require_grad_records_its_history_in_the_
         with torch.no_grad():
             table.sub_(0.01 * weight.grad)
 
-    with capture(tmp_path / "bundle", steps=2, warmup=2, baseline_steps=4, announce=False) as cap:
-        while not cap.done:
-            with cap.step():
-                step()
-    rank = RankRecord.from_json(generate_spec(tmp_path / "bundle")["ranks"][0])
+    rank = _captured_rank(step, tmp_path)
     assert {"aten::embedding", "aten::tanh"} <= {op.name for op in rank.ops if op.grad}
-    replayer = Replayer(rank, torch.device("cpu"), host_gaps=True)
-    replayer.materialize()
-    replayer.dry_run()
-    replayer.calibrate_host_cost(lambda: None)
+    replayer = _calibrated(rank)
     assert replayer.records_history and replayer.spent_grad_ops_per_step == 0
     embeddings = [p for p in replayer.runner.step_leaves if replayer.ops[p].name == "aten::embedding"]
     assert len(embeddings) == 2 and all(len(replayer.runner.step_leaves[p]) == 1 for p in embeddings)
@@ -1542,8 +1536,6 @@ def test_an_op_the_replay_cannot_run_with_grad_is_left_out_and_the_others_record
     bookkeeping, which runs the forward with grad mode on around all such ops at once, fails on them; the steps
     still record the history of every other op, those two left out (their bookkeeping, not measured, not
     spent)."""
-    from harness.traces.capture import capture
-
     torch.manual_seed(0)
     head = torch.nn.Linear(8, 8)
     opt = torch.optim.SGD(head.parameters(), lr=0.01)
@@ -1555,18 +1547,11 @@ def test_an_op_the_replay_cannot_run_with_grad_is_left_out_and_the_others_record
         opt.step()
         opt.zero_grad()
 
-    with capture(tmp_path / "bundle", steps=2, warmup=2, baseline_steps=4, announce=False) as cap:
-        while not cap.done:
-            with cap.step():
-                step()
-    rank = RankRecord.from_json(generate_spec(tmp_path / "bundle")["ranks"][0])
+    rank = _captured_rank(step, tmp_path)
     # the write in place replaced the view's node in the program's history: no backward evaluated it
     assert not any(op.grad for op in rank.ops if op.name == "aten::view")
     assert all(op.grad for op in rank.ops if op.name == "aten::mul_")
-    replayer = Replayer(rank, torch.device("cpu"), host_gaps=True)
-    replayer.materialize()
-    replayer.dry_run()
-    replayer.calibrate_host_cost(lambda: None)
+    replayer = _calibrated(rank)
     assert "view was created in no_grad mode" in (replayer.autograd_unmeasured or ""), replayer.autograd_unmeasured
     recorded = {replayer.ops[p].name for p in replayer.runner.recorded}
     spent = {replayer.ops[p].name for step in replayer.sequence for p in step
