@@ -358,6 +358,7 @@ def test_two_rank_capture_and_replay(tmp_path: Path):
     proc = _cli("run", "workload=generated", f"workload.spec={spec_path}", *REPLAY, f"results_dir={results}",
                 cwd=tmp_path, torchrun=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "deprecated" not in proc.stderr  # the replay's all-gathers and reduce-scatters by this torch's names
     (run,) = mlflow_runs(results)
     assert run.info.status == "FINISHED" and run.data.metrics["op_coverage_pct"] == 100.0
     # The same spec on one rank is refused before anything runs, saying how to run it.

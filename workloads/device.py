@@ -5,7 +5,8 @@ HPU, ...); its memory functions came later (``memory_allocated``, ``max_memory_a
 ``reset_peak_memory_stats``, ``empty_cache``: torch 2.9; ``get_memory_info``: torch 2.10). Each function
 here uses the ``torch.accelerator`` call where this torch has it and otherwise the device's own module
 (``torch.cuda``, ``torch.xpu``, ...), so a call never fails only because the torch is older than the one
-the code was written against. On the CPU each is a no-op or answers from the host.
+the code was written against. On the CPU each is a no-op or answers from the host. The same holds for the
+``torch.distributed`` calls a newer torch renamed (:data:`all_gather_single`, :data:`reduce_scatter_single`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 # Device types whose pinned (page-locked) host memory makes a host-to-device copy asynchronous; elsewhere a
 # batch is copied as it is (MPS has unified memory, and pin_memory() is not supported on every backend).
 PINNED_COPY_DEVICES = ("cuda", "xpu")
+
+# The single-tensor all-gather and reduce-scatter: ``*_single`` where this torch names them so (the older
+# ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` then warn, once per call site, that they are
+# deprecated), else the older names. Same arguments: (output, input, [op,] group=None, async_op=False).
+all_gather_single = getattr(dist, "all_gather_single", None) or getattr(dist, "all_gather_into_tensor", None)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or getattr(dist, "reduce_scatter_tensor", None)
 
 
 def _call(name: str, device: torch.device, *args: Any) -> Any:

@@ -38,11 +38,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from workloads.device import all_gather_single, reduce_scatter_single
+
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "all_to_all_moe", "broadcast",
                "reduce", "send_recv")
-# the single-tensor forms (torch >= 2.10 names them *_single; older torch, *_tensor)
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64, "int32": torch.int32}
 
@@ -141,12 +140,12 @@ def make_buffers(collective: str, size_bytes: int, dtype: torch.dtype, group: di
     if collective == "all_gather":
         mine, out = _pattern(rank, chunk, rank * chunk, **make), torch.empty(numel, **make)
         want = torch.cat([_pattern(r, chunk, r * chunk, dtype=torch.float64, device=device) for r in range(world)])
-        return Buffers(lambda: _all_gather_single(out, mine, group=group), out.zero_,
+        return Buffers(lambda: all_gather_single(out, mine, group=group), out.zero_,
                        lambda: _expect(collective, out, want, dtype, rank)), numel * item
     if collective == "reduce_scatter":
         source, out = _pattern(rank, numel, **make), torch.empty(chunk, **make)
         want = _reduced(world, chunk, rank * chunk, device=device)
-        return Buffers(lambda: _reduce_scatter_single(out, source, group=group), out.zero_,
+        return Buffers(lambda: reduce_scatter_single(out, source, group=group), out.zero_,
                        lambda: _expect(collective, out, want, dtype, rank)), numel * item
     if collective == "all_to_all":
         # chunk d of rank r's input goes to rank d; it carries positions (r·n + d)·chunk …

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from workloads.device import all_gather_single, reduce_scatter_single
 from workloads.trace_replay.ops import (
     LAYOUTS,
     MEMORY_FORMATS,
@@ -290,13 +291,13 @@ class OpCompiler:
         table: dict[str, Callable[..., Any]] = {
             "c10d::allreduce_": lambda tensors, *_: [dist.all_reduce(t, group=group, async_op=True) for t in tensors],
             "c10d::_allgather_base_": lambda out, inp, *_: [
-                dist.all_gather_into_tensor(out, inp, group=group, async_op=True)],
+                all_gather_single(out, inp, group=group, async_op=True)],
             "c10d::allgather_into_tensor_coalesced_": lambda outs, ins, *_: [
-                dist.all_gather_into_tensor(o, i, group=group, async_op=True) for o, i in zip(outs, ins, strict=False)],
+                all_gather_single(o, i, group=group, async_op=True) for o, i in zip(outs, ins, strict=False)],
             "c10d::_reduce_scatter_base_": lambda out, inp, *_: [
-                dist.reduce_scatter_tensor(out, inp, group=group, async_op=True)],
+                reduce_scatter_single(out, inp, group=group, async_op=True)],
             "c10d::reduce_scatter_tensor_coalesced_": lambda outs, ins, *_: [
-                dist.reduce_scatter_tensor(o, i, group=group, async_op=True) for o, i in zip(outs, ins, strict=False)],
+                reduce_scatter_single(o, i, group=group, async_op=True) for o, i in zip(outs, ins, strict=False)],
             "c10d::alltoall_base_": lambda out, inp, _pg, out_splits, in_splits, *_: [dist.all_to_all_single(
                 out, inp, list(out_splits) or None, list(in_splits) or None, group=group, async_op=True)],
             "c10d::alltoall_": lambda outs, ins, *_: [dist.all_to_all(list(outs), list(ins), group=group,
