@@ -6,6 +6,7 @@ dispatcher, MLflow's sqlite store, gloo for two ranks.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import platform
@@ -418,6 +419,27 @@ def test_a_trace_without_steps_is_refused(program_bundle: Path, tmp_path: Path):
     (bundle / ET_FILE).write_text(json.dumps(et))
     with pytest.raises(TraceError, match="no captured steps"):
         generate_spec(bundle)
+
+
+def test_reading_a_bundle_sets_the_garbage_collector_back_as_it_was(program_bundle: Path, tmp_path: Path):
+    """Reading and generating hold Python's cyclic collector off (millions of objects, no cycles among them) and
+    set it back as they found it, a refused bundle too."""
+    bundle = tmp_path / "bundle"
+    shutil.copytree(program_bundle, bundle)
+    assert gc.isenabled()
+    assert generate_spec(bundle)["ranks"]
+    assert gc.isenabled()
+    (bundle / ET_FILE).write_text((bundle / ET_FILE).read_text()[:5000])
+    with pytest.raises(TraceError, match="not valid JSON"):
+        generate_spec(bundle)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with pytest.raises(TraceError, match="not valid JSON"):
+            generate_spec(bundle)
+        assert not gc.isenabled()  # a caller that held it off itself finds it off still
+    finally:
+        gc.enable()
 
 
 def test_a_loop_that_stops_early_leaves_no_bundle(tmp_path: Path):

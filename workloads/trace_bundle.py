@@ -23,9 +23,12 @@ Everything here is JSON read with ``json`` (never pickle); every problem is rais
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,12 +135,28 @@ def _median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
 
 
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector held off while a trace is read into objects, then set back as it was.
+    Reading makes millions of containers and no cycles among them, and each full collection their number set
+    off walked all of them again: a Faster R-CNN bundle's spec (3,552 ops a step, 200 MB of traces) took 16.8 s
+    to generate, 7.1 of them collecting, and 9.6 s with the collector held off."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def read_json(path: Path, what: str) -> Any:
-    """Parse ``path`` as JSON; a missing, truncated or corrupt file is a TraceError naming it."""
+    """Parse ``path`` as JSON (:func:`collector_paused`); a missing, truncated or corrupt file is a TraceError
+    naming it."""
     if not path.is_file():
         raise TraceError(f"{what} {path} does not exist")
     try:
-        with path.open(encoding="utf-8") as f:
+        with path.open(encoding="utf-8") as f, collector_paused():
             return json.load(f)
     except UnicodeDecodeError as err:
         raise TraceError(f"{what} {path} is not a UTF-8 JSON file (binary or foreign format?): {err}") from None

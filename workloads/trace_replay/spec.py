@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workloads.trace_bundle import VALUES_FILE, BundleMeta, TraceError, rank_dirs, read_json
+from workloads.trace_bundle import VALUES_FILE, BundleMeta, TraceError, collector_paused, rank_dirs, read_json
 from workloads.trace_replay.extract import add_dependencies, extract_rank
 from workloads.trace_replay.host_time import mark_waits
 from workloads.trace_replay.parse import read_bundle
@@ -129,12 +129,14 @@ def _source(bundle: Path, metas: list[BundleMeta], options: GenerateOptions) -> 
 
 
 def generate_spec(bundle: str | Path, options: GenerateOptions | None = None) -> dict[str, Any]:
-    """Read a (possibly multi-rank) bundle and return the spec as a JSON-ready dict."""
+    """Read a (possibly multi-rank) bundle and return the spec as a JSON-ready dict (the objects read and built
+    without a cyclic collection: :func:`~workloads.trace_bundle.collector_paused`)."""
     options = options or GenerateOptions()
     full_step = (options.scope is None and options.op is None and options.exclude_op is None
                  and options.window_ms is None and options.repeat == 1)
-    metas, ranks = zip(*(_rank_entry(rank_dir, options, full_step) for rank_dir in rank_dirs(Path(bundle))),
-                       strict=True)
+    with collector_paused():
+        metas, ranks = zip(*(_rank_entry(rank_dir, options, full_step) for rank_dir in rank_dirs(Path(bundle))),
+                           strict=True)
     return {
         "schema": SPEC_SCHEMA,
         "source": _source(Path(bundle), list(metas), options),
