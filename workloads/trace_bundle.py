@@ -143,9 +143,9 @@ def collector_paused() -> Iterator[None]:
     """Python's cyclic garbage collector held off while a trace is read into objects, then set back as it was.
     Reading makes millions of containers and no cycles among them, and each full collection their number set
     off walked all of them again: a Faster R-CNN bundle's spec (3,552 ops a step, 200 MB of traces) took 16.8 s
-    to generate, 7.1 of them collecting, and 9.6 s with the collector held off. Where the reading left more
-    than :data:`SETTLE_CONTAINERS` new containers, one full collection settles them as it ends, where nothing
-    is timed, rather than in whatever runs next (a replay's timed steps)."""
+    to generate, 7.1 of them collecting, and 10.9 s with the collector held off. Where the reading left more
+    than :data:`SETTLE_CONTAINERS` new containers, one full collection settles them as it ends (counted in
+    those 10.9 s), where nothing is timed, rather than in whatever runs next (a replay's timed steps)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
