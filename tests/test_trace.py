@@ -130,7 +130,7 @@ def test_capture_writes_a_bundle_with_uninstrumented_step_times(program_bundle: 
     assert et["schema"].startswith("1.1.1-chakra")
 
 
-def _uneven_host_program(out: Path, host_rounds_s: float = 0.0, host_span_s: float = 0.0) -> tuple[int, float]:
+def _uneven_host_program(out: Path, host_rounds_s: float = 0.0) -> tuple[int, float]:
     """A program whose own Python time between its ops varies 15-fold from step to step; its capture's host-time
     rounds and what they leave of the median's interval (% of a plain step)."""
     import random
@@ -150,36 +150,11 @@ def _uneven_host_program(out: Path, host_rounds_s: float = 0.0, host_span_s: flo
                 pass
         y.backward()
 
-    ran = 0
-    with capture(out, steps=1, warmup=1, baseline_steps=3, announce=False, host_rounds_s=host_rounds_s,
-                 host_span_s=host_span_s) as cap:
+    with capture(out, steps=1, warmup=1, baseline_steps=3, announce=False, host_rounds_s=host_rounds_s) as cap:
         while not cap.done:
             with cap.step():
                 step()
-            ran += 1
-    assert ran == cap.total_steps == cap.step_index
     return cap.timing_rounds, cap.host_half_width_pct
-
-
-def test_a_capture_spreads_its_host_time_rounds_over_the_while_it_is_given(tmp_path: Path, monkeypatch):
-    """Given a while (``host_span_s``), a capture runs plain untimed steps between its first eight host-time rounds
-    so that they start evenly over it: the host time it records is the program's over that while, not over the
-    moment the rounds take back to back; the rounds, their samples and the spec are as without."""
-    monkeypatch.setattr("harness.traces.capture.HOST_TARGET_PCT", math.inf)  # eight rounds, no more
-    span = 2.0
-    assert _uneven_host_program(tmp_path / "spread", host_span_s=span)[0] == host_time.TIMING_ROUNDS
-    starts = read_meta(tmp_path / "spread").timing_round_starts_s
-    assert len(starts) == host_time.TIMING_ROUNDS and starts[0] == 0.0 and starts == sorted(starts)
-    # each round starts when its share of the while is due, within a step or two of it (the steps between are
-    # counted at the baseline's plain step, which a busy machine may stretch, never shrink much)
-    due = [span * k / host_time.TIMING_ROUNDS for k in range(host_time.TIMING_ROUNDS)]
-    assert all(start >= 0.8 * at for start, at in zip(starts, due, strict=True)), (starts, due)
-    samples = generate_spec(tmp_path / "spread")["ranks"][0]["steps"][0]["host_gap_samples_us"]
-    assert len(samples) == host_time.TIMING_ROUNDS * host_time.TIMING_MEASURED
-    # and without one, back to back: no step runs between them
-    _uneven_host_program(tmp_path / "back_to_back")
-    together = read_meta(tmp_path / "back_to_back").timing_round_starts_s
-    assert len(together) == host_time.TIMING_ROUNDS and together[-1] < starts[-1]
 
 
 def test_a_capture_adds_host_time_rounds_until_it_knows_the_programs_host_time(tmp_path: Path, monkeypatch):

@@ -83,9 +83,6 @@ class BundleMeta:
     timing_spin_ns: list[float] = field(default_factory=list)
     # the same, one spin right before and one right after each measured Kineto-alone step ([before, after], ns)
     timing_step_spin_ns: list[list[float]] = field(default_factory=list)
-    # when each of those rounds started, in seconds from the first (spread over a while: Capture's host_span_s);
-    # empty: not recorded
-    timing_round_starts_s: list[float] = field(default_factory=list)
     # how many times the steps were traced again after the host-time rounds: the traced ones ran ops a step
     # unlike the program's steps (harness.traces.capture.MAX_TRACED_AGAIN)
     traced_again: int = 0
@@ -124,7 +121,6 @@ class BundleMeta:
             "timing_rounds": self.timing_rounds,
             "timing_spin_ns": self.timing_spin_ns,
             "timing_step_spin_ns": self.timing_step_spin_ns,
-            "timing_round_starts_s": self.timing_round_starts_s,
             "traced_again": self.traced_again,
             "step_peak_bytes": self.step_peak_bytes,
             "profiler_event_weights": self.profiler_event_weights,
@@ -216,7 +212,6 @@ def read_meta(bundle: Path) -> BundleMeta:
             timing_rounds=int(raw.get("timing_rounds", 0) or 0),
             timing_spin_ns=[float(t) for t in raw.get("timing_spin_ns", [])],
             timing_step_spin_ns=[[float(t) for t in pair] for pair in raw.get("timing_step_spin_ns", [])],
-            timing_round_starts_s=[float(t) for t in raw.get("timing_round_starts_s", [])],
             traced_again=int(raw.get("traced_again", 0) or 0),
             step_peak_bytes=[int(b) for b in raw.get("step_peak_bytes", [])],
             profiler_event_weights=[float(w) for w in raw.get("profiler_event_weights", [])],

@@ -16,9 +16,7 @@ structure), the next ones measure how much of a step is the program's own host t
 round that settles, then 8 to 32 rounds of Kineto alone (2 steps to settle, 4 measured) then plain (4 to
 settle, 3 measured), so the profiler's cost is taken against the plain steps of the same round, not of the
 baseline, rounds added after the eighth while the median host time is not yet known within ±1 % of the
-step (with ``host_span_s``, plain untimed steps run between the first eight so that they start evenly over
-that many seconds: the host time is then the program's over that while, not over the few seconds the rounds
-take back to back); where the traced steps ran more or fewer ops a step than those rounds' steps (a program whose steps
+step; where the traced steps ran more or fewer ops a step than those rounds' steps (a program whose steps
 differ by chance: a layer dropped at random), twice as many steps are traced again in their place, up to
 :data:`MAX_TRACED_AGAIN` times (each twice the last); the last block traced runs again, each step with the
 random draws it had, under the memory profiler alone, for its peak without the observer's own copies
@@ -268,7 +266,7 @@ class Capture:
     """Drives the phases of a capture; use :meth:`step` around each step of the loop."""
 
     def __init__(self, out_dir: Path, steps: int, warmup: int, baseline_steps: int, device: torch.device,
-                 model: torch.nn.Module | None = None, host_rounds_s: float = 0.0, host_span_s: float = 0.0):
+                 model: torch.nn.Module | None = None, host_rounds_s: float = 0.0):
         if steps < 1 or baseline_steps < 1 or warmup < 0:
             raise ValueError(
                 f"capture needs steps >= 1 and baseline_steps >= 1 and warmup >= 0; got steps={steps}, "
@@ -294,12 +292,6 @@ class Capture:
         self.host_half_width_pct = math.inf
         self._rounds_began: float | None = None  # when the first measured host-time round started (perf_counter)
         self.host_rounds_s = host_rounds_s  # what the rounds may take in all to run past MAX_TIMING_ROUNDS
-        # the first TIMING_ROUNDS measured rounds start evenly over at least this many seconds (_rest_before_round)
-        self.host_span_s = host_span_s
-        self.round_starts_s: list[float] = []  # when each measured round started, from the first (s)
-        self.rest_steps = 0  # plain untimed steps run between rounds to spread them, so far
-        self._rest_left = 0  # ... still to run before the next round
-        self._rest_s = 0.0  # what those steps took
         self._round_trace: KinetoTrace | None = None  # the running round's Kineto-alone steps
         self._timing_bytes = 0  # what the rounds' Kineto-alone traces come to, exported
         self._profiler: profile | None = None
@@ -324,10 +316,9 @@ class Capture:
 
     @property
     def total_steps(self) -> int:
-        """Steps the loop runs; it grows while the host-time rounds are added (:meth:`_settle_rounds`) and
-        spread (:meth:`_rest_before_round`)."""
+        """Steps the loop runs; it grows while the host-time rounds are added (:meth:`_settle_rounds`)."""
         return self.warmup + self.baseline_steps + self.steps + (SETTLE_ROUNDS + self.timing_rounds) * _ROUND + \
-            sum(self.again_blocks) + self.memory_steps + VALUE_STEPS + self.rest_steps + self._rest_left
+            sum(self.again_blocks) + self.memory_steps + VALUE_STEPS
 
     @property
     def memory_steps(self) -> int:
@@ -347,7 +338,7 @@ class Capture:
     def _trace_index(self) -> tuple[int | None, int, bool]:
         """The next step's index among its block of traced steps (None: not traced), the block's steps, and
         whether it is traced again."""
-        index = self.step_index - self.warmup - self.baseline_steps - self.rest_steps
+        index = self.step_index - self.warmup - self.baseline_steps
         again = index - self.steps - (SETTLE_ROUNDS + self.timing_rounds) * _ROUND  # past the rounds: traced again
         for size in self.again_blocks if again >= 0 else ():
             if again < size:
@@ -363,16 +354,7 @@ class Capture:
     @contextmanager
     def step(self) -> Iterator[None]:
         """One step of the user's loop; steps past the last phase run plain."""
-        if self._rest_left:  # between two host-time rounds, spreading them: plain, untimed
-            started = time.perf_counter()
-            yield
-            synchronize(self.device)
-            self._rest_s += time.perf_counter() - started
-            self._rest_left -= 1
-            self.rest_steps += 1
-            self.step_index += 1
-            return
-        index = self.step_index - self.warmup - self.baseline_steps - self.rest_steps
+        index = self.step_index - self.warmup - self.baseline_steps
         trace_index, block, traced_again = self._trace_index()
         traced = trace_index is not None
         round_, at = divmod(index - self.steps - SETTLE_ROUNDS * _ROUND, _ROUND)  # the settling rounds: below 0
@@ -405,10 +387,8 @@ class Capture:
             self._timing_profiler = profile(activities=profiler_activities(self.device))
             self._timing_profiler.start()
         synchronize(self.device)
-        if in_timing and at == 0:  # a measured round begins
-            now = time.perf_counter()
-            self._rounds_began = now if self._rounds_began is None else self._rounds_began
-            self.round_starts_s.append(now - self._rounds_began)
+        if in_timing and self._rounds_began is None:
+            self._rounds_began = time.perf_counter()
         spin_before = spin_ns(readings=1) if measured_kineto else 0.0  # outside the step's annotation and time
         started = time.perf_counter()
         if traced:
@@ -470,8 +450,6 @@ class Capture:
             self._settle_rounds()
             if round_ == self.timing_rounds - 1:  # the last round: none was added
                 self._check_traced()
-            else:
-                self._rest_before_round(round_ + 1)
 
     def _check_traced(self) -> None:
         """After the host-time rounds, and after each block traced again: one more block traced in place of the
@@ -519,23 +497,6 @@ class Capture:
         if any(gather_to_all(more)) if dist.is_available() and dist.is_initialized() else more:
             self.timing_rounds += 1
 
-    def _rest_before_round(self, round_: int) -> None:
-        """Before measured round ``round_`` (one of the first :data:`TIMING_ROUNDS`), as many plain untimed steps
-        as bring its start to ``round_`` / TIMING_ROUNDS of ``host_span_s`` after the first round's, at the
-        baseline's plain step (under torchrun the most any rank asks for: the steps hold collectives). A machine
-        shared with others moves for tens of seconds at a time (a 2-core VM ran a GCN's ops twice as slow
-        for 10 and 20 s of 150, with nothing else running), so rounds taken back to back in a few seconds
-        measure one moment of it, which the minute judged next need not share: drawn from that series, 40
-        rounds back to back set their median host time 2.2 % of a step from the next minute's at the 90th
-        percentile, and 1.4 spread over 30 s. The rounds added after them run back to back."""
-        rest = 0
-        if self.host_span_s > 0 and round_ < TIMING_ROUNDS and self._rounds_began is not None:
-            due = self._rounds_began + self.host_span_s * round_ / TIMING_ROUNDS
-            rest = max(0, math.ceil((due - time.perf_counter()) / statistics.median(self.plain_times_s)))
-        if dist.is_available() and dist.is_initialized() and self.host_span_s > 0:
-            rest = max(gather_to_all(rest))
-        self._rest_left = rest
-
     def _rounds_at_one_speed(self) -> list[list[float]]:
         """Each round's host times brought to one speed of the host as the spec will hold them
         (:func:`~workloads.trace_replay.host_time.steps_at_one_speed`; as measured where a step has no spin
@@ -554,7 +515,7 @@ class Capture:
             return False
         if rounds < MAX_TIMING_ROUNDS:
             return True
-        took = time.perf_counter() - (self._rounds_began or time.perf_counter()) - self._rest_s
+        took = time.perf_counter() - (self._rounds_began or time.perf_counter())
         return rounds < QUICK_TIMING_ROUNDS and took * (rounds + 1) / rounds <= self.host_rounds_s
 
     def _stop_timing_profiler(self, keep: bool = True) -> None:
@@ -652,7 +613,6 @@ def capture(
     model: torch.nn.Module | None = None,
     announce: bool = True,
     host_rounds_s: float = 0.0,
-    host_span_s: float = 0.0,
 ) -> Iterator[Capture]:
     """Capture a trace bundle of the steps marked with ``cap.step()``; see the module docstring.
 
@@ -660,9 +620,7 @@ def capture(
     ``announce``: when done, rank 0 prints where the bundle is, the overhead and the next command
     (stderr), as ``cobench trace capture`` does. ``host_rounds_s``: past the 32 host-time rounds any capture may
     run while the program's host time is not yet known within ±1 % of its step, more (up to 96) while all of them
-    take at most this many seconds (a judgement gives half its budget). ``host_span_s``: the first eight of those
-    rounds start evenly over at least this many seconds, plain untimed steps of the loop run between them (a
-    judgement spreads them over half its budget).
+    take at most this many seconds (a judgement gives half its budget).
 
     Raises :class:`TraceError` when the loop ends before a traced step completed.
     """
@@ -670,7 +628,7 @@ def capture(
     rank = dist.get_rank() if dist.is_initialized() else 0
     world_size = dist.get_world_size() if dist.is_initialized() else 1
     target = bundle_dir(Path(out_dir), rank, world_size)
-    cap = Capture(target, steps, warmup, baseline_steps, device, model, host_rounds_s, host_span_s)
+    cap = Capture(target, steps, warmup, baseline_steps, device, model, host_rounds_s)
     started = time.perf_counter()
     try:
         yield cap
@@ -684,8 +642,7 @@ def capture(
         raise TraceError(
             f"capture into {target}: the loop ran {cap.step_index} step(s), but a bundle needs "
             f"{cap.total_steps} (warm-up {warmup}, timed baseline {baseline_steps}, traced {steps}, "
-            f"host-time rounds {SETTLE_ROUNDS} + {cap.timing_rounds} x {_ROUND} with {cap.rest_steps} between them, "
-            f"traced again "
+            f"host-time rounds {SETTLE_ROUNDS} + {cap.timing_rounds} x {_ROUND}, traced again "
             f"{sum(cap.again_blocks)}, memory {cap.memory_steps}, value profile {VALUE_STEPS}); "
             f"loop until `cap.done`"
         )
@@ -705,7 +662,6 @@ def capture(
         timing_rounds=len(cap.timing_times_s) // TIMING_MEASURED,
         timing_spin_ns=cap.timing_spin_ns,
         timing_step_spin_ns=cap.timing_step_spin_ns,
-        timing_round_starts_s=cap.round_starts_s[:len(cap.timing_times_s) // TIMING_MEASURED],
         traced_again=cap.traced_again,
         step_peak_bytes=cap.step_peak_bytes,
         profiler_event_weights=list(cap.event_weights or ()),
@@ -720,10 +676,8 @@ def capture(
 def capture_summary(meta: BundleMeta, out_dir: Path) -> str:
     """What a capture says when it is done: where the bundle is, what it cost, what to run next."""
     plain_ms = meta.to_json()["step_time_ms_median"]
-    starts = meta.timing_round_starts_s
     return (f"captured {meta.source}: {out_dir}\n  step {plain_ms:.2f} ms plain, capture overhead "
-            f"{meta.capture_overhead_pct:+.0f} %, host time over {meta.timing_rounds} rounds"
-            + (f" started over {starts[-1]:.0f} s" if starts else "") + "\n"
+            f"{meta.capture_overhead_pct:+.0f} %, host time over {meta.timing_rounds} rounds\n"
             + (f"  traced {meta.traced_again} more time{'s' if meta.traced_again > 1 else ''}: the steps traced before "
                f"ran more or fewer ops than the program's steps\n" if meta.traced_again else "")
             + f"to make its benchmark: cobench trace generate {out_dir}")
@@ -739,14 +693,14 @@ class SourceWorkload:
     cfg: CobenchConfig
 
     def capture(self, out_dir: Path, *, steps: int, warmup: int, baseline_steps: int, announce: bool = True,
-                host_rounds_s: float = 0.0, host_span_s: float = 0.0) -> Path:
-        """Capture this rank's bundle into ``out_dir``; returns the rank's bundle folder (``host_rounds_s``,
-        ``host_span_s``: see :func:`capture`)."""
+                host_rounds_s: float = 0.0) -> Path:
+        """Capture this rank's bundle into ``out_dir``; returns the rank's bundle folder (``host_rounds_s``: see
+        :func:`capture`)."""
         config = OmegaConf.to_container(OmegaConf.structured(self.cfg.workload), resolve=True)
         with capture(out_dir, steps=steps, warmup=warmup, baseline_steps=baseline_steps, device=self.ctx.device,
                      config={"workload": config, "platform": self.platform.name, "seed": self.cfg.seed},
                      source=self.cfg.workload.name, model=self.workload.root_module(), announce=announce,
-                     host_rounds_s=host_rounds_s, host_span_s=host_span_s) as cap:
+                     host_rounds_s=host_rounds_s) as cap:
             hold = getattr(self.workload, "hold_batch", None)
             try:
                 while not cap.done:

@@ -73,7 +73,6 @@ MEMORY_STEPS = 8  # each side's peak memory: the most of this many of its own st
 FIDELITY_FILE = "fidelity.json"
 DEFAULT_BUDGET_S = 60.0  # the side-by-side rounds' time budget, by default
 CAPTURE_HOST_SHARE = 0.5  # of that budget, what its capture may spend on host-time rounds past MAX_TIMING_ROUNDS
-CAPTURE_SPAN_SHARE = 0.5  # ... and the while its first host-time rounds are spread over (Capture's host_span_s)
 CALIBRATION_SHARE = 0.25  # ... and each of the replay's calibrations on rounds past its 24 (workload.calibration_s)
 
 
@@ -147,13 +146,6 @@ def capture_host_s(budget_s: float | None) -> float:
     judgement's budget (none without one). The replay spends the host time they measure, and what is left of
     their median's uncertainty moves its figure as much (``capture_host_half_width_pct``)."""
     return CAPTURE_HOST_SHARE * budget_s if budget_s else 0.0
-
-
-def capture_span_s(budget_s: float | None) -> float:
-    """The while a judgement's capture spreads its first host-time rounds over: half the judgement's budget (none
-    without one), about as long as the judgement's own rounds of the program that its figure sets that host time
-    against."""
-    return CAPTURE_SPAN_SHARE * budget_s if budget_s else 0.0
 
 
 def _host_probe(source_step: Callable[[], Any], replay: Any, device: torch.device,
@@ -250,8 +242,7 @@ def judge(step: Callable[[], Any], out_dir: str | Path, *, device: torch.device 
     device = torch.device(device) if device is not None else torch.device("cpu")
     out_dir = Path(out_dir)
     with capture(out_dir, steps=capture_steps, warmup=warmup, baseline_steps=baseline_steps, device=device,
-                 source=source, model=model, announce=False, host_rounds_s=capture_host_s(budget_s),
-                 host_span_s=capture_span_s(budget_s)) as cap:
+                 source=source, model=model, announce=False, host_rounds_s=capture_host_s(budget_s)) as cap:
         while not cap.done:
             with cap.step():
                 step()
@@ -310,7 +301,7 @@ def judge_benchmark(cfg: CobenchConfig, *, benchmark: str | None = None, rounds:
     status, reason = STATUS_FINISHED, None
     try:
         source.capture(bundle, steps=capture_steps, warmup=warmup, baseline_steps=baseline_steps, announce=False,
-                       host_rounds_s=capture_host_s(budget_s), host_span_s=capture_span_s(budget_s))
+                       host_rounds_s=capture_host_s(budget_s))
         if ctx.distributed:
             torch.distributed.barrier()  # every rank's bundle is written
         # A workload whose op shapes follow its data held its traced batch through the capture, and the replay
