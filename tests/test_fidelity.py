@@ -244,6 +244,10 @@ def test_each_side_is_measured_again_while_judged_and_the_error_is_split(monkeyp
     assert metrics["judged_replay_op_ms"] == pytest.approx(8.5)
     assert metrics["host_shift_pct"] == pytest.approx(10.0)  # (3 − 2) ms of a 10 ms step
     assert metrics["time_error_judged_host_pct"] == pytest.approx(10.0)  # 12 − 1 ms against 10
+    # the probes read 2 ms every time: the judged host time is known exactly, and the reason says how closely
+    assert metrics["judged_host_half_width_pct"] == 0.0
+    assert "stood 10.0 % of its step below the capture's (known to ±0.0 % by the judgement's probes" in \
+        side.invalid_reason
     # the ops as the profiler saw them on both sides, 9.5 against 9 ms: 5 % of the step; the host time the rest
     assert metrics["op_error_pct"] == pytest.approx(5.0) and metrics["host_error_pct"] == pytest.approx(5.0)
     assert metrics["judged_source_profiled_op_ms"] == pytest.approx(9.0)
@@ -261,6 +265,7 @@ def test_each_side_is_measured_again_while_judged_and_the_error_is_split(monkeyp
     side = interleave(step(10.0), step(12.0), torch.device("cpu"), rounds=2, steps_per_round=3, warmup=0,
                       host=host)
     assert side.metrics()["time_error_judged_host_pct"] == pytest.approx(5.0)  # 12 − 1.5 ms, not 12 − 2.5
+    assert math.isnan(side.metrics()["judged_host_half_width_pct"])  # one probe (two rounds): how closely, untold
     # a replay that scaled the capture's 3 ms by its host's speed (0.8: a host faster than at capture) spends 2.4
     host.source, host.scale = measured("source", 2.0, 8.0), lambda: 0.8
     metrics = interleave(step(10.0), step(12.0), torch.device("cpu"), rounds=2, steps_per_round=3, warmup=0,
@@ -268,6 +273,19 @@ def test_each_side_is_measured_again_while_judged_and_the_error_is_split(monkeyp
     assert metrics["capture_host_ms"] == 3.0 and metrics["spent_host_ms"] == pytest.approx(2.4)
     assert metrics["host_shift_pct"] == pytest.approx(4.0)  # (2.4 − 2) ms of a 10 ms step
     assert metrics["time_error_judged_host_pct"] == pytest.approx(16.0)  # 12 − 0.4 ms against 10
+    # probes that read 1 ms, then 3, then 1 know the judged host time less closely: their median, resampled a probe
+    # at a time (a probe's steps share its moment), spans up to the whole 2 ms of the 10 ms step, never more
+    calls = []
+
+    def swinging() -> ProbedSteps:
+        calls.append(1)
+        host_us = 1e3 if len(calls) % 2 else 3e3
+        return ProbedSteps([host_us] * 4, [8e3] * 4, [9e3] * 4, [120.0] * 4)
+
+    host.source, host.scale = swinging, lambda: 1.0
+    metrics = interleave(step(10.0), step(12.0), torch.device("cpu"), rounds=11, steps_per_round=3, warmup=0,
+                         host=host).metrics()
+    assert 0.0 < metrics["judged_host_half_width_pct"] <= 10.0 + 1e-9, metrics["judged_host_half_width_pct"]
     # without a probe, no such figures
     assert "host_shift_pct" not in interleave(step(10.0), step(12.0), torch.device("cpu"), rounds=2,
                                               steps_per_round=3, warmup=0).metrics()

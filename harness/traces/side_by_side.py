@@ -35,6 +35,7 @@ from workloads.trace_replay.host_time import (
     EventWeights,
     StepTimes,
     host_and_op_time,
+    host_time_half_width_pct,
     profiled_steps,
     round_median_draws,
 )
@@ -153,7 +154,12 @@ class SideBySide:
     # events inside the replayed ops), and the medians (ms; the events' count as it is)
     probed_us: dict[str, list[float]] = field(default_factory=dict)
     probed_ms: dict[str, float] = field(default_factory=dict)
+    source_host_probes_us: list[list[float]] = field(default_factory=list)  # the program's host time, probe by probe
     host_shift_pct: float = math.nan  # (host time the replay spends − the judged one) ÷ the program's step, in %
+    # how closely the judgement's probes know the judged host time: the 95 % half-width of their median, resampled a
+    # probe at a time (a probe's steps share its moment), in % of the program's step (NaN with one probe); a
+    # shift within it is as much the probes' as the capture's
+    judged_host_half_width_pct: float = math.nan
     time_error_judged_host_pct: float = math.nan  # the figure had the replay spent the judged host time
     # (replay's time inside the replayed ops − the program's, each as the profiler saw it) ÷ the program's step,
     # the autograd bookkeeping the replay spends as host time counted with the replay's ops (the program's lies
@@ -202,6 +208,8 @@ class SideBySide:
                               for key, values in self.probed_us.items() if values}
             judged, spent = self.probed_ms["source_host"], self.host.spent_ms
             self.host_shift_pct = 100.0 * (spent - judged) / self.source_step_ms
+            known = host_time_half_width_pct(self.source_host_probes_us, 1e3 * self.source_step_ms, seed=seed)
+            self.judged_host_half_width_pct = known if math.isfinite(known) else math.nan  # one probe cannot tell
             # the replay's spins are wall-clock time: a host time Δ larger moves its step by Δ (a smaller one by
             # at most what it spins)
             moved = max(judged - spent, -self.host.spun_ms)
@@ -255,8 +263,10 @@ class SideBySide:
                               f"it ±{self.capture_half_width_pct:.1f} %{self._capture_parts()}" if self.replay_shift_ms
                               else "")
                            + (f", and the program's host time while judged stood {abs(self.host_shift_pct):.1f} % of "
-                              f"its step {'below' if self.host_shift_pct > 0 else 'above'} the capture's (the interval "
-                              f"covers a capture at either moment)" if moved is not None else "")
+                              f"its step {'below' if self.host_shift_pct > 0 else 'above'} the capture's ("
+                              + (f"known to ±{self.judged_host_half_width_pct:.1f} % by the judgement's probes; "
+                                 if math.isfinite(self.judged_host_half_width_pct) else "")
+                              + "the interval covers a capture at either moment)" if moved is not None else "")
                            + f"; {advice}")
         self.fidelity_valid = not reasons
         self.invalid_reason = "; ".join(reasons)
@@ -293,7 +303,7 @@ class SideBySide:
             **({"capture_host_ms": self.host.capture_ms, "spent_host_ms": self.host.spent_ms,
                 "spent_autograd_ms": self.host.autograd_ms * self.host.scale()}
                if self.host is not None else {}),
-            **({"host_shift_pct": self.host_shift_pct,
+            **({"host_shift_pct": self.host_shift_pct, "judged_host_half_width_pct": self.judged_host_half_width_pct,
                 "time_error_judged_host_pct": self.time_error_judged_host_pct,
                 "host_error_pct": self.host_error_pct, "op_error_pct": self.op_error_pct,
                 **{_judged_name(key): value for key, value in self.probed_ms.items()},
@@ -448,6 +458,7 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
     preempted = {"source": 0, "replay": 0} if preemptions() is not None else {}
     order: list[str] = []
     probed_us: dict[str, list[float]] = {f"{side}_{part}": [] for side in sides for part in PROBED}
+    source_host_probes: list[list[float]] = []  # the source's host time, probe by probe
     started = time.perf_counter()
     probes_s: list[float] = []  # what each host-time probe took
     due = 1  # the round after which the next probe falls due
@@ -466,6 +477,8 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
         for name, measure in (("source", host.source), ("replay", host.replay)):
             for part, values in zip(PROBED, measure(), strict=True):
                 probed_us[f"{name}_{part}"].extend(values)
+                if name == "source" and part == "host" and values:
+                    source_host_probes.append(list(values))
         probes_s.append(time.perf_counter() - began)
 
     def run_round() -> None:
@@ -517,7 +530,8 @@ def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], d
     side = SideBySide(times["source"], times["replay"], order, batch=batch, alternate=alternate, budget_s=budget_s,
                       target_half_width_pct=target_half_width_pct, replay_shift_ms=replay_shift_ms,
                       replay_shift_parts_ms=replay_shift_parts_ms,
-                      host=host, probed_us=probed_us, preemptions=preempted)
+                      host=host, probed_us=probed_us, source_host_probes_us=source_host_probes,
+                      preemptions=preempted)
     if steps_per_round < asked:
         side.notes.append(f"{steps_per_round} sample{'s' if steps_per_round > 1 else ''} of each side a round, not "
                           f"{asked}: {MIN_VALID_ROUNDS} rounds of "
