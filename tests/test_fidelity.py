@@ -456,6 +456,56 @@ def test_a_judging_thread_the_scheduler_keeps_taking_off_its_core_is_named_in_th
     assert math.isnan(unread["source_preemptions_per_step"])
 
 
+def test_an_interval_too_wide_says_how_many_rounds_would_narrow_it_or_that_none_would():
+    """Rounds whose ratios scatter ±12 % about a replay 3 % slower: 60 rounds leave the interval too wide, and
+    the reason says about how many rounds of that spread would narrow it to ±2.5 % and the budget that takes;
+    rounds drawn alike, as many as it said, come out near ±2.5 % (the median over a dozen starts: one start's
+    bootstrap over 60 rounds is itself known only so well). Twice the spread asks four times the rounds. Where
+    the capture's own draws alone spread the figure wider than the target, no number of rounds would, and the
+    reason says so, with that floor; where the rounds scatter too far for the most a judgement runs, it says
+    that."""
+    def rounds(count: int, seed: int, spread: float = 0.12) -> tuple[list[list[float]], list[list[float]]]:
+        rng = random.Random(seed)
+        return [[10.0] for _ in range(count)], [[10.3 * math.exp(rng.gauss(0.0, spread))] for _ in range(count)]
+
+    source, replay = rounds(60, seed=2)
+    side = SideBySide(source, replay, ["source", "replay"] * 30, budget_s=10.0, elapsed_s=10.0).summarise()
+    assert not side.fidelity_valid and side.half_width_pct > 2.5
+    needed = int(side.rounds_needed)
+    assert 60 < needed <= side_by_side_module.MAX_ROUNDS and needed % 2 == 0
+    assert side.floor_half_width_pct == pytest.approx(0.0, abs=1e-9)  # no capture draws: rounds narrow it all
+    assert f"about {needed} rounds would narrow it to ±2.5 %" in side.invalid_reason
+    assert f"a budget of about {math.ceil(10.0 * needed / 60)} s (--budget-s)" in side.invalid_reason
+    metrics = side.metrics()
+    assert metrics["judgement_rounds_needed"] == needed and metrics["time_error_floor_half_width_pct"] == 0.0
+    doubled = side_by_side_module.rounds_to_narrow(*rounds(60, seed=2, spread=0.24), 2.5)[1]
+    assert doubled is not None and doubled / needed == pytest.approx(4.0, rel=0.15)
+
+    widths = []
+    for start in range(1, 13):
+        first = SideBySide(*rounds(60, seed=start), ["source", "replay"] * 30).summarise()
+        if math.isfinite(first.rounds_needed):
+            count = int(first.rounds_needed)
+            widths.append(SideBySide(*rounds(count, seed=10_000 + start), ["source", "replay"] * (count // 2))
+                          .summarise().half_width_pct)
+    assert len(widths) >= 8 and 1.8 < statistics.median(widths) < 3.3
+
+    capture_draws = [random.Random(b).gauss(0.0, 0.5) for b in range(2000)]  # ±~10 % of a 10 ms step
+    held = SideBySide(source, replay, ["source", "replay"] * 30, budget_s=10.0, elapsed_s=10.0,
+                      replay_shift_ms=capture_draws).summarise()
+    assert not held.fidelity_valid and math.isnan(held.rounds_needed) and held.floor_half_width_pct > 5.0
+    assert f"no number of rounds narrows it below ±{held.floor_half_width_pct:.1f} % (the capture's own spread " \
+           "alone)" in held.invalid_reason and "a capture at a quieter moment" in held.invalid_reason
+    floor, needed = side_by_side_module.rounds_to_narrow(source, replay, 2.5, moment_ms=1.0)
+    assert needed is None and floor == pytest.approx(5.0, abs=0.5)  # half the two moments' 10 % apart
+
+    source, replay = rounds(60, seed=2, spread=0.6)
+    scattered = SideBySide(source, replay, ["source", "replay"] * 30, budget_s=10.0, elapsed_s=10.0).summarise()
+    assert math.isnan(scattered.rounds_needed)
+    assert "more than the 400 rounds a judgement runs" in scattered.invalid_reason
+    assert "more samples per round (--round-steps)" in scattered.invalid_reason
+
+
 def _spin(seconds: float) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:

@@ -56,6 +56,7 @@ MIN_SAMPLE_MS = 20.0  # a sample times enough consecutive steps to last this lon
 # ratios varied 5.0 … 8.4 % taking turns, 8.8 … 11.5 % in blocks, and the two figures differed by −1.4 … +0.7 %
 ALTERNATE = True
 BOOTSTRAP_SAMPLES = 2000
+LEVEL = 0.95  # the confidence level of the interval
 PROBE_EVERY = 5  # each side's host and op time are measured again after the first round and every this many after
 PROBE_STEPS = TIMING_WARMUP + TIMING_MEASURED + PLAIN_SETTLE + PLAIN_MEASURED  # a side's steps in one probe
 PROBE_SLOWDOWN = 1.5  # a probe's steps under the profiler, against plain ones (allowed for, not measured)
@@ -178,6 +179,11 @@ class SideBySide:
     replay_step_ms: float = math.nan
     source_round_cv_pct: float = math.nan
     replay_round_cv_pct: float = math.nan
+    # where the interval was too wide for a verdict: the half-width no number of rounds narrows it below (the
+    # capture's draws and its moment alone), and about how many rounds of the same spread would narrow it to the
+    # target (NaN where no number would, or more than a judgement runs): rounds_to_narrow
+    floor_half_width_pct: float = math.nan
+    rounds_needed: float = math.nan
     fidelity_valid: bool = False
     invalid_reason: str = ""
     notes: list[str] = field(default_factory=list)
@@ -213,8 +219,9 @@ class SideBySide:
             # the replay's spins are wall-clock time: a host time Δ larger moves its step by Δ (a smaller one by
             # at most what it spins)
             moved = max(judged - spent, -self.host.spun_ms)
-        self.ratio, low, high = paired_ratio(self.source_ms, self.replay_ms, seed=seed, shift_ms=self.replay_shift_ms,
-                                             moment_ms=moved)
+        draws = _paired_draws(self.source_ms, self.replay_ms, seed=seed, samples=BOOTSTRAP_SAMPLES,
+                              shift_ms=self.replay_shift_ms, moment_ms=moved)
+        self.ratio, low, high = _interval(draws, LEVEL)
         self.time_error_signed_pct = 100.0 * (self.ratio - 1.0)
         self.time_error_pct = abs(self.time_error_signed_pct)
         if self.replay_shift_ms:
@@ -239,38 +246,55 @@ class SideBySide:
             reasons.append(f"{len(self.order)} rounds are too few for an interval (at least {MIN_VALID_ROUNDS}: "
                            f"--rounds)")
         if not self.half_width_pct <= self.target_half_width_pct:
-            advice = "a larger budget or a quieter machine narrows it"
-            if moved is not None and abs(self.host_shift_pct) > self.target_half_width_pct:
-                advice = "a capture at a quieter moment or a quieter machine narrows it"
-            preempted = max((self.preemptions_per_step(side) for side in self.preemptions), default=0.0)
-            if preempted >= PREEMPTED_STEP:
-                advice = (f"the judging thread was preempted {preempted:.1f} times a step ({_crowding()}): each step "
-                          f"waits on the scheduler; a core to spare for each process's own threads narrows it")
-            if self.budget_s is None:
-                spent = f" after {len(self.order)} rounds (--rounds)"
-            elif len(self.order) >= MAX_ROUNDS:
-                spent = f" after {len(self.order)} rounds in {self.elapsed_s:.0f} s, the most a judgement runs"
-                advice = "more samples per round (--round-steps) or a quieter machine narrows it"
-            else:
-                spent = (f" after {len(self.order)} rounds in {self.elapsed_s:.0f} s, the budget spent "
-                         f"(--budget-s {self.budget_s:.0f})")
-            shown = f"{self.half_width_pct:.1f}"  # enough digits to read above the target
-            if float(shown) <= self.target_half_width_pct:
-                shown = f"{self.half_width_pct:.2f}"
-            reasons.append(f"the 95 % interval is ±{shown} % (> ±{self.target_half_width_pct:g} %)"
-                           f"{spent}: the source's round medians vary {self.source_round_cv_pct:.1f} %"
-                           + (f", and re-measuring the capture's host time and the replay's call cost alone moves "
-                              f"it ±{self.capture_half_width_pct:.1f} %{self._capture_parts()}" if self.replay_shift_ms
-                              else "")
-                           + (f", and the program's host time while judged stood {abs(self.host_shift_pct):.1f} % of "
-                              f"its step {'below' if self.host_shift_pct > 0 else 'above'} the capture's ("
-                              + (f"known to ±{self.judged_host_half_width_pct:.1f} % by the judgement's probes; "
-                                 if math.isfinite(self.judged_host_half_width_pct) else "")
-                              + "the interval covers a capture at either moment)" if moved is not None else "")
-                           + f"; {advice}")
+            reasons.append(self._too_wide(draws, moved))
         self.fidelity_valid = not reasons
         self.invalid_reason = "; ".join(reasons)
         return self
+
+    def _too_wide(self, draws: _Draws, moved: float | None) -> str:
+        """Why the interval is too wide for a verdict, how far more rounds of this spread would narrow it
+        (:func:`rounds_to_narrow`), and what would narrow it."""
+        target, rounds = self.target_half_width_pct, len(self.order)
+        self.floor_half_width_pct, needed = _narrowing(draws, rounds, target, LEVEL, MAX_ROUNDS)
+        self.rounds_needed = math.nan if needed is None else float(needed)
+        if self.floor_half_width_pct > target:
+            more = (f"no number of rounds narrows it below ±{self.floor_half_width_pct:.1f} % (the capture's own "
+                    f"spread{' and its moment' if moved is not None else ''} alone)")
+            advice = "a capture at a quieter moment or a quieter machine narrows it"
+        elif needed is None:
+            more = f"at this spread it would take more than the {MAX_ROUNDS} rounds a judgement runs"
+            advice = "more samples per round (--round-steps) or a quieter machine narrows it"
+        else:
+            more = f"at this spread about {needed} rounds would narrow it to ±{target:g} %"
+            if self.budget_s is not None and self.elapsed_s > 0:
+                advice = (f"a budget of about {math.ceil(self.elapsed_s * needed / rounds):.0f} s (--budget-s) or a "
+                          f"quieter machine narrows it")
+            else:
+                advice = f"{needed} rounds (--rounds) or a quieter machine narrows it"
+        preempted = max((self.preemptions_per_step(side) for side in self.preemptions), default=0.0)
+        if preempted >= PREEMPTED_STEP:
+            advice = (f"the judging thread was preempted {preempted:.1f} times a step ({_crowding()}): each step "
+                      f"waits on the scheduler; a core to spare for each process's own threads narrows it")
+        if self.budget_s is None:
+            spent = f" after {rounds} rounds (--rounds)"
+        elif rounds >= MAX_ROUNDS:
+            spent = f" after {rounds} rounds in {self.elapsed_s:.0f} s, the most a judgement runs"
+        else:
+            spent = (f" after {rounds} rounds in {self.elapsed_s:.0f} s, the budget spent "
+                     f"(--budget-s {self.budget_s:.0f})")
+        shown = f"{self.half_width_pct:.1f}"  # enough digits to read above the target
+        if float(shown) <= target:
+            shown = f"{self.half_width_pct:.2f}"
+        return (f"the 95 % interval is ±{shown} % (> ±{target:g} %){spent}: the source's round medians vary "
+                f"{self.source_round_cv_pct:.1f} %"
+                + (f", and re-measuring the capture's host time and the replay's call cost alone moves it "
+                   f"±{self.capture_half_width_pct:.1f} %{self._capture_parts()}" if self.replay_shift_ms else "")
+                + (f", and the program's host time while judged stood {abs(self.host_shift_pct):.1f} % of its step "
+                   f"{'below' if self.host_shift_pct > 0 else 'above'} the capture's ("
+                   + (f"known to ±{self.judged_host_half_width_pct:.1f} % by the judgement's probes; "
+                      if math.isfinite(self.judged_host_half_width_pct) else "")
+                   + "the interval covers a capture at either moment)" if moved is not None else "")
+                + f"; {more}; {advice}")
 
     def _capture_parts(self) -> str:
         """Each part of the capture's spread alone, for the reason (empty without them)."""
@@ -295,6 +319,8 @@ class SideBySide:
             "judgement_batch_steps": float(self.batch),
             "judgement_elapsed_s": self.elapsed_s,
             "judgement_probe_s": self.probe_s,
+            **({"time_error_floor_half_width_pct": self.floor_half_width_pct,
+                "judgement_rounds_needed": self.rounds_needed} if math.isfinite(self.floor_half_width_pct) else {}),
             "source_preemptions_per_step": self.preemptions_per_step("source"),
             "replay_preemptions_per_step": self.preemptions_per_step("replay"),
             "capture_half_width_pct": self.capture_half_width_pct,
@@ -354,7 +380,7 @@ def round_ratios(source_ms: list[list[float]], replay_ms: list[list[float]]) -> 
 
 
 def paired_ratio(source_ms: list[list[float]], replay_ms: list[list[float]], *, seed: int = 0,
-                 samples: int = BOOTSTRAP_SAMPLES, level: float = 0.95,
+                 samples: int = BOOTSTRAP_SAMPLES, level: float = LEVEL,
                  shift_ms: list[float] | None = None, moment_ms: float | None = None) -> tuple[float, float, float]:
     """Replay ÷ source: the median over rounds of each round's ratio (:func:`round_ratios`), and its 95 %
     interval from a bootstrap resampling pairs of rounds; ``shift_ms``: draws of what re-measuring the capture
@@ -377,22 +403,72 @@ def paired_ratio(source_ms: list[list[float]], replay_ms: list[list[float]], *, 
     ±1.5 % at the median, where the ratio of the two sides' pooled medians, resampled a round at a time, gave
     ±2.5, and the median over pairs of rounds of their mean ±2.1 (a round the machine disturbed moves a
     median of rounds less than a mean of two)."""
+    return _interval(_paired_draws(source_ms, replay_ms, seed=seed, samples=samples, shift_ms=shift_ms,
+                                   moment_ms=moment_ms), level)
+
+
+class _Draws(NamedTuple):
+    """The bootstrap of :func:`paired_ratio`: its figure, each draw's log median of resampled rounds and how far
+    each draw's replay step moves (ms), and the replay's median step (ms)."""
+
+    figure: float
+    logs: list[float]
+    shifts_ms: list[float]
+    replay_step_ms: float
+
+
+def _paired_draws(source_ms: list[list[float]], replay_ms: list[list[float]], *, seed: int, samples: int,
+                  shift_ms: list[float] | None, moment_ms: float | None) -> _Draws:
     pairs = round_ratios(source_ms, replay_ms)
-    replay_step = statistics.median([t for r in replay_ms for t in r])
     rng = random.Random(seed)
-    ratios = []
-    for b in range(samples):
-        picked = [x for _ in pairs for x in pairs[rng.randrange(len(pairs))]]
-        ratio = math.exp(statistics.median(picked))
-        shift = (shift_ms[b % len(shift_ms)] if shift_ms else 0.0) + (moment_ms if moment_ms and b % 2 else 0.0)
-        if shift_ms or moment_ms:
-            ratio *= (replay_step + shift) / replay_step
-        ratios.append(ratio)
-    ratios.sort()
-    tail = (1.0 - level) / 2
-    figure = math.exp(statistics.median([x for pair in pairs for x in pair]))
-    return (figure, min(figure, ratios[int(tail * (samples - 1))]),
-            max(figure, ratios[int(math.ceil((1.0 - tail) * (samples - 1)))]))
+    logs = [statistics.median([x for _ in pairs for x in pairs[rng.randrange(len(pairs))]]) for _ in range(samples)]
+    shifts = [(shift_ms[b % len(shift_ms)] if shift_ms else 0.0) + (moment_ms if moment_ms and b % 2 else 0.0)
+              for b in range(samples)]
+    return _Draws(math.exp(statistics.median([x for pair in pairs for x in pair])), logs, shifts,
+                  statistics.median([t for r in replay_ms for t in r]))
+
+
+def _interval(draws: _Draws, level: float, narrowed: float = 1.0) -> tuple[float, float, float]:
+    """The figure and its ``level`` interval over ``draws``, each draw's departure from the figure in the rounds
+    scaled by ``narrowed`` (1: as the rounds gave it; √(n ÷ N): as N rounds of the same spread would give it;
+    0: the capture's draws alone)."""
+    figure, step = draws.figure, draws.replay_step_ms
+    centre = math.log(figure)
+    ratios = sorted((math.exp(log) if narrowed == 1.0 else math.exp(centre + narrowed * (log - centre)))
+                    * ((step + shift) / step if shift else 1.0) for log, shift in zip(draws.logs, draws.shifts_ms,
+                                                                                        strict=True))
+    tail, last = (1.0 - level) / 2, len(ratios) - 1
+    return (figure, min(figure, ratios[int(tail * last)]), max(figure, ratios[int(math.ceil((1.0 - tail) * last))]))
+
+
+def rounds_to_narrow(source_ms: list[list[float]], replay_ms: list[list[float]], target_pct: float, *,
+                     seed: int = 0, samples: int = BOOTSTRAP_SAMPLES, level: float = LEVEL,
+                     shift_ms: list[float] | None = None, moment_ms: float | None = None,
+                     most: int = MAX_ROUNDS) -> tuple[float, int | None]:
+    """How far more rounds of the spread these rounds had would narrow :func:`paired_ratio`'s interval: the
+    half-width (in %) no number of rounds narrows it below (the capture's draws and its moment alone), and about
+    how many rounds in all would bring it within ``target_pct`` — each draw's departure from the figure in the
+    rounds shrinking as one over the square root of their number — or None where that is more than ``most`` or
+    no number would."""
+    return _narrowing(_paired_draws(source_ms, replay_ms, seed=seed, samples=samples, shift_ms=shift_ms,
+                                    moment_ms=moment_ms), len(source_ms), target_pct, level, most)
+
+
+def _narrowing(draws: _Draws, have: int, target_pct: float, level: float, most: int) -> tuple[float, int | None]:
+    """:func:`rounds_to_narrow` over the draws of ``have`` rounds."""
+
+    def half_width_pct(narrowed: float) -> float:
+        _, low, high = _interval(draws, level, narrowed)
+        return 100.0 * (high - low) / 2
+
+    floor = half_width_pct(0.0)
+    if floor > target_pct or half_width_pct(math.sqrt(have / most)) > target_pct:
+        return floor, None
+    low, high = have, most  # more than `low` rounds are needed (the judge asks this of an interval too wide) …
+    while high - low > 1:  # … and `high` are enough
+        mid = (low + high) // 2
+        low, high = (low, mid) if half_width_pct(math.sqrt(have / mid)) <= target_pct else (mid, high)
+    return floor, min(most, high + high % 2)  # whole pairs of rounds, as the judge adds them
 
 
 def interleave(source_step: Callable[[], Any], replay_step: Callable[[], Any], device: torch.device, *,
