@@ -129,6 +129,32 @@ def test_the_tables_short_reason_names_what_made_a_verdict_not_valid():
     assert _short("") == "-"
 
 
+def test_the_tables_short_reason_says_whether_a_larger_budget_would_have_given_a_verdict():
+    """An interval too wide for a verdict: the table's reason column says whether more budget would have
+    narrowed it (and about how much), that no budget would (the capture's spread holding it), or that more
+    rounds than a judgement runs would be needed — read from the judge's own reason."""
+    import random
+
+    from harness.traces.side_by_side import SideBySide
+    from suite.zoo import _short
+
+    rng = random.Random(3)
+    source = [[10.0] for _ in range(60)]
+    replay = [[10.3 * math.exp(rng.gauss(0.0, 0.12))] for _ in range(60)]
+    order = ["source", "replay"] * 30
+    budget = SideBySide(source, replay, order, budget_s=60.0, elapsed_s=59.0).summarise()
+    seconds = math.ceil(59.0 * budget.rounds_needed / 60)
+    assert _short(budget.invalid_reason) == \
+        f"interval ±{budget.half_width_pct:.1f} %, budget spent: about {seconds} s would narrow it"
+    held = SideBySide(source, replay, order, budget_s=60.0, elapsed_s=59.0,
+                      replay_shift_ms=[rng.gauss(0.0, 0.5) for _ in range(2000)]).summarise()
+    assert _short(held.invalid_reason) == (f"interval ±{held.half_width_pct:.1f} %, budget spent: no budget narrows "
+                                           f"it below ±{held.floor_half_width_pct:.1f} %")
+    scattered = SideBySide(source, [[10.3 * math.exp(rng.gauss(0.0, 0.6))] for _ in range(60)], order,
+                           budget_s=60.0, elapsed_s=59.0).summarise()
+    assert _short(scattered.invalid_reason).endswith("budget spent: beyond the rounds a judgement runs")
+
+
 def test_a_judgement_that_fails_or_runs_out_of_time_names_itself_and_its_log(tmp_path: Path):
     """Each judgement runs in a child process of its own: one that fails, or outlasts the program's time, ends
     the program's row as failed with which judgement it was, why, and where its log is; no later one runs."""
