@@ -192,10 +192,12 @@ def _short(reason: str) -> str:
     if "not the program's steps" in reason:
         words.append("captured steps not the program's typical ones")
     if "95 % interval" in reason:
+        from harness.traces.side_by_side import MAX_ROUNDS
+
         # what more rounds would do, as the reason works it out (harness.traces.side_by_side.rounds_to_narrow)
         floor = re.search(r"no number of rounds narrows it below (±[\d.]+ %)", reason)
         budget = re.search(r"a budget of about (\d+ s)", reason)
-        ended = "400 rounds run" if "the most a judgement runs" in reason else "budget spent"
+        ended = f"{MAX_ROUNDS} rounds run" if "the most a judgement runs" in reason else "budget spent"
         more = (f"no budget narrows it below {floor[1]}" if floor else f"about {budget[1]} would narrow it"
                 if budget else "beyond the rounds a judgement runs" if "more than the" in reason else "")
         words.append("interval " + reason.split("95 % interval is ", 1)[1].split(" ", 1)[0] + f" %, {ended}"
