@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from harness.distributed import exit_probe
+from harness.distributed import exit_rank
 from workloads.base import RunContext
 from workloads.llama.config import LlamaConfig
 from workloads.llama.layout import ParallelConfig
@@ -134,7 +134,7 @@ def main() -> None:
             fresh.teardown()
         if rank == 0:
             print("RESULT " + json.dumps(result), flush=True)
-    exit_probe(0)  # the group destroyed and the interpreter's teardown skipped: a gloo group can abort that teardown
+    exit_rank(0)  # the group destroyed and the interpreter's teardown skipped: a gloo group can abort that teardown
 
 
 if __name__ == "__main__":

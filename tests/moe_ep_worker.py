@@ -10,7 +10,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from harness.distributed import exit_probe
+from harness.distributed import exit_rank
 from workloads.base import RunContext
 from workloads.llama.config import LlamaConfig
 from workloads.llama.workload import LlamaWorkload
@@ -45,7 +45,7 @@ def main() -> None:
     if rank == 0:
         with open(os.path.join(sys.argv[1], "result.json"), "w") as out:
             json.dump(result, out)
-    exit_probe(0)  # the group destroyed and the interpreter's teardown skipped: a gloo group can abort that teardown
+    exit_rank(0)  # the group destroyed and the interpreter's teardown skipped: a gloo group can abort that teardown
 
 
 if __name__ == "__main__":

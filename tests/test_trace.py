@@ -842,7 +842,7 @@ def test_a_step_waits_for_a_collective_before_the_first_op_that_uses_its_buffers
 TWO_RANK_WAIT = """
 import json, sys, time
 import torch, torch.distributed as dist
-from harness.distributed import exit_probe
+from harness.distributed import exit_rank
 from workloads.trace_replay.host_time import kineto_host_gaps, profiled_steps
 
 dist.init_process_group("gloo")
@@ -861,7 +861,7 @@ host = kineto_host_gaps(trace, {k: s.dur for k, s in enumerate(trace.steps)})  #
 names = sorted({e.name for e in trace.events if e.name.startswith("gloo:")})
 with open(f"{sys.argv[1]}/rank{rank}.json", "w") as f:
     json.dump({"host_ms": [v / 1e3 for v in host.values()], "communication": names}, f)
-exit_probe(0)  # the group destroyed and the interpreter's teardown skipped: a gloo group can abort that teardown
+exit_rank(0)  # the group destroyed and the interpreter's teardown skipped: a gloo group can abort that teardown
 """
 
 
@@ -870,7 +870,7 @@ import json, sys
 import torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import ProfilerActivity, profile
-from harness.distributed import exit_probe
+from harness.distributed import exit_rank
 from harness.traces.capture import capture
 from workloads.trace_replay.records import RankRecord
 from workloads.trace_replay.replay import Replayer
@@ -941,7 +941,7 @@ with open(f"{out}/rank{rank}.json", "w") as f:
                "records": recording.records_history, "spent": recording.spent_grad_ops_per_step,
                "saved": {side: sorted(shapes) for side, shapes in saved.items()},
                "held": any(isinstance(t, torch.Tensor) and t.grad_fn is not None for t in recording.vals)}, f)
-exit_probe(0)
+exit_rank(0)
 """
 
 

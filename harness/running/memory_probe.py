@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import CobenchConfig, compose_config, to_run_config
-from harness.distributed import env_dist_info, exit_probe, gather_to_all, shutdown_distributed
+from harness.distributed import env_dist_info, exit_rank, gather_to_all, shutdown_distributed
 from harness.running.runner import set_up_workload
 
 
@@ -107,4 +107,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_probe(main())
+    exit_rank(main())

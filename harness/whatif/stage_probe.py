@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 
 from harness.cli import EXIT_BAD_INPUT, EXIT_OK
 from harness.config import CobenchConfig, compose_config, to_run_config
-from harness.distributed import exit_probe, gather_to_all, shutdown_distributed
+from harness.distributed import exit_rank, gather_to_all, shutdown_distributed
 from harness.files import write_atomic
 from harness.running.runner import set_up_workload
 from harness.running.timing import StepTimer
@@ -169,4 +169,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_probe(main())
+    exit_rank(main())

@@ -43,7 +43,7 @@ from torch import nn
 
 from harness.cli import EXIT_BAD_INPUT, EXIT_OK
 from harness.config import compose_config, to_run_config
-from harness.distributed import env_dist_info, exit_probe, gather_to_all, shutdown_distributed
+from harness.distributed import env_dist_info, exit_rank, gather_to_all, shutdown_distributed
 from harness.files import write_atomic
 from harness.running.runner import join_process_group
 from harness.running.timing import StepTimer
@@ -303,4 +303,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_probe(main())
+    exit_rank(main())

@@ -23,7 +23,7 @@ import torch
 from omegaconf import OmegaConf
 
 from harness.config import CobenchConfig
-from harness.distributed import DistInfo
+from harness.distributed import DistInfo, exit_rank
 from harness.distribution.ft.checks import total_steps
 from harness.distribution.ft.group_sync import SYNC_DIR, agree_to_stop, wait_for_all_groups
 from harness.distribution.ft.processes import kill_tree
@@ -213,4 +213,4 @@ def replica_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(replica_main(sys.argv[1:]))
+    exit_rank(replica_main(sys.argv[1:]))  # past the interpreter's teardown, where a gloo group can abort a rank
