@@ -244,9 +244,7 @@ def guarded(command: str, fn: Callable[[list[str]], int], args: list[str]) -> in
     try:
         if command in FLAG_COMMANDS:
             args = shared_settings_as_flags(command, args)
-        code = fn(args)
-        _leave_process_group()
-        return code
+        return _leave_process_group(fn(args))
     except SystemExit as exit_:  # argparse: --help (0) or a usage error (2); the run path's own exits
         if exit_.code is None:
             return EXIT_OK
@@ -268,15 +266,22 @@ def guarded(command: str, fn: Callable[[list[str]], int], args: list[str]) -> in
         raise
 
 
-def _leave_process_group() -> None:
+def _leave_process_group(code: int) -> int:
     """Destroy the process group once a command is done, while the interpreter is whole: left to the
     interpreter's exit, gloo's worker threads can still hold tensors whose release then needs the GIL
     of an interpreter being torn down — a rank that finished everything aborted (SIGABRT, "terminate
-    called without an active exception") and torchrun failed the job (pytorch/pytorch#179291)."""
+    called without an active exception") and torchrun failed the job (pytorch/pytorch#179291). A rank
+    under torchrun ends here, past that teardown (:func:`harness.distributed.exit_rank`): even with its group
+    destroyed first, a rank could abort in it."""
     if "torch.distributed" in sys.modules:
-        from harness.distributed import shutdown_distributed
+        import torch.distributed as dist
 
+        from harness.distributed import exit_rank, shutdown_distributed
+
+        if dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            exit_rank(code)
         shutdown_distributed()
+    return code
 
 
 def _runs_said(since: int) -> str:

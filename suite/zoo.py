@@ -293,4 +293,9 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a rank under torchrun: past the interpreter's teardown
+        from harness.distributed import exit_rank
+
+        exit_rank(code)
+    sys.exit(code)
