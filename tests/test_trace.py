@@ -967,6 +967,9 @@ def test_a_two_rank_replay_runs_its_ops_while_its_collectives_exchange_and_recor
     saves for a backward in a replayed step what it saved in the program's, and nothing holds it after."""
     _on_two_ranks(TWO_RANK_DDP, tmp_path)
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    spec = json.loads((tmp_path / "spec.json").read_text())
+    ops = [[op["name"] for op in rank["ops"]] for rank in spec["ranks"]]
+    assert ops[0] == ops[1], ops  # both ranks ran the same ops, their traces nested however their exchanges went
     for seen in ranks:
         assert seen["errors"] == 0 and seen["per_step"] >= 3 and seen["exchanges"] == 3 * seen["per_step"], seen
         assert seen["stood"] == 1, seen  # waited for before the next op
@@ -1667,6 +1670,57 @@ def test_an_op_nested_under_an_op_that_had_returned_is_replayed_on_its_own():
     assert [nodes[i].parent for i in (10, 11, 12, 13, 14)] == [2, 4, 4, 12, 13]
     assert not any(a.schema for a in ancestors(nodes[13], nodes))  # a top-level op: replayed
     assert [a.id for a in ancestors(nodes[13], nodes)][-2:] == [2, 1]
+
+
+def test_ops_the_trace_nests_under_the_wrong_parent_go_to_the_node_that_contained_them():
+    """DDP's bucket all-reduces, now and then on one rank of two, leave the execution trace's nesting wrong:
+    its last record missing from the trace while the nodes the observer nested under it are there (the step's last
+    bucket copies, the optimizer's step and the op after it: no step's ops, and that rank's replay lost its optimizer
+    step, let its input require grad and saved a weight more for the backward than its program), or off by one the
+    other way (a matrix multiply's inner op recorded beside it, replayed as an op of its own). Kineto's times say
+    which node of their thread contained each."""
+    def node(id_: int, name: str, parent: int, schema: str = "", rf_id: int | None = None) -> Node:
+        return Node(id_, name, parent, schema, rf_id, 1, {}, {}, {})
+
+    nodes = {n.id: n for n in [
+        node(1, "[pytorch|profiler|execution_trace|process]", 1),
+        node(2, "[pytorch|profiler|execution_trace|thread]", 1),
+        node(4, "cobench_step#0", 2, rf_id=4),
+        node(5, "aten::addmm", 4, "aten::addmm(Tensor self, Tensor mat1, Tensor mat2) -> Tensor", rf_id=5),
+        # 19: the all-reduce's record, not in the trace
+        node(20, "torch.distributed.ddp.reducer::copy_bucket_to_grad", 19, rf_id=20),
+        node(21, "aten::copy_", 20, "aten::copy_(Tensor(a!) self, Tensor src) -> Tensor(a!)", rf_id=21),
+        node(22, "Optimizer.step#SGD.step", 19, rf_id=22),
+        node(23, "aten::add_", 22, "aten::add_.Tensor(Tensor(a!) self, Tensor other) -> Tensor(a!)", rf_id=23),
+        node(24, "aten::mul_", 19, "aten::mul_.Tensor(Tensor(a!) self, Tensor other) -> Tensor(a!)", rf_id=24),
+        node(30, "aten::mul", 19, "aten::mul.Tensor(Tensor self, Tensor other) -> Tensor", rf_id=30),
+        node(40, "autograd::engine::evaluate_function: AddmmBackward0", 4, rf_id=40),
+        node(41, "AddmmBackward0", 40, rf_id=41),
+        node(42, "aten::mm", 41, "aten::mm(Tensor self, Tensor mat2) -> Tensor", rf_id=42),
+        node(43, "aten::resolve_conj", 41, "aten::resolve_conj(Tensor(a) self) -> Tensor(a)", rf_id=43),
+        node(44, "aten::sum", 5, "aten::sum(Tensor self, *, ScalarType? dtype=None) -> Tensor", rf_id=44),
+    ]}
+    events = [KinetoEvent("cobench_step#0", "user_annotation", 0.0, 1000.0, 7, 4),
+              KinetoEvent("aten::addmm", "cpu_op", 10.0, 100.0, 7, 5),
+              KinetoEvent("gloo:all_reduce", "user_annotation", 200.0, 300.0, 99, 19),  # the worker's thread
+              KinetoEvent("torch.distributed.ddp.reducer::copy_bucket_to_grad", "cpu_op", 210.0, 20.0, 7, 20),
+              KinetoEvent("aten::copy_", "cpu_op", 212.0, 10.0, 7, 21),
+              KinetoEvent("Optimizer.step#SGD.step", "user_annotation", 600.0, 100.0, 7, 22),
+              KinetoEvent("aten::add_", "cpu_op", 610.0, 10.0, 7, 23),
+              KinetoEvent("aten::mul_", "cpu_op", 800.0, 10.0, 7, 24),
+              KinetoEvent("aten::mul", "cpu_op", 1200.0, 10.0, 7, 30),  # after the step: no node contains it
+              KinetoEvent("autograd::engine::evaluate_function: AddmmBackward0", "user_annotation", 120.0, 70.0, 7,
+                          40),
+              KinetoEvent("AddmmBackward0", "cpu_op", 121.0, 50.0, 7, 41),
+              KinetoEvent("aten::mm", "cpu_op", 125.0, 30.0, 7, 42),
+              KinetoEvent("aten::resolve_conj", "cpu_op", 130.0, 2.0, 7, 43),  # inside the multiply
+              KinetoEvent("aten::sum", "cpu_op", 175.0, 5.0, 7, 44)]  # its recorded parent had ended
+    assert repair_nesting(nodes, KinetoTrace(events, [])) == 5
+    assert [nodes[i].parent for i in (20, 21, 22, 23, 24, 30)] == [4, 20, 4, 22, 4, 19]
+    for op in (21, 23, 24):
+        assert [a.id for a in ancestors(nodes[op], nodes)][-3:] == [4, 2, 1]  # the step's, on its thread
+    assert [nodes[i].parent for i in (41, 42, 43, 44)] == [40, 41, 42, 40]
+    assert any(a.schema for a in ancestors(nodes[43], nodes))  # an inner op: not replayed on its own
 
 
 @pytest.mark.parametrize("heads_kv, masked", [(4, False), (2, False), (4, True)])
