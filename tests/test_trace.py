@@ -1642,18 +1642,26 @@ def test_the_capture_api_says_where_the_bundle_went(tmp_path: Path, capsys):
     assert f"to make its benchmark: cobench trace generate {tmp_path / 'bundle'}" in said
 
 
+def _et_node(id_: int, name: str, parent: int, schema: str = "", rf_id: int | None = None) -> Node:
+    """An execution-trace node on thread 1, without inputs or outputs."""
+    return Node(id_, name, parent, schema, rf_id, 1, {}, {}, {})
+
+
+def _one_step_roots() -> list[Node]:
+    """A trace's process and thread roots and its one step's annotation (node 4, Kineto record 4)."""
+    return [_et_node(1, "[pytorch|profiler|execution_trace|process]", 1),
+            _et_node(2, "[pytorch|profiler|execution_trace|thread]", 1),
+            _et_node(4, "cobench_step#0", 2, rf_id=4)]
+
+
 def test_an_op_nested_under_an_op_that_had_returned_is_replayed_on_its_own():
     """An asynchronous collective's record opens on the calling thread and closes on the library's worker;
     the execution-trace observer then sometimes nests every later node under the op the caller ran next
     (TorchRec's all-to-alls, on one rank of two: that rank's replay lost an all-to-all and the ranks'
     collectives no longer paired). Kineto's times say which parent really contained each node."""
-    def node(id_: int, name: str, parent: int, schema: str = "", rf_id: int | None = None) -> Node:
-        return Node(id_, name, parent, schema, rf_id, 1, {}, {}, {})
-
+    node = _et_node
     nodes = {n.id: n for n in [
-        node(1, "[pytorch|profiler|execution_trace|process]", 1),
-        node(2, "[pytorch|profiler|execution_trace|thread]", 1),
-        node(4, "cobench_step#0", 2, rf_id=4),
+        *_one_step_roots(),
         node(10, "gloo:all_to_all", 4, rf_id=10),
         node(11, "aten::empty", 10, "aten::empty.memory_format(SymInt[] size) -> Tensor", rf_id=11),
         node(12, "## all2all_data:kjt values ##", 11, rf_id=12),
@@ -1679,13 +1687,9 @@ def test_ops_the_trace_nests_under_the_wrong_parent_go_to_the_node_that_containe
     step, let its input require grad and saved a weight more for the backward than its program), or off by one the
     other way (a matrix multiply's inner op recorded beside it, replayed as an op of its own). Kineto's times say
     which node of their thread contained each."""
-    def node(id_: int, name: str, parent: int, schema: str = "", rf_id: int | None = None) -> Node:
-        return Node(id_, name, parent, schema, rf_id, 1, {}, {}, {})
-
+    node = _et_node
     nodes = {n.id: n for n in [
-        node(1, "[pytorch|profiler|execution_trace|process]", 1),
-        node(2, "[pytorch|profiler|execution_trace|thread]", 1),
-        node(4, "cobench_step#0", 2, rf_id=4),
+        *_one_step_roots(),
         node(5, "aten::addmm", 4, "aten::addmm(Tensor self, Tensor mat1, Tensor mat2) -> Tensor", rf_id=5),
         # 19: the all-reduce's record, not in the trace
         node(20, "torch.distributed.ddp.reducer::copy_bucket_to_grad", 19, rf_id=20),
