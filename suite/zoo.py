@@ -18,7 +18,6 @@ import importlib
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import time
@@ -89,6 +88,7 @@ def summarise(name: str, records: list[dict[str, Any]], out: Path) -> dict[str, 
         "capture_overhead_pct": meta.capture_overhead_pct,
         "rounds": [int(r["metrics"]["judgement_rounds"]) for r in records],
         "reasons": reasons,  # per judgement ('' for a valid one)
+        "briefs": [brief(r) for r in records],  # the same in a few words ('-' for a valid one)
         "reason": "; ".join(dict.fromkeys(r for r in reasons if r)),
         "notes": list(dict.fromkeys(n for r in records for n in r["side_by_side"].get("notes", []))),
         "capture_half_width_pct": [r["metrics"].get("capture_half_width_pct", 0.0) for r in records],
@@ -177,34 +177,45 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
             "memory_error_pct": _pm(row["memory_error_pct"]),
             "capture_overhead_pct": f"{row['capture_overhead_pct']:+.0f}",
             "rounds": " / ".join(str(r) for r in row["rounds"]),
-            "reason": " / ".join(_short(r) for r in row.get("reasons", [row["reason"]])),
+            "reason": " / ".join(row["briefs"]),
         })
     return shown
 
 
-def _short(reason: str) -> str:
-    """A judgement's reason in a few words (the notes under the table give it whole)."""
-    if not reason:
+def brief(record: dict[str, Any]) -> str:
+    """A judgement's verdict in a few words, from its record's figures (the notes under the table give the
+    judge's reason whole): '-' for a valid one."""
+    from harness.traces.side_by_side import MAX_ROUNDS, MIN_VALID_ROUNDS, TARGET_HALF_WIDTH_PCT
+
+    metrics = record["metrics"]
+    if metrics["fidelity_valid"]:
         return "-"
     words = []
-    if "the replay is not the program" in reason:
+    if record.get("unfaithful"):
         words.append("ops failed or diverged")
-    if "not the program's steps" in reason:
+    if record.get("unrepresentative"):
         words.append("captured steps not the program's typical ones")
-    if "95 % interval" in reason:
-        from harness.traces.side_by_side import MAX_ROUNDS
-
-        # what more rounds would do, as the reason works it out (harness.traces.side_by_side.rounds_to_narrow)
-        floor = re.search(r"no number of rounds narrows it below (±[\d.]+ %)", reason)
-        budget = re.search(r"a budget of about (\d+ s)", reason)
-        ended = f"{MAX_ROUNDS} rounds run" if "the most a judgement runs" in reason else "budget spent"
-        more = (f"no budget narrows it below {floor[1]}" if floor else f"about {budget[1]} would narrow it"
-                if budget else "beyond the rounds a judgement runs" if "more than the" in reason else "")
-        words.append("interval " + reason.split("95 % interval is ", 1)[1].split(" ", 1)[0] + f" %, {ended}"
-                     + (f": {more}" if more else ""))
-    if "too few" in reason:
+    rounds = int(metrics["judgement_rounds"])
+    if rounds < MIN_VALID_ROUNDS:
         words.append("too few rounds")
-    return ", ".join(words) or reason[:60]
+    half, target = metrics["time_error_ci_pct"], metrics.get("time_error_ci_target_pct", TARGET_HALF_WIDTH_PCT)
+    if not half <= target:
+        # what more rounds would do, as the judge worked it out (harness.traces.side_by_side.rounds_to_narrow)
+        floor = metrics.get("time_error_floor_half_width_pct", math.nan)
+        budget = metrics.get("judgement_budget_needed_s", math.nan)
+        ended = (f"{MAX_ROUNDS} rounds run" if rounds >= MAX_ROUNDS else
+                 "budget spent" if "judgement_budget_s" in metrics else f"{rounds} rounds")
+        more = (f"no budget narrows it below ±{_above(floor, target)} %" if floor > target else
+                f"about {budget:.0f} s would narrow it" if math.isfinite(budget) else
+                "beyond the rounds a judgement runs" if not math.isfinite(metrics.get("judgement_rounds_needed", 0))
+                else "")
+        words.append(f"interval ±{_above(half, target)} %, {ended}" + (f": {more}" if more else ""))
+    return ", ".join(words) or record["side_by_side"]["invalid_reason"][:60]
+
+
+def _above(pct: float, target: float) -> str:
+    """A half-width above the target with enough digits to read it above (±2.53 %, not ±2.5 %)."""
+    return f"{pct:.1f}" if float(f"{pct:.1f}") > target else f"{pct:.2f}"
 
 
 def markdown(rows: list[dict[str, Any]], header: str) -> str:

@@ -101,7 +101,8 @@ def test_a_judgement_that_could_not_measure_its_host_time_again_is_named_under_t
         return {"program": program, "library": "lib", "status": "judged", "ops_per_step": 100.0, "step_ms": 5.0,
                 "op_coverage_pct": 100.0, "time_error_signed_pct": [1.0], "time_error_ci_pct": [[0.0, 2.0]],
                 "fidelity_valid": [True], "judgements_overlap": True, "memory_error_pct": [0.5],
-                "capture_overhead_pct": 3.0, "rounds": [8], "reasons": [""], "reason": "", "notes": notes,
+                "capture_overhead_pct": 3.0, "rounds": [8], "reasons": [""], "briefs": ["-"], "reason": "",
+                "notes": notes,
                 **{part: [moved] for part in ("host_shift_pct", "host_error_pct", "op_error_pct",
                                               "time_error_judged_host_pct")}}
 
@@ -112,31 +113,41 @@ def test_a_judgement_that_could_not_measure_its_host_time_again_is_named_under_t
     assert "What a judgement could not measure" not in markdown([row("a", 1.5, [])], "# zoo")
 
 
+def _record(side, **found) -> dict:
+    """A judgement's record as the judge writes it, of a summarised side-by-side and what else it found."""
+    return {"metrics": side.metrics(), "side_by_side": {"invalid_reason": side.invalid_reason}, **found}
+
+
 def test_the_tables_short_reason_names_what_made_a_verdict_not_valid():
-    """The table's reason column says in a few words why a verdict is not valid: a replay whose ops failed
-    is not the same finding as captured steps unlike the program's typical ones (a layer dropped at random)."""
-    from suite.zoo import _short
+    """The table's reason column says in a few words, from the judgement's record, why a verdict is not valid: a
+    replay whose ops failed is not the same finding as captured steps unlike the program's typical ones (a layer
+    dropped at random), nor as an interval too wide."""
+    from harness.traces.side_by_side import SideBySide
+    from suite.zoo import brief
     from workloads.trace_replay.fidelity import unrepresentative_reason
 
     class Step:
         kineto_ops, program_kineto_ops = 997, 930.0
 
-    steps = f"not the program's steps: {unrepresentative_reason([Step()])}"
-    assert _short(steps) == "captured steps not the program's typical ones"
-    assert _short("the replay is not the program: 2 ops failed (aten::foo)") == "ops failed or diverged"
-    assert _short("the 95 % interval is ±3.1 % (> ±2.5 %) after 229 rounds in 60 s, the budget spent") == \
-        "interval ±3.1 %, budget spent"
-    assert _short("") == "-"
+    source, order = [[10.0, 10.1] for _ in range(20)], ["source", "replay"] * 10
+    narrow = SideBySide(source, [[10.2, 10.1] for _ in range(20)], order, budget_s=60.0, elapsed_s=30.0).summarise()
+    assert narrow.fidelity_valid and brief(_record(narrow)) == "-"
+    narrow.fidelity_valid = False  # as the judge marks one whose replay is not the program
+    assert brief(_record(narrow, unrepresentative=unrepresentative_reason([Step()]))) == \
+        "captured steps not the program's typical ones"
+    assert brief(_record(narrow, unfaithful="2 ops failed (aten::foo)")) == "ops failed or diverged"
+    few = SideBySide(source[:6], [[10.2, 10.1] for _ in range(6)], order[:6], budget_s=60.0, elapsed_s=9.0).summarise()
+    assert brief(_record(few)) == "too few rounds"
 
 
 def test_the_tables_short_reason_says_whether_a_larger_budget_would_have_given_a_verdict():
     """An interval too wide for a verdict: the table's reason column says whether more budget would have
-    narrowed it (and about how much), that no budget would (the capture's spread holding it), or that more
-    rounds than a judgement runs would be needed — read from the judge's own reason."""
+    narrowed it (and about how much, as the judge's reason says), that no budget would (the capture's spread
+    holding it), or that more rounds than a judgement runs would be needed."""
     import random
 
     from harness.traces.side_by_side import SideBySide
-    from suite.zoo import _short
+    from suite.zoo import brief
 
     rng = random.Random(3)
     source = [[10.0] for _ in range(60)]
@@ -144,15 +155,19 @@ def test_the_tables_short_reason_says_whether_a_larger_budget_would_have_given_a
     order = ["source", "replay"] * 30
     budget = SideBySide(source, replay, order, budget_s=60.0, elapsed_s=59.0).summarise()
     seconds = math.ceil(59.0 * budget.rounds_needed / 60)
-    assert _short(budget.invalid_reason) == \
+    assert f"a budget of about {seconds} s (--budget-s)" in budget.invalid_reason
+    assert brief(_record(budget)) == \
         f"interval ±{budget.half_width_pct:.1f} %, budget spent: about {seconds} s would narrow it"
     held = SideBySide(source, replay, order, budget_s=60.0, elapsed_s=59.0,
                       replay_shift_ms=[rng.gauss(0.0, 0.5) for _ in range(2000)]).summarise()
-    assert _short(held.invalid_reason) == (f"interval ±{held.half_width_pct:.1f} %, budget spent: no budget narrows "
-                                           f"it below ±{held.floor_half_width_pct:.1f} %")
+    assert f"no number of rounds narrows it below ±{held.floor_half_width_pct:.1f} %" in held.invalid_reason
+    assert brief(_record(held)) == (f"interval ±{held.half_width_pct:.1f} %, budget spent: no budget narrows "
+                                    f"it below ±{held.floor_half_width_pct:.1f} %")
     scattered = SideBySide(source, [[10.3 * math.exp(rng.gauss(0.0, 0.6))] for _ in range(60)], order,
                            budget_s=60.0, elapsed_s=59.0).summarise()
-    assert _short(scattered.invalid_reason).endswith("budget spent: beyond the rounds a judgement runs")
+    assert brief(_record(scattered)).endswith("budget spent: beyond the rounds a judgement runs")
+    fixed = SideBySide(source, replay, order).summarise()  # a fixed number of rounds: no budget to name
+    assert brief(_record(fixed)).startswith(f"interval ±{fixed.half_width_pct:.1f} %, 60 rounds")
 
 
 def test_a_judgement_that_fails_or_runs_out_of_time_names_itself_and_its_log(tmp_path: Path):

@@ -192,6 +192,14 @@ class SideBySide:
     def half_width_pct(self) -> float:
         return (self.time_error_ci_high_pct - self.time_error_ci_low_pct) / 2
 
+    @property
+    def budget_needed_s(self) -> float:
+        """About the budget that :attr:`rounds_needed` rounds take at the rounds' own pace (NaN where no number of
+        rounds would narrow the interval to the target, or the rounds ran without a budget)."""
+        if self.budget_s is None or not self.elapsed_s > 0 or not math.isfinite(self.rounds_needed):
+            return math.nan
+        return float(math.ceil(self.elapsed_s * self.rounds_needed / len(self.order)))
+
     def preemptions_per_step(self, side: str) -> float:
         """How many times a step the scheduler took ``side``'s judging thread off its core (NaN where unread)."""
         steps = self.batch * sum(len(r) for r in (self.source_ms if side == "source" else self.replay_ms))
@@ -266,9 +274,8 @@ class SideBySide:
             advice = "more samples per round (--round-steps) or a quieter machine narrows it"
         else:
             more = f"at this spread about {needed} rounds would narrow it to ±{target:g} %"
-            if self.budget_s is not None and self.elapsed_s > 0:
-                advice = (f"a budget of about {math.ceil(self.elapsed_s * needed / rounds):.0f} s (--budget-s) or a "
-                          f"quieter machine narrows it")
+            if math.isfinite(self.budget_needed_s):
+                advice = f"a budget of about {self.budget_needed_s:.0f} s (--budget-s) or a quieter machine narrows it"
             else:
                 advice = f"{needed} rounds (--rounds) or a quieter machine narrows it"
         preempted = max((self.preemptions_per_step(side) for side in self.preemptions), default=0.0)
@@ -319,8 +326,10 @@ class SideBySide:
             "judgement_batch_steps": float(self.batch),
             "judgement_elapsed_s": self.elapsed_s,
             "judgement_probe_s": self.probe_s,
+            "time_error_ci_target_pct": self.target_half_width_pct,
             **({"time_error_floor_half_width_pct": self.floor_half_width_pct,
                 "judgement_rounds_needed": self.rounds_needed} if math.isfinite(self.floor_half_width_pct) else {}),
+            **({"judgement_budget_needed_s": self.budget_needed_s} if math.isfinite(self.budget_needed_s) else {}),
             "source_preemptions_per_step": self.preemptions_per_step("source"),
             "replay_preemptions_per_step": self.preemptions_per_step("replay"),
             "capture_half_width_pct": self.capture_half_width_pct,
