@@ -185,7 +185,7 @@ def table_rows(rows: list[dict[str, Any]]) -> list[dict[str, str]]:
 def brief(record: dict[str, Any]) -> str:
     """A judgement's verdict in a few words, from its record's figures (the notes under the table give the
     judge's reason whole): '-' for a valid one."""
-    from harness.traces.side_by_side import MAX_ROUNDS, MIN_VALID_ROUNDS, TARGET_HALF_WIDTH_PCT
+    from harness.traces.side_by_side import MAX_ROUNDS, MIN_VALID_ROUNDS, TARGET_HALF_WIDTH_PCT, above
 
     metrics = record["metrics"]
     if metrics["fidelity_valid"]:
@@ -205,17 +205,12 @@ def brief(record: dict[str, Any]) -> str:
         budget = metrics.get("judgement_budget_needed_s", math.nan)
         ended = (f"{MAX_ROUNDS} rounds run" if rounds >= MAX_ROUNDS else
                  "budget spent" if "judgement_budget_s" in metrics else f"{rounds} rounds")
-        more = (f"no budget narrows it below ±{_above(floor, target)} %" if floor > target else
+        more = (f"no budget narrows it below ±{above(floor, target)} %" if floor > target else
                 f"about {budget:.0f} s would narrow it" if math.isfinite(budget) else
                 "beyond the rounds a judgement runs" if not math.isfinite(metrics.get("judgement_rounds_needed", 0))
                 else "")
-        words.append(f"interval ±{_above(half, target)} %, {ended}" + (f": {more}" if more else ""))
+        words.append(f"interval ±{above(half, target)} %, {ended}" + (f": {more}" if more else ""))
     return ", ".join(words) or record["side_by_side"]["invalid_reason"][:60]
-
-
-def _above(pct: float, target: float) -> str:
-    """A half-width above the target with enough digits to read it above (±2.53 %, not ±2.5 %)."""
-    return f"{pct:.1f}" if float(f"{pct:.1f}") > target else f"{pct:.2f}"
 
 
 def markdown(rows: list[dict[str, Any]], header: str) -> str:

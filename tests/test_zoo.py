@@ -146,7 +146,7 @@ def test_the_tables_short_reason_says_whether_a_larger_budget_would_have_given_a
     holding it), or that more rounds than a judgement runs would be needed."""
     import random
 
-    from harness.traces.side_by_side import SideBySide
+    from harness.traces.side_by_side import SideBySide, above
     from suite.zoo import brief
 
     rng = random.Random(3)
@@ -168,6 +168,8 @@ def test_the_tables_short_reason_says_whether_a_larger_budget_would_have_given_a
     assert brief(_record(scattered)).endswith("budget spent: beyond the rounds a judgement runs")
     fixed = SideBySide(source, replay, order).summarise()  # a fixed number of rounds: no budget to name
     assert brief(_record(fixed)).startswith(f"interval ±{fixed.half_width_pct:.1f} %, 60 rounds")
+    # a half-width just above the target reads above it, in the judge's reason and the table alike
+    assert (above(2.53, 2.5), above(2.56, 2.5), above(4.04, 2.5)) == ("2.53", "2.6", "4.0")
 
 
 def test_a_judgement_that_fails_or_runs_out_of_time_names_itself_and_its_log(tmp_path: Path):

@@ -266,8 +266,8 @@ class SideBySide:
         self.floor_half_width_pct, needed = _narrowing(draws, rounds, target, LEVEL, MAX_ROUNDS)
         self.rounds_needed = math.nan if needed is None else float(needed)
         if self.floor_half_width_pct > target:
-            more = (f"no number of rounds narrows it below ±{self.floor_half_width_pct:.1f} % (the capture's own "
-                    f"spread{' and its moment' if moved is not None else ''} alone)")
+            more = (f"no number of rounds narrows it below ±{above(self.floor_half_width_pct, target)} % (the "
+                    f"capture's own spread{' and its moment' if moved is not None else ''} alone)")
             advice = "a capture at a quieter moment or a quieter machine narrows it"
         elif needed is None:
             more = f"at this spread it would take more than the {MAX_ROUNDS} rounds a judgement runs"
@@ -289,11 +289,8 @@ class SideBySide:
         else:
             spent = (f" after {rounds} rounds in {self.elapsed_s:.0f} s, the budget spent "
                      f"(--budget-s {self.budget_s:.0f})")
-        shown = f"{self.half_width_pct:.1f}"  # enough digits to read above the target
-        if float(shown) <= target:
-            shown = f"{self.half_width_pct:.2f}"
-        return (f"the 95 % interval is ±{shown} % (> ±{target:g} %){spent}: the source's round medians vary "
-                f"{self.source_round_cv_pct:.1f} %"
+        return (f"the 95 % interval is ±{above(self.half_width_pct, target)} % (> ±{target:g} %){spent}: the "
+                f"source's round medians vary {self.source_round_cv_pct:.1f} %"
                 + (f", and re-measuring the capture's host time and the replay's call cost alone moves it "
                    f"±{self.capture_half_width_pct:.1f} %{self._capture_parts()}" if self.replay_shift_ms else "")
                 + (f", and the program's host time while judged stood {abs(self.host_shift_pct):.1f} % of its step "
@@ -345,6 +342,11 @@ class SideBySide:
                 "judged_host_samples": float(len(self.probed_us["source_host"]))}
                if self.host is not None and self.probed_ms else {}),
         }
+
+
+def above(pct: float, target: float) -> str:
+    """A half-width above ``target`` with enough digits to read it above (±2.53 %, not ±2.5 %)."""
+    return f"{pct:.1f}" if float(f"{pct:.1f}") > target else f"{pct:.2f}"
 
 
 def _shift_half_width_pct(draws_ms: list[float], step_ms: float) -> float:
